@@ -1,0 +1,199 @@
+"""Run configuration: TOML file, command-line flags and ``--set KEY=VALUE`` overrides.
+
+Sections are frozen dataclasses so a typo is an error naming the valid keys, not a
+silently ignored setting. The resolved configuration is written to
+``OUT/config.toml``, which is also what ``--resume`` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "dump_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class RunSection:
+    strategy: str = "fedavg"
+    rounds: int = 5
+    seed: int = 0
+    out: str = ""                   # empty: runs/<run id>
+    evaluate_every: int = 1
+
+
+@dataclass(frozen=True)
+class DataSection:
+    eval: str = "digits"            # the coordinator's evaluation data (its test split)
+    partition: str = "iid"          # for clients the coordinator spawns
+
+
+@dataclass(frozen=True)
+class ClientsSection:
+    expected: int = 4               # how many clients the run waits for
+    per_round: int = 0              # 0: all expected clients
+    min_results: int = 0            # 0: as many as were selected
+    round_timeout: float = 300.0    # seconds a round waits for results
+    presence_timeout: float = 300.0  # seconds to wait for enough clients to be online
+    max_attempts: int = 3           # retries of a round that got too few results
+    resend_every: float = 10.0      # how often a client re-sends an unacknowledged result
+    spawn: int = 0                  # local client processes (or threads with inproc)
+    torch_threads: int = 1          # per spawned client, to avoid oversubscription
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+
+
+@dataclass(frozen=True)
+class FedProxSection:
+    mu: float = 0.01
+
+
+@dataclass(frozen=True)
+class TransportSection:
+    kind: str = "mqtt"              # mqtt | inproc
+    broker: str = ""                # mqtt://HOST:PORT; empty: start the embedded broker
+    protocol: str = "auto"          # 5 | 3.1.1 | auto
+    prefix: str = "fedge"
+    username: str = ""
+    password_env: str = "FEDGE_MQTT_PASSWORD"   # the password is read from this variable, never stored
+    max_message_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    keep: str = "all"               # all | last
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
+    data: DataSection = field(default_factory=DataSection)
+    clients: ClientsSection = field(default_factory=ClientsSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    fedprox: FedProxSection = field(default_factory=FedProxSection)
+    transport: TransportSection = field(default_factory=TransportSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+    def validate(self) -> "RunConfig":
+        c, r, t = self.clients, self.run, self.transport
+        checks = [
+            (r.rounds >= 1, "run.rounds must be at least 1"),
+            (c.expected >= 1, "clients.expected must be at least 1"),
+            (0 <= c.per_round <= c.expected, "clients.per_round must be between 0 (all) and clients.expected"),
+            (c.min_results >= 0, "clients.min_results must be >= 0"),
+            (c.round_timeout > 0 and c.presence_timeout > 0, "timeouts must be positive"),
+            (c.spawn >= 0, "clients.spawn must be >= 0"),
+            (t.kind in ("mqtt", "inproc"), "transport.kind must be mqtt or inproc"),
+            (t.kind == "mqtt" or c.spawn > 0, "the inproc transport needs spawned clients (--spawn-clients N)"),
+            (t.protocol in ("auto", "5", "3.1.1"), "transport.protocol must be auto, 5 or 3.1.1"),
+            (self.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
+            ("name" in self.model, "model.name is required"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if self.selected_per_round < self.required_results:
+            raise ConfigError(f"clients.min_results={c.min_results} exceeds the {self.selected_per_round} "
+                              f"clients selected per round")
+        return self
+
+    @property
+    def selected_per_round(self) -> int:
+        return self.clients.per_round or self.clients.expected
+
+    @property
+    def required_results(self) -> int:
+        return self.clients.min_results or self.selected_per_round
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    expected = type(default)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ConfigError(f"{section}.{key} must be {expected.__name__}, got {value!r}")
+    return value
+
+
+def _from_dict(raw: dict[str, Any]) -> RunConfig:
+    sections: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    for name, values in raw.items():
+        if name not in fields:
+            raise ConfigError(f"unknown config section [{name}]; valid: {', '.join(fields)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table")
+        if name == "model":
+            sections[name] = {"name": "cnn", **values}
+            continue
+        cls = fields[name].default_factory()  # type: ignore[misc]
+        known = {f.name: getattr(cls, f.name) for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"unknown key {name}.{key}; valid: {', '.join(known)}")
+        sections[name] = dataclasses.replace(cls, **{k: _coerce(name, k, v, known[k]) for k, v in values.items()})
+    return RunConfig(**sections)
+
+
+def _to_dict(config: RunConfig) -> dict[str, Any]:
+    return {f.name: (dict(getattr(config, f.name)) if f.name == "model" else dataclasses.asdict(getattr(config, f.name)))
+            for f in dataclasses.fields(config)}
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is read as TOML when it can be."""
+    path, sep, text = item.partition("=")
+    section, dot, key = path.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return section, key, value
+
+
+def apply_overrides(config: RunConfig, overrides: list[tuple[str, str, Any]]) -> RunConfig:
+    raw = _to_dict(config)
+    for section, key, value in overrides:
+        raw.setdefault(section, {})[key] = value
+    return _from_dict(raw)
+
+
+def load_config(path: Path | None = None, overrides: list[tuple[str, str, Any]] | None = None) -> RunConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return apply_overrides(_from_dict(raw), overrides or []).validate()
+
+
+def dump_config(config: RunConfig, path: Path) -> None:
+    import tomli_w
+
+    path.write_text(tomli_w.dumps(_to_dict(config)), encoding="utf-8")

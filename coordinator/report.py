@@ -1,0 +1,63 @@
+"""The live per-round table people watch while a run goes (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+__all__ = ["RoundTable", "human_bytes"]
+
+_COLUMNS = ("round", "accuracy", "loss", "clients", "late/rej", "down", "up", "seconds")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    return [
+        str(row["round"]),
+        f"{row['test_accuracy']:.4f}",
+        f"{row['test_loss']:.4f}",
+        f"{row.get('returned', 0)}/{row.get('selected', 0)}",
+        f"{row.get('late', 0)}/{row.get('rejected', 0)}",
+        human_bytes(row.get("bytes_down", 0)),
+        human_bytes(row.get("bytes_up", 0)),
+        f"{row.get('seconds', 0.0):.1f}",
+    ]
+
+
+class RoundTable:
+    """Live table on a terminal; one plain line per round when output is a file or CI log."""
+
+    def __init__(self, console: Console | None = None, title: str = "fedge") -> None:
+        self.console = console or Console()
+        self.table = Table(title=title)
+        for name in _COLUMNS:
+            self.table.add_column(name, justify="right")
+        self._live: Live | None = None
+
+    def __enter__(self) -> "RoundTable":
+        if self.console.is_terminal:
+            self._live = Live(self.table, console=self.console, refresh_per_second=4)
+            self._live.__enter__()
+        else:
+            self.console.print(" ".join(f"{c:>9}" for c in _COLUMNS))
+        return self
+
+    def add(self, row: dict[str, Any]) -> None:
+        cells = _cells(row)
+        self.table.add_row(*cells)
+        if self._live is None:
+            self.console.print(" ".join(f"{c:>9}" for c in cells), highlight=False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)

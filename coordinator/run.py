@@ -1,0 +1,222 @@
+"""One federated run from start to finish: run directory, broker, clients, rounds.
+
+Everything with a lifetime (embedded broker, transport, spawned clients) is opened
+here and closed in reverse order whatever happens, so an interrupted run leaves no
+stray processes behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from coordinator.config import ConfigError, RunConfig, dump_config
+from coordinator.engine import Coordinator, EvalData, RunError
+from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
+from coordinator.strategies import make_strategy
+from edge_client.data import describe_partitions, load_dataset, partition_indices
+from edge_client.models import build_model, federated_names
+from edge_client.transport import BrokerSettings, InprocHub, MqttTransport, Transport
+
+__all__ = ["RunResult", "run_federated", "new_run_id"]
+
+log = logging.getLogger("fedge.coordinator")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    out_dir: Path
+    summary: dict[str, Any]
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def _read_metrics(path: Path, up_to_round: int) -> list[dict[str, Any]]:
+    """Metrics rows of completed rounds; rows past the last checkpoint are dropped on resume."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if r["round"] <= up_to_round]
+
+
+def _write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _setup_file_log(out_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(out_dir / "coordinator.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("fedge")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return handler
+
+
+@contextlib.contextmanager
+def _open_transport(config: RunConfig, run_id: str, say: Callable[[str], None]) -> Iterator[tuple[Transport, dict[str, Any]]]:
+    """The coordinator's transport plus what spawned clients need to reach the same broker."""
+    t = config.transport
+    if t.kind == "inproc":
+        hub = InprocHub()
+        transport = hub.connect("coordinator")
+        try:
+            yield transport, {"hub": hub}
+        finally:
+            transport.close()
+        return
+    broker = None
+    if t.broker:
+        url, username, password, protocol = t.broker, t.username or None, os.environ.get(t.password_env), t.protocol
+    else:
+        from coordinator.broker import EmbeddedBroker
+
+        broker = EmbeddedBroker()
+        endpoint = broker.start()
+        url, username, password, protocol = endpoint.url, endpoint.username, endpoint.password, endpoint.protocol
+        say(f"started the embedded MQTT broker at {url} (MQTT {protocol}, generated credentials)")
+    try:
+        settings = BrokerSettings(url=url, username=username, password=password, protocol=protocol,
+                                  max_message_bytes=t.max_message_bytes)
+        transport = MqttTransport(settings, f"fedge-coordinator-{run_id}").connect()
+        try:
+            yield transport, {"url": url, "username": username, "password": password,
+                              "protocol": transport.protocol or protocol}
+        finally:
+            transport.close()
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def _prepare_out_dir(config: RunConfig, resume: bool) -> tuple[Path, str]:
+    if resume:
+        if not config.run.out:
+            raise ConfigError("--resume needs --out DIR of the run to continue")
+        out = Path(config.run.out)
+        ckpt = latest_checkpoint(out / "checkpoints")
+        if ckpt is None:
+            raise ConfigError(f"nothing to resume in {out}: it has no checkpoints/")
+        _, info = load_checkpoint(ckpt)
+        return out, info["run_id"]
+    run_id = new_run_id()
+    out = Path(config.run.out or Path("runs") / run_id)
+    if latest_checkpoint(out / "checkpoints") is not None:
+        raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out, run_id
+
+
+def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str], None] = print,
+                  on_round: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """Run (or resume) the training run ``config`` describes; return its directory and summary."""
+    out, run_id = _prepare_out_dir(config, resume)
+    dump_config(config, out / "config.toml")
+    handler = _setup_file_log(out)
+    try:
+        return _run(config, out, run_id, resume, say, on_round or (lambda row: None))
+    finally:
+        logging.getLogger("fedge").removeHandler(handler)
+        handler.close()
+
+
+def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[[str], None],
+         on_round: Callable[[dict[str, Any]], None]) -> RunResult:
+    started = time.monotonic()
+    dataset = load_dataset(config.data.eval)
+    spec = {**config.model, "num_classes": dataset.num_classes, "in_channels": dataset.in_channels,
+            "image_size": dataset.image_size}
+    strategy = make_strategy(config)
+    if resume:
+        state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))  # type: ignore[arg-type]
+        say(f"resuming run {run_id} after round {state.round}")
+    else:
+        torch.manual_seed(config.run.seed)
+        model = build_model(spec)
+        params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}
+        state = strategy.initialize(params)
+    metrics_path = out / "metrics.jsonl"
+    rows = _read_metrics(metrics_path, state.round) if resume else []
+    eval_data = EvalData(torch.from_numpy(dataset.x_test), torch.from_numpy(dataset.y_test))
+    spawn = config.clients.spawn
+    if spawn:
+        parts = partition_indices(dataset.y_train, config.data.partition, spawn, config.run.seed)
+        sizes = [d["size"] for d in describe_partitions(dataset.y_train, parts, dataset.num_classes)]
+        log.info("partition %s over %d clients: sizes %s", config.data.partition, spawn, sizes)
+        say(f"partition {config.data.partition}: client sizes {sizes}")
+
+    with _open_transport(config, run_id, say) as (transport, reach):
+        coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
+                                  model_spec=spec, eval_data=eval_data, on_round=on_round)
+        coordinator.announce("running")
+        spawned = SpawnedClients()
+        try:
+            if spawn and config.transport.kind == "inproc":
+                spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset)
+            elif spawn:
+                spawned = spawn_processes(config, spawn, broker_url=reach["url"], protocol=reach["protocol"],
+                                          username=reach["username"], password=reach["password"], out_dir=out)
+
+            def watchdog() -> None:
+                failures = spawned.failures()
+                if failures:
+                    raise RunError("spawned clients failed: " + "; ".join(failures))
+
+            coordinator.watchdog = watchdog
+            say(f"waiting for {config.clients.expected} clients on prefix '{config.transport.prefix}'")
+            coordinator.wait_for_clients(config.clients.expected, config.clients.presence_timeout)
+            coordinator.watchdog = lambda: None
+            if not rows:
+                loss, acc = coordinator.evaluate()
+                rows.append({"round": 0, "test_accuracy": acc, "test_loss": loss, "selected": 0, "returned": 0,
+                             "late": 0, "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
+                on_round(rows[-1])
+            for r in range(state.round + 1, config.run.rounds + 1):
+                row = coordinator.run_round(r)
+                rows.append(row)
+                _write_metrics(metrics_path, rows)
+                coordinator.checkpoint()
+                on_round(row)
+            _write_metrics(metrics_path, rows)
+        finally:
+            coordinator.announce("finished")
+            spawned.stop()
+    summary = _summary(config, run_id, out, rows, time.monotonic() - started, spec)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    return RunResult(out, summary)
+
+
+def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any]], seconds: float,
+             spec: dict[str, Any]) -> dict[str, Any]:
+    trained = [r for r in rows if r["round"] > 0]
+    return {
+        "run_id": run_id,
+        "out_dir": str(out),
+        "strategy": config.run.strategy,
+        "model": spec,
+        "rounds": len(trained),
+        "initial_accuracy": rows[0]["test_accuracy"] if rows else None,
+        "final_accuracy": rows[-1]["test_accuracy"] if rows else None,
+        "best_accuracy": max((r["test_accuracy"] for r in rows), default=None),
+        "final_loss": rows[-1]["test_loss"] if rows else None,
+        "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+        "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
+        "rejected": sum(r.get("rejected", 0) for r in rows),
+        "late": sum(r.get("late", 0) for r in rows),
+        "seconds_this_session": seconds,
+    }

@@ -1,0 +1,105 @@
+"""Local simulated clients: separate ``fedge-client`` processes, or threads for inproc.
+
+Each spawned process gets one torch thread (by default) so several clients on one
+machine do not oversubscribe its cores, writes its log to ``OUT/logs``, and exits
+by itself when the run finishes or when the coordinator process disappears.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from coordinator.config import RunConfig
+from edge_client.client import ClientSettings, EdgeClient
+from edge_client.data import Dataset, client_split
+from edge_client.objectives import LocalData
+from edge_client.protocol import Topics
+from edge_client.transport import InprocHub
+
+__all__ = ["SpawnedClients", "spawn_processes", "spawn_threads", "sim_client_id"]
+
+
+def sim_client_id(index: int) -> str:
+    return f"sim-{index:03d}"
+
+
+@dataclass
+class SpawnedClients:
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+
+    def failures(self) -> list[str]:
+        """Descriptions of spawned processes that already exited with an error."""
+        out = []
+        for proc, log in zip(self.processes, self.logs):
+            if proc.poll() not in (None, 0):
+                tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
+                out.append(f"client process {proc.pid} exited with {proc.returncode}: {' | '.join(tail)}")
+        return out
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self.stop_event.set()
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for thread in self.threads:
+            thread.join(timeout=timeout)
+
+
+def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol: str, username: str | None,
+                    password: str | None, out_dir: Path) -> SpawnedClients:
+    """Start ``count`` client processes on partitions 0..count-1 of the evaluation data spec."""
+    spawned = SpawnedClients()
+    env = dict(os.environ)
+    if password is not None:
+        env["FEDGE_MQTT_PASSWORD"] = password
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        cid = sim_client_id(i)
+        cmd = [sys.executable, "-m", "edge_client.cli", "run", "--broker", broker_url, "--client-id", cid,
+               "--data", config.data.eval, "--partition", config.data.partition, "--partition-index", str(i),
+               "--num-partitions", str(count), "--seed", str(config.run.seed),
+               "--state-dir", str(out_dir / "clients" / cid), "--prefix", config.transport.prefix,
+               "--mqtt-protocol", protocol, "--torch-threads", str(config.clients.torch_threads),
+               "--max-message-bytes", str(config.transport.max_message_bytes),
+               "--exit-after-run", "--parent-pid", str(os.getpid())]
+        if username:
+            cmd += ["--username", username]
+        log = out_dir / "logs" / f"{cid}.log"
+        with open(log, "ab") as fh:
+            spawned.processes.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                                      stdin=subprocess.DEVNULL))
+        spawned.logs.append(log)
+    return spawned
+
+
+def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dataset) -> SpawnedClients:
+    """Run ``count`` clients inside this process, through the in-process transport."""
+    spawned = SpawnedClients()
+    for i in range(count):
+        cid = sim_client_id(i)
+        x, y = client_split(dataset, config.data.partition, i, count, config.run.seed)
+        settings = ClientSettings(client_id=cid, topics=Topics(config.transport.prefix),
+                                  max_message_bytes=config.transport.max_message_bytes, exit_after_run=True)
+        transport = hub.connect(cid, will=EdgeClient.will(settings))
+        client = EdgeClient(settings, transport, LocalData(torch.from_numpy(x), torch.from_numpy(y)))
+        thread = threading.Thread(target=client.run, args=(spawned.stop_event,), name=cid, daemon=True)
+        thread.start()
+        spawned.threads.append(thread)
+    return spawned

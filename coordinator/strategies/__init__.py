@@ -1,0 +1,24 @@
+"""Strategy registry: a name in the run config maps to a constructor here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from coordinator.config import ConfigError, RunConfig
+from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
+from coordinator.strategies.fedavg import FedAvg, FedProx
+
+__all__ = ["STRATEGIES", "make_strategy", "Strategy", "ServerState", "TaskPlan", "ClientResult", "WeightedSum"]
+
+STRATEGIES: dict[str, Callable[[RunConfig], Strategy]] = {
+    "fedavg": lambda cfg: FedAvg(dataclasses.asdict(cfg.train)),
+    "fedprox": lambda cfg: FedProx(dataclasses.asdict(cfg.train), cfg.fedprox.mu),
+}
+
+
+def make_strategy(config: RunConfig) -> Strategy:
+    name = config.run.strategy
+    if name not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name](config)

@@ -1,0 +1,47 @@
+"""FedAvg (McMahan et al.) and FedProx (Li et al.): the baselines.
+
+Both send the whole global model down and ask for the whole model back; FedProx
+only adds the proximal weight ``mu`` to the clients' local objective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
+
+__all__ = ["FedAvg", "FedProx"]
+
+
+class FedAvg(Strategy):
+    name = "fedavg"
+
+    def __init__(self, train: dict[str, Any]) -> None:
+        self.train = dict(train)
+
+    def hyper(self) -> dict[str, Any]:
+        return dict(self.train)
+
+    def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
+        names = sorted(state.params)
+        return [TaskPlan(client_id=c, objective="train", hyper=self.hyper(), down=state.params, up=names)
+                for c in clients]
+
+    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
+        """Sample-weighted mean of the returned models, in the order given (the engine sorts)."""
+        total = WeightedSum.reduce(WeightedSum.of(r.tensors, r.num_samples) for r in results)
+        return dataclasses.replace(state, round=round, params={**state.params, **total.mean()})
+
+
+class FedProx(FedAvg):
+    name = "fedprox"
+
+    def __init__(self, train: dict[str, Any], mu: float) -> None:
+        super().__init__(train)
+        if mu < 0:
+            raise ValueError(f"fedprox.mu must be >= 0, got {mu}")
+        self.mu = mu
+
+    def hyper(self) -> dict[str, Any]:
+        return {**self.train, "mu": self.mu}

@@ -1,0 +1,129 @@
+"""``fedge-client``: run an edge client on a device against a coordinator's broker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("fedge.client")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedge-client",
+        description="fedge edge client: trains on this device's private data for a fedge coordinator, over MQTT.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="connect to the broker and serve tasks until stopped",
+                         description="Connect to the MQTT broker, announce this device, and run the training "
+                                     "tasks the coordinator sends, sending back only what each task asks for.")
+    run.add_argument("--broker", default=os.environ.get("FEDGE_BROKER", "mqtt://127.0.0.1:1883"),
+                     help="broker URL mqtt://HOST:PORT (default: $FEDGE_BROKER or mqtt://127.0.0.1:1883)")
+    run.add_argument("--client-id", required=True,
+                     help="unique id of this device (letters, digits, '_', '.', '-'); also its MQTT client id")
+    run.add_argument("--data", required=True,
+                     help="this device's data: digits, fashion-mnist[:DIR] or npz:PATH (its train split is used)")
+    run.add_argument("--partition", default=None,
+                     help="simulation only: take one partition of --data (iid, dirichlet:ALPHA, shards:K)")
+    run.add_argument("--partition-index", type=int, default=0, help="simulation only: which partition (0-based)")
+    run.add_argument("--num-partitions", type=int, default=1, help="simulation only: how many partitions")
+    run.add_argument("--seed", type=int, default=0, help="simulation only: partition seed (the run's seed)")
+    run.add_argument("--state-dir", type=Path, default=Path(os.environ.get("FEDGE_STATE_DIR", "fedge-state")),
+                     help="directory kept across restarts (profile history, local state); default ./fedge-state")
+    run.add_argument("--prefix", default="fedge", help="MQTT topic prefix shared with the coordinator")
+    run.add_argument("--username", default=os.environ.get("FEDGE_MQTT_USERNAME"),
+                     help="broker user name (default $FEDGE_MQTT_USERNAME); the password is read from "
+                          "$FEDGE_MQTT_PASSWORD, never from the command line")
+    run.add_argument("--mqtt-protocol", choices=("auto", "5", "3.1.1"), default="auto",
+                     help="MQTT version; auto tries 5, then 3.1.1 (default auto)")
+    run.add_argument("--torch-threads", type=int, default=0,
+                     help="torch CPU threads (0: torch's default); 1 when several clients share a machine")
+    run.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024,
+                     help="refuse messages larger than this (default 64 MiB)")
+    run.add_argument("--exit-after-run", action="store_true",
+                     help="exit once a run this client took part in finishes (default: keep serving)")
+    run.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    run.add_argument("-v", "--verbose", action="store_true", help="log every task")
+    return parser
+
+
+def _load_data(args: argparse.Namespace):  # -> LocalData
+    import torch
+
+    from edge_client.data import client_split, load_dataset
+    from edge_client.objectives import LocalData
+
+    dataset = load_dataset(args.data)
+    if args.partition:
+        x, y = client_split(dataset, args.partition, args.partition_index, args.num_partitions, args.seed)
+    else:
+        x, y = dataset.x_train, dataset.y_train
+    return LocalData(torch.from_numpy(x), torch.from_numpy(y))
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from edge_client.client import ClientSettings, EdgeClient
+    from edge_client.data import DataError
+    from edge_client.protocol import Topics, valid_client_id
+    from edge_client.transport import BrokerSettings, MqttTransport, TransportError
+
+    if not valid_client_id(args.client_id):
+        print(f"fedge-client: bad --client-id {args.client_id!r}: use 1-64 letters, digits, '_', '.', '-'",
+              file=sys.stderr)
+        return 2
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    try:
+        data = _load_data(args)
+    except DataError as exc:
+        print(f"fedge-client: {exc}", file=sys.stderr)
+        return 2
+    settings = ClientSettings(client_id=args.client_id, topics=Topics(args.prefix), state_dir=args.state_dir,
+                              max_message_bytes=args.max_message_bytes, exit_after_run=args.exit_after_run,
+                              parent_pid=args.parent_pid)
+    broker = BrokerSettings(url=args.broker, username=args.username, password=os.environ.get("FEDGE_MQTT_PASSWORD"),
+                            protocol=args.mqtt_protocol, max_message_bytes=args.max_message_bytes)
+    transport = MqttTransport(broker, args.client_id, will=EdgeClient.will(settings))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    delay = 1.0
+    while not stop.is_set():
+        try:
+            transport.connect()
+            break
+        except TransportError as exc:
+            log.warning("%s; retrying in %.0f s", exc, delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 60.0)
+    if stop.is_set():
+        return 0
+    try:
+        EdgeClient(settings, transport, data).run(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        time.sleep(0.2)  # let the offline presence leave before disconnecting
+        transport.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "run":
+        return _run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Datasets and client partitions for fedge.
+
+Every process (server and each client) calls the same functions with the same
+specs and seeds, so splits and partitions are computed deterministically here
+instead of being shipped over the network.  Nothing is cached on disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "DataError",
+    "Dataset",
+    "load_dataset",
+    "partition_indices",
+    "client_split",
+    "describe_partitions",
+    "DATASET_SPECS",
+    "PARTITION_SPECS",
+]
+
+DATASET_SPECS = "digits, fashion-mnist, fashion-mnist:DIR, npz:PATH"
+PARTITION_SPECS = "iid, dirichlet:ALPHA (ALPHA > 0), shards:K (K >= 1 integer)"
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_MEAN = 0.2860
+FASHION_MNIST_STD = 0.3530
+
+# Mean/std of the digits TRAIN split after scaling to [0, 1] (pixel/16).
+# Computed once with this module's fixed split:
+#   x = load_digits().images / 16; x[train_idx].mean(), x[train_idx].std()
+#   -> 0.305483..., 0.376110...  (tests/test_data.py re-checks these)
+DIGITS_MEAN = 0.30548
+DIGITS_STD = 0.37611
+
+_TEST_FRACTION = 0.2
+_SPLIT_SEED = 0  # fixed, so the train/test split never depends on a run's seed
+_DIRICHLET_TRIES = 100
+
+
+class DataError(ValueError):
+    """Bad dataset/partition spec or bad data file; the message says how to fix it."""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: array fields cannot be compared with ==
+class Dataset:
+    """A train/test pair of normalized square images, ready to turn into tensors."""
+
+    name: str
+    x_train: np.ndarray  # float32 [N, C, H, W]
+    y_train: np.ndarray  # int64 [N]
+    x_test: np.ndarray  # float32 [M, C, H, W]
+    y_test: np.ndarray  # int64 [M]
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
+            if x.dtype != np.float32 or x.ndim != 4:
+                raise DataError(f"{self.name}: x_{split} must be float32 [N, C, H, W], got {x.dtype} {x.shape}")
+            if y.dtype != np.int64 or y.ndim != 1:
+                raise DataError(f"{self.name}: y_{split} must be int64 [N], got {y.dtype} {y.shape}")
+            if len(x) != len(y):
+                raise DataError(f"{self.name}: {len(x)} {split} images but {len(y)} labels; counts must match")
+            if len(x) == 0:
+                raise DataError(f"{self.name}: empty {split} split; provide at least a few samples per class")
+            if x.shape[2] != x.shape[3]:
+                raise DataError(f"{self.name}: images must be square, got {split} H x W = {x.shape[2]} x {x.shape[3]}")
+        if self.x_train.shape[1:] != self.x_test.shape[1:]:
+            raise DataError(
+                f"{self.name}: train images {self.x_train.shape[1:]} and test images "
+                f"{self.x_test.shape[1:]} must have the same [C, H, W]"
+            )
+
+    @property
+    def in_channels(self) -> int:
+        """C, for sizing the first conv layer."""
+        return int(self.x_train.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        """H (== W), for sizing the model."""
+        return int(self.x_train.shape[2])
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_dataset(spec: str) -> Dataset:
+    """Load a dataset from a spec: digits, fashion-mnist[:DIR] or npz:PATH."""
+    kind, _, arg = spec.partition(":")
+    if spec == "digits":
+        return _load_digits()
+    if kind == "fashion-mnist":
+        return _load_fashion_mnist(Path(arg) if arg else Path(FASHION_MNIST_DIR))
+    if kind == "npz" and arg:
+        return _load_npz(Path(arg))
+    raise DataError(f"unknown dataset spec {spec!r}; valid: {DATASET_SPECS}")
+
+
+def _fixed_split(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Seed-independent stratified 80/20 split -> (train_idx, test_idx), both sorted."""
+    rng = np.random.default_rng(_SPLIT_SEED)
+    train, test = [], []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        n_test = int(round(len(idx) * _TEST_FRACTION))
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def _load_digits() -> Dataset:
+    try:  # imported lazily: only the digits spec needs scikit-learn
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataError("digits: needs scikit-learn (pip install scikit-learn); else use fashion-mnist") from None
+
+    bunch = load_digits()
+    x = ((bunch.images / 16.0 - DIGITS_MEAN) / DIGITS_STD).astype(np.float32)[:, None]
+    y = bunch.target.astype(np.int64)
+    tr, te = _fixed_split(y)
+    return Dataset("digits", x[tr], y[tr], x[te], y[te], num_classes=10)
+
+
+def _read_maybe_gz(directory: Path, name: str) -> tuple[Path, bytes]:
+    """Bytes of DIR/NAME.gz (decompressed) or, failing that, DIR/NAME."""
+    for path in (directory / f"{name}.gz", directory / name):
+        if path.is_file():
+            try:
+                data = path.read_bytes()
+                return path, gzip.decompress(data) if path.suffix == ".gz" else data
+            except (OSError, EOFError, zlib.error) as exc:
+                raise DataError(f"{path}: cannot read ({exc}); re-download the file") from None
+    raise DataError(
+        f"{directory}: missing {name}.gz (or {name}); download Fashion-MNIST there or pass fashion-mnist:DIR"
+    )
+
+
+def _parse_idx(path: Path, data: bytes, magic: int, ndim: int) -> np.ndarray:
+    """Parse an unsigned-byte IDX file body (big-endian header) into a uint8 array."""
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise DataError(f"{path}: truncated IDX header ({len(data)} bytes); re-download the file")
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        raise DataError(f"{path}: wrong IDX magic {found}, expected {magic}; is this the right file?")
+    dims = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
+    if len(data) - header != math.prod(dims):
+        raise DataError(
+            f"{path}: IDX dims {dims} need {math.prod(dims)} data bytes but file has {len(data) - header}; "
+            "file is truncated or corrupt, re-download it"
+        )
+    return np.frombuffer(data, np.uint8, offset=header).reshape(dims)
+
+
+def _load_fashion_mnist(directory: Path) -> Dataset:
+    if not directory.is_dir():
+        raise DataError(f"{directory}: Fashion-MNIST directory not found; pass fashion-mnist:DIR with the 4 IDX files")
+    # (p / 255 - mean) / std folded into one multiply-add on float32 scalars: one pass, one allocation.
+    scale = np.float32(1.0 / (255.0 * FASHION_MNIST_STD))
+    shift = np.float32(FASHION_MNIST_MEAN / FASHION_MNIST_STD)
+    splits = []
+    for prefix in ("train", "t10k"):
+        ipath, idata = _read_maybe_gz(directory, f"{prefix}-images-idx3-ubyte")
+        lpath, ldata = _read_maybe_gz(directory, f"{prefix}-labels-idx1-ubyte")
+        images = _parse_idx(ipath, idata, 2051, 3)
+        labels = _parse_idx(lpath, ldata, 2049, 1)
+        if len(images) != len(labels):
+            raise DataError(
+                f"{ipath}: {len(images)} images but {lpath.name} has {len(labels)} labels; counts must match"
+            )
+        if len(labels) and labels.max() > 9:
+            raise DataError(f"{lpath}: label {int(labels.max())} out of range 0..9; file is corrupt")
+        splits += [images[:, None] * scale - shift, labels.astype(np.int64)]
+    return Dataset("fashion-mnist", *splits, num_classes=10)
+
+
+def _npz_images(path: Path, key: str, x: np.ndarray) -> np.ndarray:
+    if x.ndim == 3:
+        x = x[:, None]
+    if x.ndim != 4:
+        raise DataError(f"{path}: {key!r} must be [N, H, W] or [N, C, H, W], got shape {x.shape}")
+    if x.dtype == np.uint8:
+        return x.astype(np.float32) / np.float32(255.0)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise DataError(f"{path}: {key!r} must be uint8 (0..255) or float, got {x.dtype}")
+    x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise DataError(f"{path}: {key!r} contains NaN or inf; clean the data before saving")
+    return x
+
+
+def _npz_labels(path: Path, key: str, y: np.ndarray, n: int) -> np.ndarray:
+    if y.ndim != 1:
+        raise DataError(f"{path}: {key!r} must be 1-D labels, got shape {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"{path}: {key!r} must hold integer labels, got {y.dtype}")
+    if len(y) != n:
+        raise DataError(f"{path}: {n} images but {len(y)} labels in {key!r}; counts must match")
+    if len(y) and y.min() < 0:
+        raise DataError(f"{path}: {key!r} has negative label {int(y.min())}; labels must be 0..num_classes-1")
+    return y.astype(np.int64)
+
+
+def _load_npz(path: Path) -> Dataset:
+    if not path.is_file():
+        raise DataError(f"{path}: npz file not found; check the path in npz:PATH")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable .npz of plain arrays ({exc}); save with np.savez") from None
+    except AttributeError:  # np.load returned a bare array (.npy), which has no .files
+        raise DataError(f"{path}: expected an .npz archive with arrays 'x' and 'y', got a single array") from None
+    if "x" not in arrays or "y" not in arrays:
+        raise DataError(f"{path}: needs arrays 'x' and 'y', found {sorted(arrays)}")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise DataError(f"{path}: give both 'x_test' and 'y_test' or neither")
+    x = _npz_images(path, "x", arrays["x"])
+    if len(x) == 0:
+        raise DataError(f"{path}: empty dataset (0 samples in 'x')")
+    y = _npz_labels(path, "y", arrays["y"], len(x))
+    if "x_test" in arrays:
+        x_test = _npz_images(path, "x_test", arrays["x_test"])
+        y_test = _npz_labels(path, "y_test", arrays["y_test"], len(x_test))
+    else:
+        tr, te = _fixed_split(y)
+        if len(te) == 0:
+            raise DataError(f"{path}: too few samples ({len(y)}) for an 80/20 split; add data or give x_test/y_test")
+        x, y, x_test, y_test = x[tr], y[tr], x[te], y[te]
+    num_classes = int(max(y.max(), y_test.max(initial=0))) + 1
+    return Dataset("npz", x, y, x_test, y_test, num_classes=num_classes)
+
+
+# --------------------------------------------------------------------------- partitions
+
+
+def _parse_partition_spec(spec: str) -> tuple[str, float]:
+    kind, sep, arg = spec.partition(":")
+    try:
+        if spec == "iid":
+            return "iid", 0.0
+        if kind == "dirichlet" and sep:
+            alpha = float(arg)
+            if math.isfinite(alpha) and alpha > 0:
+                return kind, alpha
+        if kind == "shards" and sep and int(arg) >= 1:
+            return kind, int(arg)
+    except ValueError:
+        pass
+    raise DataError(f"bad partition spec {spec!r}; valid: {PARTITION_SPECS}")
+
+
+def partition_indices(labels: np.ndarray, spec: str, num_partitions: int, seed: int) -> list[np.ndarray]:
+    """Split sample indices into `num_partitions` sorted, disjoint, non-empty parts.
+
+    Deterministic in (labels, spec, num_partitions, seed), so every process agrees
+    on which samples each client owns without exchanging them.
+    """
+    kind, arg = _parse_partition_spec(spec)
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+    n = len(labels)
+    if not 1 <= num_partitions <= n:
+        raise DataError(f"num_partitions must be in 1..{n} (number of samples), got {num_partitions}")
+    rng = np.random.default_rng(seed)
+
+    if kind == "iid":
+        parts = np.array_split(rng.permutation(n), num_partitions)
+    elif kind == "dirichlet":
+        parts = _dirichlet(labels, arg, num_partitions, rng, spec)
+    else:
+        k = int(arg)
+        if num_partitions * k > n:
+            raise DataError(f"{spec}: {num_partitions} partitions x {k} shards exceeds {n} samples; use a smaller K")
+        shards = np.array_split(np.argsort(labels, kind="stable"), num_partitions * k)
+        order = rng.permutation(num_partitions * k)
+        parts = [np.concatenate([shards[s] for s in order[i * k : (i + 1) * k]]) for i in range(num_partitions)]
+
+    out = [np.sort(p).astype(np.int64) for p in parts]
+    for i, p in enumerate(out):
+        if len(p) == 0:
+            raise DataError(f"{spec}: partition {i} is empty; use fewer partitions")
+    return out
+
+
+def _dirichlet(
+    labels: np.ndarray, alpha: float, num_partitions: int, rng: np.random.Generator, spec: str
+) -> list[np.ndarray]:
+    """Label-skewed split: per class, proportions ~ Dir(alpha); retry until no partition is tiny."""
+    min_size = min(10, len(labels) // num_partitions)
+    classes = np.unique(labels)
+    for _ in range(_DIRICHLET_TRIES):
+        buckets: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+        for c in classes:
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            cuts = (np.cumsum(rng.dirichlet([alpha] * num_partitions))[:-1] * len(idx)).astype(int)
+            for bucket, piece in zip(buckets, np.split(idx, cuts)):
+                bucket.append(piece)
+        parts = [np.concatenate(b) for b in buckets]
+        if min(len(p) for p in parts) >= min_size:
+            return parts
+    raise DataError(
+        f"{spec}: no draw in {_DIRICHLET_TRIES} tries gave every one of {num_partitions} partitions "
+        f">= {min_size} samples; use a larger alpha or fewer clients"
+    )
+
+
+def client_split(
+    dataset: Dataset, partition_spec: str, index: int, num_partitions: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of partition `index` of the train split: what one client trains on."""
+    if not 0 <= index < num_partitions:
+        raise DataError(f"partition index {index} out of range 0..{num_partitions - 1}")
+    idx = partition_indices(dataset.y_train, partition_spec, num_partitions, seed)[index]
+    return dataset.x_train[idx], dataset.y_train[idx]
+
+
+def describe_partitions(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> list[dict]:
+    """Per-partition size and nonzero class counts, for logging how skewed a split is."""
+    out = []
+    for i, p in enumerate(parts):
+        counts = np.bincount(np.asarray(labels)[p], minlength=num_classes)
+        classes = {int(c): int(n) for c, n in enumerate(counts) if n}
+        out.append({"index": i, "size": int(len(p)), "classes": classes})
+    return out

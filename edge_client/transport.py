@@ -1,0 +1,328 @@
+"""The one place that talks MQTT (paho-mqtt 2.x), plus an in-process stand-in.
+
+Both transports move opaque byte payloads between topics and deliver incoming
+messages through a bounded queue, so the client loop and the round engine are the
+same code whichever is used. They never look inside a payload.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+__all__ = [
+    "TransportError",
+    "BrokerSettings",
+    "Will",
+    "Incoming",
+    "Transport",
+    "MqttTransport",
+    "InprocHub",
+    "InprocTransport",
+]
+
+log = logging.getLogger("fedge.transport")
+PROTOCOLS = ("auto", "5", "3.1.1")
+
+
+class TransportError(RuntimeError):
+    """The broker could not be reached or refused us; the message says what to check."""
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Where the broker is and how to talk to it."""
+
+    url: str = "mqtt://127.0.0.1:1883"
+    username: str | None = None
+    password: str | None = None
+    protocol: str = "auto"          # "5", "3.1.1", or "auto" (try 5, fall back to 3.1.1)
+    keepalive: int = 30
+    session_expiry: int = 7 * 24 * 3600
+    connect_timeout: float = 15.0
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def host_port(self) -> tuple[str, int]:
+        parsed = urlparse(self.url)
+        if parsed.scheme != "mqtt" or not parsed.hostname:
+            raise TransportError(f"broker URL {self.url!r} must look like mqtt://HOST:PORT")
+        return parsed.hostname, parsed.port or 1883
+
+
+@dataclass(frozen=True)
+class Will:
+    """Last-will message the broker publishes if we vanish without disconnecting."""
+
+    topic: str
+    payload: bytes
+    retain: bool = True
+
+
+@dataclass(frozen=True)
+class Incoming:
+    topic: str
+    payload: bytes
+
+
+class Transport:
+    """What the client loop and the coordinator need from a transport."""
+
+    def subscribe(self, topic_filter: str) -> None:
+        raise NotImplementedError
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        raise NotImplementedError
+
+    def get(self, timeout: float) -> Incoming | None:
+        """Next incoming message, or None after ``timeout`` seconds."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Inbox:
+    """Bounded queue shared by both transports; a full inbox drops and says so."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._queue: queue.Queue[Incoming] = queue.Queue(maxsize)
+        self.dropped = 0
+
+    def put(self, item: Incoming) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += 1
+            log.warning("inbox full: dropped a message on %s (%d dropped so far)", item.topic, self.dropped)
+
+    def get(self, timeout: float) -> Incoming | None:
+        try:
+            return self._queue.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return None
+
+
+class MqttTransport(Transport):
+    """paho-mqtt client with a persistent session, QoS 1 and automatic reconnects.
+
+    Subscriptions are remembered and renewed on every (re)connect, so a broker that
+    lost our session still delivers. Call :meth:`connect` explicitly; the
+    constructor does no I/O.
+    """
+
+    def __init__(self, settings: BrokerSettings, client_id: str, *, will: Will | None = None,
+                 queue_size: int = 10_000) -> None:
+        if settings.protocol not in PROTOCOLS:
+            raise TransportError(f"MQTT protocol must be one of {PROTOCOLS}, got {settings.protocol!r}")
+        self.settings = settings
+        self.client_id = client_id
+        self.will = will
+        self.protocol: str | None = None
+        self._inbox = _Inbox(queue_size)
+        self._filters: list[str] = []
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._refused: str | None = None
+        self._client: mqtt.Client | None = None
+
+    # -- connection -------------------------------------------------------------
+    def connect(self) -> "MqttTransport":
+        """Connect, trying MQTT 5 then 3.1.1 when the protocol is ``auto``."""
+        candidates = ["5", "3.1.1"] if self.settings.protocol == "auto" else [self.settings.protocol]
+        reasons = []
+        for protocol in candidates:
+            # Some 3.1.1-only brokers never answer a v5 CONNECT that carries credentials,
+            # so the v5 probe of ``auto`` gets a short timeout.
+            timeout = min(5.0, self.settings.connect_timeout) if len(candidates) > 1 and protocol == "5" \
+                else self.settings.connect_timeout
+            try:
+                self._connect_with(protocol, timeout)
+                return self
+            except TransportError as exc:
+                reasons.append(f"MQTT {protocol}: {exc}")
+        raise TransportError(f"could not connect to {self.settings.url} as {self.client_id!r} ("
+                             + "; ".join(reasons) + "). Is the broker running and are the credentials right?")
+
+    def _connect_with(self, protocol: str, timeout: float) -> None:
+        v5 = protocol == "5"
+        client = mqtt.Client(
+            callback_api_version=CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
+            clean_session=None if v5 else False,
+        )
+        if self.settings.username is not None:
+            client.username_pw_set(self.settings.username, self.settings.password)
+        if self.will is not None:
+            client.will_set(self.will.topic, self.will.payload, qos=1, retain=self.will.retain)
+        client.reconnect_delay_set(min_delay=1, max_delay=30)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        props = None
+        if v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.settings.session_expiry
+        host, port = self.settings.host_port()
+        self._connected.clear()
+        self._refused = None
+        self._client = client
+        try:
+            client.connect(host, port, keepalive=self.settings.keepalive,
+                           clean_start=False if v5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY, properties=props)
+        except OSError as exc:
+            self._client = None
+            raise TransportError(f"{host}:{port} unreachable ({exc})") from None
+        client.loop_start()
+        deadline = time.monotonic() + timeout
+        while not self._connected.wait(0.05):
+            if self._refused or time.monotonic() > deadline:
+                client.loop_stop()
+                client.disconnect()
+                self._client = None
+                raise TransportError(self._refused or "no CONNACK in time")
+        self.protocol = protocol
+        log.debug("connected to %s as %s with MQTT %s", self.settings.url, self.client_id, protocol)
+
+    def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
+                    properties: object) -> None:
+        if getattr(reason, "is_failure", False):
+            self._refused = f"broker refused the connection: {reason}"
+            return
+        with self._lock:
+            filters = list(self._filters)
+        for f in filters:
+            client.subscribe(f, qos=1)
+        self._connected.set()
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
+                       properties: object) -> None:
+        if not self._connected.is_set() and not self._refused:
+            self._refused = f"connection closed before CONNACK ({reason})"
+        self._connected.clear()
+        if getattr(reason, "value", 0) != 0:
+            log.info("disconnected from broker (%s); reconnecting with backoff", reason)
+
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        self._inbox.put(Incoming(msg.topic, bytes(msg.payload)))
+
+    # -- messaging --------------------------------------------------------------
+    def subscribe(self, topic_filter: str) -> None:
+        with self._lock:
+            if topic_filter not in self._filters:
+                self._filters.append(topic_filter)
+        if self._client is not None:
+            self._client.subscribe(topic_filter, qos=1)
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        if self._client is None:
+            raise TransportError("publish before connect(): call connect() first")
+        if len(payload) > self.settings.max_message_bytes:
+            raise TransportError(f"message of {len(payload)} bytes to {topic} exceeds "
+                                 f"max_message_bytes={self.settings.max_message_bytes}")
+        info = self._client.publish(topic, payload, qos=1, retain=retain)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN, mqtt.MQTT_ERR_QUEUE_SIZE):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+
+    def get(self, timeout: float) -> Incoming | None:
+        return self._inbox.get(timeout)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def close(self) -> None:
+        """Disconnect cleanly (no last will); the broker keeps our session."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+
+    def drop(self) -> None:
+        """Vanish without DISCONNECT, as a crashed device would (the will fires)."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.loop_stop()
+            sock = client.socket()
+            if sock is not None:
+                sock.close()
+
+
+class InprocHub:
+    """A broker in memory for one process: topic filters, retained messages, wills.
+
+    It exists so experiments and tests run the real coordinator and client code,
+    through the real encoder and decoder, without sockets.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: list[tuple[str, InprocTransport]] = []
+        self._retained: dict[str, bytes] = {}
+
+    def connect(self, client_id: str | None = None, *, will: Will | None = None,
+                queue_size: int = 10_000) -> "InprocTransport":
+        return InprocTransport(self, client_id or uuid.uuid4().hex, will, queue_size)
+
+    def _subscribe(self, endpoint: "InprocTransport", topic_filter: str) -> None:
+        with self._lock:
+            self._subs.append((topic_filter, endpoint))
+            retained = [(t, p) for t, p in self._retained.items() if mqtt.topic_matches_sub(topic_filter, t)]
+        for topic, payload in retained:
+            endpoint._inbox.put(Incoming(topic, payload))
+
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        with self._lock:
+            if retain:
+                self._retained[topic] = payload
+            targets = {id(e): e for f, e in self._subs if mqtt.topic_matches_sub(f, topic)}
+        for endpoint in targets.values():
+            endpoint._inbox.put(Incoming(topic, payload))
+
+    def _leave(self, endpoint: "InprocTransport", *, fire_will: bool) -> None:
+        with self._lock:
+            self._subs = [(f, e) for f, e in self._subs if e is not endpoint]
+        if fire_will and endpoint.will is not None:
+            self._publish(endpoint.will.topic, endpoint.will.payload, endpoint.will.retain)
+
+
+class InprocTransport(Transport):
+    def __init__(self, hub: InprocHub, client_id: str, will: Will | None, queue_size: int) -> None:
+        self.hub = hub
+        self.client_id = client_id
+        self.will = will
+        self._inbox = _Inbox(queue_size)
+
+    def connect(self) -> "InprocTransport":
+        return self
+
+    def subscribe(self, topic_filter: str) -> None:
+        self.hub._subscribe(self, topic_filter)
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        self.hub._publish(topic, bytes(payload), retain)
+
+    def get(self, timeout: float) -> Incoming | None:
+        return self._inbox.get(timeout)
+
+    def close(self) -> None:
+        self.hub._leave(self, fire_will=False)
+
+    def drop(self) -> None:
+        self.hub._leave(self, fire_will=True)

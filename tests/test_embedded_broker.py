@@ -1,0 +1,411 @@
+"""Tests for coordinator.broker: a real amqtt broker exercised with real paho clients.
+
+Everything runs on loopback; every wait is bounded so a broken broker makes a
+test fail quickly instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import stat
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from coordinator.broker import BrokerEndpoint, BrokerError, EmbeddedBroker, free_port
+
+pytestmark = pytest.mark.timeout(10)
+
+WAIT = 5.0  # upper bound for any single network round trip in these tests
+
+
+class Peer:
+    """A paho 3.1.1 client with blocking helpers, so tests read top to bottom."""
+
+    def __init__(
+        self,
+        endpoint: BrokerEndpoint,
+        *,
+        client_id: str = "",
+        clean_session: bool = True,
+        credentials: tuple[str | None, str | None] | None = None,
+        use_credentials: bool = True,
+    ) -> None:
+        self.endpoint = endpoint
+        self.client = mqtt.Client(
+            callback_api_version=CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            clean_session=clean_session,
+            protocol=mqtt.MQTTv311,
+        )
+        # paho's background thread sleeps up to reconnect_delay after losing the
+        # connection, and loop_stop() waits for that sleep; keep it short.
+        self.client.reconnect_delay_set(min_delay=0.1, max_delay=0.2)
+        if use_credentials:
+            user, pw = credentials if credentials is not None else (endpoint.username, endpoint.password)
+            self.client.username_pw_set(user, pw)
+        self.messages: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
+        self.connack: queue.Queue[tuple[object, bool]] = queue.Queue()
+        self.subacks: queue.Queue[list[object]] = queue.Queue()
+        self.disconnected = threading.Event()
+        self.client.on_connect = self._on_connect
+        self.client.on_message = lambda _c, _u, msg: self.messages.put(msg)
+        self.client.on_subscribe = lambda _c, _u, _mid, codes, _p: self.subacks.put(list(codes))
+        self.client.on_disconnect = lambda *_args: self.disconnected.set()
+
+    def _on_connect(self, _client, _userdata, flags, reason_code, _props) -> None:
+        self.connack.put((reason_code, bool(flags.session_present)))
+
+    def connect(self) -> tuple[object, bool]:
+        """Connect and return (reason_code, session_present) from the CONNACK."""
+        self.client.connect(self.endpoint.host, self.endpoint.port, keepalive=30)
+        self.client.loop_start()
+        return self.connack.get(timeout=WAIT)
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        self.client.subscribe(topic, qos)
+        codes = self.subacks.get(timeout=WAIT)
+        assert not any(code.is_failure for code in codes), codes
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        info.wait_for_publish(timeout=WAIT)
+        assert info.is_published(), f"no PUBACK for {topic}"
+
+    def receive(self, timeout: float = WAIT) -> mqtt.MQTTMessage:
+        return self.messages.get(timeout=timeout)
+
+    def close(self) -> None:
+        """Clean DISCONNECT (no last will) and stop the network thread."""
+        try:
+            self.client.disconnect()
+            self.disconnected.wait(WAIT)
+        finally:
+            self.client.loop_stop()
+
+
+@pytest.fixture
+def broker(tmp_path: Path):
+    b = EmbeddedBroker(workdir=tmp_path)
+    b.start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def peers(broker: EmbeddedBroker):
+    """Factory for connected clients that are all shut down after the test."""
+    created: list[Peer] = []
+
+    def make(**kwargs) -> Peer:
+        peer = Peer(broker.endpoint, **kwargs)
+        created.append(peer)
+        return peer
+
+    yield make
+    for peer in created:
+        try:
+            peer.close()
+        except Exception:  # already closed or never connected
+            pass
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_start_stop_on_loopback_and_idempotent_stop(tmp_path: Path) -> None:
+    b = EmbeddedBroker(workdir=tmp_path)
+    assert b.endpoint is None and not b.running
+    ep = b.start()
+    try:
+        assert b.running
+        assert ep.host == "127.0.0.1"
+        assert ep.protocol == "3.1.1"
+        assert ep.url == f"mqtt://127.0.0.1:{ep.port}"
+        assert ep.username and ep.password
+        assert ep.password not in repr(ep) and ep.password not in ep.url
+        assert b.start() is ep  # starting a running broker is a no-op
+        with socket.create_connection((ep.host, ep.port), timeout=WAIT):
+            pass  # the listener accepts TCP connections
+    finally:
+        b.stop()
+    assert not b.running and b.endpoint is None
+    b.stop()  # second stop is harmless
+    with pytest.raises(OSError):
+        socket.create_connection((ep.host, ep.port), timeout=1).close()
+
+
+def test_stop_without_start_is_harmless() -> None:
+    EmbeddedBroker().stop()
+
+
+def test_context_manager_and_private_tempdir() -> None:
+    with EmbeddedBroker() as b:
+        ep = b.endpoint
+        assert ep is not None and b.running
+        password_file = b._password_file
+        assert password_file is not None and password_file.exists()
+        tmpdir = password_file.parent
+        assert stat.S_IMODE(tmpdir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
+        # amqtt's format: user:argon2-hash, and the plaintext is not in it
+        content = password_file.read_text()
+        assert content.startswith(f"{ep.username}:$argon2id$")
+        assert ep.password not in content
+    assert not b.running
+    assert not tmpdir.exists()
+
+
+def test_workdir_password_file_removed_on_stop(tmp_path: Path) -> None:
+    b = EmbeddedBroker(workdir=tmp_path / "sub")
+    b.start()
+    files = list((tmp_path / "sub").iterdir())
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    b.stop()
+    assert list((tmp_path / "sub").iterdir()) == []
+    assert (tmp_path / "sub").exists()  # the caller's directory is left alone
+
+
+def test_restart_gets_new_credentials(tmp_path: Path) -> None:
+    b = EmbeddedBroker(workdir=tmp_path)
+    first = b.start()
+    b.stop()
+    second = b.start()
+    try:
+        assert second.password != first.password
+        peer = Peer(second)
+        rc, _ = peer.connect()
+        assert not rc.is_failure
+        peer.close()
+    finally:
+        b.stop()
+
+
+def test_explicit_port_in_use_raises_broker_error(tmp_path: Path) -> None:
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        b = EmbeddedBroker(port=port, workdir=tmp_path)
+        with pytest.raises(BrokerError, match=str(port)):
+            b.start(timeout=5)
+        assert not b.running
+    assert list(tmp_path.iterdir()) == []  # no password file left behind
+
+
+def test_start_timeout_raises_broker_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def never_ready(self, port, ready, outcome):  # broker that hangs while starting
+        import asyncio
+
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(EmbeddedBroker, "_serve", never_ready)
+    b = EmbeddedBroker(workdir=tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(BrokerError, match="did not start"):
+        b.start(timeout=0.3)
+    assert time.monotonic() - t0 < 3
+    assert not b.running
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_loopback_host_rejected() -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        EmbeddedBroker(host="0.0.0.0")
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+# ----------------------------------------------------------- authentication
+
+
+def test_qos1_roundtrip_with_generated_credentials(peers) -> None:
+    topic = unique("fedge/test/rt")
+    sub = peers()
+    rc, _ = sub.connect()
+    assert not rc.is_failure, rc
+    sub.subscribe(topic, qos=1)
+    pub = peers()
+    assert not pub.connect()[0].is_failure
+    pub.publish(topic, b"hello", qos=1)
+    msg = sub.receive()
+    assert (msg.topic, msg.payload, msg.qos) == (topic, b"hello", 1)
+
+
+def test_wrong_password_refused(broker: EmbeddedBroker, peers) -> None:
+    peer = peers(credentials=(broker.endpoint.username, "not-the-password"))
+    rc, _ = peer.connect()
+    assert rc.is_failure, rc
+
+
+def test_unknown_user_refused(peers) -> None:
+    peer = peers(credentials=("someone-else", "whatever"))
+    rc, _ = peer.connect()
+    assert rc.is_failure, rc
+
+
+def test_anonymous_refused(peers) -> None:
+    peer = peers(use_credentials=False)
+    rc, _ = peer.connect()
+    assert rc.is_failure, rc
+
+
+def test_mqtt5_client_is_not_accepted(broker: EmbeddedBroker) -> None:
+    # Documents the limitation: amqtt speaks 3.1.1 only.  A v5 CONNECT without
+    # credentials is refused; with credentials amqtt misparses it and never
+    # answers, so the client would hang until its keepalive runs out.
+    ep = broker.endpoint
+    for with_credentials in (False, True):
+        client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        if with_credentials:
+            client.username_pw_set(ep.username, ep.password)
+        results: queue.Queue[object] = queue.Queue()
+        client.on_connect = lambda _c, _u, _f, rc, _p, q=results: q.put(rc)
+        try:
+            client.connect(ep.host, ep.port, keepalive=30)
+            client.loop_start()
+            try:
+                outcome = results.get(timeout=1.0)
+            except queue.Empty:
+                outcome = None
+            assert outcome is None or outcome.is_failure, (with_credentials, outcome)
+            if not with_credentials:
+                assert outcome is not None  # an explicit refusal
+        finally:
+            client.loop_stop()
+
+
+# ------------------------------------------------------- MQTT features used
+
+
+def test_retained_message_reaches_late_subscriber(peers) -> None:
+    topic = unique("fedge/test/retained")
+    pub = peers()
+    pub.connect()
+    pub.publish(topic, b"model-v1", qos=1, retain=True)
+    pub.close()
+
+    late = peers()
+    late.connect()
+    late.subscribe(topic, qos=1)
+    msg = late.receive()
+    assert msg.payload == b"model-v1"
+    assert msg.retain
+
+
+def test_last_will_on_dropped_socket(broker: EmbeddedBroker, peers) -> None:
+    will_topic = unique("fedge/test/status")
+    watcher = peers()
+    watcher.connect()
+    watcher.subscribe(will_topic, qos=1)
+
+    ep = broker.endpoint
+    doomed = mqtt.Client(
+        callback_api_version=CallbackAPIVersion.VERSION2,
+        client_id=unique("doomed"),
+        protocol=mqtt.MQTTv311,
+    )
+    doomed.username_pw_set(ep.username, ep.password)
+    doomed.will_set(will_topic, b"offline", qos=1)
+    connected = threading.Event()
+    doomed.on_connect = lambda _c, _u, _f, rc, _p: (not rc.is_failure) and connected.set()
+    # Drive the network loop by hand (no background thread) so we can kill the
+    # socket while nothing else touches it: like a device losing power.
+    doomed.connect(ep.host, ep.port, keepalive=30)
+    deadline = time.monotonic() + WAIT
+    while not connected.is_set() and time.monotonic() < deadline:
+        doomed.loop(timeout=0.05)
+    assert connected.is_set()
+    assert watcher.messages.empty()
+
+    sock = doomed.socket()
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+    msg = watcher.receive()
+    assert (msg.topic, msg.payload) == (will_topic, b"offline")
+
+
+def test_clean_disconnect_sends_no_will(broker: EmbeddedBroker, peers) -> None:
+    will_topic = unique("fedge/test/status")
+    watcher = peers()
+    watcher.connect()
+    watcher.subscribe(will_topic, qos=1)
+    polite = peers(client_id=unique("polite"))
+    polite.client.will_set(will_topic, b"offline", qos=1)
+    polite.connect()
+    polite.close()
+    with pytest.raises(queue.Empty):
+        watcher.receive(timeout=0.5)
+
+
+def test_persistent_session_gets_messages_sent_while_offline(peers) -> None:
+    topic = unique("fedge/test/persist")
+    client_id = unique("edge-device")
+
+    sub = peers(client_id=client_id, clean_session=False)
+    rc, _ = sub.connect()
+    assert not rc.is_failure
+    sub.subscribe(topic, qos=1)
+    sub.close()
+    # The broker marks the session offline right after it reads DISCONNECT;
+    # give it a moment so the publishes below are queued, not sent to a dying socket.
+    time.sleep(0.2)
+
+    pub = peers()
+    pub.connect()
+    for i in range(3):
+        pub.publish(topic, f"update-{i}".encode(), qos=1)
+
+    again = peers(client_id=client_id, clean_session=False)
+    rc, session_present = again.connect()
+    assert not rc.is_failure
+    assert session_present  # the broker kept the subscription; we do not resubscribe
+    got = sorted(again.receive().payload for _ in range(3))
+    assert got == [b"update-0", b"update-1", b"update-2"]
+    with pytest.raises(queue.Empty):
+        again.receive(timeout=0.3)  # exactly three, no duplicates
+
+
+def test_two_megabyte_payload(peers) -> None:
+    topic = unique("fedge/test/big")
+    payload = os.urandom(2 * 1024 * 1024)
+    sub = peers()
+    sub.connect()
+    sub.subscribe(topic, qos=1)
+    pub = peers()
+    pub.connect()
+    pub.publish(topic, payload, qos=1)
+    msg = sub.receive()
+    assert msg.payload == payload
+
+
+def test_stop_with_connected_clients_is_prompt(tmp_path: Path) -> None:
+    b = EmbeddedBroker(workdir=tmp_path)
+    ep = b.start()
+    peer = Peer(ep)
+    peer.connect()
+    peer.subscribe(unique("fedge/test/x"))
+    try:
+        t0 = time.monotonic()
+        b.stop(timeout=5)
+        assert time.monotonic() - t0 < 5
+        assert peer.disconnected.wait(WAIT)  # the client notices the broker went away
+    finally:
+        peer.close()
