@@ -1,0 +1,209 @@
+"""Round engine behaviour with scripted peers: duplicates, rejections, late results, bad tasks."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from coordinator.config import load_config
+from coordinator.engine import Coordinator, EvalData, RunError
+from coordinator.strategies import make_strategy
+from edge_client.client import ClientSettings, EdgeClient, presence_payload
+from edge_client.data import load_dataset
+from edge_client.models import build_model, federated_names
+from edge_client.objectives import LocalData
+from edge_client.protocol import Topics, decode, encode
+from edge_client.transport import InprocHub
+
+SPEC = {"name": "mlp", "hidden": [16], "num_classes": 10, "in_channels": 1, "image_size": 8}
+
+
+def make_coordinator(tmp_path, hub: InprocHub, *, expected: int, **sets) -> Coordinator:
+    overrides = [("clients", "expected", expected), ("clients", "round_timeout", 5.0), ("transport", "kind", "mqtt"),
+                 ("transport", "max_message_bytes", 200_000), ("model", "name", "mlp"), ("model", "hidden", [16])]
+    overrides += [(*k.split("__"), v) for k, v in sets.items()]
+    config = load_config(None, overrides)
+    digits = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model(SPEC)
+    strategy = make_strategy(config)
+    params = {k: v.clone() for k, v in model.state_dict().items() if k in federated_names(model)}
+    return Coordinator(config, hub.connect("coordinator"), run_id="run1", out_dir=tmp_path, strategy=strategy,
+                       state=strategy.initialize(params), model_spec=SPEC,
+                       eval_data=EvalData(torch.from_numpy(digits.x_test), torch.from_numpy(digits.y_test)))
+
+
+class ScriptedClient(threading.Thread):
+    """A peer that answers each task with whatever payloads ``script(task)`` returns."""
+
+    def __init__(self, hub: InprocHub, client_id: str, script) -> None:
+        super().__init__(daemon=True)
+        self.topics = Topics()
+        self.client_id = client_id
+        self.script = script
+        self.transport = hub.connect(client_id)
+        self.acks: list[dict] = []
+        self.stop = threading.Event()
+        self.transport.subscribe(self.topics.client(client_id, "task"))
+        self.transport.subscribe(self.topics.client(client_id, "status"))
+        self.transport.publish(self.topics.client(client_id, "presence"),
+                               presence_payload(client_id, "online", num_samples=10), retain=True)
+
+    def result(self, task, tensors=None, **body) -> bytes:
+        body = {"num_samples": 10, "metrics": {"train_loss": 1.0}, **body}
+        return encode("result", run_id=task.run_id, round=task.round, task_id=task.task_id, sender=self.client_id,
+                      body=body, tensors=task.tensors if tensors is None else tensors)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            incoming = self.transport.get(0.1)
+            if incoming is None:
+                continue
+            msg = decode(incoming.payload)
+            if msg.kind == "task":
+                for payload in self.script(self, msg):
+                    self.transport.publish(self.topics.client(self.client_id, "result"), payload)
+            elif msg.kind == "status":
+                self.acks.append(msg.body)
+
+
+def test_duplicated_result_is_counted_once(tmp_path):
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=2)
+    shifted = {}
+
+    def twice(peer, task):
+        shifted.update({k: v + 1.0 for k, v in task.tensors.items()})
+        payload = peer.result(task, tensors=shifted, num_samples=30)
+        return [payload, payload, payload]
+
+    a = ScriptedClient(hub, "a", twice)
+    b = ScriptedClient(hub, "b", lambda peer, task: [peer.result(task, num_samples=10)])
+    before = {k: v.clone() for k, v in coord.state.params.items()}
+    for peer in (a, b):
+        peer.start()
+    coord.wait_for_clients(2, 5)
+    row = coord.run_round(1)
+    a.stop.set(), b.stop.set()
+    assert (row["selected"], row["returned"], row["duplicates"], row["rejected"]) == (2, 2, 2, 0)
+    for name, value in coord.state.params.items():  # (30 * (w + 1) + 10 * w) / 40 = w + 0.75
+        torch.testing.assert_close(value, before[name] + 0.75)
+    assert sum(1 for ack in a.acks if ack["state"] == "ack") == 3   # every copy acknowledged
+
+
+def test_bad_results_are_rejected_counted_and_do_not_stop_the_round(tmp_path):
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1)
+
+    def bad_then_good(peer, task):
+        good = peer.result(task)
+        n = struct.unpack("<Q", good[:8])[0]
+        wrong_version = good[:8] + good[8:8 + n].replace(b'\\"v\\":1', b'\\"v\\":2') + good[8 + n:]
+        assert wrong_version != good
+        nan = {k: torch.full_like(v, float("nan")) for k, v in task.tensors.items()}
+        small = {k: v[..., :1].contiguous() for k, v in task.tensors.items()}
+        yield b"not an envelope at all"                                   # malformed
+        yield b"\0" * 300_000                                             # oversized
+        yield wrong_version                                               # wrong protocol version
+        yield peer.result(task, tensors=nan)                              # non-finite
+        yield peer.result(task, tensors=small)                            # wrong shapes
+        yield peer.result(task, tensors={k: v.double() for k, v in task.tensors.items()})   # wrong dtype
+        yield peer.result(task, num_samples=-3)                           # nonsense weight
+        yield encode("result", run_id=task.run_id, round=task.round, task_id="other", sender="a",
+                     body={"num_samples": 1}, tensors=task.tensors)       # a task it was not given
+        yield good
+
+    peer = ScriptedClient(hub, "a", bad_then_good)
+    peer.start()
+    coord.wait_for_clients(1, 5)
+    row = coord.run_round(1)
+    peer.stop.set()
+    assert (row["returned"], row["rejected"], row["unexpected"]) == (1, 7, 1)
+    assert row["test_accuracy"] >= 0
+
+
+def test_late_result_from_an_earlier_round_is_ignored_and_counted(tmp_path):
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1)
+    stash = []
+
+    def keep_first(peer, task):
+        if not stash:
+            stash.append(peer.result(task))
+            return [stash[0]]
+        return [stash[0], peer.result(task)]   # replays round 1's result in round 2
+
+    peer = ScriptedClient(hub, "a", keep_first)
+    peer.start()
+    coord.wait_for_clients(1, 5)
+    coord.run_round(1)
+    row = coord.run_round(2)
+    peer.stop.set()
+    assert (row["returned"], row["late"], row["rejected"]) == (1, 1, 0)
+
+
+def test_too_few_results_retries_the_round_with_a_fresh_sample(tmp_path):
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=2, clients__round_timeout=1.0, clients__per_round=1)
+    silent = ScriptedClient(hub, "a", lambda peer, task: [])
+    good = ScriptedClient(hub, "b", lambda peer, task: [peer.result(task)])
+    for peer in (silent, good):
+        peer.start()
+    coord.wait_for_clients(2, 5)
+    # The seeded sample is [b], then [a] (silent) -> retry with [b], then [b]; round 4 draws [a] three times.
+    rows = [coord.run_round(r) for r in range(1, 4)]
+    assert [r["returned"] for r in rows] == [1, 1, 1]
+    assert [r["attempts"] for r in rows] == [1, 2, 1]
+    with pytest.raises(RunError, match="too few results"):
+        coord.run_round(4)
+
+
+def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path):
+    hub = InprocHub()
+    digits = load_dataset("digits")
+    settings = ClientSettings(client_id="dev1", state_dir=tmp_path / "state")
+    client = EdgeClient(settings, hub.connect("dev1"),
+                        LocalData(torch.from_numpy(digits.x_train[:200]), torch.from_numpy(digits.y_train[:200])))
+    stop = threading.Event()
+    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
+    thread.start()
+    me = hub.connect("coord")
+    topics = Topics()
+    me.subscribe(topics.client("dev1", "result"))
+    model = build_model(SPEC)
+    params = {k: v for k, v in model.state_dict().items()}
+    body = {"objective": "train", "hyper": {"epochs": 1}, "model": SPEC, "up": sorted(params), "seed": 1,
+            "timeout": 30, "resend_every": 30}
+
+    def task(task_id, **changes):
+        return encode("task", run_id="r", round=1, task_id=task_id, sender="coordinator",
+                      body={**body, **changes.pop("body", {})}, tensors=changes.pop("tensors", params))
+
+    bad = [b"garbage", task("t1", body={"objective": "mine-bitcoin"}),
+           task("t2", body={"model": {**SPEC, "name": "resnet9000"}}),
+           task("t3", body={"up": ["no.such.param"]}),
+           task("t4", tensors={k: v[:1].contiguous() for k, v in params.items()}),
+           task("t5", body={"model": {**SPEC, "image_size": 28}}),
+           task("t6", body={"hyper": {"lr": -1}})]
+    for payload in bad:
+        me.publish(topics.client("dev1", "task"), payload)
+    me.publish(topics.client("dev1", "task"), task("ok"))
+    results = {}
+    deadline = time.monotonic() + 30
+    while "ok" not in results and time.monotonic() < deadline:
+        incoming = me.get(0.5)
+        if incoming is not None:
+            msg = decode(incoming.payload)
+            results[msg.task_id] = msg
+    stop.set()
+    thread.join(5)
+    assert set(results) == {"t1", "t2", "t3", "t4", "t5", "t6", "ok"}
+    assert all("error" in results[t].body for t in ("t1", "t2", "t3", "t4", "t5", "t6"))
+    ok = results["ok"]
+    assert ok.body["num_samples"] == 200 and set(ok.tensors) == set(params)
+    assert ok.body["profile"]["steps"] > 0 and ok.body["profile"]["peak_rss_bytes"] > 0
+    assert (tmp_path / "state" / "profile.jsonl").is_file()
