@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from coordinator.strategies.base import ServerState
@@ -60,12 +60,13 @@ def load_checkpoint(path: Path) -> tuple[ServerState, dict[str, Any]]:
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
         params = load_file(str(path))
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as fh:
             info = json.loads((fh.metadata() or {})["fedge"])
-    except (SafetensorError, OSError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({exc}); delete it to resume from the one before") from None
-    state = ServerState(round=int(info.pop("round")), params={k: v.to(torch.float32) for k, v in params.items()},
-                        extra=info.pop("extra", {}))
+        if not isinstance(info, dict):
+            raise ValueError("metadata is not a JSON object")
+        state = ServerState(round=int(info.pop("round")), params={k: v.to(torch.float32) for k, v in params.items()},
+                            extra=dict(info.pop("extra", {})))
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc}); "
+                              "delete it to resume from the one before") from None
     return state, info

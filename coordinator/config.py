@@ -31,7 +31,6 @@ class RunSection:
     rounds: int = 5
     seed: int = 0
     out: str = ""                   # empty: runs/<run id>
-    evaluate_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -99,6 +98,10 @@ class RunConfig:
         c, r, t = self.clients, self.run, self.transport
         checks = [
             (r.rounds >= 1, "run.rounds must be at least 1"),
+            (c.max_attempts >= 1, "clients.max_attempts must be at least 1"),
+            (self.train.epochs >= 1 and self.train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
+            (self.train.lr > 0 and self.train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
+            (self.fedprox.mu >= 0, "fedprox.mu must be >= 0"),
             (c.expected >= 1, "clients.expected must be at least 1"),
             (0 <= c.per_round <= c.expected, "clients.per_round must be between 0 (all) and clients.expected"),
             (c.min_results >= 0, "clients.min_results must be >= 0"),
@@ -127,8 +130,21 @@ class RunConfig:
         return self.clients.min_results or self.selected_per_round
 
 
+class OverrideText(str):
+    """A ``--set`` value as typed: read as TOML unless the key it sets holds text."""
+
+    def parsed(self) -> Any:
+        try:
+            return tomllib.loads(f"v = {self}")["v"]
+        except tomllib.TOMLDecodeError:
+            return str(self)
+
+
 def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     expected = type(default)
+    if isinstance(value, OverrideText):
+        parsed = value.parsed()
+        value = parsed if expected is not str or isinstance(parsed, str) else str(value)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
@@ -145,7 +161,8 @@ def _from_dict(raw: dict[str, Any]) -> RunConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table")
         if name == "model":
-            sections[name] = {"name": "cnn", **values}
+            model = {k: v.parsed() if isinstance(v, OverrideText) and k != "name" else v for k, v in values.items()}
+            sections[name] = {"name": "cnn", **{k: str(v) if k == "name" else v for k, v in model.items()}}
             continue
         cls = fields[name].default_factory()  # type: ignore[misc]
         known = {f.name: getattr(cls, f.name) for f in dataclasses.fields(cls)}
@@ -161,17 +178,17 @@ def _to_dict(config: RunConfig) -> dict[str, Any]:
             for f in dataclasses.fields(config)}
 
 
-def parse_override(item: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value); the value is read as TOML when it can be."""
+def parse_override(item: str) -> tuple[str, str, OverrideText]:
+    """``section.key=value`` -> (section, key, text); the text is typed by the key it sets.
+
+    A text key keeps the value as typed (``transport.protocol=5`` stays "5"); any other
+    key reads it as TOML (``model.hidden=[256,128]``, ``train.lr=0.01``).
+    """
     path, sep, text = item.partition("=")
     section, dot, key = path.strip().partition(".")
-    if not sep or not dot or not key:
+    if not sep or not dot or not key.strip():
         raise ConfigError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    return section, key, value
+    return section.strip(), key.strip(), OverrideText(text.strip())
 
 
 def apply_overrides(config: RunConfig, overrides: list[tuple[str, str, Any]]) -> RunConfig:

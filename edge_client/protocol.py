@@ -50,7 +50,7 @@ class ProtocolError(ValueError):
 
 def valid_client_id(client_id: str) -> bool:
     """Client ids become topic levels, so they may not contain ``/``, ``+`` or ``#``."""
-    return isinstance(client_id, str) and bool(_ID_RE.match(client_id))
+    return isinstance(client_id, str) and bool(_ID_RE.fullmatch(client_id))
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,15 @@ def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
     header = {"v": PROTOCOL_VERSION, "kind": kind, "run_id": run_id, "round": int(round),
               "task_id": task_id, "sender": sender, "body": dict(body or {})}
     plain = {k: t.detach().to("cpu").contiguous().clone() for k, t in (tensors or {}).items()}
-    text = json.dumps(header, separators=(",", ":"), allow_nan=False)
+    try:
+        text = json.dumps(header, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"message body is not plain finite JSON: {exc}") from None
     return st_save(plain, metadata={"fedge": text})
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
 
 
 def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -120,8 +127,8 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
     if n > _MAX_HEADER_BYTES or 8 + n > len(payload):
         raise ProtocolError(f"envelope header length {n} does not fit a {len(payload)}-byte message")
     try:
-        st_header = json.loads(bytes(payload[8:8 + n]))
-        meta = json.loads(st_header.pop("__metadata__")["fedge"])
+        st_header = json.loads(bytes(payload[8:8 + n]), parse_constant=_refuse_constant)
+        meta = json.loads(st_header.pop("__metadata__")["fedge"], parse_constant=_refuse_constant)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"not a fedge envelope ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict):

@@ -82,7 +82,11 @@ def test_duplicated_result_is_counted_once(tmp_path):
         return [payload, payload, payload]
 
     a = ScriptedClient(hub, "a", twice)
-    b = ScriptedClient(hub, "b", lambda peer, task: [peer.result(task, num_samples=10)])
+    def slow(peer, task):   # answers last, so a's copies arrive while the round is still open
+        time.sleep(0.5)
+        return [peer.result(task, num_samples=10)]
+
+    b = ScriptedClient(hub, "b", slow)
     before = {k: v.clone() for k, v in coord.state.params.items()}
     for peer in (a, b):
         peer.start()

@@ -240,9 +240,6 @@ def test_make_strategy_unknown_name():
         make_strategy(config)
 
 
-@pytest.mark.xfail(reason="BUG: a negative fedprox.mu passes load_config().validate() and FedProx raises a "
-                          "plain ValueError, which the CLI does not catch (traceback instead of a config error)",
-                   strict=True)
 def test_negative_fedprox_mu_is_a_config_error():
     with pytest.raises(ConfigError, match="fedprox.mu"):
         make_strategy(load_config(None, [("run", "strategy", "fedprox"), ("fedprox", "mu", -0.5)]))
