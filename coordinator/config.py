@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.selection import SELECTIONS
+from edge_client.chunking import MIN_MESSAGE_BYTES
+from edge_client.codec import CodecError, parse_codec
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -31,12 +35,14 @@ class RunSection:
     rounds: int = 5
     seed: int = 0
     out: str = ""                   # empty: runs/<run id>
+    diagnostics: bool = False       # record per-layer weight divergence of each round's client models
 
 
 @dataclass(frozen=True)
 class DataSection:
     eval: str = "digits"            # the coordinator's evaluation data (its test split)
     partition: str = "iid"          # for clients the coordinator spawns
+    local_test_fraction: float = 0.0  # share of each spawned client's data held out for personalized evaluation
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class ClientsSection:
     resend_every: float = 10.0      # how often a client re-sends an unacknowledged result
     spawn: int = 0                  # local client processes (or threads with inproc)
     torch_threads: int = 1          # per spawned client, to avoid oversubscription
+    selection: str = "random"       # random | deadline (skip clients predicted to miss round_timeout)
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,24 @@ class TransportSection:
     prefix: str = "fedge"
     username: str = ""
     password_env: str = "FEDGE_MQTT_PASSWORD"   # the password is read from this variable, never stored
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = 256 * 1024          # largest publish; longer messages go in chunks (broker limit)
+    max_decoded_bytes: int = 64 * 1024 * 1024    # largest whole message accepted (reassembled, decompressed)
+    chunking: bool = True                        # off: a message over max_message_bytes is an error
+
+
+@dataclass(frozen=True)
+class CodecSection:
+    up: str = "fp32"                # codec of results, e.g. int8, topk:0.1+int8+zstd (docs/codecs.md)
+    down: str = "fp32"              # codec of the global model sent down (no topk)
+    error_feedback: bool = True     # keep what a lossy upload codec dropped and send it next time
+    broadcast: bool = True          # tensors common to all of a round's tasks go once, as a retained message
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    personalized: bool = False      # ask clients for accuracy on their local test split
+    every: int = 1                  # ... every this many rounds (and always in the last round)
+    finetune_epochs: int = 0        # local fine-tuning epochs before that evaluation (0: none)
 
 
 @dataclass(frozen=True)
@@ -92,7 +116,9 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     fedprox: FedProxSection = field(default_factory=FedProxSection)
     transport: TransportSection = field(default_factory=TransportSection)
+    codec: CodecSection = field(default_factory=CodecSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def validate(self) -> "RunConfig":
         c, r, t = self.clients, self.run, self.transport
@@ -102,24 +128,45 @@ class RunConfig:
             (self.train.epochs >= 1 and self.train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
             (self.train.lr > 0 and self.train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
             (self.fedprox.mu >= 0, "fedprox.mu must be >= 0"),
+            (0.0 <= self.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),
+            (self.eval.every >= 1 and self.eval.finetune_epochs >= 0, "eval.every must be >= 1, eval.finetune_epochs >= 0"),
+            (not self.eval.personalized or self.data.local_test_fraction > 0 or self.clients.spawn == 0,
+             "eval.personalized needs data.local_test_fraction > 0 for spawned clients"),
             (c.expected >= 1, "clients.expected must be at least 1"),
             (0 <= c.per_round <= c.expected, "clients.per_round must be between 0 (all) and clients.expected"),
             (c.min_results >= 0, "clients.min_results must be >= 0"),
             (c.round_timeout > 0 and c.presence_timeout > 0, "timeouts must be positive"),
             (c.spawn >= 0, "clients.spawn must be >= 0"),
+            (c.selection in SELECTIONS, f"clients.selection must be one of {', '.join(SELECTIONS)}"),
             (t.kind in ("mqtt", "inproc"), "transport.kind must be mqtt or inproc"),
             (t.kind == "mqtt" or c.spawn > 0, "the inproc transport needs spawned clients (--spawn-clients N)"),
             (t.protocol in ("auto", "5", "3.1.1"), "transport.protocol must be auto, 5 or 3.1.1"),
+            (t.max_message_bytes >= MIN_MESSAGE_BYTES, f"transport.max_message_bytes must be at least "
+                                                       f"{MIN_MESSAGE_BYTES}"),
+            (t.max_decoded_bytes >= MIN_MESSAGE_BYTES, f"transport.max_decoded_bytes must be at least "
+                                                       f"{MIN_MESSAGE_BYTES}"),
             (self.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
             ("name" in self.model, "model.name is required"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._check_codecs()
         if self.selected_per_round < self.required_results:
             raise ConfigError(f"clients.min_results={c.min_results} exceeds the {self.selected_per_round} "
                               f"clients selected per round")
         return self
+
+    def _check_codecs(self) -> None:
+        specs = {}
+        for key in ("up", "down"):
+            try:
+                specs[key] = parse_codec(getattr(self.codec, key))
+            except CodecError as exc:
+                raise ConfigError(f"codec.{key}: {exc}") from None
+        if specs["down"].topk is not None:
+            raise ConfigError("codec.down cannot use topk: it would zero most weights of the model sent down; "
+                              "use topk in codec.up")
 
     @property
     def selected_per_round(self) -> int:

@@ -8,8 +8,8 @@ checked; anything unacceptable is counted and logged, never raised.
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -22,11 +22,17 @@ import torch
 
 from coordinator.checkpoint import save_checkpoint
 from coordinator.config import RunConfig
+from coordinator.downlink import Downlink, shared_tensors
+from coordinator.profiles import ProfileStore
+from coordinator.selection import DeadlineFilter, RoundTimes
 from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
+from edge_client.diagnostics import divergence_metrics
 from edge_client.models import build_model, state_shapes
-from edge_client.objectives import evaluate
 from edge_client.protocol import Message, ProtocolError, Topics, check_tensors, decode, encode
-from edge_client.transport import Transport, TransportError
+from edge_client.chunking import ChunkingTransport
+from edge_client.transport import MessageTooLarge, Transport, TransportError
+from edge_client.updates import decode_upload
+from profiling.schema import clean_profile
 
 __all__ = ["RunError", "Coordinator", "EvalData"]
 
@@ -53,9 +59,11 @@ class _Round:
     plans: dict[str, TaskPlan] = field(default_factory=dict)       # task id -> plan
     results: dict[str, ClientResult] = field(default_factory=dict)  # client id -> result
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)               # left out by deadline selection
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     bytes_down: int = 0
     bytes_up: int = 0
+    bytes_broadcast: int = 0
 
     @property
     def complete(self) -> bool:
@@ -69,7 +77,10 @@ class Coordinator:
                  strategy: Strategy, state: ServerState, model_spec: dict[str, Any], eval_data: EvalData,
                  on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.config = config
-        self.transport = transport
+        t = config.transport
+        # Chunks what is over the broker's packet limit, reassembles what comes in chunks.
+        self.transport = ChunkingTransport(transport, max_message_bytes=t.max_message_bytes,
+                                           max_decoded_bytes=t.max_decoded_bytes, chunking=t.chunking)
         self.run_id = run_id
         self.out = out_dir
         self.strategy = strategy
@@ -80,8 +91,15 @@ class Coordinator:
         self.topics = Topics(config.transport.prefix)
         self.model = build_model(model_spec)
         self.shapes = state_shapes(self.model)
+        self.fp32_model_bytes = 4 * sum(math.prod(s) for s in self.shapes.values())
+        self.downlink = Downlink(config, run_id)
+        self._broadcast_digest = ""                   # the model message last published
+        self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, dict[str, Any]] = {}
         self.sent_tasks: set[str] = set()
+        self.round_times = RoundTimes()
+        self._deadline_filter = DeadlineFilter(self.round_times)
+        self.profile_store = ProfileStore(out_dir / "clients", completed_rounds=state.round)
         self._round = _Round(round=0, attempt=-1)   # between rounds: collects strays for the next row
         self.watchdog: Callable[[], None] = lambda: None   # raises RunError if spawned clients died
 
@@ -96,11 +114,20 @@ class Coordinator:
             kind = incoming.topic.rsplit("/", 1)[-1]
             if client_id is None:
                 continue
-            if kind == "presence":
+            if kind == "result":
+                self._round.bytes_up += incoming.wire_bytes
+                self._add_bytes(client_id, "up", incoming.wire_bytes)
+                if incoming.error:   # its chunks did not make a whole message
+                    self._count("rejected", client_id, incoming.error)
+                elif incoming.payload:
+                    self._on_result(client_id, incoming.payload)
+            elif incoming.error:
+                log.warning("lost a message on %s: %s", incoming.topic, incoming.error)
+            elif kind == "presence" and incoming.payload:
                 self._on_presence(client_id, incoming.payload)
-            elif kind == "result":
-                self._round.bytes_up += len(incoming.payload)
-                self._on_result(client_id, incoming.payload)
+
+    def _add_bytes(self, client_id: str, direction: str, n: int) -> None:
+        self._client_bytes.setdefault(client_id, {"down": 0, "up": 0})[direction] += n
 
     def _on_presence(self, client_id: str, payload: bytes) -> None:
         try:
@@ -130,13 +157,17 @@ class Coordinator:
     def _on_result(self, client_id: str, payload: bytes) -> None:
         book = self._round
         try:
-            msg = decode(payload, max_bytes=self.config.transport.max_message_bytes)
+            msg = decode(payload, max_bytes=self.config.transport.max_decoded_bytes)
         except ProtocolError as exc:
             self._count("rejected", client_id, str(exc))
             return
         if msg.kind != "result" or msg.sender != client_id:
             self._count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
             return
+        profile = clean_profile(msg.body.get("profile"))
+        round_seconds = self.round_times.answered(msg.task_id, client_id, time.monotonic())
+        if round_seconds is not None:   # the first answer to a task this coordinator gave this client
+            self._store_profile(client_id, msg, profile, round_seconds, late=msg.task_id not in book.plans)
         plan = book.plans.get(msg.task_id)
         if msg.run_id != self.run_id or (plan is None and msg.task_id in self.sent_tasks):
             self._count("late", client_id, f"task {msg.task_id} of round {msg.round} is over")
@@ -149,7 +180,7 @@ class Coordinator:
             book.counts["duplicates"] += 1
             self._status(client_id, msg.task_id, "ack")
             return
-        book.profiles[client_id] = msg.body.get("profile", {})
+        book.profiles[client_id] = profile
         try:
             result = self._accept(plan, msg)
         except ProtocolError as exc:
@@ -160,24 +191,39 @@ class Coordinator:
         book.results[client_id] = result
         self._status(client_id, msg.task_id, "ack")
 
+    def _store_profile(self, client_id: str, msg: Message, profile: dict[str, Any], round_seconds: float, *,
+                       late: bool) -> None:
+        error = msg.body.get("error")
+        self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, round_seconds=round_seconds,
+                               late=late, error=None if error is None else str(error)[:500], profile=profile,
+                               device=self.online.get(client_id, {}).get("device"))
+
     def _accept(self, plan: TaskPlan, msg: Message) -> ClientResult:
         if "error" in msg.body:
             raise ProtocolError(f"client could not run the task: {msg.body['error']}")
         n = msg.body.get("num_samples")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ProtocolError(f"num_samples must be a positive integer, got {n!r}")
-        check_tensors(msg.tensors, {k: self.shapes[k] for k in plan.up})
+        expect = plan.expect if plan.expect is not None else {k: self.shapes[k] for k in plan.up}
+        tensors = decode_upload(msg.tensors, msg.body, expect, plan.down)   # differences back to parameters
+        check_tensors(tensors, expect)
         metrics = msg.body.get("metrics", {})
-        return ClientResult(plan.client_id, n, msg.tensors, metrics if isinstance(metrics, dict) else {})
+        return ClientResult(plan.client_id, n, tensors, metrics if isinstance(metrics, dict) else {})
 
-    def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+    def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> int:
+        """Publish (in chunks if needed) and return the bytes sent; a message too large ends the run."""
         try:
-            self.transport.publish(topic, payload, retain=retain)
+            return self.transport.publish(topic, payload, retain=retain)
+        except MessageTooLarge as exc:
+            raise RunError(f"cannot send to {topic}: {exc}") from None
         except TransportError as exc:
             log.error("could not publish to %s: %s", topic, exc)
+            return 0
 
-    def announce(self, state: str) -> None:
-        payload = encode("status", run_id=self.run_id, round=self.state.round + (state == "running"),
+    def announce(self, state: str, round: int | None = None) -> None:
+        """Tell every client the run's state and current round (older tasks are stale)."""
+        current = self.state.round + 1 if round is None else round
+        payload = encode("status", run_id=self.run_id, round=current,
                          task_id="", sender="coordinator", body={"state": state})
         self._publish(self.topics.coordinator_status, payload, retain=True)
 
@@ -197,75 +243,117 @@ class Coordinator:
         if len(self.online) < c.required_results:
             self.wait_for_clients(c.required_results, c.clients.presence_timeout)
         pool = sorted(self.online)
+        if c.clients.selection == "deadline":
+            pool = self._skip_predicted_late(pool, round)
         rng = random.Random(f"{c.run.seed}/{round}/{attempt}")
         return sorted(rng.sample(pool, min(want, len(pool))))
 
+    def _skip_predicted_late(self, pool: list[str], round: int) -> list[str]:
+        c = self.config.clients
+        keep, skipped = self._deadline_filter(pool, c.round_timeout, self.config.required_results)
+        self._round.skipped = [s.client_id for s in skipped]
+        if skipped:
+            log.info("round %d: deadline selection skipped %s (round_timeout %.1f s)", round,
+                     ", ".join(f"{s.client_id} (predicted {s.predicted_seconds:.1f} s)" for s in skipped),
+                     c.round_timeout)
+        return keep
+
+    def _broadcast(self, book: _Round, tensors: dict[str, torch.Tensor]) -> str:
+        """Publish the exchange's shared tensors once (retained) unless already there; return their hash."""
+        payload, digest = self.downlink.broadcast(book.round, tensors)
+        if digest != self._broadcast_digest:
+            sent = self._publish(self.topics.model, payload, retain=True)
+            book.bytes_down += sent
+            book.bytes_broadcast += sent
+            self._broadcast_digest = digest if sent else ""
+        return digest
+
     def _send_tasks(self, book: _Round, plans: list[TaskPlan]) -> None:
         c = self.config.clients
+        shared = shared_tensors(plans) if self.config.codec.broadcast else {}
+        digest = self._broadcast(book, shared) if shared else ""
         for plan in plans:
             task_id = uuid.uuid4().hex[:16]
             body = {"objective": plan.objective, "hyper": plan.hyper, "model": self.model_spec, "up": plan.up,
                     "seed": self.config.run.seed, "timeout": c.round_timeout, "resend_every": c.resend_every,
-                    "deadline": time.time() + c.round_timeout}
-            payload = encode("task", run_id=self.run_id, round=book.round, task_id=task_id,
-                             sender="coordinator", body=body, tensors=plan.down)
+                    "deadline": time.time() + c.round_timeout, "upload": self.downlink.upload(plan),
+                    **({"broadcast": digest} if digest else {})}
+            own = {k: v for k, v in plan.down.items() if k not in shared}
+            payload = self.downlink.task(book.round, task_id, body, own)
             book.plans[task_id] = plan
             self.sent_tasks.add(task_id)
-            book.bytes_down += len(payload)
-            self._publish(self.topics.client(plan.client_id, "task"), payload)
+            self.round_times.sent(task_id, plan.client_id, plan.objective, time.monotonic())
+            sent = self._publish(self.topics.client(plan.client_id, "task"), payload)
+            book.bytes_down += sent
+            self._add_bytes(plan.client_id, "down", sent)
 
-    def run_round(self, round: int) -> dict[str, Any]:
-        """Run one round (retrying with fresh samples if too few results) and return its metrics row."""
+    def _exchange(self, round: int, phase: str) -> tuple[_Round, dict[str, int]]:
+        """One task/result exchange of a phase, retried with fresh samples while results are too few."""
         c = self.config
-        started = time.monotonic()
-        totals = dict(self._round.counts)
-        bytes_down, bytes_up = 0, self._round.bytes_up
+        totals = dict(self._round.counts, bytes_down=0, bytes_up=self._round.bytes_up, bytes_broadcast=0)
         for attempt in range(c.clients.max_attempts):
             book = self._round = _Round(round=round, attempt=attempt)
-            self.announce("running")
-            clients = self._sample(round, attempt)
-            self._send_tasks(book, self.strategy.configure_train(round, self.state, clients))
+            self.announce("running", round)
+            clients = sorted(self.online) if self.strategy.selects_all(phase) else self._sample(round, attempt)
+            self._send_tasks(book, self.strategy.configure(phase, round, self.state, clients))
             self._pump(time.monotonic() + c.clients.round_timeout, lambda: book.complete)
+            self.round_times.missed(book.plans, c.clients.round_timeout)   # unanswered: at least the timeout
             for key in COUNTERS:
                 totals[key] += book.counts[key]
-            bytes_down += book.bytes_down
-            bytes_up += book.bytes_up
-            if book.results and len(book.results) >= c.required_results:
-                break
-            log.warning("round %d attempt %d: %d of %d results (need %d); retrying with a fresh sample",
-                        round, attempt + 1, len(book.results), len(book.plans), c.required_results)
-        else:
-            raise RunError(f"round {round} got too few results in {c.clients.max_attempts} attempts; "
-                           "check the clients' logs, raise clients.round_timeout or lower clients.min_results")
-        results = [book.results[k] for k in sorted(book.results)]   # fixed order: reproducible sums
-        self.state = self.strategy.aggregate_train(round, self.state, results)
-        self._round = _Round(round=round, attempt=-1)
-        self._write_profiles(round, book.profiles)
-        loss, acc = self.evaluate()
-        slowest = max(book.profiles.items(), key=lambda kv: kv[1].get("seconds") or 0, default=(None, {}))
-        n = sum(r.num_samples for r in results)
-        return {
-            "round": round, "test_accuracy": acc, "test_loss": loss,
-            "selected": len(book.plans), "returned": len(book.results), "attempts": book.attempt + 1,
-            **totals, "bytes_down": bytes_down, "bytes_up": bytes_up,
-            "bytes_down_per_client": bytes_down // max(len(book.plans), 1),
-            "bytes_up_per_client": bytes_up // max(len(book.results), 1),
-            "train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n,
-            "slowest_client": slowest[0], "slowest_seconds": slowest[1].get("seconds"),
-            "seconds": time.monotonic() - started,
-        }
+            totals["bytes_down"] += book.bytes_down
+            totals["bytes_up"] += book.bytes_up
+            totals["bytes_broadcast"] += book.bytes_broadcast
+            if book.results and len(book.results) >= min(c.required_results, len(book.plans)):
+                self._round = _Round(round=round, attempt=-1)   # collects strays until the next exchange
+                return book, totals
+            log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying with a fresh sample",
+                        round, phase, attempt + 1, len(book.results), len(book.plans), c.required_results)
+        raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
+                       "check the clients' logs, raise clients.round_timeout or lower clients.min_results")
 
-    def evaluate(self) -> tuple[float, float]:
+    def run_round(self, round: int) -> dict[str, Any]:
+        """Run one round's phases (training, then any the strategy adds) and return its metrics row."""
+        started = time.monotonic()
+        row: dict[str, Any] = {"round": round}
+        counts: dict[str, int] = dict.fromkeys((*COUNTERS, "bytes_down", "bytes_up", "bytes_broadcast"), 0)
+        self._client_bytes = {}
+        last = round == self.config.run.rounds
+        for phase in self.strategy.phases(round, last):
+            book, totals = self._exchange(round, phase)
+            results = [book.results[k] for k in sorted(book.results)]   # fixed order: reproducible sums
+            for key, value in totals.items():
+                counts[key] += value
+            if phase == "train":
+                n = sum(r.num_samples for r in results)
+                slowest = max(book.profiles.items(), key=lambda kv: kv[1].get("seconds") or 0, default=(None, {}))
+                row.update({
+                    "selected": len(book.plans), "returned": len(book.results), "attempts": book.attempt + 1,
+                    "train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n,
+                    "slowest_client": slowest[0], "slowest_seconds": slowest[1].get("seconds"),
+                    "skipped": book.skipped,
+                    "bytes_down_per_client": totals["bytes_down"] // max(len(book.plans), 1),
+                    "bytes_up_per_client": totals["bytes_up"] // max(len(book.results), 1),
+                    # the reference: the whole float32 model to and from every selected client
+                    "fp32_bytes_down": self.fp32_model_bytes * len(book.plans),
+                    "fp32_bytes_up": self.fp32_model_bytes * len(book.plans),
+                })
+                if self.config.run.diagnostics:   # before aggregation: how far apart the clients went
+                    row.update(divergence_metrics([r.tensors for r in results], [r.num_samples for r in results]))
+            else:
+                row.update({f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results)})
+            self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results)
+            row.update(phase_metrics)
         self.model.load_state_dict(self.state.params, strict=False)
-        return evaluate(self.model, self.eval_data.x, self.eval_data.y)
+        row.update(self.strategy.evaluate(self.state, self.model, self.eval_data.x, self.eval_data.y))
+        row.update(counts)
+        row["bytes_per_client"] = {k: self._client_bytes[k] for k in sorted(self._client_bytes)}
+        row["seconds"] = time.monotonic() - started
+        return row
 
-    def _write_profiles(self, round: int, profiles: dict[str, dict[str, Any]]) -> None:
-        directory = self.out / "clients"
-        directory.mkdir(parents=True, exist_ok=True)
-        for client_id, profile in profiles.items():
-            record = {"client_id": client_id, "round": round, "profile": profile,
-                      "device": self.online.get(client_id, {}).get("device")}
-            (directory / f"{client_id}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    def evaluate(self) -> dict[str, Any]:
+        """The strategy's evaluation of the current global state on the coordinator's test split."""
+        self.model.load_state_dict(self.state.params, strict=False)
+        return self.strategy.evaluate(self.state, self.model, self.eval_data.x, self.eval_data.y)
 
     def checkpoint(self) -> Path:
         info = {"run_id": self.run_id, "model": self.model_spec, "strategy": self.strategy.name}

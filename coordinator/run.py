@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from coordinator.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
@@ -182,9 +182,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
             coordinator.wait_for_clients(config.clients.expected, config.clients.presence_timeout)
             coordinator.watchdog = lambda: None
             if not rows:
-                loss, acc = coordinator.evaluate()
-                rows.append({"round": 0, "test_accuracy": acc, "test_loss": loss, "selected": 0, "returned": 0,
-                             "late": 0, "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
+                rows.append({"round": 0, **coordinator.evaluate(), "selected": 0, "returned": 0, "late": 0,
+                             "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
                 on_round(rows[-1])
             for r in range(state.round + 1, config.run.rounds + 1):
                 row = coordinator.run_round(r)
@@ -201,6 +200,18 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     return RunResult(out, summary)
 
 
+def _traffic(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes on the wire over the run, and their ratio to sending the whole float32 model both ways
+    to every selected client every round (below 1: smaller than that)."""
+    keys = ("bytes_down", "bytes_up", "bytes_broadcast", "fp32_bytes_down", "fp32_bytes_up")
+    t: dict[str, Any] = {k: sum(r.get(k, 0) for r in rows) for k in keys}
+    reference = t["fp32_bytes_down"] + t["fp32_bytes_up"]
+    t["ratio_down_vs_fp32"] = t["bytes_down"] / t["fp32_bytes_down"] if t["fp32_bytes_down"] else None
+    t["ratio_up_vs_fp32"] = t["bytes_up"] / t["fp32_bytes_up"] if t["fp32_bytes_up"] else None
+    t["ratio_vs_fp32"] = (t["bytes_down"] + t["bytes_up"]) / reference if reference else None
+    return t
+
+
 def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any]], seconds: float,
              spec: dict[str, Any]) -> dict[str, Any]:
     trained = [r for r in rows if r["round"] > 0]
@@ -214,8 +225,7 @@ def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any
         "final_accuracy": rows[-1]["test_accuracy"] if rows else None,
         "best_accuracy": max((r["test_accuracy"] for r in rows), default=None),
         "final_loss": rows[-1]["test_loss"] if rows else None,
-        "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
-        "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
+        **_traffic(rows),
         "rejected": sum(r.get("rejected", 0) for r in rows),
         "late": sum(r.get("late", 0) for r in rows),
         "seconds_this_session": seconds,

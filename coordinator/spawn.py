@@ -14,12 +14,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from coordinator.config import RunConfig
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import Dataset, client_split
-from edge_client.objectives import LocalData
+from edge_client.objectives import local_data
 from edge_client.protocol import Topics
 from edge_client.transport import InprocHub
 
@@ -75,9 +73,12 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
         cmd = [sys.executable, "-m", "edge_client.cli", "run", "--broker", broker_url, "--client-id", cid,
                "--data", config.data.eval, "--partition", config.data.partition, "--partition-index", str(i),
                "--num-partitions", str(count), "--seed", str(config.run.seed),
+               "--local-test-fraction", str(config.data.local_test_fraction),
                "--state-dir", str(out_dir / "clients" / cid), "--prefix", config.transport.prefix,
                "--mqtt-protocol", protocol, "--torch-threads", str(config.clients.torch_threads),
                "--max-message-bytes", str(config.transport.max_message_bytes),
+               "--max-decoded-bytes", str(config.transport.max_decoded_bytes),
+               *([] if config.transport.chunking else ["--no-chunking"]),
                "--exit-after-run", "--parent-pid", str(os.getpid())]
         if username:
             cmd += ["--username", username]
@@ -96,9 +97,12 @@ def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dat
         cid = sim_client_id(i)
         x, y = client_split(dataset, config.data.partition, i, count, config.run.seed)
         settings = ClientSettings(client_id=cid, topics=Topics(config.transport.prefix),
-                                  max_message_bytes=config.transport.max_message_bytes, exit_after_run=True)
+                                  max_message_bytes=config.transport.max_message_bytes,
+                                  max_decoded_bytes=config.transport.max_decoded_bytes,
+                                  chunking=config.transport.chunking, exit_after_run=True)
         transport = hub.connect(cid, will=EdgeClient.will(settings))
-        client = EdgeClient(settings, transport, LocalData(torch.from_numpy(x), torch.from_numpy(y)))
+        data = local_data(x, y, config.data.local_test_fraction, seed=config.run.seed, client_id=cid)
+        client = EdgeClient(settings, transport, data)
         thread = threading.Thread(target=client.run, args=(spawned.stop_event,), name=cid, daemon=True)
         thread.start()
         spawned.threads.append(thread)

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--partition-index", type=int, default=0, help="simulation only: which partition (0-based)")
     run.add_argument("--num-partitions", type=int, default=1, help="simulation only: how many partitions")
     run.add_argument("--seed", type=int, default=0, help="simulation only: partition seed (the run's seed)")
+    run.add_argument("--local-test-fraction", type=float, default=0.0,
+                     help="hold out this share of the local data for personalized evaluation (default 0)")
     run.add_argument("--state-dir", type=Path, default=Path(os.environ.get("FEDGE_STATE_DIR", "fedge-state")),
                      help="directory kept across restarts (profile history, local state); default ./fedge-state")
     run.add_argument("--prefix", default="fedge", help="MQTT topic prefix shared with the coordinator")
@@ -45,8 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="MQTT version; auto tries 5, then 3.1.1 (default auto)")
     run.add_argument("--torch-threads", type=int, default=0,
                      help="torch CPU threads (0: torch's default); 1 when several clients share a machine")
-    run.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024,
-                     help="refuse messages larger than this (default 64 MiB)")
+    run.add_argument("--max-message-bytes", type=int, default=256 * 1024,
+                     help="largest publish; longer messages are sent in chunks. Set it below the broker's "
+                          "packet limit (default 256 KiB)")
+    run.add_argument("--max-decoded-bytes", type=int, default=64 * 1024 * 1024,
+                     help="refuse whole messages (reassembled, decompressed) larger than this (default 64 MiB)")
+    run.add_argument("--no-chunking", dest="chunking", action="store_false",
+                     help="never split messages: one over --max-message-bytes is an error")
     run.add_argument("--exit-after-run", action="store_true",
                      help="exit once a run this client took part in finishes (default: keep serving)")
     run.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -55,17 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_data(args: argparse.Namespace):  # -> LocalData
-    import torch
-
     from edge_client.data import client_split, load_dataset
-    from edge_client.objectives import LocalData
+    from edge_client.objectives import local_data
 
     dataset = load_dataset(args.data)
     if args.partition:
         x, y = client_split(dataset, args.partition, args.partition_index, args.num_partitions, args.seed)
     else:
         x, y = dataset.x_train, dataset.y_train
-    return LocalData(torch.from_numpy(x), torch.from_numpy(y))
+    return local_data(x, y, args.local_test_fraction, seed=args.seed, client_id=args.client_id)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -88,7 +93,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedge-client: {exc}", file=sys.stderr)
         return 2
     settings = ClientSettings(client_id=args.client_id, topics=Topics(args.prefix), state_dir=args.state_dir,
-                              max_message_bytes=args.max_message_bytes, exit_after_run=args.exit_after_run,
+                              max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
+                              chunking=args.chunking, exit_after_run=args.exit_after_run,
                               parent_pid=args.parent_pid)
     broker = BrokerSettings(url=args.broker, username=args.username, password=os.environ.get("FEDGE_MQTT_PASSWORD"),
                             protocol=args.mqtt_protocol, max_message_bytes=args.max_message_bytes)

@@ -2,15 +2,19 @@
 
 The loop is transport-agnostic (MQTT on a device, in-process in simulations) and
 never trusts what it receives: every task is decoded and checked before use, and
-a bad one is answered with a rejection instead of an exception.
+a bad one is answered with a rejection instead of an exception. A task may
+reference the round's model broadcast by its hash: the client then fetches it
+(subscribing to the retained model topic) only when it does not hold it already.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +23,15 @@ import psutil
 import torch
 from torch import nn
 
+from edge_client.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
+from edge_client.codec import parse_codec
 from edge_client.models import ModelSpecError, build_model, federated_names, state_shapes
-from edge_client.objectives import OBJECTIVES, LocalData, ObjectiveError, shuffle_seed
+from edge_client.objectives import OBJECTIVES, LocalData, ObjectiveError, TaskContext, shuffle_seed
 from edge_client.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError, Topics, decode, encode
-from edge_client.transport import Transport, TransportError, Will
+from edge_client.transport import MessageTooLarge, Transport, TransportError, Will
+from edge_client.updates import ResidualStore, UploadSettings, decode_download, encode_upload
 from profiling.device import device_facts
+from profiling.history import append_history
 from profiling.profiler import Profiler
 
 __all__ = ["ClientSettings", "EdgeClient", "presence_payload"]
@@ -36,7 +44,9 @@ class ClientSettings:
     client_id: str
     topics: Topics = field(default_factory=Topics)
     state_dir: Path | None = None
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = DEFAULT_PACKET_BYTES          # largest publish; longer messages go in chunks
+    max_decoded_bytes: int = DEFAULT_MAX_MESSAGE_BYTES     # largest whole message accepted
+    chunking: bool = True
     exit_after_run: bool = False     # leave once a run we took part in finishes
     parent_pid: int | None = None    # leave when this process is gone (spawned simulations)
 
@@ -63,7 +73,8 @@ class EdgeClient:
 
     def __init__(self, settings: ClientSettings, transport: Transport, data: LocalData) -> None:
         self.settings = settings
-        self.transport = transport
+        self.transport = ChunkingTransport(transport, max_message_bytes=settings.max_message_bytes,
+                                           max_decoded_bytes=settings.max_decoded_bytes, chunking=settings.chunking)
         self.data = data
         self.topics = settings.topics
         self._models: dict[str, nn.Module] = {}
@@ -72,6 +83,10 @@ class EdgeClient:
         self._latest_round: dict[str, int] = {}    # run id -> newest round the coordinator announced
         self._runs_seen: set[str] = set()
         self._finished = False
+        self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
+        self._broadcasts: OrderedDict[str, Message] = OrderedDict()   # model messages by SHA-256, newest last
+        self._waiting: tuple[Message, Profiler, float] | None = None   # a task waiting for its broadcast
+        self._residuals = ResidualStore(settings.state_dir)
         self.tasks_run = 0
 
     @staticmethod
@@ -96,21 +111,32 @@ class EdgeClient:
                 log.info("parent process %d is gone; leaving", self.settings.parent_pid)
                 break
             incoming = self.transport.get(0.2)
-            if incoming is not None:
-                self._handle(incoming.topic, incoming.payload)
+            if incoming is not None and incoming.error:
+                log.warning("lost a message on %s: %s", incoming.topic, incoming.error)
+            elif incoming is not None and incoming.payload:
+                self._handle(incoming.topic, incoming.payload, incoming.received_at)
+            self._give_up_waiting()
             self._resend_if_due()
         self.transport.publish(self.topics.client(cid, "presence"), presence_payload(cid, "offline"), retain=True)
 
-    def _handle(self, topic: str, payload: bytes) -> None:
+    def _handle(self, topic: str, payload: bytes, received_at: float | None = None) -> None:
+        taken_up, started = time.monotonic(), time.perf_counter()
+        if topic == self.topics.model:
+            self._on_model(payload)
+            return
         try:
-            msg = decode(payload, max_bytes=self.settings.max_message_bytes)
+            msg = decode(payload, max_bytes=self.settings.max_decoded_bytes)
         except ProtocolError as exc:
             log.warning("ignored a message on %s: %s", topic, exc)
             return
         if topic == self.topics.coordinator_status:
             self._on_coordinator_status(msg)
         elif msg.kind == "task" and topic == self.topics.client(self.settings.client_id, "task"):
-            self._on_task(msg)
+            profiler = Profiler(started=started)
+            if received_at is not None:   # how long the task waited on this device before we took it up
+                profiler.add("receive", max(0.0, taken_up - received_at))
+            profiler.add("decode", time.perf_counter() - started)
+            self._on_task(msg, profiler)
         elif msg.kind == "status":
             self._on_status(msg)
 
@@ -132,8 +158,52 @@ class EdgeClient:
                 log.warning("coordinator rejected result of %s: %s", task_id, msg.body.get("reason"))
             self._pending = None
 
+    # -- the model broadcast ----------------------------------------------------
+    def _on_model(self, payload: bytes) -> None:
+        digest = hashlib.sha256(payload).hexdigest()
+        try:
+            msg = decode(payload, max_bytes=self.settings.max_decoded_bytes)
+        except ProtocolError as exc:
+            log.warning("ignored a model broadcast: %s", exc)
+            return
+        if msg.kind != "model":
+            return
+        self._broadcasts[digest] = msg
+        while len(self._broadcasts) > 2:   # the current model and the one before are enough
+            self._broadcasts.popitem(last=False)
+        if self._waiting is not None and self._waiting[0].body.get("broadcast") == digest:
+            task, profiler, since = self._waiting
+            self._stop_waiting()
+            profiler.add("fetch_model", time.monotonic() - since)
+            self._on_task(task, profiler)
+
+    def _needs_broadcast(self, msg: Message, profiler: Profiler) -> bool:
+        """Park a task whose broadcast is not here yet and fetch it (the retained model topic)."""
+        digest = msg.body.get("broadcast")
+        if not digest or digest in self._broadcasts:
+            self._stop_waiting()
+            return False
+        if self._waiting is None:
+            self.transport.subscribe(self.topics.model, parts=True)
+        self._waiting = (msg, profiler, time.monotonic())
+        return True
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting = None
+            self.transport.unsubscribe(self.topics.model, parts=True)
+
+    def _give_up_waiting(self) -> None:
+        """A task whose broadcast never came is answered with an error at its timeout."""
+        if self._waiting is None:
+            return
+        task, profiler, since = self._waiting
+        if time.monotonic() - since > float(task.body.get("timeout", 600)):
+            self._stop_waiting()
+            self._on_task(task, profiler, wait=False)
+
     # -- tasks ----------------------------------------------------------------
-    def _on_task(self, msg: Message) -> None:
+    def _on_task(self, msg: Message, profiler: Profiler | None = None, *, wait: bool = True) -> None:
         self._runs_seen.add(msg.run_id)
         if msg.task_id in self._done:  # the coordinator asked again: it missed our result
             self._send(msg, self._done[msg.task_id])
@@ -142,23 +212,41 @@ class EdgeClient:
             log.info("skipped stale task %s for round %d", msg.task_id, msg.round)
             return
         self._latest_round[msg.run_id] = msg.round
-        profiler = Profiler()
+        profiler = Profiler() if profiler is None else profiler
+        if wait and self._needs_broadcast(msg, profiler):
+            return
         try:
-            tensors, output = self._execute(msg, profiler)
-            body = {"num_samples": output.num_samples, "metrics": output.metrics}
+            tensors, output, fields = self._execute(msg, profiler)
+            body = {"num_samples": output.num_samples, "metrics": output.metrics, **fields}
         except (ObjectiveError, ModelSpecError, ProtocolError) as exc:
             log.warning("task %s failed: %s", msg.task_id, exc)
             tensors, body = {}, {"error": str(exc)}
-        body["profile"] = profiler.summary()
+        except Exception as exc:  # a task must never take the device's client down
+            log.exception("task %s failed unexpectedly", msg.task_id)
+            tensors, body = {}, {"error": f"{type(exc).__name__}: {exc}"}
+        # Encoding and publishing come after the profile is sealed into the result, so
+        # their times travel with the next result, as `previous_send`.
+        body["profile"] = {**profiler.summary(), **self._previous_send}
         with profiler.phase("encode"):
             payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
                              sender=self.settings.client_id, body=body, tensors=tensors)
+            payload = parse_codec(body["codec"]).compress(payload) if "codec" in body else payload
+        try:
+            self.transport.check_size(payload)
+        except MessageTooLarge as exc:   # tell the coordinator now rather than let its round time out
+            log.warning("task %s: %s", msg.task_id, exc)
+            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
+                             sender=self.settings.client_id, body={"error": str(exc), "profile": body["profile"]})
         self._done = {msg.task_id: payload}
-        self._send(msg, payload)
+        with profiler.phase("publish"):
+            self._send(msg, payload)
+        sent = {"task_id": msg.task_id, **{k: profiler.phases[k] for k in ("encode", "publish")}}
+        self._previous_send = {"previous_send": sent}
         self.tasks_run += 1
-        self._write_profile(msg, body["profile"])
+        self._write_profile(msg, {**body["profile"], "phases": profiler.phases})
 
-    def _execute(self, msg: Message, profiler: Profiler) -> tuple[dict[str, torch.Tensor], Any]:
+    def _execute(self, msg: Message, profiler: Profiler) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any]]:
+        """Run the task; return the wire tensors, the objective's output and the result's codec fields."""
         body = msg.body
         objective = OBJECTIVES.get(body.get("objective"))
         if objective is None:
@@ -168,21 +256,42 @@ class EdgeClient:
             self._check_data_fits(body["model"])
             up = body.get("up")
             known = set(federated_names(model))
-            if not isinstance(up, list) or not set(up) <= known:
-                raise ProtocolError("the task's 'up' list names parameters this model does not have")
-            shapes = state_shapes(model, names=[n for n in msg.tensors if n in known])
-            if len(shapes) != len(msg.tensors):
-                raise ProtocolError(f"task carries unknown tensors {sorted(set(msg.tensors) - known)[:5]}")
-            for name, shape in shapes.items():
-                t = msg.tensors[name]
-                if tuple(t.shape) != shape or t.dtype != torch.float32:
-                    raise ProtocolError(f"task tensor {name!r} is {t.dtype}{tuple(t.shape)}, expected float32{shape}")
-            model.load_state_dict(msg.tensors, strict=False)
-        seed = shuffle_seed(int(body.get("seed", 0)), msg.round, self.settings.client_id)
+            if not isinstance(up, list) or not all(isinstance(n, str) for n in up):
+                raise ProtocolError("the task's 'up' must be a list of tensor names")
+            upload = UploadSettings.from_body(body)
+            received = self._received(msg, state_shapes(model))
+            model.load_state_dict(received, strict=False)
+        ctx = TaskContext(seed=shuffle_seed(int(body.get("seed", 0)), msg.round, self.settings.client_id),
+                          round=msg.round, client_id=self.settings.client_id, state_dir=self.settings.state_dir,
+                          profiler=profiler)
         with profiler.phase("train"):
-            output = objective(model, self.data, body.get("hyper", {}), seed, profiler)
-        state = model.state_dict()
-        return {name: state[name].detach().clone() for name in up}, output
+            output = objective(model, self.data, body.get("hyper", {}), ctx)
+        if output.tensors is not None:
+            if sorted(output.tensors) != sorted(up):
+                raise ProtocolError(f"objective produced {sorted(output.tensors)[:5]}, the task asked for {up[:5]}")
+            tensors, raw_only = output.tensors, True
+        elif not set(up) <= known:
+            raise ProtocolError(f"the task asks for parameters this model does not have: {sorted(set(up) - known)[:5]}")
+        else:
+            state = model.state_dict()
+            tensors, raw_only = {name: state[name].detach().clone() for name in up}, False
+        with profiler.phase("codec"):
+            wire, fields = encode_upload(tensors, received, upload, self._residuals, msg.run_id, raw_only=raw_only,
+                                         generator=torch.Generator().manual_seed(ctx.seed))
+        return wire, output, fields
+
+    def _received(self, msg: Message, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """The task's tensors plus its broadcast's, decoded to float32 and checked against the model."""
+        tensors = {}
+        digest = msg.body.get("broadcast")
+        if digest:
+            shared = self._broadcasts.get(digest)
+            if shared is None:
+                raise ProtocolError(f"the model broadcast {str(digest)[:16]}... did not arrive within the task's "
+                                    "timeout; check that this device may read the coordinator's model topic")
+            tensors.update(decode_download(shared.tensors, shared.body, shapes))
+        tensors.update(decode_download(msg.tensors, msg.body, shapes))
+        return tensors
 
     def _model_for(self, spec: Any) -> nn.Module:
         key = json.dumps(spec, sort_keys=True)
@@ -227,7 +336,6 @@ class EdgeClient:
     def _write_profile(self, task: Message, profile: dict[str, Any]) -> None:
         if self.settings.state_dir is None:
             return
-        self.settings.state_dir.mkdir(parents=True, exist_ok=True)
-        line = {"time": time.time(), "run_id": task.run_id, "round": task.round, "task_id": task.task_id, **profile}
-        with open(self.settings.state_dir / "profile.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line) + "\n")
+        record = {"run_id": task.run_id, "round": task.round, "task_id": task.task_id, **profile}
+        record.pop("previous_send", None)   # this line already has its own encode and publish times
+        append_history(self.settings.state_dir, "task", record)

@@ -22,6 +22,7 @@ __all__ = [
     "partition_indices",
     "client_split",
     "describe_partitions",
+    "holdout_split",
     "DATASET_SPECS",
     "PARTITION_SPECS",
 ]
@@ -322,6 +323,22 @@ def client_split(
         raise DataError(f"partition index {index} out of range 0..{num_partitions - 1}")
     idx = partition_indices(dataset.y_train, partition_spec, num_partitions, seed)[index]
     return dataset.x_train[idx], dataset.y_train[idx]
+
+
+def holdout_split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Split a client's data into (x_train, y_train, x_test, y_test) for personalized evaluation.
+
+    Seeded, so a restarted client holds out exactly the same samples.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise DataError(f"local test fraction must be in [0, 1), got {fraction}")
+    n_test = int(round(len(y) * fraction))
+    if fraction > 0 and (n_test == 0 or n_test == len(y)):
+        raise DataError(f"a local test fraction of {fraction} leaves no train or no test samples out of {len(y)}")
+    order = np.random.default_rng(seed).permutation(len(y))
+    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
+    return x[train], y[train], x[test], y[test]
 
 
 def describe_partitions(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> list[dict]:

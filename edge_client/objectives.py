@@ -10,20 +10,22 @@ here, next to plain training.
 from __future__ import annotations
 
 import math
-import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_client.data import holdout_split
 from profiling.profiler import Profiler
 
-__all__ = ["ObjectiveError", "LocalData", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
-           "shuffle_seed", "TrainHyper"]
+__all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
+           "shuffle_seed", "TrainHyper", "evaluate_local", "local_data"]
 
 
 class ObjectiveError(ValueError):
@@ -32,17 +34,47 @@ class ObjectiveError(ValueError):
 
 @dataclass(frozen=True)
 class LocalData:
+    """A device's private data: what it trains on and, optionally, a held-out local test split."""
+
     x: torch.Tensor  # float32 [N, C, H, W]
     y: torch.Tensor  # int64 [N]
+    x_test: torch.Tensor | None = None
+    y_test: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        return 0 if self.y_test is None else int(self.y_test.shape[0])
+
+
+def local_data(x: np.ndarray, y: np.ndarray, test_fraction: float, *, seed: int, client_id: str) -> LocalData:
+    """A device's LocalData from numpy arrays, holding out ``test_fraction`` for local evaluation."""
+    x_tr, y_tr, x_te, y_te = holdout_split(x, y, test_fraction, seed ^ zlib.crc32(client_id.encode()))
+    if test_fraction == 0:
+        return LocalData(torch.from_numpy(x_tr), torch.from_numpy(y_tr))
+    return LocalData(torch.from_numpy(x_tr), torch.from_numpy(y_tr), torch.from_numpy(x_te), torch.from_numpy(y_te))
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """Where and when an objective runs: what it may need beyond the model and data."""
+
+    seed: int                  # derived from (run seed, round, client id): reproducible everywhere
+    round: int
+    client_id: str
+    state_dir: Path | None     # survives restarts: local state a method keeps on the device
+    profiler: Profiler
 
 
 @dataclass(frozen=True)
 class ObjectiveOutput:
     num_samples: int
     metrics: dict[str, float]
+    # Tensors to send back when they are not the model's parameters (e.g. statistics);
+    # None: the client sends the model parameters the task names in ``up``.
+    tensors: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,8 +104,7 @@ def shuffle_seed(seed: int, round: int, client_id: str) -> int:
     return (seed * 1_000_003 + round * 10_007 + zlib.crc32(client_id.encode())) % (2**63)
 
 
-def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], seed: int,
-          profiler: Profiler) -> ObjectiveOutput:
+def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """SGD on the local data; with ``mu > 0`` adds FedProx's (mu/2)||w - w_global||^2.
 
     A fresh optimizer each round, so momentum never leaks between rounds.
@@ -84,31 +115,36 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], seed: int
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if h.mu > 0 else []
     opt = torch.optim.SGD(params, lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
+    profiler = ctx.profiler
+    gen = torch.Generator().manual_seed(ctx.seed)
+    torch.manual_seed(ctx.seed)
     model.train()
     total_loss, seen = 0.0, 0
     for _ in range(h.epochs):
         order = torch.randperm(len(data), generator=gen)
         for start in range(0, len(data), h.batch_size):
-            t0 = time.perf_counter()
+            profiler.begin_step()
             idx = order[start:start + h.batch_size]
             xb, yb = data.x[idx], data.y[idx]
+            profiler.lap("data")
             loss = F.cross_entropy(model(xb), yb)
             objective = loss
             if anchor:
                 objective = loss + 0.5 * h.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+            profiler.lap("forward")
             opt.zero_grad(set_to_none=True)
             objective.backward()
             if h.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, h.max_grad_norm)
+            profiler.lap("backward")
             opt.step()
+            profiler.lap("optimizer")
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise ObjectiveError("training diverged (non-finite loss); lower the learning rate")
             total_loss += value * len(idx)
             seen += len(idx)
-            profiler.step(time.perf_counter() - t0, len(idx))
+            profiler.end_step(len(idx))
     return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": total_loss / max(seen, 1)})
 
 
@@ -126,5 +162,21 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     return loss_sum / n, correct / n
 
 
-Objective = Callable[[nn.Module, LocalData, Mapping[str, Any], int, Profiler], ObjectiveOutput]
-OBJECTIVES: dict[str, Objective] = {"train": train}
+def evaluate_local(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
+    """Personalized evaluation: the received model on this device's held-out split.
+
+    With ``finetune_epochs > 0`` the model is first trained that many epochs on the local
+    train split (the "FedAvg + local fine-tuning" baseline). Nothing is uploaded.
+    """
+    if data.num_test == 0:
+        raise ObjectiveError("this device has no local test split; set data.local_test_fraction > 0")
+    epochs = int(hyper.get("finetune_epochs", 0))
+    if epochs > 0:
+        train(model, data, {**hyper.get("train", {}), "epochs": epochs}, ctx)
+    loss, accuracy = evaluate(model, data.x_test, data.y_test)
+    return ObjectiveOutput(num_samples=data.num_test, metrics={"local_accuracy": accuracy, "local_loss": loss},
+                           tensors={})
+
+
+Objective = Callable[[nn.Module, LocalData, Mapping[str, Any], TaskContext], ObjectiveOutput]
+OBJECTIVES: dict[str, Objective] = {"train": train, "evaluate": evaluate_local}

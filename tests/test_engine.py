@@ -16,15 +16,17 @@ from edge_client.client import ClientSettings, EdgeClient, presence_payload
 from edge_client.data import load_dataset
 from edge_client.models import build_model, federated_names
 from edge_client.objectives import LocalData
-from edge_client.protocol import Topics, decode, encode
+from edge_client.protocol import PROTOCOL_VERSION, Topics, decode, encode
 from edge_client.transport import InprocHub
 
 SPEC = {"name": "mlp", "hidden": [16], "num_classes": 10, "in_channels": 1, "image_size": 8}
 
 
 def make_coordinator(tmp_path, hub: InprocHub, *, expected: int, **sets) -> Coordinator:
+    # The scripted peers below read the weights from the task itself, so no model broadcast.
     overrides = [("clients", "expected", expected), ("clients", "round_timeout", 5.0), ("transport", "kind", "mqtt"),
-                 ("transport", "max_message_bytes", 200_000), ("model", "name", "mlp"), ("model", "hidden", [16])]
+                 ("transport", "max_decoded_bytes", 200_000), ("codec", "broadcast", False),
+                 ("model", "name", "mlp"), ("model", "hidden", [16])]
     overrides += [(*k.split("__"), v) for k, v in sets.items()]
     config = load_config(None, overrides)
     digits = load_dataset("digits")
@@ -106,7 +108,8 @@ def test_bad_results_are_rejected_counted_and_do_not_stop_the_round(tmp_path):
     def bad_then_good(peer, task):
         good = peer.result(task)
         n = struct.unpack("<Q", good[:8])[0]
-        wrong_version = good[:8] + good[8:8 + n].replace(b'\\"v\\":1', b'\\"v\\":2') + good[8 + n:]
+        current, other = f'\\"v\\":{PROTOCOL_VERSION}'.encode(), f'\\"v\\":{PROTOCOL_VERSION + 1}'.encode()
+        wrong_version = good[:8] + good[8:8 + n].replace(current, other) + good[8 + n:]
         assert wrong_version != good
         nan = {k: torch.full_like(v, float("nan")) for k, v in task.tensors.items()}
         small = {k: v[..., :1].contiguous() for k, v in task.tensors.items()}

@@ -15,7 +15,7 @@ from coordinator.strategies.base import AggregationError, ClientResult, ServerSt
 from coordinator.strategies.fedavg import FedAvg, FedProx
 from edge_client.data import load_dataset
 from edge_client.models import build_model
-from edge_client.objectives import LocalData, TrainHyper, train
+from edge_client.objectives import LocalData, TaskContext, TrainHyper, train
 from profiling.profiler import Profiler
 
 TRAIN = dataclasses.asdict(RunConfig().train)
@@ -260,7 +260,7 @@ def _trained(data: LocalData, hyper: dict, seed: int = 0, init_seed: int = 0):
     torch.manual_seed(init_seed)
     model = build_model(SPEC)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    out = train(model, data, hyper, seed, Profiler())
+    out = train(model, data, hyper, TaskContext(seed, 1, "c", None, Profiler()))
     end = {k: v.clone() for k, v in model.state_dict().items()}
     return start, end, out
 
@@ -298,7 +298,7 @@ def test_train_reports_samples_and_loss(local_data):
     profiler = Profiler()
     torch.manual_seed(0)
     model = build_model(SPEC)
-    out = train(model, local_data, {"epochs": 1, "batch_size": 64, "lr": 0.05}, 0, profiler)
+    out = train(model, local_data, {"epochs": 1, "batch_size": 64, "lr": 0.05}, TaskContext(0, 1, "c", None, profiler))
     assert out.num_samples == len(local_data) == 192
     assert 0 < out.metrics["train_loss"] < 10
     assert len(profiler.steps) == 3 and profiler.samples == 192

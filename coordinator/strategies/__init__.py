@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Callable
 
 from coordinator.config import ConfigError, RunConfig
-from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
+from coordinator.strategies.base import (ClientResult, PersonalizedEval, ServerState, Strategy, TaskPlan,
+                                         WeightedSum)
 from coordinator.strategies.fedavg import FedAvg, FedProx
 
 __all__ = ["STRATEGIES", "make_strategy", "Strategy", "ServerState", "TaskPlan", "ClientResult", "WeightedSum"]
@@ -21,4 +22,8 @@ def make_strategy(config: RunConfig) -> Strategy:
     name = config.run.strategy
     if name not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name](config)
+    strategy = STRATEGIES[name](config)
+    if config.eval.personalized:
+        strategy.personalized = PersonalizedEval(every=config.eval.every, finetune_epochs=config.eval.finetune_epochs,
+                                                 train=dataclasses.asdict(config.train))
+    return strategy

@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["ServerState", "TaskPlan", "ClientResult", "WeightedSum", "Strategy", "AggregationError"]
+from edge_client.objectives import evaluate as evaluate_model
+
+__all__ = ["ServerState", "TaskPlan", "ClientResult", "WeightedSum", "Strategy", "AggregationError",
+           "PersonalizedEval", "summarize_personalized"]
 
 
 class AggregationError(ValueError):
@@ -38,7 +42,14 @@ class TaskPlan:
     objective: str
     hyper: dict[str, Any]
     down: dict[str, torch.Tensor]     # tensors sent to the client
-    up: list[str]                     # parameter names the client must send back
+    up: list[str]                     # names of the tensors the client must send back
+    # Shapes of what comes back when it is not model parameters (e.g. statistics);
+    # None: the model's own shapes for the names in ``up``.
+    expect: dict[str, tuple[int, ...]] | None = None
+    # "delta": parameters sent down come back as differences (compact with lossy codecs);
+    # "raw": as values, dense (e.g. layers a method matches as they are). The engine
+    # turns differences back into parameters, so aggregation sees parameters either way.
+    update: str = "delta"
 
 
 @dataclass(frozen=True)
@@ -80,13 +91,74 @@ class WeightedSum:
         return total
 
 
+@dataclass(frozen=True)
+class PersonalizedEval:
+    """Ask every online client how the global model does on its own held-out split."""
+
+    every: int = 1
+    finetune_epochs: int = 0
+    train: dict[str, Any] = field(default_factory=dict)   # local hyperparameters for fine-tuning
+
+
+def summarize_personalized(results: list[ClientResult]) -> dict[str, Any]:
+    """Mean, minimum and spread of the clients' local accuracies."""
+    accs = torch.tensor([float(r.metrics.get("local_accuracy", float("nan"))) for r in results], dtype=torch.float64)
+    accs = accs[torch.isfinite(accs)]
+    if len(accs) == 0:
+        return {}
+    return {"personalized_accuracy_mean": float(accs.mean()), "personalized_accuracy_min": float(accs.min()),
+            "personalized_accuracy_std": float(accs.std(unbiased=False)), "personalized_clients": len(accs)}
+
+
 class Strategy:
-    """Base class: FedAvg-shaped defaults that concrete strategies override in part."""
+    """Base class: FedAvg-shaped defaults that concrete strategies override in part.
+
+    Every strategy gets the optional personalized-evaluation phase for free: set
+    ``personalized`` (the registry does it from the ``[eval]`` config section).
+    """
 
     name = "base"
+    personalized: PersonalizedEval | None = None
 
     def initialize(self, params: dict[str, torch.Tensor]) -> ServerState:
         return ServerState(round=0, params=params)
+
+    def phases(self, round: int, last: bool) -> list[str]:
+        """The exchanges of a round, in order; a strategy may add e.g. a calibration phase."""
+        p = self.personalized
+        return ["train", "evaluate"] if p is not None and (last or round % p.every == 0) else ["train"]
+
+    def selects_all(self, phase: str) -> bool:
+        """True when a phase goes to every online client instead of the round's sample."""
+        return phase == "evaluate"
+
+    def configure(self, phase: str, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
+        if phase == "train":
+            return self.configure_train(round, state, clients)
+        if phase == "evaluate":
+            return self.configure_evaluate(round, state, clients)
+        raise NotImplementedError(f"{self.name} has no phase {phase!r}")
+
+    def aggregate(self, phase: str, round: int, state: ServerState,
+                  results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
+        """New state plus any metrics the phase adds to the round's row."""
+        if phase == "train":
+            return self.aggregate_train(round, state, results), {}
+        if phase == "evaluate":
+            return state, summarize_personalized(results)
+        raise NotImplementedError(f"{self.name} has no phase {phase!r}")
+
+    def configure_evaluate(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
+        """The global model to every client, evaluated (optionally after fine-tuning) on its local split."""
+        p = self.personalized or PersonalizedEval()
+        hyper = {"finetune_epochs": p.finetune_epochs, "train": p.train}
+        return [TaskPlan(client_id=c, objective="evaluate", hyper=hyper, down=state.params, up=[], expect={})
+                for c in clients]
+
+    def evaluate(self, state: ServerState, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        """Metrics of the global model (already loaded with ``state.params``) on the test split."""
+        loss, accuracy = evaluate_model(model, x, y)
+        return {"test_accuracy": accuracy, "test_loss": loss}
 
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         raise NotImplementedError
