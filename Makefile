@@ -1,17 +1,20 @@
 # Two entry points on a fresh Debian machine: `make demo` and `make test`.
-# Both create .venv, install torch==2.13.0 (pinned: an unpinned torch pulls a multi-GB
-# CUDA build) and fedge with all extras. `make test` also installs Mosquitto and the
-# Fashion-MNIST files with apt when they are missing and we are root.
+# Both create .venv, install torch==2.13.0 (the version fedge is tested with; never let
+# pip pick torch unpinned) and fedge with all extras. Where the package index serves a
+# CUDA build for that version, install its CPU wheel into .venv first: pip keeps it.
+# `make test` also installs Mosquitto and the Fashion-MNIST files with apt when they are
+# missing and we are root; `python3-venv` likewise when venv is unavailable.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-APT_PACKAGES := mosquitto mosquitto-clients dataset-fashion-mnist
 
 .PHONY: demo test install system-deps bench clean
 
 $(BIN)/.fedge-installed: pyproject.toml
+	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { [ "$$(id -u)" = 0 ] && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q torch==$(TORCH_VERSION)
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[all]'

@@ -11,8 +11,8 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key, type, help)
 _FLAGS: dict[str, tuple[str, str, type, str]] = {
-    "--strategy": ("run", "strategy", str, "federated strategy: fedavg, fedprox"),
-    "--model": ("model", "name", str, "model from the registry: mlp, cnn"),
+    "--strategy": ("run", "strategy", str, "federated strategy: fedavg, fedprox, dfl"),
+    "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9"),
     "--rounds": ("run", "rounds", int, "number of federated rounds"),
     "--clients": ("clients", "expected", int, "how many clients the run waits for before round 1"),
     "--clients-per-round": ("clients", "per_round", int, "clients sampled each round (0: all)"),
@@ -21,7 +21,8 @@ _FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--round-timeout": ("clients", "round_timeout", float, "seconds a round waits for results"),
     "--data": ("data", "eval", str, "evaluation data: digits, fashion-mnist[:DIR], npz:PATH"),
     "--partition": ("data", "partition", str,
-                    "how spawned clients split the data: iid, dirichlet:ALPHA, shards:K"),
+                    "how spawned clients split the data: iid, dirichlet:ALPHA, shards:K, "
+                    "attribute:color|rotate:DOMAINS[+LABEL_SPEC]"),
     "--transport": ("transport", "kind", str, "mqtt (default) or inproc (clients as threads, no broker)"),
     "--broker": ("transport", "broker", str,
                  "broker URL mqtt://HOST:PORT; omitted: start the embedded broker on 127.0.0.1"),
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.run import run_federated
     from edge_client.data import DataError
     from edge_client.models import ModelSpecError
+    from edge_client.protocol import ProtocolError
     from edge_client.transport import TransportError
 
     try:
@@ -108,15 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         with RoundTable(console, title=f"fedge {config.run.strategy} / {config.model['name']}") as table:
             result = run_federated(config, resume=getattr(args, "resume", False),
                                    say=lambda text: console.print(f"[dim]{text}[/dim]"), on_round=table.add)
-    except (ConfigError, DataError, ModelSpecError, TransportError, RunError, CheckpointError) as exc:
+    except (ConfigError, DataError, ModelSpecError, TransportError, RunError, CheckpointError, ProtocolError) as exc:
         console.print(f"[red]fedge-coordinator: {exc}[/red]")
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; the last completed round is checkpointed (use --resume)[/yellow]")
         return 130
     s = result.summary
-    console.print(f"final test accuracy {s['final_accuracy']:.4f} after {s['rounds']} rounds "
-                  f"({s['bytes_down'] + s['bytes_up']:,} bytes moved)")
+    accuracy = (f"final test accuracy {s['final_accuracy']:.4f}" if s["final_accuracy"] is not None
+                else f"final personalized accuracy {s['final_personalized_accuracy'] or 0.0:.4f}")
+    console.print(f"{accuracy} after {s['rounds']} rounds ({s['bytes_down'] + s['bytes_up']:,} bytes moved)")
     console.print(f"run directory: {result.out_dir}")
     return 0
 

@@ -75,6 +75,37 @@ class FedProxSection:
 
 
 @dataclass(frozen=True)
+class DflSection:
+    """Disentangled FL (run.strategy = "dfl"); docs/dfl.md."""
+
+    local_epochs: int = 1           # local stage: specific extractor + predictor, invariant frozen
+    global_epochs: int = 1          # global stage: invariant extractor, the rest frozen
+    mi_min_weight: float = 1.0      # MI(invariant; specific), minimized
+    mi_max_weight: float = 1.0      # MI(invariant; received global invariant), maximized
+    specific_width: float = 1.0     # the specific extractor's width relative to the backbone
+    mi_hidden: int = 128            # hidden width of the MI critics
+    diversity: int = 0              # other clients' specific extractors relayed to each client (0: off, private)
+
+
+@dataclass(frozen=True)
+class SphereFedSection:
+    """SphereFed (run.strategy = "spherefed" with model.head = "sphere"); docs/spherefed.md."""
+
+    mu: float = 0.0                 # FedProx's proximal weight in local training (0: off)
+
+
+@dataclass(frozen=True)
+class FfcSection:
+    """SphereFed's Fast Federated Calibration of the classifier; docs/spherefed.md."""
+
+    enabled: bool = True            # calibrate after the last round
+    every: int = 0                  # ... and every this many rounds (0: only after the last)
+    ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one
+    dtype: str = "float64"          # statistics on the wire: float64 (exact) or float32 (half the bytes)
+    personalize: bool = False       # clients also solve their own classifier, scored on their local test split
+
+
+@dataclass(frozen=True)
 class TransportSection:
     kind: str = "mqtt"              # mqtt | inproc
     broker: str = ""                # mqtt://HOST:PORT; empty: start the embedded broker
@@ -108,6 +139,13 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class ExportSection:
+    """ONNX export of the final global model into RUN_DIR/export/ (docs/export.md)."""
+
+    enabled: bool = True            # after the last round; skipped with a warning without the export extra
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
@@ -115,10 +153,14 @@ class RunConfig:
     clients: ClientsSection = field(default_factory=ClientsSection)
     train: TrainSection = field(default_factory=TrainSection)
     fedprox: FedProxSection = field(default_factory=FedProxSection)
+    dfl: DflSection = field(default_factory=DflSection)
+    spherefed: SphereFedSection = field(default_factory=SphereFedSection)
+    ffc: FfcSection = field(default_factory=FfcSection)
     transport: TransportSection = field(default_factory=TransportSection)
     codec: CodecSection = field(default_factory=CodecSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    export: ExportSection = field(default_factory=ExportSection)
 
     def validate(self) -> "RunConfig":
         c, r, t = self.clients, self.run, self.transport
@@ -128,7 +170,20 @@ class RunConfig:
             (self.train.epochs >= 1 and self.train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
             (self.train.lr > 0 and self.train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
             (self.fedprox.mu >= 0, "fedprox.mu must be >= 0"),
+            (min(self.dfl.local_epochs, self.dfl.global_epochs, self.dfl.diversity) >= 0
+             and self.dfl.local_epochs + self.dfl.global_epochs >= 1,
+             "dfl.local_epochs and dfl.global_epochs must be >= 0 (not both 0), dfl.diversity >= 0"),
+            (min(self.dfl.mi_min_weight, self.dfl.mi_max_weight) >= 0 and self.dfl.specific_width > 0
+             and self.dfl.mi_hidden >= 1, "dfl MI weights must be >= 0, dfl.specific_width > 0, dfl.mi_hidden >= 1"),
             (0.0 <= self.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),
+            (r.strategy != "spherefed" or self.model.get("head") == "sphere",
+             'run.strategy = "spherefed" trains against the fixed sphere classifier: set model.head = "sphere"'),
+            (self.spherefed.mu >= 0, "spherefed.mu must be >= 0"),
+            (self.ffc.every >= 0 and self.ffc.ridge >= 0, "ffc.every and ffc.ridge must be >= 0"),
+            (self.ffc.enabled or self.ffc.every == 0, "ffc.every needs ffc.enabled = true"),
+            (self.ffc.dtype in ("float64", "float32"), "ffc.dtype must be float64 or float32"),
+            (not self.ffc.personalize or self.data.local_test_fraction > 0 or self.clients.spawn == 0,
+             "ffc.personalize needs data.local_test_fraction > 0 for spawned clients"),
             (self.eval.every >= 1 and self.eval.finetune_epochs >= 0, "eval.every must be >= 1, eval.finetune_epochs >= 0"),
             (not self.eval.personalized or self.data.local_test_fraction > 0 or self.clients.spawn == 0,
              "eval.personalized needs data.local_test_fraction > 0 for spawned clients"),

@@ -135,7 +135,7 @@ class Coordinator:
         except ProtocolError as exc:
             log.warning("ignored presence of %s: %s", client_id, exc)
             return
-        if msg.sender != client_id:
+        if msg.sender != client_id or msg.kind != "presence":
             return
         if msg.body.get("state") == "online":
             if client_id not in self.online:
@@ -165,9 +165,9 @@ class Coordinator:
             self._count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
             return
         profile = clean_profile(msg.body.get("profile"))
-        round_seconds = self.round_times.answered(msg.task_id, client_id, time.monotonic())
-        if round_seconds is not None:   # the first answer to a task this coordinator gave this client
-            self._store_profile(client_id, msg, profile, round_seconds, late=msg.task_id not in book.plans)
+        answered = self.round_times.answered(msg.task_id, client_id, time.monotonic())
+        if answered is not None:   # the first answer to a task this coordinator gave this client
+            self._store_profile(client_id, msg, profile, *answered, late=msg.task_id not in book.plans)
         plan = book.plans.get(msg.task_id)
         if msg.run_id != self.run_id or (plan is None and msg.task_id in self.sent_tasks):
             self._count("late", client_id, f"task {msg.task_id} of round {msg.round} is over")
@@ -175,6 +175,7 @@ class Coordinator:
             return
         if plan is None or plan.client_id != client_id:
             self._count("unexpected", client_id, f"task {msg.task_id} was not given to this client")
+            self._status(client_id, msg.task_id, "rejected", "this coordinator did not give you that task")
             return
         if client_id in book.results:
             book.counts["duplicates"] += 1
@@ -191,11 +192,12 @@ class Coordinator:
         book.results[client_id] = result
         self._status(client_id, msg.task_id, "ack")
 
-    def _store_profile(self, client_id: str, msg: Message, profile: dict[str, Any], round_seconds: float, *,
-                       late: bool) -> None:
+    def _store_profile(self, client_id: str, msg: Message, profile: dict[str, Any], round_seconds: float,
+                       objective: str, *, late: bool) -> None:
         error = msg.body.get("error")
-        self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, round_seconds=round_seconds,
-                               late=late, error=None if error is None else str(error)[:500], profile=profile,
+        self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, objective=objective,
+                               round_seconds=round_seconds, late=late,
+                               error=None if error is None else str(error)[:500], profile=profile,
                                device=self.online.get(client_id, {}).get("device"))
 
     def _accept(self, plan: TaskPlan, msg: Message) -> ClientResult:
@@ -206,9 +208,14 @@ class Coordinator:
             raise ProtocolError(f"num_samples must be a positive integer, got {n!r}")
         expect = plan.expect if plan.expect is not None else {k: self.shapes[k] for k in plan.up}
         tensors = decode_upload(msg.tensors, msg.body, expect, plan.down)   # differences back to parameters
-        check_tensors(tensors, expect)
+        check_tensors(tensors, expect, self.downlink.upload_codec(plan).dtype)   # float64 for fp64 statistics
         metrics = msg.body.get("metrics", {})
-        return ClientResult(plan.client_id, n, tensors, metrics if isinstance(metrics, dict) else {})
+        if not isinstance(metrics, dict):
+            metrics = {}
+        # Only finite numbers are kept: a client's metrics feed sums and tables.
+        metrics = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        return ClientResult(plan.client_id, n, tensors, metrics)
 
     def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> int:
         """Publish (in chunks if needed) and return the bytes sent; a message too large ends the run."""
@@ -248,9 +255,17 @@ class Coordinator:
         rng = random.Random(f"{c.run.seed}/{round}/{attempt}")
         return sorted(rng.sample(pool, min(want, len(pool))))
 
+    def _note_missed(self, book: _Round) -> None:
+        """Tasks of an ended attempt without an answer took at least the timeout: for selection and the records."""
+        timeout = self.config.clients.round_timeout
+        for task_id, client_id, objective in self.round_times.missed(book.plans, timeout):
+            self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
+                                   round_seconds=timeout, missed=True,
+                                   device=self.online.get(client_id, {}).get("device"))
+
     def _skip_predicted_late(self, pool: list[str], round: int) -> list[str]:
         c = self.config.clients
-        keep, skipped = self._deadline_filter(pool, c.round_timeout, self.config.required_results)
+        keep, skipped = self._deadline_filter(pool, c.round_timeout, self.config.required_results, time.monotonic())
         self._round.skipped = [s.client_id for s in skipped]
         if skipped:
             log.info("round %d: deadline selection skipped %s (round_timeout %.1f s)", round,
@@ -297,7 +312,7 @@ class Coordinator:
             clients = sorted(self.online) if self.strategy.selects_all(phase) else self._sample(round, attempt)
             self._send_tasks(book, self.strategy.configure(phase, round, self.state, clients))
             self._pump(time.monotonic() + c.clients.round_timeout, lambda: book.complete)
-            self.round_times.missed(book.plans, c.clients.round_timeout)   # unanswered: at least the timeout
+            self._note_missed(book)
             for key in COUNTERS:
                 totals[key] += book.counts[key]
             totals["bytes_down"] += book.bytes_down
@@ -340,7 +355,8 @@ class Coordinator:
                 if self.config.run.diagnostics:   # before aggregation: how far apart the clients went
                     row.update(divergence_metrics([r.tensors for r in results], [r.num_samples for r in results]))
             else:
-                row.update({f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results)})
+                row.update({f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results),
+                            f"{phase}_bytes_down": totals["bytes_down"], f"{phase}_bytes_up": totals["bytes_up"]})
             self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results)
             row.update(phase_metrics)
         self.model.load_state_dict(self.state.params, strict=False)

@@ -8,24 +8,24 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from profiling.units import human_bytes
+
 __all__ = ["RoundTable", "human_bytes"]
 
-_COLUMNS = ("round", "accuracy", "loss", "clients", "late/rej", "down", "up", "seconds")
+_COLUMNS = ("round", "accuracy", "loss", "personal", "clients", "late/rej", "down", "up", "seconds")
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
+def _number(value: float | None) -> str:
+    """Absent figures show as "-": DFL has no global test accuracy, most rounds no personalized one."""
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     return [
         str(row["round"]),
-        f"{row['test_accuracy']:.4f}",
-        f"{row['test_loss']:.4f}",
+        _number(row.get("test_accuracy")),
+        _number(row.get("test_loss")),
+        _number(row.get("personalized_accuracy_mean")),
         f"{row.get('returned', 0)}/{row.get('selected', 0)}",
         f"{row.get('late', 0)}/{row.get('rejected', 0)}",
         human_bytes(row.get("bytes_down", 0)),

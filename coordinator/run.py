@@ -25,8 +25,9 @@ from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
 from coordinator.strategies import make_strategy
-from edge_client.data import describe_partitions, load_dataset, partition_indices
+from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
 from edge_client.models import build_model, federated_names
+from edge_client.sphere import with_sphere_seed
 from edge_client.transport import BrokerSettings, InprocHub, MqttTransport, Transport
 
 __all__ = ["RunResult", "run_federated", "new_run_id"]
@@ -139,9 +140,12 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
          on_round: Callable[[dict[str, Any]], None]) -> RunResult:
     started = time.monotonic()
     dataset = load_dataset(config.data.eval)
-    spec = {**config.model, "num_classes": dataset.num_classes, "in_channels": dataset.in_channels,
-            "image_size": dataset.image_size}
+    # As the clients see their data: attribute skew can change the channels (docs/dfl.md).
+    x_eval, y_eval = evaluation_split(dataset, config.data.partition)
     strategy = make_strategy(config)
+    spec = strategy.model_spec(with_sphere_seed({**config.model, "num_classes": dataset.num_classes,
+                                                 "in_channels": int(x_eval.shape[1]),
+                                                 "image_size": dataset.image_size}, config.run.seed))
     if resume:
         state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))  # type: ignore[arg-type]
         say(f"resuming run {run_id} after round {state.round}")
@@ -152,7 +156,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         state = strategy.initialize(params)
     metrics_path = out / "metrics.jsonl"
     rows = _read_metrics(metrics_path, state.round) if resume else []
-    eval_data = EvalData(torch.from_numpy(dataset.x_test), torch.from_numpy(dataset.y_test))
+    eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
     spawn = config.clients.spawn
     if spawn:
         parts = partition_indices(dataset.y_train, config.data.partition, spawn, config.run.seed)
@@ -167,7 +171,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         spawned = SpawnedClients()
         try:
             if spawn and config.transport.kind == "inproc":
-                spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset)
+                spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out)
             elif spawn:
                 spawned = spawn_processes(config, spawn, broker_url=reach["url"], protocol=reach["protocol"],
                                           username=reach["username"], password=reach["password"], out_dir=out)
@@ -195,9 +199,27 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         finally:
             coordinator.announce("finished")
             spawned.stop()
-    summary = _summary(config, run_id, out, rows, time.monotonic() - started, spec)
+    summary = {**_summary(config, run_id, out, rows, time.monotonic() - started, spec), **strategy.summary(rows)}
+    if config.export.enabled:
+        summary["export"] = _export_final(out, say)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return RunResult(out, summary)
+
+
+def _export_final(out: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """The final global model as ONNX in OUT/export/ (``[export] enabled``); never fails the run."""
+    try:   # the export extra (onnx, onnxruntime) is optional on a coordinator
+        from export.pipeline import export_after_run
+    except ImportError as exc:
+        log.warning("not exporting the final model to ONNX (%s): install the export extra "
+                    "(pip install 'fedge[export]') or set export.enabled = false", exc)
+        return {"skipped": f"the export extra is not installed ({exc})"}
+    result = export_after_run(out)
+    if "onnx" in result:
+        say(f"exported the final model to {result['onnx']} (test accuracy {result['test_accuracy']:.4f})")
+    else:
+        say(f"no ONNX export: {result.get('skipped') or result.get('error')}")
+    return result
 
 
 def _traffic(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,10 +243,13 @@ def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any
         "strategy": config.run.strategy,
         "model": spec,
         "rounds": len(trained),
-        "initial_accuracy": rows[0]["test_accuracy"] if rows else None,
-        "final_accuracy": rows[-1]["test_accuracy"] if rows else None,
-        "best_accuracy": max((r["test_accuracy"] for r in rows), default=None),
-        "final_loss": rows[-1]["test_loss"] if rows else None,
+        # None for a strategy without a global model to test (DFL): see its personalized accuracy
+        "initial_accuracy": rows[0].get("test_accuracy") if rows else None,
+        "final_accuracy": rows[-1].get("test_accuracy") if rows else None,
+        "best_accuracy": max((r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None), default=None),
+        "final_loss": rows[-1].get("test_loss") if rows else None,
+        "final_personalized_accuracy": next((r["personalized_accuracy_mean"] for r in reversed(rows)
+                                             if "personalized_accuracy_mean" in r), None),
         **_traffic(rows),
         "rejected": sum(r.get("rejected", 0) for r in rows),
         "late": sum(r.get("late", 0) for r in rows),

@@ -90,8 +90,13 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
     return spawned
 
 
-def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dataset) -> SpawnedClients:
-    """Run ``count`` clients inside this process, through the in-process transport."""
+def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dataset,
+                  out_dir: Path | None = None) -> SpawnedClients:
+    """Run ``count`` clients inside this process, through the in-process transport.
+
+    With ``out_dir`` each gets a state directory ``OUT/clients/ID``, as spawned processes do
+    (methods that keep state on the device, like DFL, need one).
+    """
     spawned = SpawnedClients()
     for i in range(count):
         cid = sim_client_id(i)
@@ -99,7 +104,8 @@ def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dat
         settings = ClientSettings(client_id=cid, topics=Topics(config.transport.prefix),
                                   max_message_bytes=config.transport.max_message_bytes,
                                   max_decoded_bytes=config.transport.max_decoded_bytes,
-                                  chunking=config.transport.chunking, exit_after_run=True)
+                                  chunking=config.transport.chunking, exit_after_run=True,
+                                  state_dir=out_dir / "clients" / cid if out_dir is not None else None)
         transport = hub.connect(cid, will=EdgeClient.will(settings))
         data = local_data(x, y, config.data.local_test_fraction, seed=config.run.seed, client_id=cid)
         client = EdgeClient(settings, transport, data)

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data", required=True,
                      help="this device's data: digits, fashion-mnist[:DIR] or npz:PATH (its train split is used)")
     run.add_argument("--partition", default=None,
-                     help="simulation only: take one partition of --data (iid, dirichlet:ALPHA, shards:K)")
+                     help="simulation only: take one partition of --data (iid, dirichlet:ALPHA, shards:K, "
+                          "attribute:color|rotate:DOMAINS[+LABEL_SPEC])")
     run.add_argument("--partition-index", type=int, default=0, help="simulation only: which partition (0-based)")
     run.add_argument("--num-partitions", type=int, default=1, help="simulation only: how many partitions")
     run.add_argument("--seed", type=int, default=0, help="simulation only: partition seed (the run's seed)")
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exit-after-run", action="store_true",
                      help="exit once a run this client took part in finishes (default: keep serving)")
     run.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    run.add_argument("-v", "--verbose", action="store_true", help="log every task")
+    run.add_argument("-v", "--verbose", action="store_true", help="log connection, task and run events (INFO level)")
     return parser
 
 

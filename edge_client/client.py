@@ -26,7 +26,8 @@ from torch import nn
 from edge_client.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
 from edge_client.codec import parse_codec
 from edge_client.models import ModelSpecError, build_model, federated_names, state_shapes
-from edge_client.objectives import OBJECTIVES, LocalData, ObjectiveError, TaskContext, shuffle_seed
+from edge_client.objectives import OBJECTIVES, LocalData, ObjectiveError, TaskContext, shuffle_seed, warm_up
+from edge_client import dfl as _dfl  # noqa: F401  (registers the objectives dfl_train and dfl_evaluate)
 from edge_client.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError, Topics, decode, encode
 from edge_client.transport import MessageTooLarge, Transport, TransportError, Will
 from edge_client.updates import ResidualStore, UploadSettings, decode_download, encode_upload
@@ -53,6 +54,12 @@ class ClientSettings:
 
 def presence_payload(client_id: str, state: str, **body: Any) -> bytes:
     return encode("presence", run_id="", round=0, task_id="", sender=client_id, body={"state": state, **body})
+
+
+def _seconds(value: Any, default: float) -> float:
+    """A duration from a task body; anything but a finite positive number means the default."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    return float(value) if ok else default
 
 
 @dataclass
@@ -100,11 +107,11 @@ class EdgeClient:
         for kind in ("task", "status"):
             self.transport.subscribe(self.topics.client(cid, kind))
         self.transport.subscribe(self.topics.coordinator_status)
+        warm_up()   # before announcing: the first task's time should be the task's own
         sample = self.data.x[:1]
-        self.transport.publish(self.topics.client(cid, "presence"), presence_payload(
+        self.transport.announce(self.topics.client(cid, "presence"), presence_payload(
             cid, "online", num_samples=len(self.data), input_shape=list(sample.shape[1:]),
-            num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts()),
-            retain=True)
+            num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts()))
         log.info("client %s online with %d samples", cid, len(self.data))
         while not self._finished and not (stop is not None and stop.is_set()):
             if self.settings.parent_pid and not psutil.pid_exists(self.settings.parent_pid):
@@ -198,7 +205,7 @@ class EdgeClient:
         if self._waiting is None:
             return
         task, profiler, since = self._waiting
-        if time.monotonic() - since > float(task.body.get("timeout", 600)):
+        if time.monotonic() - since > _seconds(task.body.get("timeout"), 600.0):
             self._stop_waiting()
             self._on_task(task, profiler, wait=False)
 
@@ -312,8 +319,8 @@ class EdgeClient:
         body = task.body
         now = time.monotonic()
         self._pending = _Pending(task.run_id, task.round, task.task_id, payload,
-                                 give_up_at=now + float(body.get("timeout", 600)),
-                                 resend_every=max(0.5, float(body.get("resend_every", 10))))
+                                 give_up_at=now + _seconds(body.get("timeout"), 600.0),
+                                 resend_every=max(0.5, _seconds(body.get("resend_every"), 10.0)))
         self._resend_if_due()
 
     def _resend_if_due(self) -> None:
@@ -336,6 +343,7 @@ class EdgeClient:
     def _write_profile(self, task: Message, profile: dict[str, Any]) -> None:
         if self.settings.state_dir is None:
             return
-        record = {"run_id": task.run_id, "round": task.round, "task_id": task.task_id, **profile}
+        record = {"run_id": task.run_id, "round": task.round, "task_id": task.task_id,
+                  "objective": task.body.get("objective"), **profile}
         record.pop("previous_send", None)   # this line already has its own encode and publish times
         append_history(self.settings.state_dir, "task", record)

@@ -7,6 +7,7 @@ instead of being shipped over the network.  Nothing is cached on disk.
 
 from __future__ import annotations
 
+import colorsys
 import gzip
 import math
 import zlib
@@ -23,16 +24,24 @@ __all__ = [
     "client_split",
     "describe_partitions",
     "holdout_split",
+    "AttributeSkew",
+    "ATTRIBUTE_KINDS",
+    "parse_attribute_skew",
+    "domain_palette",
+    "evaluation_split",
     "DATASET_SPECS",
     "PARTITION_SPECS",
 ]
 
 DATASET_SPECS = "digits, fashion-mnist, fashion-mnist:DIR, npz:PATH"
-PARTITION_SPECS = "iid, dirichlet:ALPHA (ALPHA > 0), shards:K (K >= 1 integer)"
+PARTITION_SPECS = ("iid, dirichlet:ALPHA (ALPHA > 0), shards:K (K >= 1 integer), "
+                   "attribute:KIND:DOMAINS[+LABEL_SPEC] (KIND color or rotate)")
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_MEAN = 0.2860
 FASHION_MNIST_STD = 0.3530
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                         "Bag", "Ankle boot")   # label i is the i-th name (the data set's own labelling)
 
 # Mean/std of the digits TRAIN split after scaling to [0, 1] (pixel/16).
 # Computed once with this module's fixed split:
@@ -265,6 +274,9 @@ def partition_indices(labels: np.ndarray, spec: str, num_partitions: int, seed: 
     Deterministic in (labels, spec, num_partitions, seed), so every process agrees
     on which samples each client owns without exchanging them.
     """
+    skew = parse_attribute_skew(spec)
+    if skew is not None:   # the attribute changes the images, not who owns which sample
+        return partition_indices(labels, skew.labels, num_partitions, seed)
     kind, arg = _parse_partition_spec(spec)
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
@@ -322,7 +334,11 @@ def client_split(
     if not 0 <= index < num_partitions:
         raise DataError(f"partition index {index} out of range 0..{num_partitions - 1}")
     idx = partition_indices(dataset.y_train, partition_spec, num_partitions, seed)[index]
-    return dataset.x_train[idx], dataset.y_train[idx]
+    skew = parse_attribute_skew(partition_spec)
+    if skew is None:
+        return dataset.x_train[idx], dataset.y_train[idx]
+    domains = np.full(len(idx), skew.domain_of(index))
+    return skew.apply(dataset.x_train[idx], domains, _intensity_range(dataset)), dataset.y_train[idx]
 
 
 def holdout_split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int
@@ -349,3 +365,120 @@ def describe_partitions(labels: np.ndarray, parts: list[np.ndarray], num_classes
         classes = {int(c): int(n) for c, n in enumerate(counts) if n}
         out.append({"index": i, "size": int(len(p)), "classes": classes})
     return out
+
+
+# --------------------------------------------------------------------------- attribute skew
+
+ATTRIBUTE_KINDS = ("color", "rotate")
+
+
+@dataclass(frozen=True)
+class AttributeSkew:
+    """``attribute:KIND:DOMAINS[+LABEL_SPEC]``: clients differ in how their images look, not in labels.
+
+    Client ``i`` belongs to domain ``i % DOMAINS``; its domain changes one attribute
+    that does not decide the label: ``color`` paints background and foreground of a
+    grayscale image with the domain's two colours (3 channels), ``rotate`` turns the
+    image by ``360 * domain / DOMAINS`` degrees. Who owns which sample is decided by
+    LABEL_SPEC (``iid`` when absent, or e.g. ``dirichlet:0.5`` to add label skew).
+    """
+
+    kind: str
+    domains: int
+    labels: str = "iid"
+
+    def domain_of(self, index: int) -> int:
+        return index % self.domains
+
+    def apply(self, x: np.ndarray, domains: np.ndarray, intensity: tuple[float, float]) -> np.ndarray:
+        """Images ``x`` [N, C, H, W] as seen in ``domains`` [N] (one domain per image)."""
+        if self.kind == "color":
+            return _colorize(x, domains, self.domains, intensity)
+        return _rotate(x, domains, self.domains, fill=intensity[0])
+
+
+def parse_attribute_skew(spec: str) -> AttributeSkew | None:
+    """The attribute skew a partition spec asks for; None for a plain label partition."""
+    if not spec.startswith("attribute:"):
+        return None
+    head, plus, labels = spec.partition("+")
+    parts = head.split(":")
+    valid = (len(parts) == 3 and parts[1] in ATTRIBUTE_KINDS and parts[2].isdigit() and int(parts[2]) >= 1
+             and (not plus or (labels != "" and not labels.startswith("attribute:"))))
+    if not valid:
+        raise DataError(f"bad partition spec {spec!r}; attribute skew is attribute:KIND:DOMAINS[+LABEL_SPEC] "
+                        f"with KIND one of {', '.join(ATTRIBUTE_KINDS)}, DOMAINS >= 1 and LABEL_SPEC a plain "
+                        f"spec (iid, dirichlet:ALPHA, shards:K), e.g. attribute:color:5+dirichlet:0.5")
+    if plus:
+        _parse_partition_spec(labels)
+    return AttributeSkew(parts[1], int(parts[2]), labels or "iid")
+
+
+def domain_palette(domain: int, domains: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """(foreground, background) RGB in [0, 1] of a colour domain.
+
+    Backgrounds are dark and evenly spread around the hue circle; each foreground
+    is a light colour of the opposite hue, so every domain stays readable.
+    """
+    hue = (domain % domains) / domains
+    return colorsys.hsv_to_rgb((hue + 0.5) % 1.0, 0.5, 1.0), colorsys.hsv_to_rgb(hue, 0.8, 0.5)
+
+
+def _intensity_range(dataset: Dataset) -> tuple[float, float]:
+    """Darkest and brightest value of the dataset's train split: background and full ink."""
+    return float(dataset.x_train.min()), float(dataset.x_train.max())
+
+
+def _colorize(x: np.ndarray, domains: np.ndarray, count: int, intensity: tuple[float, float]) -> np.ndarray:
+    if x.shape[1] != 1:
+        raise DataError(f"attribute:color needs grayscale images (1 channel), got {x.shape[1]} channels; "
+                        "use attribute:rotate for colour images")
+    lo, hi = intensity
+    ink = np.clip((x - lo) / max(hi - lo, 1e-12), 0.0, 1.0)            # [N, 1, H, W] in [0, 1]
+    palettes = [domain_palette(d, count) for d in range(count)]
+    fg = np.array([p[0] for p in palettes], np.float32)[domains][:, :, None, None]   # [N, 3, 1, 1]
+    bg = np.array([p[1] for p in palettes], np.float32)[domains][:, :, None, None]
+    rgb = bg + (fg - bg) * ink
+    return ((rgb - 0.5) / 0.5).astype(np.float32)                     # centred, in [-1, 1]
+
+
+def _rotate(x: np.ndarray, domains: np.ndarray, count: int, fill: float) -> np.ndarray:
+    """Each image turned counter-clockwise by its domain's angle about its centre (bilinear)."""
+    out = x.copy()
+    size = x.shape[2]
+    centre = (size - 1) / 2.0
+    rows, cols = np.meshgrid(np.arange(size) - centre, np.arange(size) - centre, indexing="ij")
+    for d in np.unique(domains):
+        angle = 2 * math.pi * int(d) / count
+        if angle == 0:
+            continue
+        cos, sin = round(math.cos(angle), 12), round(math.sin(angle), 12)
+        # Where each output pixel comes from: the inverse rotation of its position.
+        src_r = cos * rows + sin * cols + centre
+        src_c = -sin * rows + cos * cols + centre
+        r0, c0 = np.floor(src_r).astype(int), np.floor(src_c).astype(int)
+        fr, fc = (src_r - r0).astype(np.float32), (src_c - c0).astype(np.float32)
+        pick = domains == d
+        images = x[pick]
+        acc = np.zeros_like(images)
+        for dr, dc, w in ((0, 0, (1 - fr) * (1 - fc)), (0, 1, (1 - fr) * fc), (1, 0, fr * (1 - fc)), (1, 1, fr * fc)):
+            rr, cc = r0 + dr, c0 + dc
+            inside = (rr >= 0) & (rr < size) & (cc >= 0) & (cc < size)
+            values = images[:, :, np.clip(rr, 0, size - 1), np.clip(cc, 0, size - 1)]
+            acc += w * np.where(inside, values, np.float32(fill))
+        out[pick] = acc
+    return out
+
+
+def evaluation_split(dataset: Dataset, partition_spec: str) -> tuple[np.ndarray, np.ndarray]:
+    """The coordinator's test split, as the clients' data looks under ``partition_spec``.
+
+    With attribute skew every domain is equally present (test image ``i`` is shown in
+    domain ``i % DOMAINS``), so the global model is judged on all domains, and the
+    images have the clients' channel count; otherwise the test split as it is.
+    """
+    skew = parse_attribute_skew(partition_spec)
+    if skew is None:
+        return dataset.x_test, dataset.y_test
+    domains = np.arange(len(dataset.y_test)) % skew.domains
+    return skew.apply(dataset.x_test, domains, _intensity_range(dataset)), dataset.y_test

@@ -25,7 +25,7 @@ from edge_client.data import holdout_split
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
-           "shuffle_seed", "TrainHyper", "evaluate_local", "local_data"]
+           "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "warm_up", "register_objective"]
 
 
 class ObjectiveError(ValueError):
@@ -99,15 +99,32 @@ class TrainHyper:
         return h
 
 
+def warm_up() -> None:
+    """Pay torch's one-time lazy imports before the first task, not inside it.
+
+    Creating the first optimizer imports ``torch._dynamo``: 1.25 s on a 2-core x86
+    server, several seconds on a Raspberry Pi. Inside the first task it shows up as
+    a slow first round (profile phase ``train``, outside the steps) and makes every
+    device look like a straggler to deadline-aware selection.
+    """
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def shuffle_seed(seed: int, round: int, client_id: str) -> int:
     """Seed for a client's local shuffling, the same in every process and on resume."""
     return (seed * 1_000_003 + round * 10_007 + zlib.crc32(client_id.encode())) % (2**63)
 
 
-def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext, *,
+          criterion: Criterion = F.cross_entropy) -> ObjectiveOutput:
     """SGD on the local data; with ``mu > 0`` adds FedProx's (mu/2)||w - w_global||^2.
 
     A fresh optimizer each round, so momentum never leaks between rounds.
+    ``criterion(scores, labels)``: the loss; a method with its own (SphereFed's
+    squared error) reuses this loop through it.
     """
     h = TrainHyper.from_dict(hyper)
     if len(data) == 0:
@@ -127,7 +144,7 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
             idx = order[start:start + h.batch_size]
             xb, yb = data.x[idx], data.y[idx]
             profiler.lap("data")
-            loss = F.cross_entropy(model(xb), yb)
+            loss = criterion(model(xb), yb)
             objective = loss
             if anchor:
                 objective = loss + 0.5 * h.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
@@ -180,3 +197,14 @@ def evaluate_local(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], 
 
 Objective = Callable[[nn.Module, LocalData, Mapping[str, Any], TaskContext], ObjectiveOutput]
 OBJECTIVES: dict[str, Objective] = {"train": train, "evaluate": evaluate_local}
+
+
+def register_objective(name: str) -> Callable[[Objective], Objective]:
+    """Add an objective under ``name`` (a decorator), for methods whose client side lives in a
+    sibling module (SphereFed's ``sphere_train`` and ``ffc_stats`` in ``edge_client/sphere.py``)."""
+
+    def add(objective: Objective) -> Objective:
+        OBJECTIVES[name] = objective
+        return objective
+
+    return add

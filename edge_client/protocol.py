@@ -2,8 +2,11 @@
 
 Every message is one safetensors buffer. Its ``__metadata__["fedge"]`` entry holds
 a JSON header (protocol version, kind, run id, round, task id, sender, body);
-its tensors are the weights the message carries. Decoding parses and checks the
-header *before* any tensor is materialized, and nothing is ever unpickled.
+its tensors are the weights the message carries, in the codec its body names
+(:mod:`edge_client.codec`). A message may travel compressed
+(:mod:`edge_client.compression`) and in chunks (:mod:`edge_client.chunking`).
+Decoding parses and checks the header *before* any tensor is materialized, and
+nothing is ever unpickled.
 ``docs/protocol.md`` describes the same thing for people; keep both true.
 """
 
@@ -21,6 +24,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from edge_client.compression import CompressionError, decompress
+
 __all__ = [
     "PROTOCOL_VERSION",
     "KINDS",
@@ -34,9 +39,10 @@ __all__ = [
     "valid_client_id",
 ]
 
-PROTOCOL_VERSION = 1
-KINDS = ("presence", "task", "result", "status")
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# 2: codecs and deltas in task/result bodies, the model broadcast, compression and chunks.
+PROTOCOL_VERSION = 2
+KINDS = ("presence", "task", "result", "status", "model")
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # the largest (decompressed, reassembled) message decoded
 _MAX_HEADER_BYTES = 4 * 1024 * 1024
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # safetensors dtype tag -> bytes per element; anything else is refused.
@@ -77,6 +83,11 @@ class Topics:
     @property
     def coordinator_status(self) -> str:
         return f"{self.prefix}/coordinator/status"
+
+    @property
+    def model(self) -> str:
+        """The round's model broadcast (retained), which tasks reference by its SHA-256."""
+        return f"{self.prefix}/coordinator/model"
 
     def client_of(self, topic: str) -> str | None:
         """The client id a per-client topic belongs to, or None for any other topic."""
@@ -150,10 +161,18 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
 def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Parse and check an envelope; raise ProtocolError with the reason on any problem.
 
-    Checks size, header layout, version, kind and field types, tensor dtypes and byte
-    ranges, and that every floating-point tensor is finite. Names and shapes against
-    what was asked are checked by the receiver with :func:`check_tensors`.
+    A compressed message is decompressed first, within the same limit. Checks size,
+    header layout, version, kind and field types, tensor dtypes and byte ranges, and
+    that every floating-point tensor is finite. Names and shapes against what was
+    asked are checked by the receiver (:func:`check_tensors`, :mod:`edge_client.codec`).
     """
+    size = len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else 0
+    if size > max_bytes:
+        raise ProtocolError(f"message of {size} bytes exceeds the limit of {max_bytes}")
+    try:
+        payload = decompress(payload, max_bytes) if size else payload
+    except CompressionError as exc:
+        raise ProtocolError(str(exc)) from None
     meta, st_header = _parse_header(payload, max_bytes)
     version = meta.get("v")
     if version != PROTOCOL_VERSION:
@@ -174,7 +193,7 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
         if tag_info["dtype"] in _FLOAT_TAGS and not bool(torch.isfinite(tensors[name]).all()):
             raise ProtocolError(f"tensor {name!r} holds NaN or infinite values")
     return Message(kind=kind, run_id=meta["run_id"], round=meta["round"], task_id=meta["task_id"],
-                   sender=meta["sender"], body=meta["body"], tensors=tensors, size=len(payload))
+                   sender=meta["sender"], body=meta["body"], tensors=tensors, size=size)
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],

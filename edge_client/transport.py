@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -22,6 +22,7 @@ from paho.mqtt.properties import Properties
 
 __all__ = [
     "TransportError",
+    "MessageTooLarge",
     "BrokerSettings",
     "Will",
     "Incoming",
@@ -37,6 +38,10 @@ PROTOCOLS = ("auto", "5", "3.1.1")
 
 class TransportError(RuntimeError):
     """The broker could not be reached or refused us; the message says what to check."""
+
+
+class MessageTooLarge(TransportError):
+    """A message over our size limit (with chunking off) or over the broker's maximum packet size."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,10 @@ class Will:
 class Incoming:
     topic: str
     payload: bytes
+    # time.monotonic() when the message reached this process, for the receiver's profile
+    received_at: float = field(default_factory=time.monotonic, compare=False)
+    wire_bytes: int = 0      # bytes it took on the wire (all chunks); set by edge_client.chunking
+    error: str = ""          # set instead of a payload when reassembling its chunks failed
 
 
 class Transport:
@@ -80,8 +89,19 @@ class Transport:
     def subscribe(self, topic_filter: str) -> None:
         raise NotImplementedError
 
+    def unsubscribe(self, topic_filter: str) -> None:
+        raise NotImplementedError
+
     def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
         raise NotImplementedError
+
+    def announce(self, topic: str, payload: bytes) -> None:
+        """Publish a retained "birth" message now and again after every reconnect.
+
+        A broker that fired our last will during a network drop keeps saying we are
+        offline until we say otherwise, so the presence must follow each reconnect.
+        """
+        self.publish(topic, payload, retain=True)
 
     def get(self, timeout: float) -> Incoming | None:
         """Next incoming message, or None after ``timeout`` seconds."""
@@ -140,6 +160,8 @@ class MqttTransport(Transport):
         self._connected = threading.Event()
         self._refused: str | None = None
         self._client: mqtt.Client | None = None
+        self._birth: tuple[str, bytes] | None = None
+        self._broker_max: int | None = None   # the broker's maximum packet size, when it tells (MQTT 5)
 
     # -- connection -------------------------------------------------------------
     def connect(self) -> "MqttTransport":
@@ -205,10 +227,13 @@ class MqttTransport(Transport):
         if getattr(reason, "is_failure", False):
             self._refused = f"broker refused the connection: {reason}"
             return
+        self._broker_max = getattr(properties, "MaximumPacketSize", None)
         with self._lock:
             filters = list(self._filters)
         for f in filters:
             client.subscribe(f, qos=1)
+        if self._birth is not None:
+            client.publish(self._birth[0], self._birth[1], qos=1, retain=True)
         self._connected.set()
 
     def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
@@ -230,15 +255,37 @@ class MqttTransport(Transport):
         if self._client is not None:
             self._client.subscribe(topic_filter, qos=1)
 
+    def unsubscribe(self, topic_filter: str) -> None:
+        with self._lock:
+            if topic_filter in self._filters:
+                self._filters.remove(topic_filter)
+        if self._client is not None:
+            self._client.unsubscribe(topic_filter)
+
     def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        """Publish at QoS 1; refuse what our limit or the broker's maximum packet size forbids.
+
+        paho ignores the broker's limit: an oversize publish gets us disconnected and is
+        resent forever, so it must never leave.
+        """
         if self._client is None:
             raise TransportError("publish before connect(): call connect() first")
         if len(payload) > self.settings.max_message_bytes:
-            raise TransportError(f"message of {len(payload)} bytes to {topic} exceeds "
-                                 f"max_message_bytes={self.settings.max_message_bytes}")
+            raise MessageTooLarge(f"message of {len(payload)} bytes to {topic} exceeds "
+                                  f"max_message_bytes={self.settings.max_message_bytes}")
+        packet = len(payload) + len(topic.encode()) + 16   # fixed header, topic length, packet id, properties
+        if self._broker_max is not None and packet > self._broker_max:
+            raise MessageTooLarge(f"a {len(payload)}-byte message to {topic} does not fit the broker's maximum "
+                                  f"packet size of {self._broker_max} bytes; set max_message_bytes "
+                                  f"(transport.max_message_bytes, --max-message-bytes) to at most "
+                                  f"{self._broker_max - len(topic.encode()) - 16} so larger messages are chunked")
         info = self._client.publish(topic, payload, qos=1, retain=retain)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN, mqtt.MQTT_ERR_QUEUE_SIZE):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+
+    def announce(self, topic: str, payload: bytes) -> None:
+        self._birth = (topic, payload)
+        self.publish(topic, payload, retain=True)
 
     def get(self, timeout: float) -> Incoming | None:
         return self._inbox.get(timeout)
@@ -287,10 +334,16 @@ class InprocHub:
         for topic, payload in retained:
             endpoint._inbox.put(Incoming(topic, payload))
 
+    def _unsubscribe(self, endpoint: "InprocTransport", topic_filter: str) -> None:
+        with self._lock:
+            self._subs = [(f, e) for f, e in self._subs if not (e is endpoint and f == topic_filter)]
+
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
         with self._lock:
-            if retain:
+            if retain and payload:
                 self._retained[topic] = payload
+            elif retain:   # as in MQTT, an empty retained message clears the topic's
+                self._retained.pop(topic, None)
             targets = {id(e): e for f, e in self._subs if mqtt.topic_matches_sub(f, topic)}
         for endpoint in targets.values():
             endpoint._inbox.put(Incoming(topic, payload))
@@ -314,6 +367,9 @@ class InprocTransport(Transport):
 
     def subscribe(self, topic_filter: str) -> None:
         self.hub._subscribe(self, topic_filter)
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        self.hub._unsubscribe(self, topic_filter)
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
         self.hub._publish(topic, bytes(payload), retain)

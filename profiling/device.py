@@ -1,9 +1,17 @@
-"""Facts about the device a client runs on, sent once in its hello message."""
+"""Facts about the device a client runs on, sent once in its hello message.
+
+Nothing here imports torch or onnxruntime: versions come from the installed
+packages' metadata, and torch's thread count only when the process already uses
+torch. So ``fedge-profile infer`` can record the same facts on a device that has
+ONNX Runtime but no torch.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
+from importlib import metadata
 from typing import Any
 
 import psutil
@@ -24,30 +32,47 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _board() -> str | None:
+    """The board's name from the device tree ("Raspberry Pi 4 Model B Rev 1.4", Jetsons); None on PCs."""
+    try:
+        with open("/proc/device-tree/model", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip("\0\n ") or None
+    except OSError:
+        return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_max_mhz() -> float | None:
+    try:
+        freq = psutil.cpu_freq()
+    except (AttributeError, OSError, NotImplementedError):
+        return None
+    return float(freq.max) if freq is not None and freq.max else None
+
+
 def device_facts() -> dict[str, Any]:
-    """Architecture, CPU, cores, RAM, OS and library versions; absent ones are None."""
-    facts: dict[str, Any] = {
+    """Architecture, board, CPU, cores, RAM, OS and library versions; absent ones are None.
+
+    ``ram_bytes`` is the host's memory as the OS reports it; inside a container with
+    a memory limit the limit is lower.
+    """
+    torch = sys.modules.get("torch")
+    return {
         "arch": platform.machine(),
+        "board": _board(),
         "cpu_model": _cpu_model(),
+        "cpu_max_mhz": _cpu_max_mhz(),
         "cores": os.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
         "os": platform.platform(),
         "python": platform.python_version(),
-        "torch": None,
-        "torch_threads": None,
-        "onnxruntime": None,
+        "torch": _version("torch"),
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "onnxruntime": _version("onnxruntime"),
     }
-    try:
-        import torch
-
-        facts["torch"] = torch.__version__
-        facts["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        pass
-    try:
-        import onnxruntime
-
-        facts["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    return facts

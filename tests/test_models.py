@@ -63,7 +63,7 @@ def test_mlp_structure():
     assert (model.features[1].in_features, model.features[1].out_features) == (64, 16)
     assert (model.classifier.in_features, model.classifier.out_features) == (16, 10)
     default = build_model({k: v for k, v in MLP8.items() if k != "hidden"})
-    assert [m.out_features for m in default.features if isinstance(m, nn.Linear)] == [200, 200]
+    assert [m.out_features for m in default.features if isinstance(m, nn.Linear)] == [1024, 1024, 1024]
 
 
 @pytest.mark.parametrize("spec", [CNN28, MLP8])
@@ -90,7 +90,7 @@ def test_forward_shapes(name, size, channels, classes):
 
 
 def test_unknown_model_lists_available():
-    with pytest.raises(ModelSpecError, match="unknown model 'resnet'; available: cnn, mlp"):
+    with pytest.raises(ModelSpecError, match="unknown model 'resnet'; available: cnn, dfl, mlp"):
         build_model({**CNN28, "name": "resnet"})
 
 

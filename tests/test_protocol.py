@@ -221,7 +221,7 @@ def test_rejects_non_json_constants_in_header(constant):
 # --------------------------------------------------------------------------- rejections: header fields
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None, ...])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, str(PROTOCOL_VERSION), None, ...])
 def test_rejects_wrong_version(version):
     err = _rejects(_envelope(_meta(v=version)), "protocol version")
     assert "not supported" in str(err)

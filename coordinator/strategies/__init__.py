@@ -8,13 +8,17 @@ from collections.abc import Callable
 from coordinator.config import ConfigError, RunConfig
 from coordinator.strategies.base import (ClientResult, PersonalizedEval, ServerState, Strategy, TaskPlan,
                                          WeightedSum)
+from coordinator.strategies.dfl import DFL
 from coordinator.strategies.fedavg import FedAvg, FedProx
+from coordinator.strategies.spherefed import SphereFed
 
 __all__ = ["STRATEGIES", "make_strategy", "Strategy", "ServerState", "TaskPlan", "ClientResult", "WeightedSum"]
 
 STRATEGIES: dict[str, Callable[[RunConfig], Strategy]] = {
     "fedavg": lambda cfg: FedAvg(dataclasses.asdict(cfg.train)),
     "fedprox": lambda cfg: FedProx(dataclasses.asdict(cfg.train), cfg.fedprox.mu),
+    "spherefed": SphereFed.from_config,
+    "dfl": DFL.from_config,
 }
 
 

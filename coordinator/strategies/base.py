@@ -50,6 +50,9 @@ class TaskPlan:
     # "raw": as values, dense (e.g. layers a method matches as they are). The engine
     # turns differences back into parameters, so aggregation sees parameters either way.
     update: str = "delta"
+    # The upload codec for this task instead of the run's ``codec.up``: statistics that
+    # must arrive exactly (e.g. "fp64" for SphereFed's FFC sums). None: ``codec.up``.
+    codec: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,15 @@ class PersonalizedEval:
     train: dict[str, Any] = field(default_factory=dict)   # local hyperparameters for fine-tuning
 
 
-def summarize_personalized(results: list[ClientResult]) -> dict[str, Any]:
-    """Mean, minimum and spread of the clients' local accuracies."""
-    accs = torch.tensor([float(r.metrics.get("local_accuracy", float("nan"))) for r in results], dtype=torch.float64)
+def summarize_personalized(results: list[ClientResult], key: str = "local_accuracy",
+                           prefix: str = "personalized") -> dict[str, Any]:
+    """Mean, minimum and spread of the clients' local accuracies (metric ``key``), as ``PREFIX_accuracy_*``."""
+    accs = torch.tensor([float(r.metrics.get(key, float("nan"))) for r in results], dtype=torch.float64)
     accs = accs[torch.isfinite(accs)]
     if len(accs) == 0:
         return {}
-    return {"personalized_accuracy_mean": float(accs.mean()), "personalized_accuracy_min": float(accs.min()),
-            "personalized_accuracy_std": float(accs.std(unbiased=False)), "personalized_clients": len(accs)}
+    return {f"{prefix}_accuracy_mean": float(accs.mean()), f"{prefix}_accuracy_min": float(accs.min()),
+            f"{prefix}_accuracy_std": float(accs.std(unbiased=False)), f"{prefix}_clients": len(accs)}
 
 
 class Strategy:
@@ -119,6 +123,12 @@ class Strategy:
 
     name = "base"
     personalized: PersonalizedEval | None = None
+
+    def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The network every party builds, from the configured one (``[model]`` plus the data's
+        shape); a method whose clients run another architecture around it (DFL's two branches)
+        wraps it here."""
+        return spec
 
     def initialize(self, params: dict[str, torch.Tensor]) -> ServerState:
         return ServerState(round=0, params=params)
@@ -159,6 +169,10 @@ class Strategy:
         """Metrics of the global model (already loaded with ``state.params``) on the test split."""
         loss, accuracy = evaluate_model(model, x, y)
         return {"test_accuracy": accuracy, "test_loss": loss}
+
+    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Fields the strategy adds to ``summary.json`` from the run's metrics rows (e.g. its calibration)."""
+        return {}
 
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         raise NotImplementedError

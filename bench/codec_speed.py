@@ -1,0 +1,127 @@
+"""Size, error and encode/decode time of each upload codec, on one core, for one real cnn update.
+
+The update is real: the `cnn` (421,834 parameters) trained for one local epoch on
+one Dirichlet(0.5) shard of Fashion-MNIST (of 10), from a fixed initialization;
+the client sends the difference from the model it received. For each codec the
+whole path a result takes is timed, as the client and the coordinator run it:
+
+- encode: difference + error feedback + codec (``encode_upload``), envelope and compression;
+- decode: decompression, envelope checks, codec checks and adding the difference back
+  (``decode`` + ``decode_upload``).
+
+Reported: bytes on the wire, how many times smaller than float32, the relative error
+of the update received (||sent - true|| / ||true||, one round, before error feedback
+makes up for it), and the median encode and decode times over the repeats. Writes
+bench/results/codec_speed.json.
+
+    python bench/codec_speed.py [--repeats 20] [--data fashion-mnist]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from edge_client.codec import parse_codec
+from edge_client.data import client_split, load_dataset
+from edge_client.models import build_model, federated_names
+from edge_client.objectives import LocalData, TaskContext, train
+from edge_client.protocol import decode, encode
+from edge_client.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from profiling.profiler import Profiler
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CODECS = ["fp32", "fp32+zstd", "fp32+lz4", "fp16", "fp16+zstd", "bf16+zstd", "int8", "int8+zstd",
+          "int8:stochastic+zstd", "topk:0.1", "topk:0.1+int8", "topk:0.1+int8+zstd", "topk:0.1+int8+lz4",
+          "topk:0.01+int8", "topk:0.01+int8+zstd"]
+
+
+def real_update(data_spec: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(trained, received) parameters of one client after one local epoch, and the model spec."""
+    dataset = load_dataset(data_spec)
+    x, y = client_split(dataset, "dirichlet:0.5", 0, 10, 0)
+    spec = {"name": "cnn", "num_classes": dataset.num_classes, "in_channels": dataset.in_channels,
+            "image_size": dataset.image_size}
+    torch.manual_seed(0)
+    model = build_model(spec)
+    names = federated_names(model)
+    received = {k: v.detach().clone() for k, v in model.state_dict().items() if k in names}
+    ctx = TaskContext(seed=0, round=1, client_id="bench", state_dir=None, profiler=Profiler())
+    train(model, LocalData(torch.from_numpy(x), torch.from_numpy(y)),
+          {"epochs": 1, "batch_size": 64, "lr": 0.05, "momentum": 0.9}, ctx)
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items() if k in names}
+    return trained, received, {"spec": spec, "samples": len(y)}
+
+
+def measure(text: str, trained, received, repeats: int) -> dict:
+    spec = parse_codec(text)
+    settings = UploadSettings(spec, "delta", error_feedback=True)
+    shapes = {k: tuple(v.shape) for k, v in trained.items()}
+    encode_s, decode_s = [], []
+    for _ in range(repeats):
+        store = ResidualStore(None)      # the first round of a run: no residual yet
+        t0 = time.perf_counter()
+        wire, fields = encode_upload(trained, received, settings, store, "bench")
+        payload = spec.compress(encode("result", run_id="bench", round=1, task_id="t", sender="bench",
+                                       body={"num_samples": 1, **fields}, tensors=wire))
+        t1 = time.perf_counter()
+        msg = decode(payload)
+        got = decode_upload(msg.tensors, msg.body, shapes, received)
+        t2 = time.perf_counter()
+        encode_s.append(t1 - t0)
+        decode_s.append(t2 - t1)
+    true = torch.cat([(trained[k] - received[k]).reshape(-1) for k in trained])
+    sent = torch.cat([(got[k] - received[k]).reshape(-1) for k in trained])
+    return {"codec": spec.text, "bytes": len(payload), "error": float((sent - true).norm() / true.norm()),
+            "encode_ms": 1000 * statistics.median(encode_s), "decode_ms": 1000 * statistics.median(decode_s)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed repetitions per codec (default 20)")
+    parser.add_argument("--data", default="fashion-mnist", help="data spec (default fashion-mnist)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "codec_speed.json", help="JSON result file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    console = Console()
+    trained, received, info = real_update(args.data)
+    params = sum(v.numel() for v in trained.values())
+    rows = [measure(text, trained, received, args.repeats) for text in CODECS]
+    fp32_bytes = next(r["bytes"] for r in rows if r["codec"] == "fp32")
+    for r in rows:
+        r["times_smaller"] = fp32_bytes / r["bytes"]
+    table = Table(title=f"upload codecs: one cnn update ({params:,} parameters), one core, median of {args.repeats}")
+    for name in ("codec", "bytes", "x smaller", "rel. error", "encode ms", "decode ms"):
+        table.add_column(name, justify="left" if name == "codec" else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(r["codec"], f"{r['bytes']:,}", f"{r['times_smaller']:.1f}", f"{r['error']:.4f}",
+                      f"{r['encode_ms']:.1f}", f"{r['decode_ms']:.1f}")
+    console.print(table)
+    report = {"setting": {"data": args.data, "model": info["spec"], "parameters": params,
+                          "update": "one local epoch (batch 64, lr 0.05, momentum 0.9) on Dirichlet(0.5) shard 0 "
+                                    f"of 10 ({info['samples']} samples), as a difference",
+                          "threads": 1, "repeats": args.repeats,
+                          "encode": "encode_upload (difference, error feedback, codec) + envelope + compression",
+                          "decode": "decompression + envelope checks + decode_upload (codec checks, add back)",
+                          "error": "||received update - true update|| / ||true update||, one round"},
+              "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                          "arch": platform.machine(), "cpus": os.cpu_count()},
+              "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""Accuracy benchmark harness: a matrix of runs (options x seeds) through the in-process transport.
+
+A matrix file (``bench/matrices/NAME.toml``) holds a ``[base]`` configuration with
+the sections of a run config, ``[[axes.AXIS]]`` entries (each a ``label`` plus
+the config keys it sets, in the same sections) and ``seeds``. Every combination of
+one entry per axis and one seed is a run, e.g. ``a0.1/cnn/mul`` with seed 1:
+
+    seeds = [0, 1]
+    [base.run]
+    rounds = 30
+    [[axes.pan]]
+    label = "mul"
+    model.pan = "mul"
+
+Each run goes through ``coordinator.run.run_federated`` with clients as threads
+(``transport.kind = "inproc"``) and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
+(configuration, per-round metrics, summary). The table, printed and written to
+``bench/results/NAME.json``, is built from every run file of the matrix present:
+final accuracy = mean test accuracy of the last 5 rounds, mean and spread (population
+standard deviation) over seeds, bytes down and up per round, seconds per run, and
+the mean weight divergence over the same rounds when ``run.diagnostics`` is on.
+With personalized evaluation (``eval.personalized``, or a strategy such as DFL whose
+result it is) the table adds the personalized accuracy (mean over clients, and the
+worst client, over the same rounds) and the upload bytes per client per round.
+Later methods add their axes or matrices here rather than writing new loops.
+
+    python bench/run_matrix.py bench/matrices/pans.toml [--rounds N] [--seeds 0,1]
+        [--only SUBSTRING ...] [--dry-run] [--report]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.config import ConfigError, load_config
+from coordinator.report import human_bytes
+from coordinator.run import run_federated
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAST_ROUNDS = 5   # final accuracy = mean over this many last rounds
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cell of the matrix with one seed."""
+
+    labels: tuple[str, ...]
+    seed: int
+    rounds: int
+    overrides: tuple[tuple[str, str, Any], ...]
+
+    @property
+    def group(self) -> str:
+        return "/".join(self.labels)
+
+    @property
+    def file_name(self) -> str:
+        return f"{'-'.join(self.labels)}-s{self.seed}-r{self.rounds}.json"
+
+
+@dataclass(frozen=True)
+class Matrix:
+    name: str
+    path: Path
+    base: dict[str, Any]
+    axes: dict[str, list[dict[str, Any]]]
+    seeds: list[int]
+
+    @property
+    def full_rounds(self) -> int:
+        return int(self.base.get("run", {}).get("rounds", 5))
+
+
+def _flatten(partial: dict[str, Any], where: str) -> list[tuple[str, str, Any]]:
+    """``{"model": {"pan": "mul"}}`` -> ``[("model", "pan", "mul")]``."""
+    out = []
+    for section, values in partial.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: {section!r} must be a section table such as model.pan = ..., "
+                              f"got {values!r}")
+        out += [(section, key, value) for key, value in values.items()]
+    return out
+
+
+def load_matrix(path: Path) -> Matrix:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read matrix {path}: {exc}") from None
+    axes = raw.get("axes", {})
+    for axis, entries in axes.items():
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and "label" in e for e in entries):
+            raise ConfigError(f"{path}: axes.{axis} must be an array of tables, each with a label ([[axes.{axis}]])")
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"{path}: seeds must be a list of integers")
+    return Matrix(str(raw.get("name", path.stem)), path, raw.get("base", {}), axes, seeds)
+
+
+def expand(matrix: Matrix, seeds: list[int], rounds: int | None, only: list[str]) -> list[Run]:
+    """Every combination of one entry per axis and one seed, in file order."""
+    runs = []
+    choices = [[(e["label"], {k: v for k, v in e.items() if k != "label"}) for e in entries]
+               for entries in matrix.axes.values()]
+    for combo in itertools.product(*choices):
+        labels = tuple(str(label) for label, _ in combo)
+        overrides = _flatten(matrix.base, "base")
+        for (label, partial), axis in zip(combo, matrix.axes):
+            overrides += _flatten(partial, f"axes.{axis} {label!r}")
+        r = rounds if rounds is not None else matrix.full_rounds
+        for seed in seeds:
+            run = Run(labels, seed, r, tuple(overrides))
+            if not only or any(s in f"{run.group}/s{seed}" for s in only):
+                runs.append(run)
+    return runs
+
+
+def run_one(run: Run, out_dir: Path, console: Console) -> dict[str, Any]:
+    """Run one cell in a scratch directory and keep its configuration, metrics and summary."""
+    with tempfile.TemporaryDirectory(prefix="fedge-matrix-") as scratch:
+        overrides = [*run.overrides, ("run", "seed", run.seed), ("run", "rounds", run.rounds),
+                     ("run", "out", str(Path(scratch) / "run")), ("checkpoint", "keep", "last")]
+        clients = load_config(None, overrides).clients
+        config = load_config(None, overrides + [("clients", "spawn", clients.spawn or clients.expected),
+                                                ("transport", "kind", "inproc")])
+
+        def progress(row: dict[str, Any]) -> None:
+            div, personal = row.get("weight_divergence_mean"), row.get("personalized_accuracy_mean")
+            console.print(f"  {run.group} s{run.seed} round {row['round']:>3}  acc {_fmt(row.get('test_accuracy'))}  "
+                          f"{row.get('seconds', 0.0):6.1f} s" + (f"  div {div:.4f}" if div is not None else "")
+                          + (f"  personal {personal:.4f}" if personal is not None else ""), highlight=False)
+
+        started = time.monotonic()
+        result = run_federated(config, say=lambda s: None, on_round=progress)
+        seconds = time.monotonic() - started
+        out = result.out_dir
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        record = {"matrix": out_dir.name, "group": run.group, "labels": list(run.labels), "seed": run.seed,
+                  "rounds": run.rounds, "config": tomllib.loads((out / "config.toml").read_text()),
+                  "seconds": seconds, "rows": rows, "summary": result.summary}
+    record["config"]["run"]["out"] = ""   # the scratch directory is gone
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / run.file_name).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return record
+
+
+def _final(rows: list[dict[str, Any]], key: str) -> float | None:
+    trained = [r[key] for r in rows if r["round"] > 0 and r.get(key) is not None]
+    tail = trained[-LAST_ROUNDS:]
+    return sum(tail) / len(tail) if tail else None
+
+
+def _spread(values: list[float]) -> float:
+    return statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 4) -> str:
+    """A number, or "-" where a run has none (DFL has no global test accuracy)."""
+    return "-" if value is None else f"{scale * value:.{digits}f}"
+
+
+def _mean(values: list[float | None]) -> float | None:
+    return statistics.fmean(values) if values and all(v is not None for v in values) else None  # type: ignore
+
+
+def _personalized(recs: list[dict[str, Any]], trained: list[dict[str, Any]]) -> dict[str, Any]:
+    """Personalized accuracy (each client's model on its own held-out split; last rounds, over seeds)
+    and upload bytes per client per round, when the runs report them."""
+    finals = [_final(r["rows"], "personalized_accuracy_mean") for r in recs]
+    if any(f is None for f in finals):
+        return {}
+    up = [row["bytes_up_per_client"] for row in trained if "bytes_up_per_client" in row]
+    return {"personalized_accuracy_mean": statistics.fmean(finals), "personalized_accuracy_spread": _spread(finals),
+            "personalized_accuracy_per_seed": finals,
+            "personalized_accuracy_min_mean": _mean([_final(r["rows"], "personalized_accuracy_min") for r in recs]),
+            "bytes_up_per_client_per_round": statistics.fmean(up) if up else None}
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per (cell, rounds): figures averaged over the seeds present."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for rec in records:
+        groups.setdefault((rec["group"], rec["rounds"]), []).append(rec)
+    table = []
+    for (group, rounds), recs in groups.items():
+        recs.sort(key=lambda r: r["seed"])
+        finals = [_final(r["rows"], "test_accuracy") for r in recs]
+        divs = [d for d in (_final(r["rows"], "weight_divergence_mean") for r in recs) if d is not None]
+        trained = [row for r in recs for row in r["rows"] if row["round"] > 0]
+        tested = [f for f in finals if f is not None]
+        table.append({
+            "group": group, "rounds": rounds, "seeds": [r["seed"] for r in recs],
+            "final_accuracy_mean": _mean(finals), "final_accuracy_spread": _spread(tested) if tested else None,
+            "final_accuracy_per_seed": finals,
+            "best_accuracy_mean": _mean([max((row["test_accuracy"] for row in r["rows"]
+                                              if row.get("test_accuracy") is not None), default=None) for r in recs]),
+            "bytes_down_per_round": statistics.fmean(row["bytes_down"] for row in trained),
+            "bytes_up_per_round": statistics.fmean(row["bytes_up"] for row in trained),
+            # how many times smaller than the whole float32 model from every client (absent in older runs)
+            "up_times_smaller": (statistics.fmean(row["fp32_bytes_up"] for row in trained)
+                                 / statistics.fmean(row["bytes_up"] for row in trained)
+                                 if all("fp32_bytes_up" in row for row in trained) else None),
+            "seconds_per_run": statistics.fmean(r["seconds"] for r in recs),
+            "seconds_per_round": statistics.fmean(row["seconds"] for row in trained),
+            "weight_divergence_mean": statistics.fmean(divs) if divs else None,
+            **_personalized(recs, trained),
+        })
+    return table
+
+
+def print_table(console: Console, title: str, rows: list[dict[str, Any]]) -> None:
+    table = Table(title=title)
+    personal = any("personalized_accuracy_mean" in r for r in rows)
+    extra = (f"personal acc (last {LAST_ROUNDS})", "personal min", "up/client/round") if personal else ()
+    for name in ("run", "rounds", "seeds", f"final acc (last {LAST_ROUNDS})", "best acc", *extra, "down/round",
+                 "up/round", "up vs fp32", "s/run", "weight div"):
+        table.add_column(name, justify="left" if name == "run" else "right")
+    for r in rows:
+        div = r["weight_divergence_mean"]
+        cells = []
+        if personal:
+            up = r.get("bytes_up_per_client_per_round")
+            cells = [f"{_fmt(r.get('personalized_accuracy_mean'), 100, 2)} ± "
+                     f"{_fmt(r.get('personalized_accuracy_spread'), 100, 2)}",
+                     _fmt(r.get("personalized_accuracy_min_mean"), 100, 2), "-" if up is None else human_bytes(up)]
+        final = _fmt(r["final_accuracy_mean"], 100, 2)
+        table.add_row(r["group"], str(r["rounds"]), ",".join(map(str, r["seeds"])),
+                      final if final == "-" else f"{final} ± {_fmt(r['final_accuracy_spread'], 100, 2)}",
+                      _fmt(r["best_accuracy_mean"], 100, 2), *cells, human_bytes(r["bytes_down_per_round"]),
+                      human_bytes(r["bytes_up_per_round"]),
+                      "" if r.get("up_times_smaller") is None else f"{r['up_times_smaller']:.1f}x smaller",
+                      f"{r['seconds_per_run']:.0f}",
+                      "" if div is None else f"{div:.4f}")
+    console.print(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("matrix", type=Path, help="matrix file, e.g. bench/matrices/pans.toml")
+    parser.add_argument("--rounds", type=int, help="rounds per run instead of the matrix's run.rounds")
+    parser.add_argument("--seeds", help="comma-separated seeds instead of the matrix's seeds")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only cells whose GROUP/sSEED label contains this text (repeatable)")
+    parser.add_argument("--skip-existing", action="store_true", help="keep run files already written")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
+    parser.add_argument("--report", action="store_true", help="only rebuild the table from the run files")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="results directory (default bench/results)")
+    args = parser.parse_args()
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    try:
+        matrix = load_matrix(args.matrix)
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else matrix.seeds
+        runs = expand(matrix, seeds, args.rounds, args.only)
+        for run in runs[:1]:   # fail on a bad key before hours of running
+            load_config(None, list(run.overrides))
+    except (ConfigError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    out_dir = args.results / matrix.name
+    if args.dry_run:
+        for run in runs:
+            console.print(f"{run.group}  seed {run.seed}  {run.rounds} rounds  -> {out_dir / run.file_name}",
+                          highlight=False)
+        console.print(f"{len(runs)} runs")
+        return 0
+    if not args.report:
+        for i, run in enumerate(runs, 1):
+            if args.skip_existing and (out_dir / run.file_name).exists():
+                console.print(f"[dim]{i}/{len(runs)} {run.group} seed {run.seed}: kept {run.file_name}[/dim]")
+                continue
+            console.print(f"[bold]{i}/{len(runs)} {run.group} seed {run.seed}, {run.rounds} rounds[/bold]")
+            record = run_one(run, out_dir, console)
+            personal = _final(record["rows"], "personalized_accuracy_mean")
+            console.print(f"  final accuracy {_fmt(_final(record['rows'], 'test_accuracy'))}"
+                          + (f", personalized {personal:.4f}" if personal is not None else "")
+                          + f" in {record['seconds']:.0f} s")
+    records = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
+    if not records:
+        console.print(f"no run files in {out_dir}")
+        return 1
+    rows = summarize(records)
+    ran_rounds = sorted({r["rounds"] for r in rows})
+    ran_seeds = sorted({s for r in rows for s in r["seeds"]})
+    cells = len(list(itertools.product(*matrix.axes.values())))
+    report = {
+        "matrix": matrix.name, "file": str(matrix.path),
+        "full": {"cells": cells, "rounds": matrix.full_rounds, "seeds": matrix.seeds},
+        "ran": {"cells": len({r["group"] for r in rows}), "rounds": ran_rounds, "seeds": ran_seeds,
+                "runs": len(records)},
+        "subset": (len({r["group"] for r in rows}) < cells or ran_rounds != [matrix.full_rounds]
+                   or ran_seeds != sorted(matrix.seeds)),
+        "personalized_accuracy": f"mean over clients of each one's accuracy on its own held-out split, mean of "
+                                 f"the last {LAST_ROUNDS} rounds that evaluated it; mean and population standard "
+                                 "deviation over seeds",
+        "final_accuracy": f"mean test accuracy of the last {LAST_ROUNDS} rounds; mean and population "
+                          "standard deviation over seeds",
+        "machine": {"python": platform.python_version(), "arch": platform.machine(), "cpus": os.cpu_count()},
+        "rows": rows,
+    }
+    (args.results / f"{matrix.name}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    title = f"{matrix.name}: {report['ran']['cells']} of {cells} cells, rounds {ran_rounds}, seeds {ran_seeds}"
+    print_table(console, title + (" (subset of the matrix)" if report["subset"] else ""), rows)
+    console.print(f"written to {args.results / (matrix.name + '.json')} and {out_dir}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

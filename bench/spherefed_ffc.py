@@ -1,0 +1,224 @@
+"""SphereFed and FFC on Fashion-MNIST: what calibration costs and what it gains.
+
+1. Cost, for ``cnn`` and ``vgg9`` with the sphere head: one client's FFC statistics
+   over ``--samples`` training images (the time on a client, one torch thread as
+   spawned clients use), the size of its result message in float64 and float32
+   (tensor bytes and whole message), and the coordinator's time to decode, sum and
+   solve the statistics of 10 such clients. The weights do not change the cost, so
+   the models are freshly initialized.
+2. Accuracy, from the run files ``bench/run_matrix.py bench/matrices/spherefed.toml``
+   wrote to ``bench/results/spherefed/``: per cell, the last round's accuracy, the
+   mean of the last 5 rounds, FFC's accuracy before and after calibration, the
+   classifier bytes SphereFed saved per round and the FFC figures of the run.
+   Training is deterministic, so when a ``sphere`` run is missing its figures come
+   from the ``sphere+ffc`` run of the same cell and seed (its rows, with the last
+   round's accuracy before calibration), marked "from sphere+ffc".
+
+Prints both tables and writes ``bench/results/spherefed_ffc.json``.
+
+    python bench/spherefed_ffc.py [--samples 6000] [--skip-cost] [--skip-report]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.report import human_bytes
+from edge_client.codec import parse_codec
+from edge_client.data import load_dataset
+from edge_client.models import build_model, federated_names
+from edge_client.objectives import LocalData, TaskContext
+from edge_client.protocol import decode, encode
+from edge_client.sphere import CLASSIFIER, WIRE_CODECS, FfcStats, ffc_stats, wire_numbers, wire_shapes
+from edge_client.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from profiling.profiler import Profiler
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAST_ROUNDS = 5
+CLIENTS = 10
+
+
+def _result_message(tensors: dict[str, torch.Tensor], dtype: str, n: int) -> bytes:
+    """The stats as a client sends them: raw values in the FFC codec, in a result envelope."""
+    settings = UploadSettings(parse_codec(WIRE_CODECS[dtype]), "raw")
+    wire, fields = encode_upload(tensors, {}, settings, ResidualStore(None), "run", raw_only=True)
+    return encode("result", run_id="20261122-000000-000000", round=30, task_id="0" * 16, sender="sim-000",
+                  body={"num_samples": n, "metrics": {"ffc_seconds": 0.0}, **fields}, tensors=wire)
+
+
+def measure_cost(model_name: str, samples: int) -> dict[str, Any]:
+    data = load_dataset("fashion-mnist")
+    spec = {"name": model_name, "num_classes": data.num_classes, "in_channels": data.in_channels,
+            "image_size": data.image_size, "head": "sphere", "sphere_seed": 0}
+    torch.manual_seed(0)
+    model = build_model(spec)
+    classes, dim = model.classifier.out_features, model.classifier.in_features
+    local = LocalData(torch.from_numpy(data.x_train[:samples]), torch.from_numpy(data.y_train[:samples]))
+    ctx = TaskContext(seed=0, round=30, client_id="sim-000", state_dir=None, profiler=Profiler())
+    out: dict[str, Any] = {"model": model_name, "d": dim, "classes": classes, "samples": samples,
+                           "numbers": wire_numbers(dim, classes),
+                           "extractor_fp32_bytes": 4 * sum(model.state_dict()[k].numel()
+                                                           for k in federated_names(model) if k != CLASSIFIER),
+                           "classifier_fp32_bytes": 4 * classes * dim}
+    for dtype in ("float64", "float32"):
+        started = time.perf_counter()
+        result = ffc_stats(model, local, {"dtype": dtype}, ctx)
+        out[f"client_seconds_{dtype}"] = time.perf_counter() - started
+        payload = _result_message(result.tensors, dtype, samples)
+        out[f"message_bytes_{dtype}"] = len(payload)
+        out[f"tensor_bytes_{dtype}"] = sum(t.numel() * t.element_size() for t in result.tensors.values())
+        started = time.perf_counter()   # the coordinator: decode and check 10 results, sum, solve
+        parts = []
+        for _ in range(CLIENTS):
+            msg = decode(payload)
+            tensors = decode_upload(msg.tensors, msg.body, wire_shapes(dim, classes), {})
+            parts.append(FfcStats.from_wire(tensors, dim, classes))
+        calibration = FfcStats.reduce(parts).solve(0.0)
+        out[f"coordinator_seconds_{dtype}"] = time.perf_counter() - started
+        out[f"singular_{dtype}"] = calibration.singular
+    return out
+
+
+def print_cost(console: Console, rows: list[dict[str, Any]]) -> None:
+    table = Table(title=f"FFC cost on Fashion-MNIST (client: {rows[0]['samples']} images, 1 torch thread; "
+                        f"coordinator: {CLIENTS} clients)")
+    for name in ("model", "d", "numbers", "message f64", "message f32", "vs model upload", "client s",
+                 f"coordinator s ({CLIENTS})"):
+        table.add_column(name, justify="left" if name == "model" else "right")
+    for r in rows:
+        ratio = r["message_bytes_float64"] / r["extractor_fp32_bytes"]
+        table.add_row(r["model"], str(r["d"]), f"{r['numbers']:,}", human_bytes(r["message_bytes_float64"]),
+                      human_bytes(r["message_bytes_float32"]), f"{ratio:.2f}x",
+                      f"{r['client_seconds_float64']:.2f}", f"{r['coordinator_seconds_float64']:.3f}")
+    console.print(table)
+
+
+# ----------------------------------------------------------------------------- the matrix runs
+
+
+def _mean_last(values: list[float]) -> float:
+    tail = values[-LAST_ROUNDS:]
+    return sum(tail) / len(tail)
+
+
+def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any]:
+    """One run's figures; ``derived``: a sphere run read off its sphere+ffc twin (before calibration)."""
+    rows = [r for r in record["rows"] if r["round"] > 0]
+    accs = [r["test_accuracy"] for r in rows]
+    last = rows[-1]
+    if derived:
+        accs[-1] = last["ffc_accuracy_before"]
+    fig: dict[str, Any] = {"seed": record["seed"], "rounds": record["rounds"], "last": accs[-1],
+                           "last5": _mean_last(accs), "best": max(accs),
+                           "classifier_bytes_saved_per_round": statistics.fmean(r.get("classifier_bytes_saved", 0)
+                                                                                for r in rows),
+                           "bytes_up_per_round": statistics.fmean(r["bytes_up"] for r in rows)}
+    if "ffc_accuracy_after" in last and not derived:
+        fig.update({k: last[k] for k in ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_ridge", "ffc_singular",
+                                         "ffc_client_seconds_max", "ffc_coordinator_seconds", "ffc_stats_numbers")})
+        fig["ffc_bytes_up_per_client"] = last["ffc_bytes_up"] // max(last["ffc_returned"], 1)
+        # The training phase's upload excludes the FFC results sent in the same round.
+        train_up = [r["bytes_up"] - r.get("ffc_bytes_up", 0) for r in rows]
+        fig["bytes_up_per_round"] = statistics.fmean(train_up)
+    return fig
+
+
+def collect(results: Path) -> list[dict[str, Any]]:
+    """Table rows (cell, method) with figures averaged over the seeds present."""
+    records = [json.loads(p.read_text()) for p in sorted((results / "spherefed").glob("*.json"))]
+    runs: dict[tuple[str, str, int, int], tuple[dict[str, Any], bool]] = {}
+    for rec in records:
+        cell, method = "/".join(rec["labels"][:-1]), rec["labels"][-1]
+        runs[(cell, method, rec["seed"], rec["rounds"])] = (rec, False)
+    for (cell, method, seed, rounds), (rec, _) in list(runs.items()):
+        if method == "sphere+ffc" and (cell, "sphere", seed, rounds) not in runs:
+            runs[(cell, "sphere", seed, rounds)] = (rec, True)
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for (cell, method, seed, rounds), (rec, derived) in runs.items():
+        groups.setdefault((cell, method, rounds), []).append({**_run_figures(rec, derived), "derived": derived})
+    order = ["fedavg", "sphere", "sphere+ffc", "sphere+ffc+pan"]
+    table = []
+    for (cell, method, rounds), figs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2],
+                                                                              order.index(kv[0][1])
+                                                                              if kv[0][1] in order else 99)):
+        figs.sort(key=lambda f: f["seed"])
+        row: dict[str, Any] = {"cell": cell, "method": method, "rounds": rounds, "seeds": [f["seed"] for f in figs],
+                               "derived_from_sphere_ffc": any(f["derived"] for f in figs)}
+        for key in figs[0]:
+            if key not in ("seed", "rounds", "derived") and all(isinstance(f.get(key), (int, float))
+                                                                and not isinstance(f.get(key), bool) for f in figs):
+                row[key] = statistics.fmean(f[key] for f in figs)
+        row["per_seed"] = figs
+        table.append(row)
+    return table
+
+
+def print_report(console: Console, rows: list[dict[str, Any]]) -> None:
+    table = Table(title="SphereFed on Fashion-MNIST, 10 clients (accuracy in %, mean over seeds)")
+    for name in ("cell", "method", "rounds", "seeds", "last", f"last {LAST_ROUNDS}", "FFC before", "FFC after",
+                 "gain", "classifier saved/round", "FFC up/client", "FFC client s", "FFC coord s"):
+        table.add_column(name, justify="left" if name in ("cell", "method") else "right")
+
+    def pct(v: float | None) -> str:
+        return "" if v is None else f"{100 * v:.2f}"
+
+    for r in rows:
+        before, after = r.get("ffc_accuracy_before"), r.get("ffc_accuracy_after")
+        gain = f"{100 * (after - before):+.2f}" if before is not None and after is not None else ""
+        saved = r.get("classifier_bytes_saved_per_round") or 0
+        table.add_row(r["cell"], r["method"] + (" *" if r["derived_from_sphere_ffc"] else ""), str(r["rounds"]),
+                      ",".join(map(str, r["seeds"])), pct(r["last"]), pct(r["last5"]), pct(before), pct(after), gain,
+                      human_bytes(saved) if saved else "",
+                      human_bytes(r["ffc_bytes_up_per_client"]) if "ffc_bytes_up_per_client" in r else "",
+                      f"{r['ffc_client_seconds_max']:.2f}" if "ffc_client_seconds_max" in r else "",
+                      f"{r['ffc_coordinator_seconds']:.3f}" if "ffc_coordinator_seconds" in r else "")
+    console.print(table)
+    if any(r["derived_from_sphere_ffc"] for r in rows):
+        console.print("* from the sphere+ffc run of the same cell and seed: identical training, accuracy before "
+                      "calibration")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=6000, help="training images of the client whose cost is "
+                                                                  "measured (Fashion-MNIST / 10 clients = 6000)")
+    parser.add_argument("--skip-cost", action="store_true", help="only rebuild the accuracy table")
+    parser.add_argument("--skip-report", action="store_true", help="only measure the cost")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    path = args.results / "spherefed_ffc.json"
+    report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    report["machine"] = {"python": platform.python_version(), "arch": platform.machine(), "cpus": os.cpu_count(),
+                         "torch": torch.__version__}
+    if not args.skip_cost:
+        torch.set_num_threads(1)
+        report["cost"] = [measure_cost(name, args.samples) for name in ("cnn", "vgg9")]
+    if report.get("cost"):
+        print_cost(console, report["cost"])
+    if not args.skip_report:
+        report["accuracy"] = collect(args.results)
+        report["final_accuracy"] = (f"last: the last round's test accuracy (after calibration for FFC runs); "
+                                    f"last {LAST_ROUNDS}: mean of the last {LAST_ROUNDS} rounds' test accuracy")
+    if report.get("accuracy"):
+        print_report(console, report["accuracy"])
+    args.results.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    console.print(f"written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

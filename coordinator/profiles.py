@@ -1,0 +1,61 @@
+"""The run directory's record of each client's profiles: ``clients/ID.jsonl`` and ``clients/ID.json``.
+
+Every first answer to a task this coordinator gave becomes one line of
+``clients/ID.jsonl``: the round, the task id and objective, the round time the
+coordinator measured, whether it came after its attempt was over (``late``), the client's error
+if it could not run the task, and the profile the device sent (checked by
+:func:`profiling.schema.clean_profile`). A task still unanswered when its attempt
+ends gets a ``missed`` line with the timeout as its round time (it took at least
+that long); its late answer, if one comes, adds a line with the same task id and
+the real time. Late answers are kept on purpose: a straggler's real times are
+exactly what a report about stragglers needs.
+``clients/ID.json`` holds the latest of these with the device facts from the
+client's hello message, so the facts are stored once per client, not per round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from profiling.history import read_jsonl
+
+__all__ = ["ProfileStore"]
+
+
+class ProfileStore:
+    """Appends profile records under ``directory`` (the run's ``clients/``)."""
+
+    def __init__(self, directory: Path, *, completed_rounds: int = 0) -> None:
+        self.directory = directory
+        self._drop_rounds_after(completed_rounds)
+
+    def _drop_rounds_after(self, completed_rounds: int) -> None:
+        """On resume: rounds after the checkpoint run again, so their old lines go."""
+        if not self.directory.is_dir():
+            return
+        for path in self.directory.glob("*.jsonl"):
+            rows = read_jsonl(path)
+            kept = [r for r in rows if isinstance(r.get("round"), int) and r["round"] <= completed_rounds]
+            if len(kept) != len(rows):
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+                os.replace(tmp, path)
+
+    def add(self, client_id: str, *, round: int, task_id: str, objective: str, round_seconds: float,
+            late: bool = False, missed: bool = False, error: str | None = None,
+            profile: dict[str, Any] | None = None, device: Any = None) -> None:
+        """Record one answer (or, with ``missed``, a task that got none in time; ``round_seconds`` is then
+        the timeout, a lower bound). ``client_id`` must already be a checked id: it names files."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        record = {"round": round, "task_id": task_id, "objective": objective, "round_seconds": round_seconds,
+                  "late": late, "missed": missed, "error": error, "profile": profile or {}}
+        with open(self.directory / f"{client_id}.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        latest = self.directory / f"{client_id}.json"
+        if profile or not latest.exists():   # a missed task has no profile to show: keep the last real one
+            latest.write_text(json.dumps({"client_id": client_id, "round": round, "profile": profile or {},
+                                          "device": device if isinstance(device, dict) else None}, indent=1),
+                              encoding="utf-8")

@@ -1,0 +1,125 @@
+"""Which online clients a round may sample: all of them, or those expected to meet the deadline.
+
+``clients.selection = "random"`` samples from every online client. ``"deadline"``
+first leaves out clients whose recent round times predict they would miss the
+round's deadline (``clients.round_timeout``): a client that will not make it only
+costs the round its full timeout and brings nothing.
+
+A client's round time is what the deadline is measured against: from the
+coordinator publishing its task to the coordinator receiving its result, transfer
+and queueing on the device included (the device's own profile ``seconds`` leaves
+both out). A task that got no answer by the end of its attempt counts as taking the
+whole timeout until its result turns up late with the real time. The prediction is
+the median of the client's last three round times, for the slowest kind of task
+(objective) it runs; a client is skipped when that prediction times
+:data:`SAFETY` exceeds the deadline.
+
+Two rules keep skipping from hurting the run: never skip so many that fewer than
+the results a round needs remain (the fastest skipped clients are put back, those
+not busy with an earlier task first), and
+give a client another chance after :data:`PROBE_AFTER` selections in a row that
+skipped it, so a device that was only slow for a while (throttled, busy) is not
+left out for good. A client still working on an earlier task is not given that
+chance until it answers (or :data:`BUSY_HORIZON` deadlines have passed): a new task
+would only queue behind the old one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["RoundTimes", "DeadlineFilter", "Skipped", "SELECTIONS", "SAFETY", "WINDOW", "PROBE_AFTER",
+           "BUSY_HORIZON"]
+
+SELECTIONS = ("random", "deadline")
+SAFETY = 1.25        # skip when predicted * SAFETY > deadline: leaves room for jitter
+WINDOW = 3           # round times the prediction looks at
+PROBE_AFTER = 5      # consecutive skips after which a client is tried again
+BUSY_HORIZON = 10    # deadlines after which an unanswered task no longer counts as being worked on
+_KEEP = 8            # round times kept per client and objective (a late answer may update an older one)
+_MAX_PENDING = 10_000
+
+
+class RoundTimes:
+    """Recent round times of each client, per objective, as the coordinator measured them."""
+
+    def __init__(self) -> None:
+        self._pending: OrderedDict[str, tuple[str, str, float]] = OrderedDict()   # task -> client, objective, sent
+        self._times: dict[tuple[str, str], OrderedDict[str, float]] = {}           # (client, objective) -> task -> s
+
+    def sent(self, task_id: str, client_id: str, objective: str, at: float) -> None:
+        """A task was published at monotonic time ``at``."""
+        self._pending[task_id] = (client_id, objective, at)
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.popitem(last=False)
+
+    def answered(self, task_id: str, client_id: str, at: float) -> tuple[float, str] | None:
+        """The first answer to a task arrived at ``at``: its round time and objective (None if not ours)."""
+        entry = self._pending.get(task_id)
+        if entry is None or entry[0] != client_id:
+            return None
+        del self._pending[task_id]
+        seconds = at - entry[2]
+        self._record(entry[0], entry[1], task_id, seconds)
+        return seconds, entry[1]
+
+    def missed(self, task_ids: Iterable[str], timeout: float) -> list[tuple[str, str, str]]:
+        """Tasks of an attempt that ended: unanswered ones count as ``timeout`` for now.
+
+        Returns (task id, client id, objective) of each; a late answer replaces the timeout with the real time.
+        """
+        unanswered = []
+        for task_id in task_ids:
+            entry = self._pending.get(task_id)
+            if entry is not None:
+                self._record(entry[0], entry[1], task_id, timeout)
+                unanswered.append((task_id, entry[0], entry[1]))
+        return unanswered
+
+    def busy(self, client_id: str, now: float, horizon: float) -> bool:
+        """Whether the client owes an answer to a task sent less than ``horizon`` seconds before ``now``."""
+        return any(c == client_id and now - sent < horizon for c, _, sent in self._pending.values())
+
+    def _record(self, client_id: str, objective: str, task_id: str, seconds: float) -> None:
+        times = self._times.setdefault((client_id, objective), OrderedDict())
+        times[task_id] = seconds
+        while len(times) > _KEEP:
+            times.popitem(last=False)
+
+    def predict(self, client_id: str) -> float | None:
+        """Median of the last :data:`WINDOW` round times of the client's slowest objective; None if unknown."""
+        medians = [statistics.median(list(times.values())[-WINDOW:])
+                   for (client, _), times in self._times.items() if client == client_id and times]
+        return max(medians) if medians else None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    client_id: str
+    predicted_seconds: float
+
+
+@dataclass
+class DeadlineFilter:
+    """Leaves out clients predicted to miss the deadline; remembers how often each was left out."""
+
+    times: RoundTimes
+    streak: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, pool: list[str], deadline: float, need: int, now: float) -> tuple[list[str], list[Skipped]]:
+        """``pool`` minus the clients to skip, and the skipped ones (slowest first); ``now``: monotonic time."""
+        predicted = {c: self.times.predict(c) for c in pool}
+        slow = {c: p for c, p in predicted.items() if p is not None and p * SAFETY > deadline
+                and (self.streak.get(c, 0) < PROBE_AFTER or self.times.busy(c, now, BUSY_HORIZON * deadline))}
+        keep = [c for c in pool if c not in slow]
+        horizon = BUSY_HORIZON * deadline   # put back the fastest of the slow, free ones before busy ones
+        for c in sorted(slow, key=lambda c: (self.times.busy(c, now, horizon), slow[c]))[:max(0, need - len(keep))]:
+            keep.append(c)
+            del slow[c]
+        for c in pool:
+            self.streak[c] = self.streak.get(c, 0) + 1 if c in slow else 0
+        skipped = [Skipped(c, slow[c]) for c in sorted(slow, key=lambda c: -slow[c])]
+        return sorted(keep), skipped

@@ -1,0 +1,142 @@
+"""Disentangled FL (DFL): only the invariant extractor is aggregated; the rest stays on the devices.
+
+The clients run a two-branch model (``edge_client/dfl_model.py``) around the
+configured backbone; :meth:`DFL.model_spec` wraps the spec. Each round:
+
+- ``train``: every selected client gets the global invariant extractor and runs
+  ``dfl_train`` (``edge_client/dfl.py``); it sends back its invariant extractor
+  only. The new global invariant extractor is their sample-weighted mean.
+- ``evaluate`` (every ``eval.every`` rounds and in the last): every online client
+  reports the accuracy of the global invariant extractor with its own specific
+  extractor and predictor on its held-out split (``dfl_evaluate``).
+
+Diversity transferring (``dfl.diversity = M > 0``) makes the clients also send
+their specific extractor; the coordinator keeps each client's latest one and
+relays up to M other clients' to each client in the next round. The server state
+is the invariant extractor, plus (with diversity) those specific extractors under
+``bank/CLIENT_ID/specific.*``, so a resumed run relays them as before.
+
+The coordinator has no predictor of its own (predictors stay on the devices), so
+it reports no global test accuracy; the personalized metrics are DFL's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import torch
+from torch import nn
+
+from coordinator.config import ConfigError, DflSection, RunConfig
+from coordinator.strategies.base import ClientResult, PersonalizedEval, ServerState, Strategy, TaskPlan, WeightedSum
+from edge_client.dfl_model import INVARIANT, SPECIFIC, part_names
+from edge_client.models import build_model, federated_names
+
+__all__ = ["DFL", "BANK"]
+
+BANK = "bank"   # state names of relayed specific extractors: bank/CLIENT_ID/specific.*
+
+
+class DFL(Strategy):
+    name = "dfl"
+
+    def __init__(self, train: dict[str, Any], settings: DflSection, *, seed: int, every: int = 1) -> None:
+        self.train = dict(train)
+        self.settings = settings
+        self.seed = seed
+        self.personalized = PersonalizedEval(every=every)   # DFL's result is personalized accuracy
+        self._specific: list[str] = []                      # names of a specific extractor (diversity only)
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "DFL":
+        if config.clients.spawn > 0 and config.data.local_test_fraction <= 0:
+            raise ConfigError("dfl reports personalized accuracy on each client's held-out split: set "
+                              "data.local_test_fraction > 0 (e.g. 0.2)")
+        return cls(dataclasses.asdict(config.train), config.dfl, seed=config.run.seed, every=config.eval.every)
+
+    def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The two-branch model around the configured backbone (``model.name``)."""
+        if spec["name"] == "dfl":
+            raise ConfigError("with run.strategy = dfl, set model.name to the backbone (cnn, mlp, vgg9); "
+                              "the strategy builds the two-branch model around it from the [dfl] settings")
+        s = self.settings
+        wrapped = {**spec, "name": "dfl", "backbone": spec["name"], "specific_width": s.specific_width,
+                   "mi_hidden": s.mi_hidden, **({"peers": s.diversity} if s.diversity else {})}
+        if s.diversity:
+            self._specific = part_names(federated_names(_model(wrapped)), SPECIFIC)
+        return wrapped
+
+    def initialize(self, params: dict[str, torch.Tensor]) -> ServerState:
+        """Only the invariant extractor is global; the other branches start on each device."""
+        return ServerState(round=0, params={k: params[k] for k in part_names(params, INVARIANT)})
+
+    def _hyper(self, peers: int = 0) -> dict[str, Any]:
+        s = self.settings
+        return {"train": dict(self.train),
+                "dfl": {"local_epochs": s.local_epochs, "global_epochs": s.global_epochs,
+                        "mi_min_weight": s.mi_min_weight, "mi_max_weight": s.mi_max_weight,
+                        "init_seed": self.seed, "peers": peers}}
+
+    @staticmethod
+    def _invariant(state: ServerState) -> dict[str, torch.Tensor]:
+        return {k: state.params[k] for k in part_names(state.params, INVARIANT)}
+
+    def _peers(self, round: int, state: ServerState, client: str) -> dict[str, torch.Tensor]:
+        """Up to ``diversity`` other clients' latest specific extractors, in the model's peer slots."""
+        banked = sorted({k.split("/")[1] for k in state.params if k.startswith(BANK + "/")} - {client})
+        chosen = random.Random(f"{self.seed}/{round}/{client}").sample(banked, min(self.settings.diversity,
+                                                                                    len(banked)))
+        return {f"peers.{i}.{name.removeprefix(SPECIFIC + '.')}": state.params[f"{BANK}/{cid}/{name}"]
+                for i, cid in enumerate(chosen) for name in self._specific}
+
+    def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
+        invariant = self._invariant(state)
+        up = sorted(invariant) + self._specific
+        plans = []
+        for c in clients:
+            peers = self._peers(round, state, c) if self.settings.diversity else {}
+            count = len(peers) // max(len(self._specific), 1)
+            plans.append(TaskPlan(client_id=c, objective="dfl_train", hyper=self._hyper(count),
+                                  down={**invariant, **peers}, up=up))
+        return plans
+
+    def aggregate(self, phase: str, round: int, state: ServerState,
+                  results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
+        if phase != "train":
+            return super().aggregate(phase, round, state, results)
+        return self.aggregate_train(round, state, results), _train_metrics(results)
+
+    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
+        """Sample-weighted mean of the invariant extractors; with diversity, bank each specific one."""
+        names = part_names(state.params, INVARIANT)
+        total = WeightedSum.reduce(WeightedSum.of({k: r.tensors[k] for k in names}, r.num_samples) for r in results)
+        banked = {f"{BANK}/{r.client_id}/{k}": r.tensors[k] for r in results for k in self._specific}
+        return dataclasses.replace(state, round=round, params={**state.params, **total.mean(), **banked})
+
+    def configure_evaluate(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
+        hyper = {"dfl": {"init_seed": self.seed}}
+        return [TaskPlan(client_id=c, objective="dfl_evaluate", hyper=hyper, down=self._invariant(state), up=[],
+                         expect={}) for c in clients]
+
+    def evaluate(self, state: ServerState, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        """Nothing: without a device's specific branch and predictor there is no classifier to test."""
+        return {}
+
+
+def _model(spec: dict[str, Any]) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):   # building it must not move the run's seeded initialization
+        return build_model(spec)
+
+
+def _train_metrics(results: list[ClientResult]) -> dict[str, Any]:
+    """Sample-weighted means of the clients' MI estimates, and how many started from fresh branches."""
+    n = sum(r.num_samples for r in results)
+    out: dict[str, Any] = {}
+    for key in ("mi_inv_spe", "mi_inv_glob", "local_stage_loss"):
+        values = [(r.metrics.get(key), r.num_samples) for r in results]
+        if all(isinstance(v, (int, float)) for v, _ in values):
+            out[f"dfl_{key}"] = sum(v * w for v, w in values) / n
+    out["dfl_fresh_clients"] = sum(1 for r in results if r.metrics.get("state_initialized") == 1.0)
+    return out

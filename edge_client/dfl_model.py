@@ -1,0 +1,91 @@
+"""DFL's client model: an invariant and a specific extractor side by side, a predictor on both.
+
+Registered as model ``dfl`` (``{"name": "dfl", "backbone": "cnn", ...}``); any
+registry backbone works, through its ``features`` (the extractor) and the input
+size of its ``classifier`` (the representation size). Parameter names say which
+branch a tensor belongs to, which is all the protocol and the strategy need:
+
+- ``invariant.*``: the backbone's extractor; the only part that is ever aggregated.
+- ``specific.*``: the same backbone at ``specific_width`` times its width; stays on the device.
+- ``predictor.*``: one linear layer on ``[invariant(x); specific(x)]``; stays on the device.
+- ``mi.spe.*``, ``mi.glob.*``: critics estimating MI(invariant; specific) and
+  MI(invariant; global invariant) (:mod:`edge_client.mutual_info`); stay on the device.
+- ``peers.K.*`` (``peers = M > 0``): slots for M other clients' specific extractors,
+  filled by diversity transferring; never trained, never saved.
+
+Options of the backbone (``norm``, ``pan``, ...) apply to both extractors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from edge_client.models import MODELS, ModelSpecError, build_model
+from edge_client.mutual_info import PairCritic
+
+__all__ = ["TwoBranchModel", "two_branch", "INVARIANT", "SPECIFIC", "PREDICTOR", "CRITICS", "PEERS",
+           "DEVICE_PARTS", "part_names"]
+
+INVARIANT, SPECIFIC, PREDICTOR, CRITICS, PEERS = "invariant", "specific", "predictor", "mi", "peers"
+DEVICE_PARTS = (SPECIFIC, PREDICTOR, CRITICS)   # what never leaves the device (without diversity)
+
+
+class TwoBranchModel(nn.Module):
+    """``predictor([invariant(x); specific(x)])``, plus the critics and peer slots DFL trains with."""
+
+    def __init__(self, invariant: nn.Module, specific: nn.Module, peers: list[nn.Module], dims: tuple[int, int],
+                 num_classes: int, mi_hidden: int) -> None:
+        super().__init__()
+        d_inv, d_spe = dims
+        self.invariant = invariant
+        self.specific = specific
+        self.predictor = nn.Linear(d_inv + d_spe, num_classes)
+        self.mi = nn.ModuleDict({"spe": PairCritic(d_inv, d_spe, mi_hidden),
+                                 "glob": PairCritic(d_inv, d_inv, mi_hidden)})
+        self.peers = nn.ModuleList(peers)
+
+    def predict(self, inv: torch.Tensor, spe: torch.Tensor) -> torch.Tensor:
+        return self.predictor(torch.cat([inv, spe], dim=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predict(self.invariant(x), self.specific(x))
+
+
+def _extractor(spec: dict[str, Any]) -> tuple[nn.Module, int]:
+    model = build_model(spec)
+    features, classifier = getattr(model, "features", None), getattr(model, "classifier", None)
+    if features is None or not isinstance(classifier, nn.Linear):
+        raise ModelSpecError(f"dfl needs a backbone with .features and a linear .classifier; "
+                             f"{spec['name']!r} has not")
+    return features, classifier.in_features
+
+
+def two_branch(num_classes: int, in_channels: int, image_size: int, backbone: str = "cnn",
+               specific_width: float = 1.0, mi_hidden: int = 128, peers: int = 0,
+               **options: Any) -> TwoBranchModel:
+    """The DFL model over ``backbone``; ``options`` are the backbone's own (norm, pan, width, ...)."""
+    if backbone == "dfl" or backbone not in MODELS:
+        raise ModelSpecError(f"dfl backbone must be one of {', '.join(sorted(set(MODELS) - {'dfl'}))}, "
+                             f"got {backbone!r}")
+    if isinstance(specific_width, bool) or not isinstance(specific_width, (int, float)) or specific_width <= 0:
+        raise ModelSpecError(f"dfl specific_width must be a positive number, got {specific_width!r}")
+    for key, value, low in (("mi_hidden", mi_hidden, 1), ("peers", peers, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ModelSpecError(f"dfl {key} must be an integer >= {low}, got {value!r}")
+    base = {"name": backbone, "num_classes": num_classes, "in_channels": in_channels, "image_size": image_size,
+            **options}
+    specific_spec = {**base, "width": float(options.get("width", 1.0)) * specific_width}
+    invariant, d_inv = _extractor(base)
+    specific, d_spe = _extractor(specific_spec)
+    peer_branches = [_extractor(specific_spec)[0] for _ in range(peers)]
+    return TwoBranchModel(invariant, specific, peer_branches, (d_inv, d_spe), num_classes, mi_hidden)
+
+
+def part_names(names: Iterable[str], *parts: str) -> list[str]:
+    """The names (sorted) that belong to any of ``parts`` (``invariant``, ``specific``, ...)."""
+    prefixes = tuple(p + "." for p in parts)
+    return sorted(n for n in names if n.startswith(prefixes))

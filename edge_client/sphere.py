@@ -1,0 +1,388 @@
+"""SphereFed with Fast Federated Calibration (FFC): the device's side and the algebra both sides share.
+
+SphereFed trains only the feature extractor. Features are L2-normalized onto the
+unit sphere and scored by a fixed classifier with orthonormal rows that every party
+rebuilds from a seed, so it is never trained and never sent; the local loss is the
+squared error between the scores and the one-hot label. After training, FFC
+replaces the fixed classifier by the least-squares one on all clients' features,
+from sums each client sends once: ``G = sum z z^T``, ``B = sum z y^T`` and ``n``.
+Sums are associative, so the coordinator gets the centralized least-squares
+solution exactly, without seeing a feature or a label.
+
+Here: the head (:class:`SphereHead`, put on any registry model by the model spec's
+``head = "sphere"``), the objectives ``sphere_train`` and ``ffc_stats``, and
+:class:`FfcStats` (packing, summing, the Cholesky solve), which the coordinator's
+``coordinator/strategies/spherefed.py`` uses too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, register_objective,
+                                    train)
+
+__all__ = [
+    "HEADS", "CLASSIFIER", "STAT_NAMES", "WIRE_DTYPES", "WIRE_CODECS", "FALLBACK_RIDGE",
+    "SphereError", "SphereHead", "Calibration", "FfcStats", "FfcHyper",
+    "fixed_classifier", "apply_head", "with_sphere_seed", "sphere_head", "sphere_loss", "sphere_accuracies",
+    "packed_size", "pack_upper", "unpack_upper", "wire_shapes", "wire_numbers", "solve_classifier",
+    "feature_stats", "sphere_train", "ffc_stats",
+]
+
+log = logging.getLogger("fedge.sphere")
+
+HEADS = ("linear", "sphere")
+CLASSIFIER = "classifier.weight"                       # the head's state: the classifier in use
+STAT_NAMES = ("ffc.gram", "ffc.cross", "ffc.count")   # what an ffc_stats result carries, nothing else
+WIRE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+WIRE_CODECS = {"float64": "fp64", "float32": "fp32"}   # the upload codec that carries each exactly
+# When G is singular, the ridge used instead of 0, relative to G's mean eigenvalue trace(G) / d.
+FALLBACK_RIDGE = 1e-6
+
+
+class SphereError(ValueError):
+    """A model cannot take the sphere head, or FFC statistics are malformed; the message says why."""
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+def fixed_classifier(num_classes: int, dim: int, seed: int) -> torch.Tensor:
+    """The fixed classifier: the first C rows of Q from the QR decomposition of a seeded d x d Gaussian.
+
+    Float64, ``[C, d]``, orthonormal rows. NumPy's seeded generator gives the same
+    Gaussian on every platform, and the signs are fixed so that R has a positive
+    diagonal (QR is then unique), so every party rebuilds the same matrix (to
+    rounding). The factorization is torch's, which keeps to the process's torch
+    threads (NumPy's BLAS threads took seconds for d = 512 on a busy 2-core machine).
+    """
+    if dim < num_classes:
+        raise SphereError(f"the sphere head needs a feature dimension d >= the number of classes C, "
+                          f"got d = {dim} < C = {num_classes}: {num_classes} orthonormal rows do not fit in "
+                          f"{dim} dimensions; widen the model's last hidden layer or use head = linear")
+    gaussian = torch.from_numpy(np.random.default_rng(seed).standard_normal((dim, dim)))
+    q, r = torch.linalg.qr(gaussian)
+    q = q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)   # column j times sign(R_jj): the unique QR
+    return q[:num_classes].contiguous()
+
+
+class SphereHead(nn.Module):
+    """Scores ``W z`` of the L2-normalized features ``z = h / ||h||``; ``W`` is never trained.
+
+    ``fixed`` (the seeded orthonormal classifier) is a non-persistent buffer: rebuilt
+    by every party, never in a state dict or a message. ``weight`` is the classifier
+    in use: the fixed one during training, the calibrated one on the coordinator
+    after FFC. It is a buffer (no gradient, never in an optimizer) in the state dict,
+    so checkpoints keep the calibrated classifier; SphereFed never sends it.
+    """
+
+    fixed: torch.Tensor
+    weight: torch.Tensor
+
+    def __init__(self, in_features: int, num_classes: int, seed: int) -> None:
+        super().__init__()
+        w = fixed_classifier(num_classes, in_features, seed).to(torch.float32)
+        self.register_buffer("fixed", w, persistent=False)
+        self.register_buffer("weight", w.clone())
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.normalize(h.flatten(1), dim=1) @ self.weight.t()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Go back to the fixed classifier (training always runs against it)."""
+        self.weight.copy_(self.fixed)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fixed orthonormal rows"
+
+
+def apply_head(model: nn.Module, head: Any = "linear", sphere_seed: Any = None) -> nn.Module:
+    """Give a registry model the head its spec asks for (``head``, ``sphere_seed``)."""
+    if head not in HEADS:
+        raise SphereError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
+    if head == "linear":
+        if sphere_seed is not None:
+            raise SphereError("sphere_seed applies only to head = sphere; remove it or set head = sphere")
+        return model
+    seed = 0 if sphere_seed is None else sphere_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise SphereError(f"sphere_seed must be an integer >= 0, got {sphere_seed!r}")
+    linear = getattr(model, "classifier", None)
+    if not isinstance(linear, nn.Linear):
+        raise SphereError(f"head = sphere replaces a model's last linear layer `classifier`, which "
+                          f"{type(model).__name__} does not have")
+    model.classifier = SphereHead(linear.in_features, linear.out_features, seed)
+    return model
+
+
+def with_sphere_seed(spec: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """The model spec with ``sphere_seed`` defaulting to the run's seed when ``head = sphere``."""
+    out = dict(spec)
+    if out.get("head") == "sphere":
+        out.setdefault("sphere_seed", seed)
+    return out
+
+
+def sphere_head(model: nn.Module) -> SphereHead:
+    head = getattr(model, "classifier", None)
+    if not isinstance(head, SphereHead):
+        raise ObjectiveError("this task needs a model with head = sphere; set model.head = \"sphere\"")
+    return head
+
+
+def sphere_loss(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Squared distance between the scores and the one-hot label, summed over classes, mean over samples.
+
+    MSE rather than cross-entropy: scores of unit features on orthonormal rows are
+    bounded by 1, so cross-entropy would need a temperature (the paper's argument).
+    """
+    onehot = F.one_hot(labels, scores.shape[1]).to(scores.dtype)
+    return ((scores - onehot) ** 2).sum(dim=1).mean()
+
+
+@torch.no_grad()
+def _features(model: nn.Module, x: torch.Tensor, batch_size: int) -> Iterable[tuple[slice, torch.Tensor]]:
+    """Unit features in float64, batch by batch, with the extractor in eval mode."""
+    model.eval()
+    for start in range(0, len(x), batch_size):
+        h = model.features(x[start:start + batch_size]).flatten(1)
+        yield slice(start, start + batch_size), F.normalize(h.to(torch.float64), dim=1)
+
+
+def sphere_accuracies(model: nn.Module, x: torch.Tensor, y: torch.Tensor, classifiers: Sequence[torch.Tensor],
+                      batch_size: int = 1024) -> list[float]:
+    """Accuracy on (x, y) of each ``[C, d]`` classifier on the model's unit features (one pass)."""
+    correct = [0] * len(classifiers)
+    weights = [w.to(torch.float64) for w in classifiers]
+    for rows, z in _features(model, x, batch_size):
+        for i, w in enumerate(weights):
+            correct[i] += int(((z @ w.t()).argmax(1) == y[rows]).sum())
+    return [c / max(len(y), 1) for c in correct]
+
+
+# ----------------------------------------------------------------------------- FFC statistics
+
+
+def packed_size(d: int) -> int:
+    """Numbers in the packed upper triangle (diagonal included) of a symmetric d x d matrix."""
+    return d * (d + 1) // 2
+
+
+def pack_upper(m: torch.Tensor) -> torch.Tensor:
+    """The upper triangle of a symmetric matrix, row by row, as a 1-D tensor (half the bytes)."""
+    if m.dim() != 2 or m.shape[0] != m.shape[1]:
+        raise SphereError(f"pack_upper needs a square matrix, got shape {tuple(m.shape)}")
+    i, j = torch.triu_indices(m.shape[0], m.shape[0])
+    return m[i, j].contiguous()
+
+
+def unpack_upper(packed: torch.Tensor, d: int) -> torch.Tensor:
+    """The symmetric d x d matrix whose packed upper triangle is ``packed``."""
+    if tuple(packed.shape) != (packed_size(d),):
+        raise SphereError(f"a packed {d} x {d} symmetric matrix has {packed_size(d)} numbers, "
+                          f"got shape {tuple(packed.shape)}")
+    i, j = torch.triu_indices(d, d)
+    m = torch.zeros(d, d, dtype=packed.dtype)
+    m[i, j] = packed
+    m[j, i] = packed
+    return m
+
+
+def wire_shapes(d: int, num_classes: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the tensors of an ffc_stats result: packed G, B, n."""
+    return {"ffc.gram": (packed_size(d),), "ffc.cross": (d, num_classes), "ffc.count": (1,)}
+
+
+def wire_numbers(d: int, num_classes: int) -> int:
+    """Numbers in one client's FFC statistics: d(d+1)/2 + dC + 1."""
+    return packed_size(d) + d * num_classes + 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The solved classifier and how it was solved."""
+
+    weight: torch.Tensor    # [C, d] float64
+    ridge: float            # the lambda actually used
+    rank: int               # numerical rank of G
+    singular: bool          # G was singular, so ``ridge`` is the fallback rather than the requested one
+
+
+def solve_classifier(gram: torch.Tensor, cross: torch.Tensor, ridge: float = 0.0, *,
+                     precision: torch.dtype = torch.float64, level: int = logging.WARNING) -> Calibration:
+    """``W^T = (G + ridge I)^-1 B`` by a Cholesky factorization in float64.
+
+    With ``ridge = 0`` and G singular (numerically rank-deficient: an eigenvalue at
+    most d * eps * the largest, NumPy's matrix_rank rule, with the eps of the
+    ``precision`` the sums travelled in) there is no unique solution; a small ridge
+    (FALLBACK_RIDGE times G's mean eigenvalue, and above that rounding level) is
+    used instead and logged (at ``level``: a device's own small G is expected to
+    be singular).
+    """
+    d = gram.shape[0]
+    g = gram.to(torch.float64)
+    eig = torch.linalg.eigvalsh(g)
+    top = float(eig[-1]) if d else 0.0
+    tol = max(top, 0.0) * d * torch.finfo(precision).eps
+    if d and float(eig[0]) < -tol:   # a sum of z z^T has no negative eigenvalue beyond rounding
+        raise SphereError(f"the FFC statistics are not a Gram matrix (eigenvalue {float(eig[0]):.3g} < 0); "
+                          "a client sent sums that no features produce")
+    rank = int((eig > tol).sum())
+    singular = ridge == 0 and rank < d
+    used = float(ridge)
+    if singular:
+        used = max(FALLBACK_RIDGE * float(torch.trace(g)) / max(d, 1), tol, 1e-12)
+        log.log(level, "FFC: the Gram matrix G is singular (numerical rank %d of %d), so ridge 0 has no unique "
+                "solution; solving with ridge %.3g instead (set ffc.ridge > 0 to choose it)", rank, d, used)
+    eye = torch.eye(d, dtype=torch.float64)
+    for _ in range(4):   # rounding can leave a nearly singular G + ridge I not quite positive definite
+        chol, info = torch.linalg.cholesky_ex(g + used * eye)
+        if int(info) == 0:
+            break
+        used = max(used * 10, FALLBACK_RIDGE)
+        log.warning("FFC: G + ridge I is not positive definite in float64; retrying with ridge %.3g", used)
+    else:
+        raise SphereError(f"FFC could not factor G + ridge I even with ridge {used:.3g}; set a larger ffc.ridge")
+    return Calibration(torch.cholesky_solve(cross.to(torch.float64), chol).t().contiguous(), used, rank, singular)
+
+
+@dataclass(frozen=True)
+class FfcStats:
+    """One client's (or a sum of clients') FFC statistics, in float64."""
+
+    gram: torch.Tensor    # [d, d], sum of z z^T
+    cross: torch.Tensor   # [d, C], sum of z y^T (y one-hot)
+    count: int            # n
+
+    @classmethod
+    def zeros(cls, d: int, num_classes: int) -> "FfcStats":
+        return cls(torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, num_classes, dtype=torch.float64), 0)
+
+    def __add__(self, other: "FfcStats") -> "FfcStats":
+        if self.gram.shape != other.gram.shape or self.cross.shape != other.cross.shape:
+            raise SphereError(f"cannot add FFC statistics of shapes {tuple(self.cross.shape)} and "
+                              f"{tuple(other.cross.shape)}; all clients must run the same model")
+        return FfcStats(self.gram + other.gram, self.cross + other.cross, self.count + other.count)
+
+    @staticmethod
+    def reduce(parts: Iterable["FfcStats"]) -> "FfcStats":
+        total: FfcStats | None = None
+        for part in parts:
+            total = part if total is None else total + part
+        if total is None:
+            raise SphereError("no FFC statistics to sum")
+        return total
+
+    def to_wire(self, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+        """Packed G, B and n: d(d+1)/2 + dC + 1 numbers in ``dtype``."""
+        return {"ffc.gram": pack_upper(self.gram).to(dtype), "ffc.cross": self.cross.to(dtype).contiguous(),
+                "ffc.count": torch.tensor([float(self.count)], dtype=dtype)}
+
+    @classmethod
+    def from_wire(cls, tensors: Mapping[str, torch.Tensor], d: int, num_classes: int) -> "FfcStats":
+        """Statistics from a result's tensors (names and shapes checked), summed in float64 from here on."""
+        shapes = wire_shapes(d, num_classes)
+        if set(tensors) != set(shapes):
+            raise SphereError(f"FFC statistics are {sorted(shapes)}, got {sorted(tensors)}")
+        for name, shape in shapes.items():
+            if tuple(tensors[name].shape) != shape:
+                raise SphereError(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        count = float(tensors["ffc.count"][0])
+        if not (math.isfinite(count) and count >= 1 and count == int(count)):
+            raise SphereError(f"ffc.count must be a positive whole number of samples, got {count}")
+        return cls(unpack_upper(tensors["ffc.gram"].to(torch.float64), d), tensors["ffc.cross"].to(torch.float64),
+                   int(count))
+
+    def solve(self, ridge: float = 0.0, *, precision: torch.dtype = torch.float64,
+              level: int = logging.WARNING) -> Calibration:
+        return solve_classifier(self.gram, self.cross, ridge, precision=precision, level=level)
+
+
+def feature_stats(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+                  batch_size: int = 256) -> FfcStats:
+    """G, B and n over (x, y) with the model's extractor (eval mode), accumulated in float64."""
+    head = sphere_head(model)
+    total = FfcStats.zeros(head.in_features, num_classes)
+    gram, cross = total.gram, total.cross
+    for rows, z in _features(model, x, batch_size):
+        gram += z.t() @ z
+        cross += z.t() @ F.one_hot(y[rows], num_classes).to(torch.float64)
+    return FfcStats(gram, cross, len(y))
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+@register_objective("sphere_train")
+def sphere_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
+    """Local SphereFed training: the usual local SGD (FedProx's ``mu`` included), squared-error loss,
+    against the fixed classifier whatever the model last received."""
+    sphere_head(model).reset()
+    return train(model, data, hyper, ctx, criterion=sphere_loss)
+
+
+@dataclass(frozen=True)
+class FfcHyper:
+    dtype: str = "float64"       # on the wire: float64 or float32
+    personalize: bool = False    # also solve this client's own classifier, scored on its held-out split
+    ridge: float = 0.0           # lambda of that personal solve
+    batch_size: int = 256
+
+    @classmethod
+    def from_dict(cls, hyper: Mapping[str, Any]) -> "FfcHyper":
+        unknown = sorted(set(hyper) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ObjectiveError(f"unknown ffc_stats hyperparameters {unknown}; known: "
+                                 f"{sorted(cls.__dataclass_fields__)}")
+        h = cls(**hyper)
+        if h.dtype not in WIRE_DTYPES or not isinstance(h.personalize, bool) or not h.ridge >= 0 \
+                or not math.isfinite(h.ridge) or h.batch_size < 1:
+            raise ObjectiveError(f"invalid ffc_stats hyperparameters {dict(hyper)!r}: dtype is one of "
+                                 f"{', '.join(WIRE_DTYPES)}, ridge >= 0, batch_size >= 1")
+        return h
+
+
+@register_objective("ffc_stats")
+def ffc_stats(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
+    """FFC statistics of this device's whole training split with the received extractor.
+
+    Only G (packed), B and n leave the device. With ``personalize`` the device also
+    solves its own classifier from its G and B and reports its accuracy on the
+    held-out split, next to the fixed classifier's.
+    """
+    h = FfcHyper.from_dict(hyper)
+    if len(data) == 0:
+        raise ObjectiveError("FFC needs local training samples and this device has none; it cannot contribute "
+                             "statistics (the coordinator calibrates from the other clients)")
+    head = sphere_head(model)
+    head.reset()
+    started = time.perf_counter()
+    stats = feature_stats(model, data.x, data.y, head.out_features, h.batch_size)
+    metrics: dict[str, float] = {"ffc_seconds": time.perf_counter() - started}
+    if h.personalize and data.num_test:
+        started = time.perf_counter()
+        own = stats.solve(h.ridge, level=logging.INFO)
+        fixed_acc, own_acc = sphere_accuracies(model, data.x_test, data.y_test, [head.fixed, own.weight])
+        metrics.update(ffc_local_accuracy=own_acc, ffc_local_accuracy_fixed=fixed_acc, ffc_local_ridge=own.ridge,
+                       ffc_personalize_seconds=time.perf_counter() - started)
+    return ObjectiveOutput(num_samples=len(data), metrics=metrics, tensors=stats.to_wire(WIRE_DTYPES[h.dtype]))

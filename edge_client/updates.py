@@ -1,0 +1,185 @@
+"""What a result carries: the client's update as a difference or as raw values, encoded.
+
+The task says how to answer (``upload``: codec, ``delta`` or ``raw``, error
+feedback). A tensor the client received in the task (or its broadcast) goes back
+as the difference between its trained value and the received one, so a lossy
+codec only blurs the change, never the weights; anything else (statistics an
+objective computes, parameters the task did not send) goes back as raw values,
+dense. With a lossy codec and error feedback on, what encoding dropped from a
+difference (its residual) is kept on the device and added to the next update, so
+over rounds nothing is lost for good. The residuals live in the client's state
+directory and survive restarts.
+
+Both sides use this module: the client encodes (:func:`encode_upload`), the
+coordinator turns a result back into float32 parameters (:func:`decode_upload`)
+by adding each difference to the exact tensor it sent, so strategies aggregate
+parameters as before and never see the codec.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from edge_client.codec import FP32, CodecError, CodecSpec, decode_tensors, encode_tensors, parse_codec
+
+__all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_upload", "encode_download",
+           "decode_download"]
+
+log = logging.getLogger("fedge.updates")
+UPDATES = ("delta", "raw")
+RESIDUAL_FILE = "residual.safetensors"
+
+
+@dataclass(frozen=True)
+class UploadSettings:
+    """How a client answers a task; the task body's ``upload`` field, parsed."""
+
+    codec: CodecSpec = FP32
+    update: str = "raw"              # delta | raw; a task without ``upload`` gets raw float32
+    error_feedback: bool = False
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> "UploadSettings":
+        upload = body.get("upload")
+        if upload is None:
+            return cls()
+        if not isinstance(upload, dict):
+            raise CodecError(f"the task's 'upload' must be an object, got {upload!r}")
+        update = upload.get("update", "delta")
+        if update not in UPDATES:
+            raise CodecError(f"upload.update must be one of {UPDATES}, got {update!r}")
+        return cls(parse_codec(upload.get("codec", "fp32")), update, bool(upload.get("error_feedback", True)))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"codec": self.codec.text, "update": self.update, "error_feedback": self.error_feedback}
+
+
+@dataclass
+class ResidualStore:
+    """Error-feedback residuals of one run, by tensor name, saved atomically in ``directory``.
+
+    A residual from another run (or with another shape) is meaningless and dropped.
+    Without a directory (in-process simulations) the residuals live in memory only.
+    """
+
+    directory: Path | None
+    run_id: str = ""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    _loaded: bool = False
+
+    def for_run(self, run_id: str) -> dict[str, torch.Tensor]:
+        if not self._loaded:
+            self._load()
+        if run_id != self.run_id:
+            self.run_id, self.tensors = run_id, {}
+        return self.tensors
+
+    def _load(self) -> None:
+        self._loaded = True
+        path = self.directory / RESIDUAL_FILE if self.directory else None
+        if path is None or not path.is_file():
+            return
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                meta = json.loads((fh.metadata() or {}).get("fedge", "{}"))
+                self.tensors = {k: fh.get_tensor(k).to(torch.float32) for k in fh.keys()}
+            self.run_id = str(meta.get("run_id", ""))
+        except (SafetensorError, OSError, ValueError) as exc:
+            log.warning("ignored unreadable error-feedback residuals in %s: %s", path, exc)
+            self.tensors = {}
+
+    def save(self) -> None:
+        if self.directory is None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / RESIDUAL_FILE
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tmp),
+                  metadata={"fedge": json.dumps({"run_id": self.run_id})})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+
+def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
+                  settings: UploadSettings, residuals: ResidualStore, run_id: str, *,
+                  raw_only: bool = False, generator: torch.Generator | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Wire tensors and the result body fields (``codec``, ``delta``) for ``tensors``.
+
+    ``received``: what the task sent down, the reference of each difference.
+    ``raw_only``: the tensors are not model parameters (an objective's statistics).
+    """
+    spec = settings.codec
+    delta = [] if raw_only or settings.update == "raw" else sorted(n for n in tensors if n in received)
+    values = {n: t.detach().to(spec.dtype) for n, t in tensors.items()}
+    for name in delta:
+        values[name] = values[name] - received[name]
+    feedback = settings.error_feedback and spec.lossy and bool(delta)
+    if feedback:
+        stored = residuals.for_run(run_id)
+        for name in delta:
+            old = stored.get(name)
+            if old is not None and old.shape == values[name].shape:
+                values[name] = values[name] + old
+    wire = encode_tensors(values, spec, sparse=delta, generator=generator)
+    if feedback:
+        sent = decode_tensors(wire, spec, {n: tuple(v.shape) for n, v in values.items()}, sparse=delta)
+        stored.update({name: values[name] - sent[name] for name in delta})
+        residuals.save()
+    return wire, {"codec": spec.text, "delta": delta}
+
+
+def _spec(body: Mapping[str, Any]) -> CodecSpec:
+    """The codec a message's tensors are in (``codec`` in its body; float32 when absent)."""
+    text = body.get("codec", "fp32")
+    if not isinstance(text, str):
+        raise CodecError(f"the body's 'codec' must be a codec spec string, got {text!r}")
+    return parse_codec(text)
+
+
+def _names(body: Mapping[str, Any], key: str) -> list[str]:
+    value = body.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise CodecError(f"the body's {key!r} must be a list of tensor names")
+    return value
+
+
+def decode_upload(wire: Mapping[str, torch.Tensor], body: Mapping[str, Any],
+                  expected: Mapping[str, tuple[int, ...]], sent: Mapping[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """Float32 values of a result: differences are added back to the exact tensors ``sent``."""
+    spec = _spec(body)
+    delta = _names(body, "delta")
+    stray = sorted(set(delta) - (set(expected) & set(sent)))
+    if stray:
+        raise CodecError(f"differences declared for tensors the task did not send: {stray[:5]}")
+    values = decode_tensors(wire, spec, expected, sparse=delta)
+    for name in delta:
+        values[name] = sent[name].to(torch.float32) + values[name]
+        if not bool(torch.isfinite(values[name]).all()):
+            raise CodecError(f"tensor {name!r} is not finite after adding its difference")
+    return values
+
+
+def encode_download(tensors: Mapping[str, torch.Tensor], spec: CodecSpec, *,
+                    generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Wire tensors and the body's ``codec`` field for what a task or broadcast sends down (dense)."""
+    dense = spec.dense()
+    return encode_tensors(tensors, dense, generator=generator), {"codec": dense.text}
+
+
+def decode_download(wire: Mapping[str, torch.Tensor], body: Mapping[str, Any],
+                    shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Float32 tensors of a task or model broadcast (dense, any subset of ``shapes``)."""
+    return decode_tensors(wire, _spec(body).dense(), shapes, exact=False)

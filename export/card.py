@@ -1,0 +1,93 @@
+"""The model card: the JSON file beside each ONNX file that says how to use it and where it came from.
+
+A device that serves the model needs the input shape and how raw pixels become
+the input (the data set's normalization), and the class names; an operator needs
+the run, round, strategy and its settings, the measured test accuracy and the
+file's SHA-256 to know which model is deployed. ``model.onnx`` gets ``model.card.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from edge_client.data import (DIGITS_MEAN, DIGITS_STD, FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD,
+                              parse_attribute_skew)
+
+__all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
+           "write_atomic", "write_card"]
+
+CARD_FORMAT = "fedge-model-card/1"
+# Config sections that belong to a strategy besides the one named after it.
+_STRATEGY_SECTIONS = {"spherefed": ("ffc",)}
+
+
+def card_path(onnx_path: Path) -> Path:
+    """``DIR/NAME.onnx`` -> ``DIR/NAME.card.json``."""
+    return onnx_path.with_name(onnx_path.stem + ".card.json")
+
+
+def class_names(data_spec: str | None, num_classes: int) -> list[str]:
+    """The data set's names for its labels; label numbers where it has none."""
+    kind = (data_spec or "").partition(":")[0]
+    if kind == "fashion-mnist" and num_classes == len(FASHION_MNIST_CLASSES):
+        return list(FASHION_MNIST_CLASSES)
+    return [str(i) for i in range(num_classes)]
+
+
+def input_normalization(data_spec: str | None, partition: str, channels: int) -> dict[str, Any]:
+    """How raw pixels became the model's input: ``x[c] = (pixel * scale - mean[c]) / std[c]``."""
+    kind = (data_spec or "").partition(":")[0]
+    formula = "x[c] = (pixel[c] * scale - mean[c]) / std[c]"
+    if kind == "digits":
+        out: dict[str, Any] = {"scale": 1 / 16, "mean": [DIGITS_MEAN], "std": [DIGITS_STD], "pixel_range": [0, 16]}
+    elif kind == "fashion-mnist":
+        out = {"scale": 1 / 255, "mean": [FASHION_MNIST_MEAN], "std": [FASHION_MNIST_STD], "pixel_range": [0, 255]}
+    elif kind == "npz":
+        out = {"scale": 1 / 255, "mean": [0.0] * channels, "std": [1.0] * channels, "pixel_range": [0, 255],
+               "note": "uint8 images are scaled to [0, 1]; float images in the .npz were used as stored"}
+    else:
+        out = {"note": f"unknown: the data spec {data_spec!r} is not recorded; feed inputs as in training"}
+    skew = parse_attribute_skew(partition) if partition else None
+    if skew is not None and skew.kind == "color":
+        out = {"scale": 1 / 255, "mean": [0.5] * channels, "std": [0.5] * channels, "pixel_range": [0, 255],
+               "note": f"RGB images: the run trained on {data_spec} painted in {skew.domains} colour domains "
+                       f"(partition {partition})"}
+    elif skew is not None:
+        out = {**out, "note": f"the run trained on images rotated into {skew.domains} domains ({partition})"}
+    return {"formula": formula, **out} if "scale" in out else out
+
+
+def strategy_config(config: dict[str, Any], strategy: str) -> dict[str, Any]:
+    """The strategy's name and the settings that shaped the model: rounds, seed, local training, its own sections."""
+    run = config.get("run", {})
+    out: dict[str, Any] = {"name": strategy}
+    out.update({k: run[k] for k in ("rounds", "seed") if k in run})
+    for section in ("train", strategy, *_STRATEGY_SECTIONS.get(strategy, ())):
+        if isinstance(config.get(section), dict):
+            out[section] = config[section]
+    return out
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary name and rename: a reader sees the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_card(onnx_path: Path, card: dict[str, Any]) -> Path:
+    path = card_path(onnx_path)
+    write_atomic(path, (json.dumps({"format": CARD_FORMAT, **card}, indent=2) + "\n").encode())
+    return path

@@ -1,0 +1,117 @@
+"""``fedge-export``: a run's model as a verified ONNX file with its model card, optionally int8 too.
+
+    fedge-export RUN_DIR [--round N] [-o model.onnx]           the global model
+    fedge-export [RUN_DIR] --client-state DIR                   one device's personalized model
+    ... --int8 [--data SPEC] [--calibration-samples N] [--max-accuracy-drop POINTS]
+
+Exit status: 0 written; 2 nothing written (bad source, data or parity); 3 the
+float32 model was written but the int8 one was refused by its accuracy guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedge-export",
+        description="Export a run's model to ONNX (PANs folded, dynamic batch), check it against torch on real "
+                    "test data and write a model card beside it. See docs/export.md.")
+    parser.add_argument("source", type=Path, nargs="?", metavar="RUN_DIR",
+                        help="run directory, or one checkpoints/round_NNNN.safetensors file; may be omitted with "
+                             "--client-state RUN_DIR/clients/ID")
+    parser.add_argument("--round", type=int, default=None, metavar="N",
+                        help="export this round's checkpoint (default: the last)")
+    parser.add_argument("-o", "--out", type=Path, default=None,
+                        help="ONNX file to write (default RUN_DIR/export/model.onnx, or "
+                             "STATE_DIR/export/model.onnx with --client-state)")
+    parser.add_argument("--client-state", type=Path, default=None, metavar="DIR",
+                        help="a device's state directory: export its personalized model (DFL: the global invariant "
+                             "branch with this device's specific branch and predictor)")
+    parser.add_argument("--data", default=None, metavar="SPEC",
+                        help="data for the parity check, the test accuracy and int8 calibration "
+                             "(default: the run's data.eval)")
+    parser.add_argument("--parity-samples", type=int, default=1000, metavar="N",
+                        help="test samples torch and ONNX Runtime must agree on (default 1000)")
+    parser.add_argument("--test-samples", type=int, default=0, metavar="N",
+                        help="test samples for the reported accuracy (default 0: the whole test split)")
+    parser.add_argument("--int8", action="store_true",
+                        help="also write a statically quantized int8 model (QDQ) beside the float32 one")
+    parser.add_argument("--calibration-samples", type=int, default=512, metavar="N",
+                        help="training samples that calibrate the int8 activation ranges (default 512)")
+    parser.add_argument("--max-accuracy-drop", type=float, default=1.0, metavar="POINTS",
+                        help="refuse an int8 model whose test accuracy is more than this many points below "
+                             "float32 (default 1)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what each step does")
+    return parser
+
+
+def _describe(exported) -> list[str]:   # exported: export.pipeline.Exported
+    card = exported.card
+    lines = [f"wrote {exported.path} ({card['bytes']:,} bytes, sha256 {card['sha256'][:12]}), "
+             f"card {exported.card_path.name}"]
+    run = card["run"]
+    what = f"client {card['personalized']['client']} of " if card.get("personalized") else ""
+    lines.append(f"  {what}run {run['run_id']}, round {run['round']}, strategy {card['strategy']['name']}, "
+                 f"model {card['model'].get('name')}")
+    if card["pans"]:
+        places = sorted({p["folded_into"] for p in card["pans"]})
+        lines.append(f"  PANs: {len(card['pans'])} ({card['pans'][0]['mode']}) folded into: {', '.join(places)}")
+    p = card["parity"]
+    lines.append(f"  parity with torch on {p['samples']} test samples: max |difference| {p['max_abs_diff']:.2g}, "
+                 f"same prediction on {p['argmax_agreement']:.2%}")
+    t = card["test_data"]
+    lines.append(f"  test accuracy {card['test_accuracy']:.4f} on {t['samples']} samples of {t['spec']}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.source is None and args.client_state is None:
+        print("fedge-export: pass a run directory (or checkpoint file), or --client-state DIR", file=sys.stderr)
+        return 2
+    try:
+        from export.errors import ExportError, QuantizationError
+        from export.pipeline import ExportOptions, export_global, export_int8, export_personalized
+        from export.quantize import QuantSettings
+    except ImportError as exc:
+        print(f"fedge-export needs onnx and onnxruntime: pip install 'fedge[export]' ({exc})", file=sys.stderr)
+        return 2
+    options = ExportOptions(out=args.out, data=args.data, parity_samples=args.parity_samples,
+                            test_samples=args.test_samples)
+    try:
+        if args.client_state is not None:
+            exported = export_personalized(args.source, args.client_state, round=args.round, options=options)
+        else:
+            exported = export_global(args.source, round=args.round, options=options)
+    except ExportError as exc:
+        print(f"fedge-export: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(_describe(exported)))
+    if not args.int8:
+        return 0
+    try:
+        quantized = export_int8(exported, QuantSettings(calibration_samples=args.calibration_samples,
+                                                        max_drop=args.max_accuracy_drop))
+    except QuantizationError as exc:
+        print(f"fedge-export: int8: {exc}", file=sys.stderr)
+        return 3
+    q = quantized.card["quantization"]
+    print(f"wrote {quantized.path} ({q['int8_bytes']:,} bytes, {q['size_ratio']:.1%} of float32), "
+          f"card {quantized.card_path.name}")
+    print(f"  test accuracy float32 {q['float32_accuracy']:.4f}, int8 {q['int8_accuracy']:.4f} "
+          f"(drop {q['accuracy_drop_points']:.2f} points, limit {q['max_accuracy_drop_points']:g}), "
+          f"calibrated on {q['calibration_samples']} training samples")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

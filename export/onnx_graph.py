@@ -1,0 +1,144 @@
+"""torch -> ONNX, and the check that ONNX Runtime computes what torch computes.
+
+Exporter and opset are fixed here, in one place (docs/export.md says why): the
+TorchScript exporter (``dynamo=False``) at opset 17. It needs only onnx, writes one
+self-contained file (IR version 8) that ONNX Runtime 1.13 and later run, which
+covers the runtimes shipped for Raspberry Pi OS and JetPack, and it exports the
+zoo's models in well under a second. The batch dimension is dynamic.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from export.errors import ExportError, ParityError
+
+__all__ = ["OPSET", "EXPORTER", "INPUT_NAME", "OUTPUT_NAME", "ParityLimits", "Parity", "to_onnx", "op_counts",
+           "session", "predict", "torch_predict", "check_parity"]
+
+OPSET = 17
+EXPORTER = "torchscript"
+INPUT_NAME, OUTPUT_NAME = "input", "logits"
+
+
+def to_onnx(model: nn.Module, sample_shape: tuple[int, ...], metadata: dict[str, str] | None = None) -> bytes:
+    """The serialized ONNX model of ``model`` (eval mode) for inputs ``[batch, *sample_shape]``.
+
+    ``metadata`` goes into the file's ``metadata_props``, so a device that has only
+    the .onnx file still knows its classes and input normalization.
+    """
+    model = model.eval()
+    example = torch.zeros(2, *sample_shape)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        # The TorchScript exporter is chosen on purpose (module docstring); its deprecation notice is known.
+        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.onnx.*")
+        # GroupNorm's batch-size check is traced as a constant; the graph is still right for every batch
+        # (the parity check runs other batch sizes than the one traced).
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        try:
+            torch.onnx.export(model, (example,), buffer, dynamo=False, opset_version=OPSET,
+                              input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], do_constant_folding=True,
+                              dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+        except Exception as exc:   # torch raises many unrelated types from deep inside tracing
+            raise ExportError(f"torch could not export {type(model).__name__} to ONNX opset {OPSET}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    proto = onnx.load_from_string(buffer.getvalue())
+    for key, value in (metadata or {}).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"the exported graph is not valid ONNX: {exc}") from None
+    return proto.SerializeToString()
+
+
+def op_counts(model: bytes | Path) -> dict[str, int]:
+    """How many nodes of each operator type the graph has (used to show PANs left nothing behind)."""
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(str(model))
+    return dict(Counter(node.op_type for node in proto.graph.node))
+
+
+def session(model: bytes | Path, threads: int = 0) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session; ``threads`` = 0 uses all cores, without spin-waiting between runs."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    source: Any = model if isinstance(model, bytes) else str(model)
+    try:
+        return ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:   # onnxruntime's own exception types
+        raise ExportError(f"ONNX Runtime cannot load the model: {exc}") from None
+
+
+def predict(sess: ort.InferenceSession, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    """Outputs of ``sess`` on ``x`` (float32 ``[N, C, H, W]``), in batches."""
+    name = sess.get_inputs()[0].name
+    outs = [sess.run(None, {name: np.ascontiguousarray(x[i:i + batch_size], dtype=np.float32)})[0]
+            for i in range(0, len(x), batch_size)]
+    return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
+
+
+@torch.no_grad()
+def torch_predict(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    model.eval()
+    outs = [model(torch.from_numpy(np.ascontiguousarray(x[i:i + batch_size]))).numpy()
+            for i in range(0, len(x), batch_size)]
+    return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
+
+
+@dataclass(frozen=True)
+class ParityLimits:
+    max_abs_diff: float = 1e-4       # on the outputs (logits or sphere scores)
+    min_agreement: float = 0.999     # share of samples with the same argmax
+
+
+@dataclass(frozen=True)
+class Parity:
+    samples: int
+    max_abs_diff: float
+    argmax_agreement: float
+    limits: ParityLimits
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.limits.max_abs_diff and self.argmax_agreement >= self.limits.min_agreement
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "max_abs_diff": self.max_abs_diff, "argmax_agreement": self.argmax_agreement,
+                "limit_max_abs_diff": self.limits.max_abs_diff, "limit_argmax_agreement": self.limits.min_agreement}
+
+
+def check_parity(reference: nn.Module, sess: ort.InferenceSession, x: np.ndarray,
+                 limits: ParityLimits = ParityLimits()) -> Parity:
+    """Compare ONNX Runtime with the torch ``reference`` on ``x``; ParityError with the numbers if they differ."""
+    if len(x) == 0:
+        raise ExportError("the parity check needs at least one test sample")
+    expected, got = torch_predict(reference, x), predict(sess, x)
+    if expected.shape != got.shape:
+        raise ParityError(f"ONNX Runtime returned outputs of shape {got.shape}, torch {expected.shape}; "
+                          "nothing was written")
+    diff = float(np.abs(expected.astype(np.float64) - got).max())
+    agreement = float((expected.argmax(1) == got.argmax(1)).mean())
+    parity = Parity(len(x), diff if math.isfinite(diff) else math.inf, agreement, limits)
+    if not parity.ok:
+        raise ParityError(f"ONNX Runtime differs from torch on {len(x)} test samples: max |difference| "
+                          f"{parity.max_abs_diff:.3g} (limit {limits.max_abs_diff:g}), same prediction on "
+                          f"{agreement:.2%} (limit {limits.min_agreement:.1%}); nothing was written. "
+                          "Report the model spec: an operator exports incorrectly.")
+    return parity

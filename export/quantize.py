@@ -1,0 +1,155 @@
+"""Static int8 quantization (QDQ) with ONNX Runtime's tools, behind an accuracy guard.
+
+Static rather than dynamic: the activation ranges are measured once, on
+calibration samples from the training data, so the device never computes them at
+run time, and convolutions are quantized too (dynamic quantization covers only
+MatMul/Gemm-like operators). QDQ format (QuantizeLinear/DequantizeLinear pairs
+around int8 operators) is the one ONNX Runtime recommends for CPUs, including ARM;
+weights are int8 per output channel, activations int8 per tensor, ranges by
+MinMax. The int8 model is only written when its test accuracy is at most
+``max_drop`` points below the float32 model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export.errors import QuantizationError
+from export.onnx_graph import INPUT_NAME, predict, session
+
+__all__ = ["QuantSettings", "QuantResult", "quantize_int8", "accuracy"]
+
+log = logging.getLogger("fedge.export")
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    calibration_samples: int = 512
+    calibration_batch: int = 32
+    max_drop: float = 1.0            # accuracy points (percentage points) the int8 model may lose
+    per_channel: bool = True
+    seed: int = 0                    # which training samples calibrate
+
+
+@dataclass(frozen=True)
+class QuantResult:
+    """The int8 model (serialized) and how it compares with the float32 one on the test split."""
+
+    model: bytes
+    float_accuracy: float
+    int8_accuracy: float
+    float_bytes: int
+    int8_bytes: int
+    calibration_samples: int
+    test_samples: int
+
+    @property
+    def drop_points(self) -> float:
+        return 100.0 * (self.float_accuracy - self.int8_accuracy)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"float32_accuracy": self.float_accuracy, "int8_accuracy": self.int8_accuracy,
+                "accuracy_drop_points": self.drop_points, "float32_bytes": self.float_bytes,
+                "int8_bytes": self.int8_bytes, "size_ratio": self.int8_bytes / self.float_bytes,
+                "calibration_samples": self.calibration_samples, "test_samples": self.test_samples}
+
+
+def accuracy(model: bytes, x: np.ndarray, y: np.ndarray) -> float:
+    """Share of ``x`` that the ONNX model classifies as ``y``."""
+    return float((predict(session(model), x).argmax(1) == y).mean()) if len(y) else 0.0
+
+
+class _Batches:
+    """ONNX Runtime's CalibrationDataReader protocol: ``get_next()`` returns a feed or None."""
+
+    def __init__(self, x: np.ndarray, batch: int) -> None:
+        self._batches: Iterator[np.ndarray] = (x[i:i + batch] for i in range(0, len(x), batch))
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        chunk = next(self._batches, None)
+        return None if chunk is None else {INPUT_NAME: np.ascontiguousarray(chunk, dtype=np.float32)}
+
+
+class _DropQuantizerNotes(logging.Filter):
+    """ONNX Runtime's quantizer warns on the root logger when a per-channel axis does not apply to a
+    1-D constant (GroupNorm's scale); it then quantizes that constant per tensor, which is what we want."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("onnxruntime" in record.pathname and "quantization" in record.pathname
+                    and record.levelno < logging.ERROR)
+
+
+@contextlib.contextmanager
+def _quiet_quantizer() -> Iterator[None]:
+    root, note_filter = logging.getLogger(), _DropQuantizerNotes()
+    root.addFilter(note_filter)
+    try:
+        yield
+    finally:
+        root.removeFilter(note_filter)
+
+
+def _calibration_set(x_train: np.ndarray, settings: QuantSettings) -> np.ndarray:
+    if settings.calibration_samples < 1:
+        raise QuantizationError("--calibration-samples must be at least 1")
+    n = min(settings.calibration_samples, len(x_train))
+    return x_train[np.random.default_rng(settings.seed).choice(len(x_train), n, replace=False)]
+
+
+def _used_opsets_only(model: bytes) -> bytes:
+    """Drop the opset imports the quantizer's preprocessing declares but no node uses (ONNX Runtime's
+    own domains among them), so a device's older runtime is not asked for versions it does not know."""
+    import onnx
+
+    proto = onnx.load_from_string(model)
+    used = {node.domain for node in proto.graph.node}
+    kept = [entry for entry in proto.opset_import if entry.domain in used or entry.domain in ("", "ai.onnx")]
+    del proto.opset_import[:]
+    proto.opset_import.extend(kept)
+    onnx.checker.check_model(proto)
+    return proto.SerializeToString()
+
+
+def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
+                  settings: QuantSettings = QuantSettings(), *,
+                  float_accuracy: float | None = None) -> QuantResult:
+    """Quantize ``float_model``; QuantizationError (with both accuracies) when it loses too much."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    calibration = _calibration_set(x_train, settings)
+    with tempfile.TemporaryDirectory(prefix="fedge-int8-") as tmp:
+        src, prepared, out = Path(tmp) / "float.onnx", Path(tmp) / "prepared.onnx", Path(tmp) / "int8.onnx"
+        src.write_bytes(float_model)
+        try:
+            # Symbolic shape inference fails on the Expand that F.normalize exports (the sphere head);
+            # ONNX's own shape inference and the graph optimization still run.
+            quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+            with _quiet_quantizer():
+                    quantize_static(str(prepared), str(out), _Batches(calibration, settings.calibration_batch),
+                                quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+                                weight_type=QuantType.QInt8, per_channel=settings.per_channel,
+                                calibrate_method=CalibrationMethod.MinMax)
+        except Exception as exc:   # onnxruntime.quantization raises plain Exceptions of many kinds
+            raise QuantizationError(f"ONNX Runtime could not quantize the model: {type(exc).__name__}: {exc}; "
+                                    "the float32 model is unaffected") from exc
+        int8_model = _used_opsets_only(out.read_bytes())
+    base = accuracy(float_model, x_test, y_test) if float_accuracy is None else float_accuracy
+    result = QuantResult(int8_model, base, accuracy(int8_model, x_test, y_test), len(float_model), len(int8_model),
+                         len(calibration), len(y_test))
+    log.info("int8: accuracy %.4f -> %.4f, %d -> %d bytes", result.float_accuracy, result.int8_accuracy,
+             result.float_bytes, result.int8_bytes)
+    if result.drop_points > settings.max_drop:
+        raise QuantizationError(f"the int8 model's test accuracy is {result.int8_accuracy:.2%} against "
+                                f"{result.float_accuracy:.2%} in float32 ({result.drop_points:.2f} points lower, "
+                                f"limit {settings.max_drop:g}); not written. Calibrate on more samples "
+                                "(--calibration-samples) or allow more (--max-accuracy-drop)")
+    return result

@@ -1,0 +1,237 @@
+"""Where an exported model comes from: a run's checkpoint, optionally with one device's private state.
+
+Checkpoints are read here with safetensors directly (the export side never imports
+the coordinator): ``RUN_DIR/checkpoints/round_NNNN.safetensors`` holds the global
+parameters, and its ``fedge`` metadata entry is a JSON object with ``run_id``,
+``model`` (the model spec), ``strategy``, ``round`` and ``extra``. Nothing is
+unpickled; every tensor is checked against the model the spec builds (name, shape,
+finiteness) before it is loaded.
+
+A device's personalized model combines the run's global part with what never left
+the device: for DFL, the global invariant extractor with the device's specific
+extractor and predictor from ``STATE_DIR/dfl_state.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_safetensors
+from torch import nn
+
+from edge_client.models import ModelSpecError, build_model, federated_names
+from export.errors import SourceError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Checkpoint", "RunSource", "open_run", "find_checkpoint", "read_checkpoint", "global_model",
+           "personalized_model", "load_tensors", "run_dir_of_state"]
+
+_ROUND_FILE = re.compile(r"^round_(\d{4,})\.safetensors$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One round's global state as the coordinator saved it."""
+
+    path: Path
+    round: int
+    run_id: str
+    model_spec: dict[str, Any]
+    strategy: str
+    extra: dict[str, Any]
+    params: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RunSource:
+    """A checkpoint plus what its run directory says about it (config, metrics), when there is one."""
+
+    checkpoint: Checkpoint
+    run_dir: Path | None
+    config: dict[str, Any] = field(default_factory=dict)    # RUN_DIR/config.toml, {} without it
+    metrics: dict[str, Any] = field(default_factory=dict)   # the checkpoint round's metrics.jsonl row
+
+    @property
+    def data_spec(self) -> str | None:
+        return self.config.get("data", {}).get("eval")
+
+    @property
+    def partition(self) -> str:
+        return self.config.get("data", {}).get("partition", "iid")
+
+
+def _rounds(directory: Path) -> dict[int, Path]:
+    return {int(m.group(1)): p for p in directory.glob("round_*.safetensors") if (m := _ROUND_FILE.match(p.name))}
+
+
+def find_checkpoint(source: Path, round: int | None = None) -> tuple[Path, Path | None]:
+    """(checkpoint file, run directory or None) for a run directory or a checkpoint file."""
+    source = Path(source)
+    if source.is_file():
+        if round is not None:
+            raise SourceError(f"{source} is one checkpoint file; --round applies to a run directory")
+        run_dir = source.parent.parent if source.parent.name == "checkpoints" else None
+        return source, run_dir if run_dir is not None and (run_dir / "config.toml").is_file() else None
+    if not source.is_dir():
+        raise SourceError(f"{source} does not exist; pass a run directory (it holds checkpoints/) or a "
+                          "checkpoints/round_NNNN.safetensors file")
+    found = _rounds(source / "checkpoints")
+    if not found:
+        raise SourceError(f"{source} has no checkpoints/round_NNNN.safetensors; is it a run directory "
+                          "(fedge-coordinator run --out DIR) with at least one completed round?")
+    if round is None:
+        return found[max(found)], source
+    if round not in found:
+        raise SourceError(f"{source} has no checkpoint of round {round}; available rounds: "
+                          f"{', '.join(map(str, sorted(found)))} (checkpoint.keep = \"last\" keeps only the last)")
+    return found[round], source
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Parse a checkpoint file; SourceError names the file and the remedy when it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise SourceError(f"checkpoint {path} does not exist")
+    try:
+        data = path.read_bytes()
+        params = load_safetensors(data)
+        with safe_open(str(path), framework="pt") as fh:
+            info = json.loads((fh.metadata() or {})["fedge"])
+        if not isinstance(info, dict):
+            raise ValueError("its fedge metadata is not a JSON object")
+        spec, strategy = info["model"], info["strategy"]
+        if not isinstance(spec, dict) or not isinstance(strategy, str):
+            raise ValueError("its metadata has no model spec or strategy name")
+        checkpoint = Checkpoint(path, int(info["round"]), str(info["run_id"]), spec, strategy,
+                                dict(info.get("extra") or {}), {k: v.to(torch.float32) for k, v in params.items()})
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise SourceError(f"checkpoint {path} is not a readable fedge checkpoint ({type(exc).__name__}: {exc}); "
+                          "export another round with --round N") from None
+    return checkpoint
+
+
+def _read_config(run_dir: Path | None) -> dict[str, Any]:
+    path = None if run_dir is None else run_dir / "config.toml"
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SourceError(f"{path} is not readable TOML ({exc}); restore it or pass --data SPEC") from None
+
+
+def _read_metrics(run_dir: Path | None, round: int) -> dict[str, Any]:
+    path = None if run_dir is None else run_dir / "metrics.jsonl"
+    if path is None or not path.is_file():
+        return {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("round") == round:
+            return row
+    return {}
+
+
+def open_run(source: Path, round: int | None = None) -> RunSource:
+    """The checkpoint of ``round`` (default: the latest) of a run directory, or one checkpoint file."""
+    path, run_dir = find_checkpoint(Path(source), round)
+    checkpoint = read_checkpoint(path)
+    return RunSource(checkpoint, run_dir, _read_config(run_dir), _read_metrics(run_dir, checkpoint.round))
+
+
+def run_dir_of_state(state_dir: Path) -> Path | None:
+    """The run directory of a spawned client's state directory (``RUN_DIR/clients/ID``), if it is one."""
+    run_dir = Path(state_dir).resolve().parent.parent
+    return run_dir if Path(state_dir).resolve().parent.name == "clients" and (run_dir / "checkpoints").is_dir() \
+        else None
+
+
+def _build(spec: Mapping[str, Any]) -> nn.Module:
+    try:
+        with torch.random.fork_rng(devices=[]):   # every tensor is loaded next; leave the caller's RNG alone
+            return build_model(spec)
+    except ModelSpecError as exc:
+        raise SourceError(f"cannot build the checkpoint's model: {exc}") from None
+
+
+def load_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], required: Iterable[str], *,
+                 origin: str) -> None:
+    """Load ``tensors`` into ``model`` after checking them: every ``required`` name present, no name
+    the model lacks, the model's shapes, finite values."""
+    state = model.state_dict()
+    missing = sorted(set(required) - set(tensors))
+    unknown = sorted(set(tensors) - set(state))
+    if missing or unknown:
+        raise SourceError(f"{origin} does not fit the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                          f"unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''}; it was written for another "
+                          "model spec or is incomplete")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(state[name].shape):
+            raise SourceError(f"{origin}: {name} has shape {tuple(value.shape)}, the model expects "
+                              f"{tuple(state[name].shape)}; it was written for another model spec")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise SourceError(f"{origin}: {name} holds NaN or infinity; the training diverged at or before "
+                              "this round, export an earlier one with --round N")
+    model.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()}, strict=False)
+
+
+def global_model(checkpoint: Checkpoint) -> nn.Module:
+    """The run's global model in eval mode, with every exchanged tensor from the checkpoint."""
+    spec = checkpoint.model_spec
+    if spec.get("name") == "dfl":
+        raise SourceError(f"run {checkpoint.run_id} trained DFL: the coordinator holds only the invariant "
+                          "extractor (each predictor stays on its device), so there is no global model to export; "
+                          "export a device's model with fedge-export RUN_DIR --client-state STATE_DIR")
+    model = _build(spec)
+    load_tensors(model, checkpoint.params, federated_names(model), origin=f"checkpoint {checkpoint.path}")
+    return model.eval()
+
+
+def _read_state_file(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise SourceError(f"{path} does not exist; --client-state takes the state directory of a device that "
+                          "has trained in the run (its --state-dir; for a spawned client RUN_DIR/clients/ID)")
+    try:
+        return load_safetensors(path.read_bytes())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SourceError(f"{path} is not a readable safetensors file ({exc}); the device rewrites it "
+                          "after its next training task") from None
+
+
+def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> nn.Module:
+    """One device's model: the run's global part with the parts that stayed on that device."""
+    spec = checkpoint.model_spec
+    if spec.get("head") == "sphere":
+        raise SourceError(f"run {checkpoint.run_id} uses SphereFed's sphere head: with ffc.personalize a device "
+                          "solves its own classifier but does not keep it in its state directory, so there is no "
+                          "personalized classifier to export; export the global model (calibrated by FFC) "
+                          "without --client-state")
+    if spec.get("name") != "dfl":
+        raise SourceError(f"run {checkpoint.run_id} ({checkpoint.strategy}, model {spec.get('name')!r}) keeps "
+                          "no personalized parts on its devices that fedge can export; export the global model "
+                          "(without --client-state)")
+    from edge_client.dfl import STATE_FILE, DeviceState
+    from edge_client.dfl_model import INVARIANT, part_names
+
+    model = _build(spec)
+    invariant = {k: checkpoint.params[k] for k in part_names(checkpoint.params, INVARIANT)}
+    load_tensors(model, invariant, part_names(federated_names(model), INVARIANT),
+                 origin=f"checkpoint {checkpoint.path}")
+    path = Path(state_dir) / STATE_FILE
+    device = _read_state_file(path)
+    load_tensors(model, device, DeviceState.tensors(model), origin=str(path))  # type: ignore[arg-type]
+    return model.eval()

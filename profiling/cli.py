@@ -1,0 +1,107 @@
+"""``fedge-profile``: read what runs and devices recorded, and benchmark inference on a device.
+
+    fedge-profile show RUN_DIR_OR_PROFILE_FILE     terminal report (rich)
+    fedge-profile html RUN_DIR -o report.html      self-contained HTML report with plots (matplotlib)
+    fedge-profile infer MODEL.onnx [--data SPEC]   ONNX Runtime latency on this device (no torch needed)
+
+Each command imports only what it needs, so ``infer`` runs on a device with
+onnxruntime and numpy but no torch, rich or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from profiling.errors import ProfileError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedge-profile",
+        description="Reports on where federated training spends time and memory on each device, and an "
+                    "ONNX Runtime latency benchmark for the device itself.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    show = sub.add_parser("show", help="print a report of a run directory or a profile file",
+                          description="Print one row per device (median round time, phase breakdown, peak memory, "
+                                      "temperature, straggler rank) and one per round (accuracy, bytes), or, for "
+                                      "a device's profile.jsonl, one row per task and inference benchmark.")
+    show.add_argument("path", type=Path, metavar="RUN_DIR_OR_PROFILE_FILE",
+                      help="a run directory (the coordinator's --out), a device's profile.jsonl, "
+                           "or a run's clients/ID.jsonl")
+    page = sub.add_parser("html", help="write a self-contained HTML report with plots",
+                          description="Write one HTML file with the report's tables and plots (accuracy and bytes "
+                                      "per round, round time per device, phase breakdown, memory) embedded.")
+    page.add_argument("path", type=Path, metavar="RUN_DIR", help="a run directory or a profile file")
+    page.add_argument("-o", "--output", type=Path, default=Path("report.html"),
+                      help="file to write (default report.html)")
+    infer = sub.add_parser("infer", help="benchmark an ONNX model's latency on this device",
+                           description="Run MODEL.onnx with ONNX Runtime: warm-up, then --runs timed runs at batch 1 "
+                                       "and at --batch; print p50/p95/p99 latency, throughput and peak memory, and "
+                                       "append them to the device's profile history (--state-dir/profile.jsonl).")
+    infer.add_argument("model", type=Path, metavar="MODEL.onnx", help="the ONNX model file")
+    infer.add_argument("--data", default=None, metavar="SPEC",
+                       help="npz:PATH with real samples (array x_test or x); default: seeded random input")
+    infer.add_argument("--runs", type=int, default=200, help="timed runs per batch size (default 200)")
+    infer.add_argument("--warmup", type=int, default=20, help="untimed runs first (default 20)")
+    infer.add_argument("--batch", type=int, default=32, help="the larger batch size (default 32)")
+    infer.add_argument("--threads", type=int, default=1,
+                       help="ONNX Runtime intra-op threads (default 1; 0: one per core)")
+    infer.add_argument("--state-dir", type=Path, default=Path(os.environ.get("FEDGE_STATE_DIR", "fedge-state")),
+                       help="the device's state directory, as for fedge-client (default $FEDGE_STATE_DIR or "
+                            "./fedge-state)")
+    infer.add_argument("--no-record", action="store_true", help="do not append to the profile history")
+    return parser
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from profiling.report import render
+    from profiling.runs import load
+
+    render(load(args.path), Console())
+    return 0
+
+
+def _html(args: argparse.Namespace) -> int:
+    from profiling.html import render_html
+    from profiling.runs import load
+
+    text = render_html(load(args.path))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text, encoding="utf-8")
+    print(f"wrote {args.output} ({len(text) // 1024} KB)")
+    return 0
+
+
+def _infer(args: argparse.Namespace) -> int:
+    from profiling.infer import InferSettings, benchmark, format_result
+
+    settings = InferSettings(runs=args.runs, warmup=args.warmup, batch=args.batch, threads=args.threads,
+                             data=args.data)
+    record = benchmark(args.model, settings, state_dir=None if args.no_record else args.state_dir)
+    print(format_result(record))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"show": _show, "html": _html, "infer": _infer}[args.command]
+    try:
+        return command(args)
+    except ImportError as exc:
+        extra = "onnxruntime numpy psutil" if args.command == "infer" else "rich matplotlib"
+        print(f"fedge-profile {args.command}: {exc}; install what is missing: pip install {extra}", file=sys.stderr)
+        return 2
+    except ProfileError as exc:
+        print(f"fedge-profile {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""``fedge-profile html``: one self-contained HTML file with the run's report and plots.
+
+The plots are drawn with matplotlib's object API (``Figure`` with the Agg canvas: no
+display, no pyplot global state) and embedded as base64 PNG images, so the file can be mailed or archived and opens anywhere without
+the run directory. The tables are the same as ``fedge-profile show`` prints.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import io
+from collections.abc import Callable
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from profiling.report import TableData, breakdown_table, device_table, facts_line, rounds_table, run_title
+from profiling.runs import DeviceStats, RunRecords, part_names, straggler_ranks
+
+__all__ = ["render_html", "PLOTS"]
+
+_MB = 1024 * 1024
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+.scroll { overflow-x: auto; }
+table { border-collapse: collapse; font-size: 0.8em; margin: 0.5em 0; }
+th, td { padding: 2px 6px; border-bottom: 1px solid #eee; text-align: right; white-space: nowrap; }
+th { background: #f4f4f4; } td.l, th.l { text-align: left; }
+figure { margin: 1em 0; } figcaption { font-size: 0.85em; color: #555; }
+img { max-width: 100%; border: 1px solid #eee; }
+"""
+
+
+def _png(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _figure(title: str, xlabel: str, ylabel: str, width: float = 9.0, height: float = 3.6):
+    fig = Figure(figsize=(width, height))
+    ax = fig.subplots()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def plot_accuracy(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
+    rows = [r for r in run.rounds if isinstance(r.get("test_accuracy"), (int, float))]
+    if not rows:
+        return None
+    fig, ax = _figure("Test accuracy per round", "round", "accuracy")
+    ax.plot([r["round"] for r in rows], [r["test_accuracy"] for r in rows], marker="o")
+    return fig
+
+
+def plot_bytes(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
+    rows = [r for r in run.rounds if r["round"] > 0]
+    if not rows:
+        return None
+    fig, ax = _figure("Bytes moved per round", "round", "MB")
+    x = [r["round"] for r in rows]
+    ax.bar([v - 0.2 for v in x], [(r.get("bytes_down") or 0) / _MB for r in rows], width=0.4, label="down (tasks)")
+    ax.bar([v + 0.2 for v in x], [(r.get("bytes_up") or 0) / _MB for r in rows], width=0.4, label="up (results)")
+    ax.set_xticks(x)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    return fig
+
+
+def plot_round_times(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
+    fig, ax = _figure("Round time per device (task sent to result received)", "round", "seconds")
+    drawn = False
+    for device in run.devices.values():
+        points = [(t.round, t.round_seconds if t.round_seconds is not None else t.profile.get("seconds"), t)
+                  for t in run.training_tasks(device) if t.round is not None]
+        points = [p for p in points if p[1] is not None]
+        if not points:
+            continue
+        drawn = True
+        color = None
+        for segment in _consecutive(points):   # no line across rounds the device was not in
+            line, = ax.plot([p[0] for p in segment], [p[1] for p in segment], marker="o", color=color,
+                            label=device.client_id if color is None else None)
+            color = line.get_color()
+        for flag, marker, size in (("late", "x", 11), ("missed", "v", 9)):
+            marked = [p for p in points if getattr(p[2], flag)]
+            if marked:
+                ax.plot([p[0] for p in marked], [p[1] for p in marked], marker, color=color,
+                        markersize=size, linestyle="none")
+    if not drawn:
+        return None
+    if run.round_timeout is not None:
+        ax.axhline(run.round_timeout, color="red", linestyle="--", linewidth=1, label="round_timeout")
+    ax.legend(fontsize="small", ncol=4)
+    return fig
+
+
+def _consecutive(points: list[tuple]) -> list[list[tuple]]:
+    """Split (round, ...) points, sorted by round, into runs of consecutive rounds."""
+    segments: list[list[tuple]] = []
+    for point in sorted(points, key=lambda p: p[0]):
+        if segments and point[0] - segments[-1][-1][0] <= 1:
+            segments[-1].append(point)
+        else:
+            segments.append([point])
+    return segments
+
+
+def plot_breakdown(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
+    timed = [s for s in stats if s.breakdown]
+    if not timed:
+        return None
+    fig, ax = _figure("Where a task's time goes, per device (mean seconds per task)", "seconds", "",
+                      height=1.2 + 0.45 * len(timed))
+    names = [s.client_id for s in timed]
+    left = [0.0] * len(timed)
+    tab10, tab20 = matplotlib.colormaps["tab10"], matplotlib.colormaps["tab20"]
+    colors = [tab10(i) for i in range(10)] + [tab20(2 * i + 1) for i in range(10)]   # 20 distinct colours
+    for i, part in enumerate(part_names(s.breakdown for s in timed)):
+        widths = [s.breakdown.get(part, 0.0) for s in timed]
+        if any(widths):
+            ax.barh(names, widths, left=left, label=part.replace("_", " "), color=colors[i % len(colors)])
+            left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.legend(fontsize="small", ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    return fig
+
+
+def plot_memory(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
+    measured = [s for s in stats if s.peak_rss_bytes is not None]
+    if not measured:
+        return None
+    fig, ax = _figure("Peak memory per device", "", "MB")
+    x = range(len(measured))
+    ax.bar([i - 0.2 for i in x], [s.peak_rss_bytes / _MB for s in measured], width=0.4,  # type: ignore[operator]
+           label="peak RSS")
+    ax.bar([i + 0.2 for i in x], [(s.peak_uss_bytes or 0) / _MB for s in measured], width=0.4,
+           label="peak USS (0: not measured)")
+    ax.set_xticks(list(x), [s.client_id for s in measured], rotation=30 if len(measured) > 6 else 0)
+    ax.legend()
+    return fig
+
+
+# (anchor, caption, plot): the report's figures, in order
+PLOTS: tuple[tuple[str, str, Callable[[RunRecords, list[DeviceStats]], Figure | None]], ...] = (
+    ("accuracy", "Test accuracy of the global model after each round (round 0: the initial model).", plot_accuracy),
+    ("bytes", "Bytes of task messages sent and result messages received in each round.", plot_bytes),
+    ("round-times", "Each device's round time as the coordinator measured it (x: the answer came after its "
+                    "attempt ended; triangle: no answer by then, drawn at the timeout); dashed: the deadline.",
+     plot_round_times),
+    ("phases", "Mean seconds per task in each phase: receive (waiting on the device), decode, the four parts of "
+               "each training step, the rest of training, encode and publish.", plot_breakdown),
+    ("memory", "Largest resident (RSS) and unique (USS) memory of each device's client process.", plot_memory),
+)
+
+
+def _table(data: TableData) -> str:
+    def cell(tag: str, column: str, text: str) -> str:
+        cls = ' class="l"' if column in data.left else ""
+        return f"<{tag}{cls}>{html.escape(text)}</{tag}>"
+
+    head = "".join(cell("th", c, c) for c in data.columns)
+    body = "".join("<tr>" + "".join(cell("td", c, v) for c, v in zip(data.columns, row)) + "</tr>"
+                   for row in data.rows)
+    return f"<h2>{html.escape(data.title)}</h2>\n<div class=\"scroll\"><table><tr>{head}</tr>{body}</table></div>\n"
+
+
+def _facts_table(run: RunRecords, stats: list[DeviceStats]) -> str:
+    ranks = straggler_ranks(stats)
+    data = TableData("Devices' facts (from their hello message)",
+                     ("device", "summary", "arch", "cpu", "OS", "python", "torch", "onnxruntime"),
+                     frozenset({"device", "summary", "arch", "cpu", "OS"}))
+    for cid in sorted(run.devices, key=lambda c: (ranks.get(c, 10**9), c)):
+        f = run.devices[cid].facts or {}
+        data.add_row(cid, facts_line(f or None), *(str(f.get(k) or "—") for k in
+                                                    ("arch", "cpu_model", "os", "python", "torch", "onnxruntime")))
+    return _table(data)
+
+
+def render_html(run: RunRecords) -> str:
+    """The whole report as one HTML document."""
+    stats = run.stats()
+    title = run_title(run)
+    parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+             f"<title>fedge report: {html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+             f"<h1>fedge report</h1><p>{html.escape(title)}</p>",
+             f"<p>source: <code>{html.escape(str(run.source))}</code>; written "
+             f"{dt.datetime.now().strftime('%Y-%m-%d %H:%M')}. Absent readings (no sensor, not measured) "
+             f"show as —.</p>"]
+    if stats:
+        parts.append(_table(device_table(run, stats)))
+    for anchor, caption, plot in PLOTS:
+        fig = plot(run, stats)
+        if fig is None:
+            continue
+        alt = caption.split(";")[0]
+        parts.append(f'<figure id="{anchor}"><img alt="{html.escape(alt)}" src="data:image/png;base64,{_png(fig)}">'
+                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    if stats:
+        parts.append(_table(breakdown_table(stats)))
+        parts.append(_facts_table(run, stats))
+    if run.rounds:
+        parts.append(_table(rounds_table(run)))
+    parts.append("</body></html>\n")
+    return "\n".join(parts)

@@ -1,0 +1,177 @@
+"""``fedge-profile infer``: how fast an ONNX model runs on this device, with ONNX Runtime.
+
+Needs only onnxruntime, numpy and psutil (no torch), because the devices that
+will serve a model often have no torch. After a warm-up, the model runs ``runs``
+times at batch 1 and at a larger batch, each run timed on its own; the result is
+the p50/p95/p99 latency, throughput, and the process's peak memory, appended to
+the device's profile history as an ``infer`` line.
+
+Only the input's shape matters for latency, so the default input is seeded random
+data; ``--data npz:PATH`` uses real samples (array ``x_test``, else ``x``; uint8
+images are scaled to [0, 1], a missing channel axis is added).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import psutil
+
+from profiling.device import device_facts
+from profiling.errors import ProfileError
+from profiling.history import append_history
+from profiling.profiler import peak_rss_since_reset, percentile, reset_peak_rss
+
+__all__ = ["InferError", "InferSettings", "benchmark", "format_result"]
+
+# ONNX tensor element types this benchmark can feed
+_DTYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+           "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(uint8)": np.uint8,
+           "tensor(int8)": np.int8}
+_RSS_EVERY_RUNS = 10
+
+
+class InferError(ProfileError):
+    """The model or data cannot be benchmarked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class InferSettings:
+    runs: int = 200
+    warmup: int = 20
+    batch: int = 32                 # the larger batch, measured after batch 1
+    threads: int = 1                # ONNX Runtime intra-op threads; 1 on a shared small device
+    data: str | None = None         # None: seeded random input; "npz:PATH": real samples
+    seed: int = 0
+
+
+def _session(model: Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    try:
+        return ort.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as exc:   # onnxruntime raises its own exception types for unreadable models
+        raise InferError(f"ONNX Runtime cannot load {model}: {exc}; check that it is an ONNX file "
+                         "(a model exported with external data needs its .data file next to it)") from None
+
+
+def _samples(settings: InferSettings, shape: list[Any], dtype: type) -> np.ndarray:
+    """Samples without the batch axis, shaped like the model's input."""
+    sample_shape = shape[1:]
+    if settings.data is None:
+        if not all(isinstance(d, int) and d > 0 for d in sample_shape):
+            raise InferError(f"the model's input {shape} has dynamic dimensions besides the batch; "
+                             "pass --data npz:PATH with real samples")
+        rng = np.random.default_rng(settings.seed)
+        return rng.standard_normal((64, *sample_shape)).astype(dtype)
+    kind, _, path = settings.data.partition(":")
+    if kind != "npz" or not path:
+        raise InferError(f"--data must be npz:PATH, got {settings.data!r}")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            key = "x_test" if "x_test" in archive.files else "x"
+            if key not in archive.files:
+                raise InferError(f"{path} has no array x or x_test (it has {archive.files})")
+            x = archive[key]
+    except (OSError, ValueError) as exc:
+        raise InferError(f"cannot read {path}: {exc}") from None
+    if x.dtype == np.uint8 and dtype != np.uint8:
+        x = x.astype(np.float32) / 255.0
+    if x.ndim == len(shape) - 1:
+        x = x[:, None]
+    fixed = [(i, d) for i, d in enumerate(sample_shape) if isinstance(d, int)]
+    if x.ndim != len(shape) or any(x.shape[i + 1] != d for i, d in fixed) or len(x) == 0:
+        raise InferError(f"samples in {path} are {list(x.shape[1:])}, the model takes {sample_shape}")
+    return x.astype(dtype)
+
+
+def _time_runs(session: ort.InferenceSession, name: str, batch: np.ndarray, settings: InferSettings,
+               process: psutil.Process) -> tuple[list[float], int]:
+    """Latency of each timed run, and the largest RSS sampled between runs (outside the timing)."""
+    feed = {name: batch}
+    for _ in range(settings.warmup):
+        session.run(None, feed)
+    times, peak = [], 0
+    for i in range(settings.runs):
+        start = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - start)
+        if i % _RSS_EVERY_RUNS == 0:
+            peak = max(peak, process.memory_info().rss)
+    return times, peak
+
+
+def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = None) -> dict[str, Any]:
+    """Run the benchmark; with ``state_dir``, append it to that device's profile history."""
+    if settings.runs < 1 or settings.warmup < 0 or settings.batch < 1 or settings.threads < 0:
+        raise InferError("--runs and --batch must be at least 1, --warmup and --threads at least 0")
+    if not model.is_file():
+        raise InferError(f"{model} does not exist; pass the path of an .onnx file")
+    process = psutil.Process()
+    rss_before = process.memory_info().rss
+    reset_peak_rss()
+    session = _session(model, settings.threads)
+    rss_loaded = process.memory_info().rss
+    inputs = session.get_inputs()
+    if len(inputs) != 1:
+        raise InferError(f"the model has {len(inputs)} inputs; this benchmark feeds models with one input")
+    spec = inputs[0]
+    dtype = _DTYPES.get(spec.type)
+    if dtype is None:
+        raise InferError(f"input {spec.name!r} is {spec.type}; supported: {', '.join(_DTYPES)}")
+    shape = list(spec.shape)
+    samples = _samples(settings, shape, dtype)
+    batch_dim = shape[0] if shape else None
+    results, skipped, peak = [], [], rss_loaded
+    for size in dict.fromkeys((1, settings.batch)):
+        if isinstance(batch_dim, int) and batch_dim != size:
+            skipped.append({"batch": size, "reason": f"the model's batch dimension is fixed at {batch_dim}"})
+            continue
+        batch = samples[np.arange(size) % len(samples)]
+        times, rss = _time_runs(session, spec.name, batch, settings, process)
+        peak = max(peak, rss)
+        results.append({"batch": size, "runs": len(times), "warmup": settings.warmup,
+                        "p50": percentile(times, 50), "p95": percentile(times, 95), "p99": percentile(times, 99),
+                        "mean": sum(times) / len(times), "samples_per_second": size * len(times) / sum(times)})
+    record = {
+        "model": str(model.resolve()), "model_name": model.name, "model_bytes": model.stat().st_size,
+        "model_sha256": hashlib.sha256(model.read_bytes()).hexdigest(),
+        "input": {"name": spec.name, "type": spec.type, "shape": [d if isinstance(d, int) else str(d) for d in shape]},
+        "data": settings.data or "random", "threads": settings.threads, "onnxruntime": ort.__version__,
+        "results": results, "skipped": skipped,
+        "session_rss_bytes": rss_loaded - rss_before,
+        "peak_rss_bytes": max(peak, peak_rss_since_reset() or 0),
+        "device": device_facts(),
+    }
+    if state_dir is not None:
+        record["history"] = str(append_history(state_dir, "infer", record))
+    return record
+
+
+def format_result(record: dict[str, Any]) -> str:
+    """Plain text (no rich: a device may have nothing but onnxruntime and numpy)."""
+    from profiling.units import human_bytes
+
+    i = record["input"]
+    lines = [f"{record['model_name']} ({human_bytes(record['model_bytes'])}, sha256 {record['model_sha256'][:12]}), "
+             f"ONNX Runtime {record['onnxruntime']}, {record['threads']} intra-op thread(s)",
+             f"input {i['name']!r} {i['type']} {i['shape']}, data {record['data']}",
+             f"{'batch':>6} {'runs':>6} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9} {'samples/s':>11}"]
+    for r in record["results"]:
+        lines.append(f"{r['batch']:>6} {r['runs']:>6} {r['p50'] * 1e3:>9.3f} {r['p95'] * 1e3:>9.3f} "
+                     f"{r['p99'] * 1e3:>9.3f} {r['samples_per_second']:>11.0f}")
+    for s in record["skipped"]:
+        lines.append(f"batch {s['batch']} skipped: {s['reason']}")
+    lines.append(f"peak RSS {human_bytes(record['peak_rss_bytes'])} "
+                 f"(loading the model added {human_bytes(record['session_rss_bytes'])})")
+    if record.get("history"):
+        lines.append(f"appended to {record['history']}")
+    return "\n".join(lines)

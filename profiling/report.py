@@ -1,0 +1,189 @@
+"""``fedge-profile show``: the terminal report (rich tables).
+
+For a run: one row per device (median round time, step latency, throughput, peak
+memory, CPU, temperature, straggler rank), the phase breakdown per device, and
+one row per round (accuracy, bytes, slowest client, skipped clients). For a single
+device's history: one row per task and one per inference benchmark.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from profiling.runs import (Device, DeviceStats, RunRecords, device_stats, part_names, straggler_ranks,
+                            task_breakdown)
+from profiling.units import ABSENT, human_bytes, milliseconds, number, seconds
+
+__all__ = ["TableData", "render", "device_table", "breakdown_table", "rounds_table", "tasks_table",
+           "inference_table", "facts_line", "run_title", "to_rich"]
+
+
+@dataclass
+class TableData:
+    """A report table as text cells, rendered by rich here and as HTML by :mod:`profiling.html`."""
+
+    title: str
+    columns: tuple[str, ...]
+    left: frozenset[str] = frozenset()          # left-aligned columns; numbers align right
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append(list(cells))
+
+
+def to_rich(data: TableData) -> Table:
+    table = Table(title=data.title)
+    for name in data.columns:
+        table.add_column(name, justify="left" if name in data.left else "right")
+    for row in data.rows:
+        table.add_row(*(Text(cell) for cell in row))   # Text: a device's own strings are never markup
+    return table
+
+
+def facts_line(facts: dict[str, Any] | None) -> str:
+    """A device in a few words: board (or CPU), cores, RAM."""
+    if not isinstance(facts, dict):
+        return ABSENT
+    ram = facts.get("ram_bytes")
+    return ", ".join([str(facts.get("board") or facts.get("cpu_model") or facts.get("arch") or "?"),
+                      f"{facts.get('cores', '?')} cores",
+                      human_bytes(ram) if isinstance(ram, (int, float)) else "RAM ?"])
+
+
+def run_title(run: RunRecords) -> str:
+    s = run.summary or {}
+    model = s.get("model", {}).get("name") if isinstance(s.get("model"), dict) else None
+    bits = [f"run {s['run_id']}" if s.get("run_id") else str(run.source)]
+    if s.get("strategy"):
+        bits.append(f"{s['strategy']} / {model or '?'}")
+    if isinstance(s.get("final_accuracy"), (int, float)):
+        bits.append(f"final accuracy {s['final_accuracy']:.4f}")
+    if isinstance(s.get("bytes_down"), int) and isinstance(s.get("bytes_up"), int):
+        bits.append(f"{human_bytes(s['bytes_down'])} down, {human_bytes(s['bytes_up'])} up")
+    return " · ".join(bits)
+
+
+def device_table(run: RunRecords, stats: list[DeviceStats]) -> TableData:
+    ranks = straggler_ranks(stats)
+    slowest_counts: dict[str, int] = {}
+    skipped_counts: dict[str, int] = {}
+    for row in run.rounds:
+        if isinstance(row.get("slowest_client"), str):
+            slowest_counts[row["slowest_client"]] = slowest_counts.get(row["slowest_client"], 0) + 1
+        for cid in row.get("skipped") or []:
+            skipped_counts[cid] = skipped_counts.get(cid, 0) + 1
+    table = TableData("Devices (medians over their tasks; a missed task counts as the timeout; rank 1 = slowest)",
+                      ("rank", "device", "hardware", "tasks", "round s", "device s", "step p50 ms", "step p95 ms",
+                       "samples/s", "peak RSS", "peak USS", "CPU %", "temp °C", "throttled", "times slowest",
+                       "times skipped"), frozenset({"device", "hardware", "throttled"}))
+    for s in sorted(stats, key=lambda s: (ranks.get(s.client_id, 10**9), s.client_id)):
+        notes = ", ".join(f"{n} {what}" for n, what in ((s.late, "late"), (s.missed, "missed"), (s.errors, "failed"))
+                          if n)
+        table.add_row(
+            str(ranks.get(s.client_id, ABSENT)), s.client_id, facts_line(run.devices[s.client_id].facts),
+            f"{s.tasks} ({notes})" if notes else str(s.tasks), seconds(s.median_round_seconds), seconds(s.median_device_seconds),
+            milliseconds(s.step_p50), milliseconds(s.step_p95), number(s.samples_per_second, ".0f"),
+            human_bytes(s.peak_rss_bytes), human_bytes(s.peak_uss_bytes), number(s.cpu_percent, ".0f"),
+            number(s.temperature_c), ABSENT if s.throttled is None else (", ".join(s.throttled) or "no"),
+            str(slowest_counts.get(s.client_id, 0)), str(skipped_counts.get(s.client_id, 0)),
+        )
+    return table
+
+
+def breakdown_table(stats: list[DeviceStats]) -> TableData:
+    names = part_names(s.breakdown for s in stats)
+    table = TableData("Where a task's time goes (mean seconds per task)",
+                      ("device", *(name.replace("_", " ") for name in (*names, "total"))), frozenset({"device"}))
+    for s in sorted(stats, key=lambda s: s.client_id):
+        cells = [seconds(s.breakdown.get(name), 3) for name in names]
+        table.add_row(s.client_id, *cells, seconds(sum(s.breakdown.values()), 3) if s.breakdown else ABSENT)
+    return table
+
+
+def rounds_table(run: RunRecords) -> TableData:
+    table = TableData("Rounds", ("round", "accuracy", "loss", "clients", "bytes down", "bytes up", "slowest client",
+                                 "slowest s", "skipped", "round s"), frozenset({"slowest client", "skipped"}))
+    for row in run.rounds:
+        acc, loss = row.get("test_accuracy"), row.get("test_loss")
+        table.add_row(
+            str(row["round"]), number(acc, ".4f") if isinstance(acc, (int, float)) else ABSENT,
+            number(loss, ".4f") if isinstance(loss, (int, float)) else ABSENT,
+            f"{row.get('returned', 0)}/{row.get('selected', 0)}", human_bytes(row.get("bytes_down")),
+            human_bytes(row.get("bytes_up")), str(row.get("slowest_client") or ABSENT),
+            seconds(row.get("slowest_seconds")), ", ".join(row.get("skipped") or []) or ABSENT,
+            seconds(row.get("seconds"), 1))
+    return table
+
+
+def _when(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return ABSENT
+    return dt.datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def tasks_table(device: Device) -> TableData:
+    """One row per task; the run and round-time columns only when the records have them."""
+    with_run = any(t.run_id for t in device.tasks)
+    with_round_time = any(t.round_seconds is not None for t in device.tasks)
+    with_objective = len({t.objective for t in device.tasks}) > 1
+    names = part_names(task_breakdown(t.profile) for t in device.tasks)
+    columns = ("run",) * with_run + ("round",) + ("objective",) * with_objective + ("round s",) * with_round_time + (
+        "device s", *(n.replace("_", " ") for n in names), "step p50 ms", "step p95 ms", "samples/s",
+        "peak RSS", "CPU %", "temp °C", "note")
+    table = TableData(f"Tasks of {device.client_id}", columns, frozenset({"run", "objective", "note"}))
+    for task in device.tasks:
+        p = task.profile
+        parts = task_breakdown(p)
+        note = "missed" if task.missed else "late" if task.late else (f"error: {task.error}" if task.error else "")
+        table.add_row(*((task.run_id or ABSENT,) * with_run), str(task.round if task.round is not None else ABSENT),
+                      *((task.objective or ABSENT,) * with_objective), *((seconds(task.round_seconds),) * with_round_time), seconds(p.get("seconds")),
+                      *(seconds(parts.get(n), 3) for n in names), milliseconds(p.get("step_p50")),
+                      milliseconds(p.get("step_p95")), number(p.get("samples_per_second"), ".0f"),
+                      human_bytes(p.get("peak_rss_bytes")), number(p.get("cpu_percent"), ".0f"),
+                      number(p.get("temperature_c")), note[:60])
+    return table
+
+
+def inference_table(device: Device) -> TableData:
+    table = TableData(f"Inference benchmarks (ONNX Runtime) of {device.client_id}",
+                      ("when", "model", "batch", "runs", "p50 ms", "p95 ms", "p99 ms", "samples/s", "peak RSS"),
+                      frozenset({"when", "model"}))
+    for line in device.inference:
+        for result in line.get("results") or []:
+            if not isinstance(result, dict):
+                continue
+            table.add_row(_when(line.get("time")), str(line.get("model_name", ABSENT)), str(result.get("batch")),
+                          str(result.get("runs")), milliseconds(result.get("p50")), milliseconds(result.get("p95")),
+                          milliseconds(result.get("p99")), number(result.get("samples_per_second"), ".0f"),
+                          human_bytes(line.get("peak_rss_bytes")))
+    return table
+
+
+def render(run: RunRecords, console: Console) -> None:
+    """Print every table that applies to ``run``."""
+    stats = run.stats()
+    if run.is_run:
+        console.print(Text(run_title(run), style="bold"))
+        if run.devices:
+            console.print(to_rich(device_table(run, stats)))
+            console.print(to_rich(breakdown_table(stats)))
+        else:
+            console.print("no device profiles in this run (clients/ is empty)")
+        console.print(to_rich(rounds_table(run)))
+        return
+    for device in run.devices.values():
+        console.print(Text(f"{device.client_id}: {facts_line(device.facts)}", style="bold"))
+        if device.tasks:
+            console.print(to_rich(tasks_table(device)))
+            console.print(to_rich(breakdown_table([device_stats(device, run.training_tasks(device))])))
+        if device.inference:
+            console.print(to_rich(inference_table(device)))
+        if not device.tasks and not device.inference:
+            console.print(Text(f"{run.source} holds no task or inference records"))

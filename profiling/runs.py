@@ -1,0 +1,303 @@
+"""Reading what runs and devices recorded, and the per-device figures every report shows.
+
+Two kinds of input, both JSON lines:
+
+- a run directory the coordinator wrote: ``metrics.jsonl`` (one row per round),
+  ``summary.json``, ``config.toml``, and per client ``clients/ID.jsonl`` (one line per
+  answered task: round, round time, late, error, profile) plus ``clients/ID.json``
+  (latest profile and the device facts);
+- a device's own history, ``STATE_DIR/profile.jsonl`` (``task`` lines with the profile
+  fields at the top level, ``infer`` lines from ``fedge-profile infer``), or a single
+  ``clients/ID.jsonl``.
+
+Both are turned into :class:`TaskRecord` lists, so :func:`device_stats` computes the
+same figures for the terminal and the HTML report. Everything read is checked with
+:func:`~profiling.schema.clean_profile`: a report must not crash on a bad line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from profiling.errors import ProfileError
+from profiling.history import read_jsonl
+from profiling.profiler import STEP_PHASES, TASK_PHASES
+from profiling.schema import clean_profile
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ReportError", "TaskRecord", "Device", "RunRecords", "DeviceStats", "load", "device_stats",
+           "straggler_ranks", "task_breakdown", "part_names", "BREAKDOWN"]
+
+# The parts a task's time is shown in, in order. `train_other` is the local objective's
+# time outside the four step phases (setup, shuffling, reading the loss).
+BREAKDOWN = ("receive", "decode", *STEP_PHASES, "train_other", "encode", "publish")
+
+
+class ReportError(ProfileError):
+    """The path is not a run directory or a profile file; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task a device ran: its profile, and what the coordinator saw of it (when known)."""
+
+    round: int | None
+    task_id: str | None
+    profile: dict[str, Any]
+    round_seconds: float | None = None    # coordinator: task sent -> result received
+    late: bool = False
+    error: str | None = None
+    run_id: str | None = None
+    missed: bool = False                  # no answer by the end of its attempt: round_seconds is the timeout
+    objective: str | None = None          # what the task ran (train, evaluate, ...); None in older records
+
+
+@dataclass
+class Device:
+    client_id: str
+    facts: dict[str, Any] | None = None
+    tasks: list[TaskRecord] = field(default_factory=list)
+    inference: list[dict[str, Any]] = field(default_factory=list)   # `infer` lines of a device history
+
+
+@dataclass
+class RunRecords:
+    source: Path
+    rounds: list[dict[str, Any]] = field(default_factory=list)      # metrics.jsonl rows
+    summary: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    devices: dict[str, Device] = field(default_factory=dict)
+
+    @property
+    def is_run(self) -> bool:
+        return bool(self.rounds) or self.summary is not None
+
+    @property
+    def training_objectives(self) -> set[str] | None:
+        """Objectives that ran optimizer steps: the round times and phases reports are about.
+
+        Evaluation or statistics tasks are short and would pull a device's figures down.
+        None when no record names its objective (older runs): then every task counts.
+        """
+        found = {t.objective for d in self.devices.values() for t in d.tasks
+                 if t.objective is not None and (t.profile.get("steps") or 0) > 0}
+        return found or None
+
+    def training_tasks(self, device: Device) -> list[TaskRecord]:
+        objectives = self.training_objectives
+        return [t for t in device.tasks if objectives is None or t.objective is None or t.objective in objectives]
+
+    def stats(self) -> list["DeviceStats"]:
+        """Each device's figures over its training tasks."""
+        return [device_stats(d, self.training_tasks(d)) for d in self.devices.values()]
+
+    @property
+    def round_timeout(self) -> float | None:
+        value = self.config.get("clients", {}).get("round_timeout")
+        return float(value) if isinstance(value, (int, float)) else None
+
+
+# -- loading --------------------------------------------------------------------
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _coordinator_record(line: dict[str, Any]) -> TaskRecord:
+    return TaskRecord(round=_int(line.get("round")), task_id=_text(line.get("task_id")),
+                      profile=clean_profile(line.get("profile")), round_seconds=_float(line.get("round_seconds")),
+                      late=line.get("late") is True, error=_text(line.get("error")), missed=line.get("missed") is True,
+                      objective=_text(line.get("objective")))
+
+
+def _latest_per_task(records: list[TaskRecord]) -> list[TaskRecord]:
+    """A late answer replaces the `missed` line of the same task (in the missed line's place)."""
+    by_task: dict[Any, TaskRecord] = {}
+    for i, record in enumerate(records):
+        by_task[record.task_id if record.task_id is not None else ("line", i)] = record
+    return list(by_task.values())
+
+
+def _history_record(line: dict[str, Any]) -> TaskRecord:
+    return TaskRecord(round=_int(line.get("round")), task_id=_text(line.get("task_id")),
+                      profile=clean_profile(line), run_id=_text(line.get("run_id")), objective=_text(line.get("objective")))
+
+
+def _with_send_times(tasks: list[TaskRecord]) -> list[TaskRecord]:
+    """Give each task the encode and publish times its device reported with the next result."""
+    sent = {}
+    for task in tasks:
+        previous = task.profile.get("previous_send")
+        if isinstance(previous, dict) and previous.get("task_id"):
+            sent[previous["task_id"]] = {k: v for k, v in previous.items() if k in ("encode", "publish")}
+    out = []
+    for task in tasks:
+        phases = dict(task.profile.get("phases") or {})
+        for name, value in sent.get(task.task_id, {}).items():
+            phases.setdefault(name, value)
+        out.append(dataclasses.replace(task, profile={**task.profile, "phases": phases}))
+    return out
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _load_history_file(path: Path) -> RunRecords:
+    rows = read_jsonl(path)
+    records = RunRecords(source=path)
+    if path.parent.name == "clients" and path.suffix == ".jsonl":   # the coordinator's clients/ID.jsonl
+        client_id = path.stem
+        latest = _read_json(path.with_suffix(".json"))
+        device = Device(client_id, latest.get("device") if isinstance(latest, dict) else None)
+        device.tasks = _with_send_times(_latest_per_task([_coordinator_record(r) for r in rows]))
+    else:                                                             # a device's own profile.jsonl
+        device = Device(path.parent.name or path.stem)
+        device.tasks = _with_send_times([_history_record(r) for r in rows if r.get("kind", "task") == "task"])
+        device.inference = [r for r in rows if r.get("kind") == "infer"]
+        facts = [r.get("device") for r in device.inference if isinstance(r.get("device"), dict)]
+        device.facts = facts[-1] if facts else None
+    records.devices[device.client_id] = device
+    return records
+
+
+def _load_run_dir(path: Path) -> RunRecords:
+    records = RunRecords(source=path)
+    metrics = path / "metrics.jsonl"
+    if metrics.is_file():
+        records.rounds = [r for r in read_jsonl(metrics) if _int(r.get("round")) is not None]
+    summary = _read_json(path / "summary.json")
+    records.summary = summary if isinstance(summary, dict) else None
+    try:
+        records.config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        records.config = {}
+    clients = path / "clients"
+    for latest_path in sorted(clients.glob("*.json")) if clients.is_dir() else []:
+        history = latest_path.with_suffix(".jsonl")
+        if history.is_file():
+            device = next(iter(_load_history_file(history).devices.values()))
+        else:   # a run from before per-round records: only the latest profile
+            latest = _read_json(latest_path)
+            latest = latest if isinstance(latest, dict) else {}
+            device = Device(latest_path.stem, latest.get("device") if isinstance(latest.get("device"), dict) else None,
+                            [_coordinator_record(latest)])
+        records.devices[device.client_id] = device
+    if not records.is_run and not records.devices:
+        raise ReportError(f"{path} holds no metrics.jsonl, summary.json or clients/*.json; "
+                          "pass a run directory (the coordinator's --out) or a profile.jsonl file")
+    return records
+
+
+def load(path: Path) -> RunRecords:
+    """A run directory, a device's ``profile.jsonl`` or a ``clients/ID.jsonl``."""
+    if path.is_dir():
+        return _load_run_dir(path)
+    if path.is_file():
+        return _load_history_file(path)
+    raise ReportError(f"{path} does not exist; pass a run directory or a profile.jsonl file")
+
+
+# -- figures --------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceStats:
+    """What a report shows for one device; None where no task had the reading."""
+
+    client_id: str
+    tasks: int
+    late: int
+    missed: int                            # never answered (while the run lasted)
+    errors: int
+    median_round_seconds: float | None     # coordinator-measured (missed: the timeout); else the device's time
+    median_device_seconds: float | None
+    breakdown: dict[str, float]            # mean seconds per part of a task (BREAKDOWN order)
+    step_p50: float | None
+    step_p95: float | None
+    step_max: float | None
+    samples_per_second: float | None
+    peak_rss_bytes: int | None
+    peak_uss_bytes: int | None
+    cpu_percent: float | None
+    temperature_c: float | None
+    throttled: list[str] | None            # flags seen since boot in any task; None: no vcgencmd
+
+
+def _values(tasks: Iterable[TaskRecord], key: str) -> list[Any]:
+    return [t.profile[key] for t in tasks if t.profile.get(key) is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def task_breakdown(profile: dict[str, Any]) -> dict[str, float]:
+    """Seconds of each part of one task: :data:`BREAKDOWN` order, then any other phase the client reported."""
+    phases, steps = profile.get("phases") or {}, profile.get("train_phases") or {}
+    parts = {name: phases[name] for name in ("receive", "decode", "encode", "publish") if name in phases}
+    parts.update({name: steps[name] for name in STEP_PHASES if name in steps})
+    if "train" in phases:
+        parts["train_other"] = max(0.0, phases["train"] - sum(steps.get(n, 0.0) for n in STEP_PHASES))
+    extra = {name: v for name, v in phases.items() if name not in TASK_PHASES}   # e.g. waiting for a model
+    return {**{name: parts[name] for name in BREAKDOWN if name in parts}, **extra}
+
+
+def part_names(breakdowns: Iterable[dict[str, float]]) -> list[str]:
+    """The parts present in any of ``breakdowns``, in :data:`BREAKDOWN` order, other phases last."""
+    present = {name for b in breakdowns for name in b}
+    return [n for n in BREAKDOWN if n in present] + sorted(present - set(BREAKDOWN))
+
+
+def _breakdown(tasks: list[TaskRecord]) -> dict[str, float]:
+    per_task = [task_breakdown(t.profile) for t in tasks]
+    means = {name: [parts[name] for parts in per_task if name in parts] for name in part_names(per_task)}
+    return {name: statistics.fmean(v) for name, v in means.items() if v}
+
+
+def device_stats(device: Device, tasks: list[TaskRecord] | None = None) -> DeviceStats:
+    """Figures over ``tasks`` (default: all of the device's tasks; reports pass its training tasks)."""
+    every = device.tasks if tasks is None else tasks
+    round_times = [t.round_seconds for t in every if t.round_seconds is not None]
+    tasks = [t for t in every if t.profile]
+    device_times = _values(tasks, "seconds")
+    throttled = [t.profile["throttled"] for t in tasks if isinstance(t.profile.get("throttled"), dict)]
+    rss, uss, temps = _values(tasks, "peak_rss_bytes"), _values(tasks, "peak_uss_bytes"), _values(tasks, "temperature_c")
+    return DeviceStats(
+        client_id=device.client_id, tasks=len(every), late=sum(t.late for t in every),
+        missed=sum(t.missed for t in every), errors=sum(t.error is not None for t in every),
+        median_round_seconds=_median(round_times) if round_times else _median(device_times),
+        median_device_seconds=_median(device_times), breakdown=_breakdown(tasks),
+        step_p50=_median(_values(tasks, "step_p50")), step_p95=_median(_values(tasks, "step_p95")),
+        step_max=max(_values(tasks, "step_max"), default=None),
+        samples_per_second=_median(_values(tasks, "samples_per_second")),
+        peak_rss_bytes=max(rss) if rss else None, peak_uss_bytes=max(uss) if uss else None,
+        cpu_percent=_median(_values(tasks, "cpu_percent")), temperature_c=max(temps) if temps else None,
+        throttled=sorted({f for t in throttled for f in t.get("since_boot", [])}) if throttled else None,
+    )
+
+
+def straggler_ranks(stats: Iterable[DeviceStats]) -> dict[str, int]:
+    """1 for the device with the longest median round time, 2 for the next, ...; unranked without times."""
+    timed = sorted((s for s in stats if s.median_round_seconds is not None),
+                   key=lambda s: (-s.median_round_seconds, s.client_id))  # type: ignore[operator]
+    return {s.client_id: rank for rank, s in enumerate(timed, start=1)}

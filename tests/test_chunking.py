@@ -1,0 +1,163 @@
+"""Chunking: reassembly out of order, duplicates, losses, tampering, bounds, retained chunked messages."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from edge_client.chunking import HEADER_BYTES, ChunkingTransport, Reassembler, parse_chunk, split
+from edge_client.transport import InprocHub, MessageTooLarge
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _feed_all(r: Reassembler, sender: str, chunks):
+    out = []
+    for c in chunks:
+        out += r.feed(sender, c)
+    return out
+
+
+def test_shuffled_and_duplicated_chunks_reassemble_once():
+    payload = os.urandom(50_000)
+    chunks = split(payload, 4096)
+    assert len(chunks) == -(-50_000 // (4096 - HEADER_BYTES)) and all(len(c) <= 4096 for c in chunks)
+    mixed = chunks + chunks[3:7] + chunks[:1]
+    random.Random(0).shuffle(mixed)
+    r = Reassembler(max_message_bytes=1 << 20)
+    out = _feed_all(r, "a", mixed)
+    whole = [o for o in out if o.payload]
+    assert len(whole) == 1 and whole[0].payload == payload and not any(o.error for o in out)
+    assert whole[0].wire_bytes == sum(len(c) for c in chunks)
+    assert r.held == 0
+    late = r.feed("a", chunks[2])        # a redelivery after completion: bytes only, no error, no message
+    assert len(late) == 1 and not late[0].payload and not late[0].error
+
+
+def test_interleaved_messages_from_two_senders():
+    a, b = os.urandom(20_000), os.urandom(30_000)
+    ca, cb = split(a, 2048), split(b, 2048)
+    r = Reassembler(max_message_bytes=1 << 20)
+    out = []
+    for i in range(max(len(ca), len(cb))):
+        out += r.feed("a", ca[i]) if i < len(ca) else []
+        out += r.feed("b", cb[i]) if i < len(cb) else []
+    assert {o.sender: o.payload for o in out} == {"a": a, "b": b}
+
+
+def test_missing_chunk_times_out_with_a_reason():
+    clock = Clock()
+    chunks = split(os.urandom(10_000), 2048)
+    r = Reassembler(max_message_bytes=1 << 20, timeout=30, clock=clock)
+    assert _feed_all(r, "a", chunks[:2] + chunks[3:]) == []
+    clock.now = 29
+    assert r.expire() == []
+    clock.now = 31
+    (lost,) = r.expire()
+    assert lost.error.startswith("incomplete after 30 s") and f"got {len(chunks) - 1} of {len(chunks)}" in lost.error
+    assert not lost.payload and lost.wire_bytes == sum(len(c) for i, c in enumerate(chunks) if i != 2)
+    assert r.held == 0
+
+
+def test_tampered_chunk_fails_the_hash():
+    chunks = split(os.urandom(10_000), 2048)
+    bad = bytearray(chunks[1])
+    bad[HEADER_BYTES + 100] ^= 1
+    out = _feed_all(Reassembler(max_message_bytes=1 << 20), "a", [chunks[0], bytes(bad), *chunks[2:]])
+    assert len(out) == 1 and "SHA-256" in out[0].error and not out[0].payload
+
+
+def test_oversize_and_malformed_chunks_are_rejected():
+    r = Reassembler(max_message_bytes=5_000)
+    chunks = split(os.urandom(10_000), 2048)
+    (first,) = r.feed("a", chunks[0])
+    assert "exceeds the limit of 5000" in first.error
+    assert [o.error for o in _feed_all(r, "a", chunks[1:])] == [""] * (len(chunks) - 1)   # rest ignored quietly
+    assert "not a chunk" in r.feed("a", b"FDC1short")[0].error
+    header = bytearray(split(b"x" * 100, 1024)[0])
+    header[24:28] = (7).to_bytes(4, "little")      # index 7 of a 1-chunk message
+    assert "does not fit" in r.feed("a", bytes(header))[0].error
+
+
+def test_chunks_that_disagree_about_their_message_are_refused():
+    payload = os.urandom(6000)
+    chunks = split(payload, 2048)
+    other = bytearray(chunks[1])
+    other[28:32] = (len(chunks) + 1).to_bytes(4, "little")   # a different count under the same id
+    r = Reassembler(max_message_bytes=1 << 20)
+    out = _feed_all(r, "a", [chunks[0], bytes(other)])
+    assert len(out) == 1 and "disagrees" in out[0].error
+    assert _feed_all(r, "a", chunks[1:])[0].payload == payload
+
+
+def test_memory_for_incomplete_messages_is_bounded_per_sender_and_in_total():
+    r = Reassembler(max_message_bytes=40_000, per_sender_bytes=40_000, total_bytes=50_000)
+    one, two = split(os.urandom(30_000), 4096), split(os.urandom(30_000), 4096)
+    out = _feed_all(r, "a", one[:-1]) + _feed_all(r, "a", two[:-1])
+    assert len(out) == 1 and "holds more than 40000 bytes" in out[0].error      # a's older message went
+    assert r.held <= 40_000
+    three = split(os.urandom(30_000), 4096)
+    out = _feed_all(r, "b", three[:-1])
+    assert len(out) == 1 and "exceed 50000 bytes in total" in out[0].error      # the oldest overall went
+    assert r.held <= 50_000
+    assert _feed_all(r, "b", three[-1:])[0].payload
+
+
+def test_transport_chunks_large_messages_and_passes_small_ones():
+    hub = InprocHub()
+    a = ChunkingTransport(hub.connect("a"), max_message_bytes=4096, max_decoded_bytes=1 << 20)
+    b = ChunkingTransport(hub.connect("b"), max_message_bytes=4096, max_decoded_bytes=1 << 20)
+    b.subscribe("t/x")
+    big, small = os.urandom(20_000), os.urandom(100)
+    assert a.publish("t/x", big) > len(big) and a.publish("t/x", small) == len(small)
+    got = [b.get(1.0), b.get(1.0)]
+    assert [g.payload for g in got] == [big, small] and got[1].wire_bytes == 100
+    off = ChunkingTransport(hub.connect("c"), max_message_bytes=4096, max_decoded_bytes=1 << 20, chunking=False)
+    with pytest.raises(MessageTooLarge, match="chunking is off"):
+        off.publish("t/x", big)
+
+
+def test_retained_chunked_message_reaches_late_subscribers_and_is_replaced_cleanly():
+    hub = InprocHub()
+    pub = ChunkingTransport(hub.connect("pub"), max_message_bytes=4096, max_decoded_bytes=1 << 20)
+    first, second, third = os.urandom(30_000), os.urandom(10_000), os.urandom(500)
+    pub.publish("p/model", first, retain=True)
+
+    def fetch() -> list[bytes]:
+        sub = ChunkingTransport(hub.connect(), max_message_bytes=4096, max_decoded_bytes=1 << 20)
+        sub.subscribe("p/model", parts=True)
+        got = []
+        while (item := sub.get(0.2)) is not None:
+            assert not item.error
+            if item.payload:
+                got.append(item.payload)
+        return got
+
+    assert fetch() == [first]
+    parts = len(split(first, 4096))
+    assert set(hub._retained) == {f"p/model/{i}" for i in range(parts)}
+    assert all(parse_chunk(hub._retained[f"p/model/{i}"]).part_topic for i in range(parts))
+    pub.publish("p/model", second, retain=True)    # fewer chunks: the stale higher parts are cleared
+    assert fetch() == [second] and len(hub._retained) == len(split(second, 4096))
+    pub.publish("p/model", third, retain=True)     # fits one message: all parts are cleared
+    assert fetch() == [third]
+    assert set(hub._retained) == {"p/model"}         # no stale chunk is left retained on the broker
+
+
+def test_a_retained_chunk_on_the_wrong_part_topic_is_refused():
+    hub = InprocHub()
+    sub = ChunkingTransport(hub.connect("sub"), max_message_bytes=4096, max_decoded_bytes=1 << 20)
+    sub.subscribe("p/model", parts=True)
+    chunks = split(os.urandom(10_000), 4096, part_topic=True)
+    raw = hub.connect("raw")
+    raw.publish("p/model/1", chunks[0])          # chunk 0 posing as part 1
+    item = sub.get(1.0)
+    assert item is not None and "arrived on p/model/1" in item.error and not item.payload

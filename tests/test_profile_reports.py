@@ -1,0 +1,141 @@
+"""`fedge-profile show` and `html` on a recorded run (tests/fixtures/profile_run, see record_profile_run.py).
+
+The fixture is a real 14-round run over Mosquitto: two spawned clients on digits and
+``dev-slow`` on twelve times the digits train split, with deadline selection and a
+5 s round timeout. dev-slow missed a deadline (its result arrived late), was
+skipped for it, and was tried again after five skips. The expectations below are
+read from the fixture's own files, so re-recording it keeps them true.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from profiling.cli import main
+from profiling.runs import device_stats, load, straggler_ranks
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "profile_run"
+DEVICES = ("dev-slow", "sim-000", "sim-001")
+ROWS = [json.loads(line) for line in (FIXTURE / "metrics.jsonl").read_text().splitlines()]
+SLOW_LINES = [json.loads(line) for line in (FIXTURE / "clients" / "dev-slow.jsonl").read_text().splitlines()]
+LATE_ROUNDS = [line["round"] for line in SLOW_LINES if line["late"]]
+SKIPPED_ROUNDS = [row["round"] for row in ROWS if "dev-slow" in row.get("skipped", [])]
+
+
+@pytest.fixture
+def wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")   # rich would otherwise fold the wide tables to 80 columns
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """Cells of the rich table rows whose first or second cell is ``first_cell``."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if first_cell in cells[:2]:
+            rows.append(cells)
+    return rows
+
+
+def test_records_of_the_fixture_are_read_back():
+    run = load(FIXTURE)
+    assert [r["round"] for r in run.rounds] == list(range(15)) and run.round_timeout == 5.0
+    assert sorted(run.devices) == list(DEVICES)
+    slow = run.devices["dev-slow"]
+    assert slow.facts["cores"] >= 1 and slow.facts["torch"]
+    assert LATE_ROUNDS and SKIPPED_ROUNDS, "the fixture should show a straggler; re-record it"
+    late = [t for t in slow.tasks if t.late]
+    assert [t.round for t in late] == LATE_ROUNDS and all(t.round_seconds > 5.0 for t in late)
+    assert not any(t.missed for t in slow.tasks)          # each missed line was replaced by its late answer
+    assert len(slow.tasks) == len({line["task_id"] for line in SLOW_LINES})
+    assert all(t.profile["phases"].get("encode") for t in run.devices["sim-000"].tasks[:-1])   # from the next result
+    stats = {s.client_id: s for s in map(device_stats, run.devices.values())}
+    assert straggler_ranks(stats.values())["dev-slow"] == 1
+    for s in stats.values():
+        assert s.step_p50 <= s.step_p95 <= s.step_max and s.peak_rss_bytes > 0 and s.temperature_c is None
+        assert {"forward", "backward", "optimizer"} <= set(s.breakdown)
+
+
+def test_show_prints_devices_phases_and_rounds(capsys, wide_terminal):
+    assert main(["show", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    for title in ("Devices", "Where a task's time goes", "Rounds", "final accuracy"):
+        assert title in out
+    slow = table_rows(out, "dev-slow")[0]
+    tasks = len({line["task_id"] for line in SLOW_LINES})
+    assert slow[0] == "1" and slow[3] == f"{tasks} ({len(LATE_ROUNDS)} late)"   # rank 1 = the straggler
+    assert slow[-1] == str(len(SKIPPED_ROUNDS))
+    rounds_part = out[out.index("Rounds"):]
+    for row in ROWS[1:]:
+        cells = table_rows(rounds_part, str(row["round"]))[0]
+        assert cells[8] == (", ".join(row["skipped"]) or "—") and cells[6] == row["slowest_client"]
+    summary = json.loads((FIXTURE / "summary.json").read_text())
+    assert f"{summary['final_accuracy']:.4f}" in out
+    assert "—" in out                                       # no temperature sensor here: absent, not 0
+
+
+def test_show_reads_one_devices_history(capsys, wide_terminal):
+    assert main(["show", str(FIXTURE / "clients" / "sim-000" / "profile.jsonl")]) == 0
+    out = capsys.readouterr().out
+    run_id = json.loads((FIXTURE / "summary.json").read_text())["run_id"]
+    assert "Tasks of sim-000" in out and len(table_rows(out, run_id)) == len(ROWS) - 1
+    assert main(["show", str(FIXTURE / "clients" / "dev-slow.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("late") == len(LATE_ROUNDS)
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_html_is_one_self_contained_file_with_the_plots(tmp_path, capsys):
+    report = tmp_path / "out" / "report.html"
+    assert main(["html", str(FIXTURE), "-o", str(report)]) == 0
+    text = report.read_text()
+    assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
+    images = re.findall(r'<figure id="([a-z-]+)"><img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)"',
+                        text)
+    assert [anchor for anchor, _ in images] == ["accuracy", "bytes", "round-times", "phases", "memory"]
+    for _, data in images:
+        width, height = _png_size(base64.b64decode(data))
+        assert width > 300 and height > 150
+    assert not re.search(r'(src|href)="(?!data:)', text)   # nothing to fetch: it opens anywhere
+    for device in DEVICES:
+        assert f"<td class=\"l\">{device}</td>" in text
+    assert "Devices&#x27; facts" in text and "Rounds" in text
+
+
+def test_reports_render_a_run_without_profiles_and_refuse_a_wrong_path(tmp_path, capsys, wide_terminal):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(FIXTURE / "metrics.jsonl", bare / "metrics.jsonl")
+    assert main(["show", str(bare)]) == 0 and "no device profiles" in capsys.readouterr().out
+    assert main(["html", str(bare), "-o", str(tmp_path / "bare.html")]) == 0
+    assert (tmp_path / "bare.html").read_text().count("<img") == 2   # accuracy and bytes only
+    assert main(["show", str(tmp_path / "nothing-here")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["html", str(tmp_path / "empty")]) == 2
+    assert "run directory" in capsys.readouterr().err
+
+
+def test_fedge_profile_is_declared_as_a_command():
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["fedge-profile"] == "profiling.cli:main"
+    out = subprocess.run([sys.executable, "-m", "profiling.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and all(command in out.stdout for command in ("show", "html", "infer"))
