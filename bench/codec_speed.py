@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "codec_speed.json", help="JSON result file")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     trained, received, info = real_update(args.data)
     params = sum(v.numel() for v in trained.values())
     rows = [measure(text, trained, received, args.repeats) for text in CODECS]

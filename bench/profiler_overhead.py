@@ -8,8 +8,10 @@ client runs. Each repetition trains the same initial weights twice, once with
 client does per task) and once with `NullProfiler` (the same calls doing nothing),
 alternating which goes first to cancel drift. Reported: the median epoch time of
 each, their ratio, the median of the per-repetition ratios, and, independent of
-machine noise, the profiler's own cost per step (measured in a tight loop) as a
-share of the median step time. The target is an overhead under 2%.
+machine noise, the profiler's own costs measured in tight loops: per step (begin,
+four laps, end) and per task (creating it and summarizing: psutil, sensors, USS),
+giving the overhead of one epoch as (per task + steps x per step) / epoch. The
+target is an overhead under 2%.
 
     python bench/profiler_overhead.py [--repeats 11] [--samples 8192] [--data fashion-mnist]
 """
@@ -64,6 +66,14 @@ def per_step_cost(profiler_class: type[Profiler], steps: int = 20_000) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def per_task_cost(repeats: int = 50) -> float:
+    """Seconds to create a profiler and summarize it: the fixed cost of each task."""
+    start = time.perf_counter()
+    for _ in range(repeats):
+        Profiler().summary()
+    return (time.perf_counter() - start) / repeats
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=11, help="epochs with and without the profiler (default 11)")
@@ -90,11 +100,13 @@ def main() -> int:
                 step_p50.append(summary["step_p50"])
         console.print(f"[dim]repeat {i + 1}/{args.repeats}: with {on[-1]:.3f} s, without {off[-1]:.3f} s[/dim]")
     cost_on, cost_off = per_step_cost(Profiler), per_step_cost(NullProfiler)
+    task_cost = per_task_cost()
     median_on, median_off = statistics.median(on), statistics.median(off)
     step = statistics.median(step_p50)
+    steps = -(-len(data) // HYPER["batch_size"])
     figures = {
         "setting": {"data": args.data, "samples": len(data), "model": "cnn", "torch_threads": 1, **HYPER,
-                    "repeats": args.repeats, "steps_per_epoch": -(-len(data) // HYPER["batch_size"])},
+                    "repeats": args.repeats, "steps_per_epoch": steps},
         "machine": {"python": platform.python_version(), "arch": platform.machine(), "cpus": os.cpu_count(),
                     "load_average_1min": os.getloadavg()[0]},
         "epoch_seconds_with": on,
@@ -106,6 +118,8 @@ def main() -> int:
         "profiler_seconds_per_step": cost_on - cost_off,
         "median_step_seconds": step,
         "per_step_overhead_fraction": (cost_on - cost_off) / step,
+        "profiler_seconds_per_task": task_cost,
+        "estimated_epoch_overhead_fraction": (task_cost + steps * (cost_on - cost_off)) / median_off,
         "target_overhead_fraction": TARGET,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -120,11 +134,15 @@ def main() -> int:
     table.add_row("profiler calls per step", f"{1e6 * figures['profiler_seconds_per_step']:.2f} µs")
     table.add_row("median step", f"{1e3 * step:.2f} ms")
     table.add_row("per-step overhead", f"{100 * figures['per_step_overhead_fraction']:.3f} %")
+    table.add_row("profiler per task (create + summary)", f"{1e3 * task_cost:.2f} ms")
+    table.add_row("estimated epoch overhead", f"{100 * figures['estimated_epoch_overhead_fraction']:.3f} %")
     table.add_row("load average (1 min) at the end", f"{figures['machine']['load_average_1min']:.1f}")
     console.print(table)
-    verdict = "under" if figures["median_paired_ratio"] - 1 < TARGET else "NOT under"
-    console.print(f"measured overhead {100 * (figures['median_paired_ratio'] - 1):+.2f} % (median paired ratio): "
-                  f"{verdict} the {100 * TARGET:.0f} % target; written to {args.out}")
+    measured = figures["median_paired_ratio"] - 1
+    verdict = "under" if max(measured, figures["estimated_epoch_overhead_fraction"]) < TARGET else "NOT under"
+    console.print(f"overhead: measured {100 * measured:+.2f} % (median paired ratio; machine noise included), "
+                  f"estimated {100 * figures['estimated_epoch_overhead_fraction']:.3f} % from the profiler's own "
+                  f"costs: {verdict} the {100 * TARGET:.0f} % target; written to {args.out}")
     return 0
 
 

@@ -169,8 +169,8 @@ def _final(rows: list[dict[str, Any]], key: str) -> float | None:
     return sum(tail) / len(tail) if tail else None
 
 
-def _spread(values: list[float]) -> float:
-    return statistics.pstdev(values) if len(values) > 1 else 0.0
+def _spread(values: list[float]) -> float | None:
+    return statistics.pstdev(values) if len(values) > 1 else None   # one seed has no spread
 
 
 def _fmt(value: float | None, scale: float = 1.0, digits: int = 4) -> str:
@@ -242,9 +242,9 @@ def print_table(console: Console, title: str, rows: list[dict[str, Any]]) -> Non
             cells = [f"{_fmt(r.get('personalized_accuracy_mean'), 100, 2)} ± "
                      f"{_fmt(r.get('personalized_accuracy_spread'), 100, 2)}",
                      _fmt(r.get("personalized_accuracy_min_mean"), 100, 2), "-" if up is None else human_bytes(up)]
-        final = _fmt(r["final_accuracy_mean"], 100, 2)
+        final, spread = _fmt(r["final_accuracy_mean"], 100, 2), r["final_accuracy_spread"]
         table.add_row(r["group"], str(r["rounds"]), ",".join(map(str, r["seeds"])),
-                      final if final == "-" else f"{final} ± {_fmt(r['final_accuracy_spread'], 100, 2)}",
+                      final if spread is None else f"{final} ± {_fmt(spread, 100, 2)}",
                       _fmt(r["best_accuracy_mean"], 100, 2), *cells, human_bytes(r["bytes_down_per_round"]),
                       human_bytes(r["bytes_up_per_round"]),
                       "" if r.get("up_times_smaller") is None else f"{r['up_times_smaller']:.1f}x smaller",
@@ -297,7 +297,8 @@ def main() -> int:
     if not records:
         console.print(f"no run files in {out_dir}")
         return 1
-    rows = summarize(records)
+    order = {run.group: i for i, run in enumerate(expand(matrix, matrix.seeds, None, []))}   # the file's order
+    rows = sorted(summarize(records), key=lambda r: (order.get(r["group"], len(order)), r["group"], r["rounds"]))
     ran_rounds = sorted({r["rounds"] for r in rows})
     ran_seeds = sorted({s for r in rows for s in r["seeds"]})
     cells = len(list(itertools.product(*matrix.axes.values())))

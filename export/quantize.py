@@ -78,6 +78,19 @@ class _Batches:
         return None if chunk is None else {INPUT_NAME: np.ascontiguousarray(chunk, dtype=np.float32)}
 
 
+def _ort_quantization() -> Any:
+    """``onnxruntime.quantization``, imported without its side effect: on import it calls
+    ``logging.basicConfig(level=INFO)``, which would make every INFO record of the process print."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    import onnxruntime.quantization
+    import onnxruntime.quantization.shape_inference  # noqa: F401  (quant_pre_process lives there)
+
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    return onnxruntime.quantization
+
+
 class _DropQuantizerNotes(logging.Filter):
     """ONNX Runtime's quantizer warns on the root logger when a per-channel axis does not apply to a
     1-D constant (GroupNorm's scale); it then quantizes that constant per tensor, which is what we want."""
@@ -122,9 +135,9 @@ def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y
                   settings: QuantSettings = QuantSettings(), *,
                   float_accuracy: float | None = None) -> QuantResult:
     """Quantize ``float_model``; QuantizationError (with both accuracies) when it loses too much."""
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
+    q = _ort_quantization()
+    CalibrationMethod, QuantFormat, QuantType = q.CalibrationMethod, q.QuantFormat, q.QuantType
+    quantize_static, quant_pre_process = q.quantize_static, q.shape_inference.quant_pre_process
     calibration = _calibration_set(x_train, settings)
     with tempfile.TemporaryDirectory(prefix="fedge-int8-") as tmp:
         src, prepared, out = Path(tmp) / "float.onnx", Path(tmp) / "prepared.onnx", Path(tmp) / "int8.onnx"

@@ -63,12 +63,20 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+_TRAINED: dict[str, dict[str, torch.Tensor]] = {}   # trained state per (spec, epochs): several tests share one
+
+
 def trained(spec: dict, digits, epochs: int = 2) -> nn.Module:
     """The model of ``spec`` after real SGD on digits (BatchNorm statistics included).
 
     He initialization first: with torch's default one, the 8 weight layers of vgg9
     without normalization barely pass a signal and do not learn in a few epochs.
     """
+    key = json.dumps([spec, epochs], sort_keys=True)
+    if key in _TRAINED:
+        model = build_model({**spec, **DIGITS})
+        model.load_state_dict(_TRAINED[key])
+        return model.eval()
     torch.manual_seed(0)
     model = build_model({**spec, **DIGITS})
     for module in model.modules():
@@ -78,6 +86,7 @@ def trained(spec: dict, digits, epochs: int = 2) -> nn.Module:
     data = LocalData(torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train))
     train(model, data, {"epochs": epochs, "batch_size": 32, "lr": 0.02}, TaskContext(
         seed=0, round=1, client_id="t", state_dir=None, profiler=Profiler()))
+    _TRAINED[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return model.eval()
 
 
