@@ -128,7 +128,9 @@ def measure(name: str, run_dir: Path, out: Path, trained_here: bool, runs: int,
         torch_acc = float(np.mean([(model(torch.from_numpy(x_test[i:i + 1000])).argmax(1).numpy()
                                     == y_test[i:i + 1000]).mean() for i in range(0, len(y_test), 1000)]))
     say(f"{name}: timing ({runs} runs at batch 1)")
+    load_before = os.getloadavg()[0]
     rows = latencies(model, fp32.path, int8.path, x_test, runs)
+    load_after = os.getloadavg()[0]   # a busy machine shows here: latency needs a quiet one
     q = int8.card["quantization"]
     return {
         "model": name, "run_dir": str(run_dir), "source": "trained here" if trained_here else "existing run",
@@ -139,6 +141,7 @@ def measure(name: str, run_dir: Path, out: Path, trained_here: bool, runs: int,
                   "onnx_float32": q["float32_bytes"], "onnx_int8": q["int8_bytes"]},
         "accuracy": {"torch": torch_acc, "onnx_float32": q["float32_accuracy"], "onnx_int8": q["int8_accuracy"]},
         "parity": fp32.card["parity"], "test_samples": q["test_samples"], "latency": rows,
+        "load_average_1min": {"before_timing": load_before, "after_timing": load_after},
     }
 
 
