@@ -12,10 +12,16 @@ always trained to raise the bound (a tighter estimate); a method that wants two
 representations to share information raises it with its extractors too, one that
 wants them disentangled lowers it (:func:`mi_penalty`).
 
-**fedge choice**: the critic sees both representations L2-normalized. An extractor
-that lowers the bound could otherwise drive it to minus infinity by inflating its
-features until the critic's scores explode (seen within one epoch on Fashion-MNIST);
-on the unit sphere the scores stay bounded and only the information counts.
+**fedge choice**: the critic sees both representations standardized over the batch
+(each feature centred and divided by its spread plus ``STANDARDIZE_EPS``). An
+extractor that lowers the bound could otherwise drive it to minus infinity by
+inflating its features until the critic's scores explode (seen within one epoch on
+Fashion-MNIST); standardized, a feature's scale carries nothing. Centring matters
+as much: extractor features share a large common component (cosine similarity
+between different samples around 0.9), and a critic that sees it (raw or
+L2-normalized features) learned nothing in 75 steps where one on standardized
+features reached an estimate of 0.7. The ``STANDARDIZE_EPS`` floor keeps a nearly
+constant feature from receiving gradients a thousand times larger than the others.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PairCritic", "jsd_mutual_information", "mi_penalty"]
+__all__ = ["PairCritic", "jsd_mutual_information", "mi_penalty", "STANDARDIZE_EPS"]
 
 _LOG2 = math.log(2.0)
+STANDARDIZE_EPS = 1e-2   # added to each feature's batch standard deviation
 
 
 class PairCritic(nn.Module):
-    """``T(a, b)``: an MLP on the concatenated, L2-normalized pair; one score per pair."""
+    """``T(a, b)``: an MLP on the concatenated pair, each side standardized over the batch; one score per pair."""
 
     def __init__(self, dim_a: int, dim_b: int, hidden: int = 128) -> None:
         super().__init__()
@@ -40,8 +47,15 @@ class PairCritic(nn.Module):
                                  nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        pair = [F.normalize(a.flatten(1), dim=1), F.normalize(b.flatten(1), dim=1)]
+        pair = [_standardize(a.flatten(1)), _standardize(b.flatten(1))]
         return self.net(torch.cat(pair, dim=1)).squeeze(1)
+
+
+def _standardize(x: torch.Tensor) -> torch.Tensor:
+    """Each feature centred and scaled over the batch (a feature constant in the batch becomes 0)."""
+    if len(x) < 2:
+        return torch.zeros_like(x)
+    return (x - x.mean(0)) / (x.std(0) + STANDARDIZE_EPS)
 
 
 def jsd_mutual_information(critic: PairCritic, a: torch.Tensor, b: torch.Tensor,

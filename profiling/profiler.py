@@ -10,7 +10,8 @@ slow and why.
 Cost, because this runs inside every training step: a lap is one ``perf_counter``
 call and a dict update (well under a microsecond); RSS (about 20 µs) is read every
 16 steps and at the end of each phase, and on Linux the kernel's exact peak
-(``VmHWM``, reset when the task starts) once at the end; USS (about 1 ms) at most every 2 seconds;
+(``VmHWM``, reset when the task starts) once at the end; USS (0.3 to 9 ms, depending
+on the process's size) only while its reads stay within :data:`USS_BUDGET` of the task;
 temperature, CPU times and the Pi's throttling flags once at the start and once at
 the end of a task. :class:`NullProfiler` has the same methods and does nothing, so
 the overhead can be measured against the same loop with profiling off.
@@ -29,7 +30,7 @@ import psutil
 from profiling.sensors import cpu_temperature, pi_throttling
 
 __all__ = ["Profiler", "NullProfiler", "percentile", "reset_peak_rss", "peak_rss_since_reset", "TASK_PHASES",
-           "STEP_PHASES"]
+           "STEP_PHASES", "USS_BUDGET"]
 
 # The phases of a task, in order. `train` is the whole local objective; the step
 # phases below are its parts, summed over all steps (what is left of `train` is the
@@ -38,7 +39,12 @@ TASK_PHASES = ("receive", "decode", "train", "encode", "publish")
 STEP_PHASES = ("data", "forward", "backward", "optimizer")
 
 _RSS_EVERY_STEPS = 16
-_USS_EVERY_SECONDS = 2.0
+# USS reads /proc/PID/smaps: about 0.3 ms for a small process, 9 ms for one with torch
+# loaded. Reading it is allowed while the time spent on it stays within this share of
+# the task, so a short task may have no USS (absent) and a long one gets a read every
+# couple of seconds. The cost of a read is remembered across tasks of the process.
+USS_BUDGET = 0.01
+_uss_cost = [0.01]   # seconds per read, learned; starts from a process with torch loaded
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -101,7 +107,7 @@ class Profiler:
         self._kernel_peak = reset_peak_rss()
         self.peak_rss = self._process.memory_info().rss
         self.peak_uss: int | None = None
-        self._uss_at = float("-inf")
+        self._uss_spent = 0.0
         self._uss_supported = True
         self._temperature = cpu_temperature()
         self._step_started = 0.0
@@ -110,15 +116,17 @@ class Profiler:
     # -- memory -----------------------------------------------------------------
     def _sample_memory(self) -> None:
         self.peak_rss = max(self.peak_rss, self._process.memory_info().rss)
-        now = time.perf_counter()
-        if self._uss_supported and now - self._uss_at >= _USS_EVERY_SECONDS:
-            self._uss_at = now
-            try:
-                uss = self._process.memory_full_info().uss
-            except (psutil.Error, AttributeError, NotImplementedError):   # no USS on this platform
-                self._uss_supported = False
-                return
-            self.peak_uss = uss if self.peak_uss is None else max(self.peak_uss, uss)
+        start = time.perf_counter()
+        if not self._uss_supported or self._uss_spent + _uss_cost[0] > USS_BUDGET * (start - self._started):
+            return
+        try:
+            uss = self._process.memory_full_info().uss
+        except (psutil.Error, AttributeError, NotImplementedError):   # no USS on this platform
+            self._uss_supported = False
+            return
+        _uss_cost[0] = time.perf_counter() - start
+        self._uss_spent += _uss_cost[0]
+        self.peak_uss = uss if self.peak_uss is None else max(self.peak_uss, uss)
 
     # -- phases -----------------------------------------------------------------
     def add(self, name: str, seconds: float) -> None:
