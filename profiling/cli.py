@@ -64,7 +64,10 @@ def _show(args: argparse.Namespace) -> int:
     from profiling.report import render
     from profiling.runs import load
 
-    render(load(args.path), Console())
+    # Piped into a file or a pager (and COLUMNS unset), tables keep their full width instead of
+    # rich's 80-column default.
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    render(load(args.path), Console(width=200) if piped else Console())
     return 0
 
 

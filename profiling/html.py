@@ -16,7 +16,8 @@ from collections.abc import Callable
 import matplotlib
 from matplotlib.figure import Figure
 
-from profiling.report import TableData, breakdown_table, device_table, facts_line, rounds_table, run_title
+from profiling.report import (TableData, breakdown_table, device_table, facts_line, resources_table, rounds_table,
+                              run_title)
 from profiling.runs import DeviceStats, RunRecords, part_names, straggler_ranks
 
 __all__ = ["render_html", "PLOTS"]
@@ -194,6 +195,7 @@ def render_html(run: RunRecords) -> str:
              f"show as —.</p>"]
     if stats:
         parts.append(_table(device_table(run, stats)))
+        parts.append(_table(resources_table(stats)))
     for anchor, caption, plot in PLOTS:
         fig = plot(run, stats)
         if fig is None:

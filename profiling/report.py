@@ -21,7 +21,7 @@ from profiling.runs import (Device, DeviceStats, RunRecords, device_stats, part_
                             task_breakdown)
 from profiling.units import ABSENT, human_bytes, milliseconds, number, seconds
 
-__all__ = ["TableData", "render", "device_table", "breakdown_table", "rounds_table", "tasks_table",
+__all__ = ["TableData", "render", "device_table", "resources_table", "breakdown_table", "rounds_table", "tasks_table",
            "inference_table", "facts_line", "run_title", "to_rich"]
 
 
@@ -80,21 +80,38 @@ def device_table(run: RunRecords, stats: list[DeviceStats]) -> TableData:
         for cid in row.get("skipped") or []:
             skipped_counts[cid] = skipped_counts.get(cid, 0) + 1
     table = TableData("Devices (medians over their tasks; a missed task counts as the timeout; rank 1 = slowest)",
-                      ("rank", "device", "hardware", "tasks", "round s", "device s", "step p50 ms", "step p95 ms",
-                       "samples/s", "peak RSS", "peak USS", "CPU %", "temp °C", "throttled", "times slowest",
-                       "times skipped"), frozenset({"device", "hardware", "throttled"}))
-    for s in sorted(stats, key=lambda s: (ranks.get(s.client_id, 10**9), s.client_id)):
+                      ("rank", "device", "hardware", "tasks", "round s", "device s", "times slowest", "times skipped"),
+                      frozenset({"device", "hardware"}))
+    for s in _by_rank(stats, ranks):
         notes = ", ".join(f"{n} {what}" for n, what in ((s.late, "late"), (s.missed, "missed"), (s.errors, "failed"))
                           if n)
         table.add_row(
             str(ranks.get(s.client_id, ABSENT)), s.client_id, facts_line(run.devices[s.client_id].facts),
-            f"{s.tasks} ({notes})" if notes else str(s.tasks), seconds(s.median_round_seconds), seconds(s.median_device_seconds),
-            milliseconds(s.step_p50), milliseconds(s.step_p95), number(s.samples_per_second, ".0f"),
-            human_bytes(s.peak_rss_bytes), human_bytes(s.peak_uss_bytes), number(s.cpu_percent, ".0f"),
-            number(s.temperature_c), ABSENT if s.throttled is None else (", ".join(s.throttled) or "no"),
-            str(slowest_counts.get(s.client_id, 0)), str(skipped_counts.get(s.client_id, 0)),
-        )
+            f"{s.tasks} ({notes})" if notes else str(s.tasks), seconds(s.median_round_seconds),
+            seconds(s.median_device_seconds), str(slowest_counts.get(s.client_id, 0)),
+            str(skipped_counts.get(s.client_id, 0)))
     return table
+
+
+def resources_table(stats: list[DeviceStats]) -> TableData:
+    """Speed, memory and heat per device, in the straggler order of :func:`device_table`.
+
+    A table of its own so that both fit an 80-column terminal.
+    """
+    ranks = straggler_ranks(stats)
+    table = TableData("Device resources (step times are medians over tasks; memory and temperature the peak)",
+                      ("device", "step p50 ms", "step p95 ms", "samples/s", "peak RSS", "peak USS", "CPU %",
+                       "temp °C", "throttled"), frozenset({"device", "throttled"}))
+    for s in _by_rank(stats, ranks):
+        table.add_row(
+            s.client_id, milliseconds(s.step_p50), milliseconds(s.step_p95), number(s.samples_per_second, ".0f"),
+            human_bytes(s.peak_rss_bytes), human_bytes(s.peak_uss_bytes), number(s.cpu_percent, ".0f"),
+            number(s.temperature_c), ABSENT if s.throttled is None else (", ".join(s.throttled) or "no"))
+    return table
+
+
+def _by_rank(stats: list[DeviceStats], ranks: dict[str, int]) -> list[DeviceStats]:
+    return sorted(stats, key=lambda s: (ranks.get(s.client_id, 10**9), s.client_id))
 
 
 def breakdown_table(stats: list[DeviceStats]) -> TableData:
@@ -173,6 +190,7 @@ def render(run: RunRecords, console: Console) -> None:
         console.print(Text(run_title(run), style="bold"))
         if run.devices:
             console.print(to_rich(device_table(run, stats)))
+            console.print(to_rich(resources_table(stats)))
             console.print(to_rich(breakdown_table(stats)))
         else:
             console.print("no device profiles in this run (clients/ is empty)")
