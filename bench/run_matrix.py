@@ -138,7 +138,8 @@ def run_one(run: Run, out_dir: Path, console: Console) -> dict[str, Any]:
     """Run one cell in a scratch directory and keep its configuration, metrics and summary."""
     with tempfile.TemporaryDirectory(prefix="fedge-matrix-") as scratch:
         overrides = [*run.overrides, ("run", "seed", run.seed), ("run", "rounds", run.rounds),
-                     ("run", "out", str(Path(scratch) / "run")), ("checkpoint", "keep", "last")]
+                     ("run", "out", str(Path(scratch) / "run")), ("checkpoint", "keep", "last"),
+                     ("export", "enabled", False)]   # the scratch run directory is deleted: nothing to export into
         clients = load_config(None, overrides).clients
         config = load_config(None, overrides + [("clients", "spawn", clients.spawn or clients.expected),
                                                 ("transport", "kind", "inproc")])
