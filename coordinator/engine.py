@@ -58,6 +58,7 @@ class _Round:
     attempt: int
     plans: dict[str, TaskPlan] = field(default_factory=dict)       # task id -> plan
     results: dict[str, ClientResult] = field(default_factory=dict)  # client id -> result
+    failed: set[str] = field(default_factory=set)    # clients that answered with an error
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)               # left out by deadline selection
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
@@ -67,7 +68,10 @@ class _Round:
 
     @property
     def complete(self) -> bool:
-        return len(self.results) >= len(self.plans)
+        """Every client has answered (a result, or an error: waiting on would only burn the deadline).
+
+        A rejected result does not count: the client may still send a good one."""
+        return len(self.results.keys() | self.failed) >= len(self.plans)
 
 
 class Coordinator:
@@ -187,6 +191,8 @@ class Coordinator:
         except ProtocolError as exc:
             what = "failed" if "error" in msg.body else "rejected"
             self._count(what, client_id, str(exc))
+            if what == "failed":   # the client said it cannot run the task: it will send nothing else
+                book.failed.add(client_id)
             self._status(client_id, msg.task_id, "rejected", str(exc))
             return
         book.results[client_id] = result

@@ -306,6 +306,7 @@ def test_an_empty_client_fails_its_tasks_and_the_others_calibrate(tmp_path, digi
     assert (row["returned"], row["ffc_selected"], row["ffc_returned"], row["failed"]) == (2, 3, 2, 2)
     assert (row["ffc_clients"], row["ffc_samples"]) == (2, len(y))
     assert row["ffc_accuracy_after"] > row["ffc_accuracy_before"]
+    assert row["seconds"] < 3.0   # an error answer counts as answered: neither phase waited for its 3 s deadline
 
 
 # ----------------------------------------------------------------------------- over MQTT
