@@ -102,7 +102,7 @@ class FfcSection:
     every: int = 0                  # ... and every this many rounds (0: only after the last)
     ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one
     dtype: str = "float64"          # statistics on the wire: float64 (exact) or float32 (half the bytes)
-    personalize: bool = False       # clients also solve their own classifier, scored on their local test split
+    personalize: bool = False       # clients also solve their own classifier (kept in their state dir), scored locally
 
 
 @dataclass(frozen=True)

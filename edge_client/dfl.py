@@ -35,7 +35,6 @@ import copy
 import hashlib
 import logging
 import math
-import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,13 +45,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from edge_client.dfl_model import DEVICE_PARTS, TwoBranchModel
 from edge_client.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
-                                    register_objective)
+                                    register_objective, save_device_tensors)
 from profiling.history import append_history
 from profiling.profiler import Profiler
 
@@ -126,15 +124,7 @@ class DeviceState:
 
     def save(self, model: TwoBranchModel) -> str:
         """Write the device-only parts atomically; return the SHA-256 of the file."""
-        data = save_safetensors({k: v.detach().contiguous() for k, v in self.tensors(model).items()})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
-        return hashlib.sha256(data).hexdigest()
+        return save_device_tensors(self.path, self.tensors(model))
 
 
 def _initialize(model: TwoBranchModel, seed: int) -> None:

@@ -9,6 +9,12 @@ from sums each client sends once: ``G = sum z z^T``, ``B = sum z y^T`` and ``n``
 Sums are associative, so the coordinator gets the centralized least-squares
 solution exactly, without seeing a feature or a label.
 
+With ``personalize``, each device also solves the same closed form on its own
+sums and keeps that classifier in its state directory
+(``STATE_DIR/sphere_classifier.safetensors``, :data:`PERSONAL_CLASSIFIER_FILE`); it
+never travels. ``fedge-export RUN_DIR --client-state STATE_DIR`` puts it on the
+run's extractor (:mod:`export.source`).
+
 Here: the head (:class:`SphereHead`, put on any registry model by the model spec's
 ``head = "sphere"``), the objectives ``sphere_train`` and ``ffc_stats``, and
 :class:`FfcStats` (packing, summing, the Cholesky solve), which the coordinator's
@@ -17,11 +23,13 @@ Here: the head (:class:`SphereHead`, put on any registry model by the model spec
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,14 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, register_objective,
-                                    train)
+                                    save_device_tensors, train)
 
 __all__ = [
     "HEADS", "CLASSIFIER", "STAT_NAMES", "WIRE_DTYPES", "WIRE_CODECS", "FALLBACK_RIDGE",
+    "PERSONAL_CLASSIFIER_FILE", "PERSONAL_METADATA",
     "SphereError", "SphereHead", "Calibration", "FfcStats", "FfcHyper",
     "fixed_classifier", "apply_head", "with_sphere_seed", "sphere_head", "sphere_loss", "sphere_accuracies",
     "packed_size", "pack_upper", "unpack_upper", "wire_shapes", "wire_numbers", "solve_classifier",
-    "feature_stats", "sphere_train", "ffc_stats",
+    "feature_stats", "save_personal_classifier", "sphere_train", "ffc_stats",
 ]
 
 log = logging.getLogger("fedge.sphere")
@@ -49,6 +58,9 @@ WIRE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 WIRE_CODECS = {"float64": "fp64", "float32": "fp32"}   # the upload codec that carries each exactly
 # When G is singular, the ridge used instead of 0, relative to G's mean eigenvalue trace(G) / d.
 FALLBACK_RIDGE = 1e-6
+# With ffc.personalize: the device's own classifier (float32 [C, d] under CLASSIFIER), in its state directory.
+PERSONAL_CLASSIFIER_FILE = "sphere_classifier.safetensors"
+PERSONAL_METADATA = "fedge"   # its safetensors metadata key: JSON with ridge, round, dim, classes, ...
 
 
 class SphereError(ValueError):
@@ -330,6 +342,21 @@ def feature_stats(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classe
     return FfcStats(gram, cross, len(y))
 
 
+def save_personal_classifier(state_dir: Path, own: Calibration, *, round: int, client_id: str,
+                             samples: int) -> Path:
+    """Keep a device's own classifier in ``state_dir/PERSONAL_CLASSIFIER_FILE``, written atomically.
+
+    The weight is float32 ``[C, d]`` under ``CLASSIFIER``; the metadata says how it was
+    solved and for which model (``dim`` = d, ``classes`` = C), so an export can check it.
+    """
+    classes, dim = own.weight.shape
+    info = {"round": int(round), "client_id": client_id, "ridge": own.ridge, "rank": own.rank,
+            "singular": own.singular, "samples": int(samples), "dim": int(dim), "classes": int(classes)}
+    path = Path(state_dir) / PERSONAL_CLASSIFIER_FILE
+    save_device_tensors(path, {CLASSIFIER: own.weight.to(torch.float32)}, {PERSONAL_METADATA: json.dumps(info)})
+    return path
+
+
 # ----------------------------------------------------------------------------- objectives
 
 
@@ -344,7 +371,7 @@ def sphere_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ct
 @dataclass(frozen=True)
 class FfcHyper:
     dtype: str = "float64"       # on the wire: float64 or float32
-    personalize: bool = False    # also solve this client's own classifier, scored on its held-out split
+    personalize: bool = False    # also solve this client's own classifier (kept in the state dir, scored locally)
     ridge: float = 0.0           # lambda of that personal solve
     batch_size: int = 256
 
@@ -367,8 +394,9 @@ def ffc_stats(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
     """FFC statistics of this device's whole training split with the received extractor.
 
     Only G (packed), B and n leave the device. With ``personalize`` the device also
-    solves its own classifier from its G and B and reports its accuracy on the
-    held-out split, next to the fixed classifier's.
+    solves its own classifier from its G and B, keeps it in its state directory (when
+    it has one; :func:`save_personal_classifier`, never sent) and reports its accuracy
+    on the held-out split, next to the fixed classifier's.
     """
     h = FfcHyper.from_dict(hyper)
     if len(data) == 0:
@@ -379,10 +407,14 @@ def ffc_stats(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
     started = time.perf_counter()
     stats = feature_stats(model, data.x, data.y, head.out_features, h.batch_size)
     metrics: dict[str, float] = {"ffc_seconds": time.perf_counter() - started}
-    if h.personalize and data.num_test:
+    if h.personalize and (data.num_test or ctx.state_dir is not None):
         started = time.perf_counter()
         own = stats.solve(h.ridge, level=logging.INFO)
-        fixed_acc, own_acc = sphere_accuracies(model, data.x_test, data.y_test, [head.fixed, own.weight])
-        metrics.update(ffc_local_accuracy=own_acc, ffc_local_accuracy_fixed=fixed_acc, ffc_local_ridge=own.ridge,
-                       ffc_personalize_seconds=time.perf_counter() - started)
+        if ctx.state_dir is not None:
+            save_personal_classifier(ctx.state_dir, own, round=ctx.round, client_id=ctx.client_id,
+                                     samples=stats.count)
+        if data.num_test:
+            fixed_acc, own_acc = sphere_accuracies(model, data.x_test, data.y_test, [head.fixed, own.weight])
+            metrics.update(ffc_local_accuracy=own_acc, ffc_local_accuracy_fixed=fixed_acc)
+        metrics.update(ffc_local_ridge=own.ridge, ffc_personalize_seconds=time.perf_counter() - started)
     return ObjectiveOutput(num_samples=len(data), metrics=metrics, tensors=stats.to_wire(WIRE_DTYPES[h.dtype]))

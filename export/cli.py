@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "STATE_DIR/export/model.onnx with --client-state)")
     parser.add_argument("--client-state", type=Path, default=None, metavar="DIR",
                         help="a device's state directory: export its personalized model (DFL: the global invariant "
-                             "branch with this device's specific branch and predictor)")
+                             "branch with this device's specific branch and predictor; SphereFed with "
+                             "ffc.personalize: the global extractor with this device's own classifier)")
     parser.add_argument("--data", default=None, metavar="SPEC",
                         help="data for the parity check, the test accuracy and int8 calibration "
                              "(default: the run's data.eval)")

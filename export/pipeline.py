@@ -172,6 +172,10 @@ def export_personalized(source_path: Path | None, state_dir: Path, *, round: int
                         options: ExportOptions = ExportOptions()) -> Exported:
     """One device's model (the run's global part with its own parts) to ``STATE_DIR/export/model.onnx``.
 
+    DFL: the global invariant extractor with the device's specific extractor and predictor; SphereFed
+    with ``ffc.personalize``: the global extractor with the device's own classifier. The card's
+    ``personalized`` entry names the parts (:class:`export.source.Personalized`).
+
     ``source_path`` may be omitted for a spawned client, whose state directory is ``RUN_DIR/clients/ID``.
     """
     state_dir = Path(state_dir)
@@ -183,11 +187,10 @@ def export_personalized(source_path: Path | None, state_dir: Path, *, round: int
             raise SourceError(f"{state_dir} is not inside a run directory (RUN_DIR/clients/ID); pass the run "
                               "directory or checkpoint too: fedge-export RUN_DIR --client-state DIR")
     source = open_run(Path(source_path), round)
-    model = personalized_model(source.checkpoint, state_dir)
+    device = personalized_model(source.checkpoint, state_dir)
     out = Path(options.out) if options.out else state_dir / "export" / "model.onnx"
-    personalized = {"client_state": str(state_dir.resolve()), "client": state_dir.resolve().name,
-                    "global_parts": ["invariant"], "device_parts": ["specific", "predictor"]}
-    return export_model(model, source, out, load_export_data(source, options.data), options, personalized)
+    personalized = {"client_state": str(state_dir.resolve()), "client": state_dir.resolve().name, **device.parts}
+    return export_model(device.model, source, out, load_export_data(source, options.data), options, personalized)
 
 
 def int8_path(float_path: Path) -> Path:

@@ -9,7 +9,9 @@ finiteness) before it is loaded.
 
 A device's personalized model combines the run's global part with what never left
 the device: for DFL, the global invariant extractor with the device's specific
-extractor and predictor from ``STATE_DIR/dfl_state.safetensors``.
+extractor and predictor from ``STATE_DIR/dfl_state.safetensors``; for SphereFed with
+``ffc.personalize``, the global extractor with the classifier the device solved
+from its own FFC statistics, ``STATE_DIR/sphere_classifier.safetensors``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Checkpoint", "RunSource", "open_run", "find_checkpoint", "read_checkpoint", "global_model",
-           "personalized_model", "load_tensors", "run_dir_of_state"]
+__all__ = ["Checkpoint", "RunSource", "Personalized", "open_run", "find_checkpoint", "read_checkpoint",
+           "global_model", "personalized_model", "load_tensors", "run_dir_of_state"]
 
 _ROUND_FILE = re.compile(r"^round_(\d{4,})\.safetensors$")
 
@@ -70,6 +72,15 @@ class RunSource:
     @property
     def partition(self) -> str:
         return self.config.get("data", {}).get("partition", "iid")
+
+
+@dataclass(frozen=True, eq=False)
+class Personalized:
+    """A device's model (eval mode) and, for its card, what was combined: ``global_parts`` (from the
+    checkpoint), ``device_parts`` (from the device), ``device_file`` and what that file says about itself."""
+
+    model: nn.Module
+    parts: dict[str, Any]
 
 
 def _rounds(directory: Path) -> dict[int, Path]:
@@ -212,20 +223,17 @@ def _read_state_file(path: Path) -> dict[str, torch.Tensor]:
                           "after its next training task") from None
 
 
-def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> nn.Module:
+def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
     """One device's model: the run's global part with the parts that stayed on that device."""
     spec = checkpoint.model_spec
     if spec.get("head") == "sphere":
-        raise SourceError(f"run {checkpoint.run_id} uses SphereFed's sphere head: with ffc.personalize a device "
-                          "solves its own classifier but does not keep it in its state directory, so there is no "
-                          "personalized classifier to export; export the global model (calibrated by FFC) "
-                          "without --client-state")
+        return _sphere_personalized(checkpoint, Path(state_dir))
     if spec.get("name") != "dfl":
         raise SourceError(f"run {checkpoint.run_id} ({checkpoint.strategy}, model {spec.get('name')!r}) keeps "
                           "no personalized parts on its devices that fedge can export; export the global model "
                           "(without --client-state)")
     from edge_client.dfl import STATE_FILE, DeviceState
-    from edge_client.dfl_model import INVARIANT, part_names
+    from edge_client.dfl_model import INVARIANT, PREDICTOR, SPECIFIC, part_names
 
     model = _build(spec)
     invariant = {k: checkpoint.params[k] for k in part_names(checkpoint.params, INVARIANT)}
@@ -234,4 +242,55 @@ def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> nn.Module:
     path = Path(state_dir) / STATE_FILE
     device = _read_state_file(path)
     load_tensors(model, device, DeviceState.tensors(model), origin=str(path))  # type: ignore[arg-type]
-    return model.eval()
+    return Personalized(model.eval(), {"global_parts": [INVARIANT], "device_parts": [SPECIFIC, PREDICTOR],
+                                       "device_file": path.name})
+
+
+def _sphere_personalized(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
+    """SphereFed: the global model (extractor and calibrated classifier) with the sphere head's classifier
+    replaced by the one the device solved from its own FFC statistics (``ffc.personalize``)."""
+    from edge_client.sphere import CLASSIFIER, PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, sphere_head
+
+    path = state_dir / PERSONAL_CLASSIFIER_FILE
+    if not path.is_file():
+        raise SourceError(f"{path} does not exist: a SphereFed device keeps its own classifier there only when "
+                          "the run calibrates with ffc.personalize = true (devices then solve and keep their own "
+                          "classifier); check that --client-state is the device's state directory (its "
+                          "--state-dir; for a spawned client RUN_DIR/clients/ID), or export the global model "
+                          "without --client-state")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            names = list(fh.keys())
+            info = json.loads((fh.metadata() or {}).get(PERSONAL_METADATA, "{}"))
+            weight = fh.get_tensor(CLASSIFIER) if CLASSIFIER in names else None
+        if not isinstance(info, dict):
+            raise ValueError(f"its {PERSONAL_METADATA} metadata is not a JSON object")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SourceError(f"{path} is not a readable safetensors file ({exc}); the device rewrites it at the "
+                          "run's next FFC with ffc.personalize = true (delete it if it is damaged)") from None
+    if weight is None or names != [CLASSIFIER]:
+        raise SourceError(f"{path} holds {names}, not the one tensor {CLASSIFIER!r} of a device's sphere "
+                          "classifier; it was not written by fedge's ffc_stats (ffc.personalize = true)")
+    model = global_model(checkpoint)
+    head = sphere_head(model)
+    expected = tuple(head.weight.shape)
+    if tuple(weight.shape) != expected:
+        raise SourceError(f"{path}: {CLASSIFIER} has shape {tuple(weight.shape)}, the model of run "
+                          f"{checkpoint.run_id} expects C x d = {expected}; the device solved it for another "
+                          "model spec (another run?): pass the state directory of a device of this run")
+    if not weight.is_floating_point():
+        raise SourceError(f"{path}: {CLASSIFIER} is {weight.dtype}, not a float tensor; it was not written by "
+                          "fedge's ffc_stats, rerun the FFC with ffc.personalize = true")
+    if not bool(torch.isfinite(weight).all()):
+        raise SourceError(f"{path}: {CLASSIFIER} holds NaN or infinity; the device's features diverged, "
+                          "export the global model (without --client-state) or an earlier round")
+    solved = info.get("round")
+    if solved is not None and solved != checkpoint.round:
+        raise SourceError(f"{path} was solved in round {solved} on that round's extractor, but the checkpoint is "
+                          f"of round {checkpoint.round}; export with --round {solved} (if the run kept that "
+                          "checkpoint), or let this device take part in the run's last FFC")
+    with torch.no_grad():
+        head.weight.copy_(weight.to(head.weight.dtype))
+    parts = {"global_parts": ["extractor"], "device_parts": ["classifier"], "device_file": path.name,
+             "device_classifier": {k: info[k] for k in ("round", "ridge", "samples") if k in info}}
+    return Personalized(model, parts)
