@@ -8,16 +8,17 @@ one. Loading never unpickles anything.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 
 from coordinator.strategies.base import ServerState
+from edge_client.files import write_atomic
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path"]
 
@@ -36,12 +37,8 @@ def save_checkpoint(directory: Path, state: ServerState, info: dict[str, Any], *
     """Write the state atomically; ``info`` (run id, model spec, ...) goes in the metadata."""
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, state.round)
-    tmp = path.with_suffix(".tmp")
     meta = {"fedge": json.dumps({**info, "round": state.round, "extra": state.extra})}
-    save_file({k: v.contiguous() for k, v in state.params.items()}, str(tmp), metadata=meta)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, save_safetensors({k: v.contiguous() for k, v in state.params.items()}, metadata=meta))
     if not keep_all:
         for old in directory.glob("round_*.safetensors"):
             if old != path:

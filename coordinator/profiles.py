@@ -16,10 +16,10 @@ client's hello message, so the facts are stored once per client, not per round.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from edge_client.files import write_atomic
 from profiling.history import read_jsonl
 
 __all__ = ["ProfileStore"]
@@ -40,9 +40,7 @@ class ProfileStore:
             rows = read_jsonl(path)
             kept = [r for r in rows if isinstance(r.get("round"), int) and r["round"] <= completed_rounds]
             if len(kept) != len(rows):
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-                os.replace(tmp, path)
+                write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
 
     def add(self, client_id: str, *, round: int, task_id: str, objective: str, round_seconds: float,
             late: bool = False, missed: bool = False, error: str | None = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from edge_client.data import holdout_split
+from edge_client.files import write_atomic
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
@@ -82,14 +82,7 @@ def save_device_tensors(path: Path, tensors: Mapping[str, torch.Tensor],
     """
     data = save_safetensors({k: v.detach().contiguous() for k, v in tensors.items()},
                             metadata=dict(metadata) if metadata else None)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_atomic(Path(path), data)
     return hashlib.sha256(data).hexdigest()
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +27,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 
 from edge_client.codec import FP32, CodecError, CodecSpec, decode_tensors, encode_tensors, parse_codec
+from edge_client.files import write_atomic
 
 __all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_upload", "encode_download",
            "decode_download"]
@@ -101,14 +101,9 @@ class ResidualStore:
     def save(self) -> None:
         if self.directory is None:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / RESIDUAL_FILE
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tmp),
-                  metadata={"fedge": json.dumps({"run_id": self.run_id})})
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        write_atomic(self.directory / RESIDUAL_FILE,
+                     save_safetensors({k: v.contiguous() for k, v in self.tensors.items()},
+                                      metadata={"fedge": json.dumps({"run_id": self.run_id})}))
 
 
 def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from edge_client.data import (DIGITS_MEAN, DIGITS_STD, FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD,
                               parse_attribute_skew)
+from edge_client.files import write_atomic
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
            "write_atomic", "write_card"]
@@ -74,17 +74,6 @@ def strategy_config(config: dict[str, Any], strategy: str) -> dict[str, Any]:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name and rename: a reader sees the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def write_card(onnx_path: Path, card: dict[str, Any]) -> Path:
