@@ -50,7 +50,7 @@ from torch import nn
 from edge_client.dfl_model import DEVICE_PARTS, TwoBranchModel
 from edge_client.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
-                                    register_objective, save_device_tensors)
+                                    minibatches, register_objective, save_device_tensors)
 from profiling.history import append_history
 from profiling.profiler import Profiler
 
@@ -165,33 +165,27 @@ def _run_stage(trainable: list[nn.Parameter], critics: list[nn.Parameter], losse
     critic_opt = torch.optim.Adam(critics, lr=CRITIC_LR)
     sums: dict[str, float] = {}
     seen = 0
-    for _ in range(epochs):
-        order = torch.randperm(len(data), generator=gen)
-        for start in range(0, len(data), h.batch_size):
-            profiler.begin_step()
-            idx = order[start:start + h.batch_size]
-            xb, yb = data.x[idx], data.y[idx]
-            profiler.lap("data")
-            model_loss, critic_loss, ce, mi = losses(xb, yb)
-            profiler.lap("forward")
-            opt.zero_grad(set_to_none=True)
-            critic_opt.zero_grad(set_to_none=True)
-            model_loss.backward()
-            for p in critics:            # the extractors' loss pushes the critics the wrong way for MI minimization
-                p.grad = None
-            critic_loss.backward()
-            if h.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(trainable + critics, h.max_grad_norm)
-            profiler.lap("backward")
-            opt.step()
-            critic_opt.step()
-            profiler.lap("optimizer")
-            if not math.isfinite(ce) or not all(math.isfinite(v) for v in mi.values()):
-                raise ObjectiveError("DFL training diverged (non-finite loss); lower train.lr")
-            for key, value in {"ce": ce, **mi}.items():
-                sums[key] = sums.get(key, 0.0) + value * len(idx)
-            seen += len(idx)
-            profiler.end_step(len(idx))
+    for xb, yb in minibatches(data, h.batch_size, epochs, gen, profiler):
+        model_loss, critic_loss, ce, mi = losses(xb, yb)
+        profiler.lap("forward")
+        opt.zero_grad(set_to_none=True)
+        critic_opt.zero_grad(set_to_none=True)
+        model_loss.backward()
+        for p in critics:            # the extractors' loss pushes the critics the wrong way for MI minimization
+            p.grad = None
+        critic_loss.backward()
+        if h.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(trainable + critics, h.max_grad_norm)
+        profiler.lap("backward")
+        opt.step()
+        critic_opt.step()
+        profiler.lap("optimizer")
+        if not math.isfinite(ce) or not all(math.isfinite(v) for v in mi.values()):
+            raise ObjectiveError("DFL training diverged (non-finite loss); lower train.lr")
+        for key, value in {"ce": ce, **mi}.items():
+            sums[key] = sums.get(key, 0.0) + value * len(yb)
+        seen += len(yb)
+        profiler.end_step(len(yb))
     return {k: v / max(seen, 1) for k, v in sums.items()}
 
 

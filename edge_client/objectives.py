@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
            "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "warm_up", "register_objective",
-           "save_device_tensors"]
+           "save_device_tensors", "minibatches"]
 
 
 class ObjectiveError(ValueError):
@@ -155,32 +155,44 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
     torch.manual_seed(ctx.seed)
     model.train()
     total_loss, seen = 0.0, 0
-    for _ in range(h.epochs):
+    for xb, yb in minibatches(data, h.batch_size, h.epochs, gen, profiler):
+        loss = criterion(model(xb), yb)
+        objective = loss
+        if anchor:
+            objective = loss + 0.5 * h.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+        profiler.lap("forward")
+        opt.zero_grad(set_to_none=True)
+        objective.backward()
+        if h.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, h.max_grad_norm)
+        profiler.lap("backward")
+        opt.step()
+        profiler.lap("optimizer")
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise ObjectiveError("training diverged (non-finite loss); lower the learning rate")
+        total_loss += value * len(yb)
+        seen += len(yb)
+        profiler.end_step(len(yb))
+    return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": total_loss / max(seen, 1)})
+
+
+def minibatches(data: LocalData, batch_size: int, epochs: int, gen: torch.Generator,
+                profiler: Profiler) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled mini-batches, epoch after epoch, each opening a profiler step with its ``data`` lap.
+
+    Every local objective loops this way, so the order of samples (and with it a
+    seeded run's result) and the profile's step phases mean the same in all of them.
+    The caller ends the step (``profiler.end_step``) after its optimizer step.
+    """
+    for _ in range(epochs):
         order = torch.randperm(len(data), generator=gen)
-        for start in range(0, len(data), h.batch_size):
+        for start in range(0, len(data), batch_size):
             profiler.begin_step()
-            idx = order[start:start + h.batch_size]
+            idx = order[start:start + batch_size]
             xb, yb = data.x[idx], data.y[idx]
             profiler.lap("data")
-            loss = criterion(model(xb), yb)
-            objective = loss
-            if anchor:
-                objective = loss + 0.5 * h.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-            profiler.lap("forward")
-            opt.zero_grad(set_to_none=True)
-            objective.backward()
-            if h.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, h.max_grad_norm)
-            profiler.lap("backward")
-            opt.step()
-            profiler.lap("optimizer")
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise ObjectiveError("training diverged (non-finite loss); lower the learning rate")
-            total_loss += value * len(idx)
-            seen += len(idx)
-            profiler.end_step(len(idx))
-    return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": total_loss / max(seen, 1)})
+            yield xb, yb
 
 
 @torch.no_grad()

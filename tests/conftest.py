@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from coordinator.mosquitto import LocalMosquitto, mosquitto_binary
 
@@ -27,3 +28,13 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> str:
 def prefix(request: pytest.FixtureRequest) -> str:
     """A topic prefix of its own for each test, so retained messages never leak between tests."""
     return "t" + str(abs(hash(request.node.nodeid)) % 10**8) + "-" + str(time.monotonic_ns() % 10**6)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread, as a device client runs: small models on a busy 2-core machine
+    train faster on one thread than on two fighting over it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -32,13 +32,7 @@ def spec(name: str, size: int = 16, channels: int = 1, **options) -> dict:
     return {"name": name, "num_classes": 10, "in_channels": channels, "image_size": size, **extra, **options}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These networks are tiny: a second intra-op thread only costs time when the machine is busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest.py
 
 
 @pytest.fixture(scope="module")

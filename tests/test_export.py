@@ -54,13 +54,7 @@ def digits():
     return load_dataset("digits")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Small models on a shared 2-core machine: one thread is faster than two fighting for it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest.py
 
 
 _TRAINED: dict[str, dict[str, torch.Tensor]] = {}   # trained state per (spec, epochs): several tests share one

@@ -32,13 +32,7 @@ from profiling.sensors import cpu_temperature, parse_throttled
 CNN = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One thread, as a device client runs: two threads on a busy 2-core machine collapse."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # see conftest.py
 
 
 @pytest.fixture(scope="module")
