@@ -298,7 +298,9 @@ def main() -> int:
     if not records:
         console.print(f"no run files in {out_dir}")
         return 1
-    order = {run.group: i for i, run in enumerate(expand(matrix, matrix.seeds, None, []))}   # the file's order
+    full_runs = expand(matrix, matrix.seeds, None, [])
+    order = {run.group: i for i, run in enumerate(full_runs)}   # the file's order
+    missing = [run.file_name for run in full_runs if not (out_dir / run.file_name).exists()]
     rows = sorted(summarize(records), key=lambda r: (order.get(r["group"], len(order)), r["group"], r["rounds"]))
     ran_rounds = sorted({r["rounds"] for r in rows})
     ran_seeds = sorted({s for r in rows for s in r["seeds"]})
@@ -308,8 +310,9 @@ def main() -> int:
         "full": {"cells": cells, "rounds": matrix.full_rounds, "seeds": matrix.seeds},
         "ran": {"cells": len({r["group"] for r in rows}), "rounds": ran_rounds, "seeds": ran_seeds,
                 "runs": len(records)},
-        "subset": (len({r["group"] for r in rows}) < cells or ran_rounds != [matrix.full_rounds]
-                   or ran_seeds != sorted(matrix.seeds)),
+        # subset: some run of the full matrix (every cell, seed, all rounds) has no file; shorter or
+        # extra runs beside a complete matrix are kept in the table but do not make it one.
+        "subset": bool(missing), "missing": missing,
         "personalized_accuracy": f"mean over clients of each one's accuracy on its own held-out split, mean of "
                                  f"the last {LAST_ROUNDS} rounds that evaluated it; mean and population standard "
                                  "deviation over seeds",
