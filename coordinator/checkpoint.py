@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from safetensors.torch import save as save_safetensors
 
 from coordinator.strategies.base import ServerState
-from edge_client.files import write_atomic
+from edge_client.files import write_tensors_atomic
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path"]
 
@@ -35,10 +34,9 @@ def checkpoint_path(directory: Path, round: int) -> Path:
 
 def save_checkpoint(directory: Path, state: ServerState, info: dict[str, Any], *, keep_all: bool = True) -> Path:
     """Write the state atomically; ``info`` (run id, model spec, ...) goes in the metadata."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, state.round)
     meta = {"fedge": json.dumps({**info, "round": state.round, "extra": state.extra})}
-    write_atomic(path, save_safetensors({k: v.contiguous() for k, v in state.params.items()}, metadata=meta))
+    write_tensors_atomic(path, state.params, meta)
     if not keep_all:
         for old in directory.glob("round_*.safetensors"):
             if old != path:

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edge_client.files import write_atomic
+from edge_client.files import write_jsonl_atomic
 from profiling.history import read_jsonl
 
 __all__ = ["ProfileStore"]
@@ -40,7 +40,7 @@ class ProfileStore:
             rows = read_jsonl(path)
             kept = [r for r in rows if isinstance(r.get("round"), int) and r["round"] <= completed_rounds]
             if len(kept) != len(rows):
-                write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
+                write_jsonl_atomic(path, kept)
 
     def add(self, client_id: str, *, round: int, task_id: str, objective: str, round_seconds: float,
             late: bool = False, missed: bool = False, error: str | None = None,

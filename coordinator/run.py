@@ -26,7 +26,7 @@ from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
 from coordinator.strategies import make_strategy
 from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
-from edge_client.files import write_atomic
+from edge_client.files import write_jsonl_atomic
 from edge_client.models import build_model, federated_names
 from edge_client.sphere import with_sphere_seed
 from edge_client.transport import BrokerSettings, InprocHub, MqttTransport, Transport
@@ -55,7 +55,7 @@ def _read_metrics(path: Path, up_to_round: int) -> list[dict[str, Any]]:
 
 
 def _write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"))
+    write_jsonl_atomic(path, rows)
 
 
 def _setup_file_log(out_dir: Path) -> logging.Handler:

@@ -48,9 +48,10 @@ from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from edge_client.dfl_model import DEVICE_PARTS, TwoBranchModel
+from edge_client.files import write_tensors_atomic
 from edge_client.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
-                                    minibatches, register_objective, save_device_tensors)
+                                    minibatches, register_objective)
 from profiling.history import append_history
 from profiling.profiler import Profiler
 
@@ -124,7 +125,7 @@ class DeviceState:
 
     def save(self, model: TwoBranchModel) -> str:
         """Write the device-only parts atomically; return the SHA-256 of the file."""
-        return save_device_tensors(self.path, self.tensors(model))
+        return write_tensors_atomic(self.path, self.tensors(model))
 
 
 def _initialize(model: TwoBranchModel, seed: int) -> None:

@@ -9,7 +9,6 @@ here, next to plain training.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -20,16 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from edge_client.data import holdout_split
-from edge_client.files import write_atomic
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
            "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "warm_up", "register_objective",
-           "save_device_tensors", "minibatches"]
+           "minibatches"]
 
 
 class ObjectiveError(ValueError):
@@ -70,20 +67,6 @@ class TaskContext:
     client_id: str
     state_dir: Path | None     # survives restarts: local state a method keeps on the device
     profiler: Profiler
-
-
-def save_device_tensors(path: Path, tensors: Mapping[str, torch.Tensor],
-                        metadata: Mapping[str, str] | None = None) -> str:
-    """Write tensors a method keeps on the device (in ``ctx.state_dir``) as one safetensors file, atomically.
-
-    A temporary file is written and synced, then renamed over ``path``: a reader (or a
-    restarted device) sees the old file or the new one, never half of one. Returns
-    the SHA-256 of the file.
-    """
-    data = save_safetensors({k: v.detach().contiguous() for k, v in tensors.items()},
-                            metadata=dict(metadata) if metadata else None)
-    write_atomic(Path(path), data)
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, register_objective,
-                                    save_device_tensors, train)
+from edge_client.files import write_tensors_atomic
+from edge_client.objectives import LocalData, ObjectiveError, ObjectiveOutput, TaskContext, register_objective, train
 
 __all__ = [
     "HEADS", "CLASSIFIER", "STAT_NAMES", "WIRE_DTYPES", "WIRE_CODECS", "FALLBACK_RIDGE",
@@ -353,7 +353,7 @@ def save_personal_classifier(state_dir: Path, own: Calibration, *, round: int, c
     info = {"round": int(round), "client_id": client_id, "ridge": own.ridge, "rank": own.rank,
             "singular": own.singular, "samples": int(samples), "dim": int(dim), "classes": int(classes)}
     path = Path(state_dir) / PERSONAL_CLASSIFIER_FILE
-    save_device_tensors(path, {CLASSIFIER: own.weight.to(torch.float32)}, {PERSONAL_METADATA: json.dumps(info)})
+    write_tensors_atomic(path, {CLASSIFIER: own.weight.to(torch.float32)}, {PERSONAL_METADATA: json.dumps(info)})
     return path
 
 

@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as save_safetensors
 
 from edge_client.codec import FP32, CodecError, CodecSpec, decode_tensors, encode_tensors, parse_codec
-from edge_client.files import write_atomic
+from edge_client.files import write_tensors_atomic
 
 __all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_upload", "encode_download",
            "decode_download"]
@@ -101,9 +100,8 @@ class ResidualStore:
     def save(self) -> None:
         if self.directory is None:
             return
-        write_atomic(self.directory / RESIDUAL_FILE,
-                     save_safetensors({k: v.contiguous() for k, v in self.tensors.items()},
-                                      metadata={"fedge": json.dumps({"run_id": self.run_id})}))
+        write_tensors_atomic(self.directory / RESIDUAL_FILE, self.tensors,
+                             {"fedge": json.dumps({"run_id": self.run_id})})
 
 
 def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],

@@ -18,7 +18,7 @@ from edge_client.data import (DIGITS_MEAN, DIGITS_STD, FASHION_MNIST_CLASSES, FA
 from edge_client.files import write_atomic
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
-           "write_atomic", "write_card"]
+           "write_card"]
 
 CARD_FORMAT = "fedge-model-card/1"
 # Config sections that belong to a strategy besides the one named after it.
