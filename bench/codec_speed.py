@@ -32,12 +32,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from edge_client.codec import parse_codec
+from edge_client.wire.codec import parse_codec
 from edge_client.data import client_split, load_dataset
-from edge_client.models import build_model, federated_names
+from edge_client.models import federated_names
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
-from edge_client.protocol import decode, encode
-from edge_client.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from edge_client.wire.protocol import decode, encode
+from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
 from profiling.profiler import Profiler
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_client.data import load_dataset
-from edge_client.models import build_model
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
 from profiling.profiler import USS_BUDGET, NullProfiler, Profiler
 

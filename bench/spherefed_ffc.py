@@ -36,13 +36,15 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.report import human_bytes
-from edge_client.codec import parse_codec
+from edge_client.wire.codec import parse_codec
 from edge_client.data import load_dataset
-from edge_client.models import build_model, federated_names
+from edge_client.models import federated_names
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext
-from edge_client.protocol import decode, encode
-from edge_client.sphere import CLASSIFIER, WIRE_CODECS, FfcStats, ffc_stats, wire_numbers, wire_shapes
-from edge_client.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from edge_client.wire.protocol import decode, encode
+from edge_client.methods.sphere import WIRE_CODECS, FfcStats, ffc_stats, wire_numbers, wire_shapes
+from edge_client.methods.sphere_head import CLASSIFIER
+from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
 from profiling.profiler import Profiler
 
 RESULTS = Path(__file__).resolve().parent / "results"

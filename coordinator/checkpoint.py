@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from coordinator.strategies.base import ServerState
-from edge_client.files import write_tensors_atomic
+from edge_client.wire.files import write_tensors_atomic
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path"]
 

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.run import run_federated
     from edge_client.data import DataError
     from edge_client.models import ModelSpecError
-    from edge_client.protocol import ProtocolError
-    from edge_client.transport import TransportError
+    from edge_client.wire.protocol import ProtocolError
+    from edge_client.wire.transport import TransportError
 
     try:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.selection import SELECTIONS
-from edge_client.chunking import MIN_MESSAGE_BYTES
-from edge_client.codec import CodecError, parse_codec
+from edge_client.wire.chunking import MIN_MESSAGE_BYTES
+from edge_client.wire.codec import CodecError, parse_codec
 
 if sys.version_info >= (3, 11):
     import tomllib

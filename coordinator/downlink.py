@@ -19,9 +19,9 @@ import torch
 
 from coordinator.config import RunConfig
 from coordinator.strategies.base import TaskPlan
-from edge_client.codec import CodecSpec, parse_codec
-from edge_client.protocol import encode
-from edge_client.updates import UploadSettings, encode_download
+from edge_client.wire.codec import CodecSpec, parse_codec
+from edge_client.wire.protocol import encode
+from edge_client.wire.updates import UploadSettings, encode_download
 
 __all__ = ["shared_tensors", "Downlink"]
 

@@ -1,6 +1,6 @@
 """The round engine: presence, sampling, tasks, results, aggregation, evaluation.
 
-It speaks to clients only through a :class:`~edge_client.transport.Transport` and
+It speaks to clients only through a :class:`~edge_client.wire.transport.Transport` and
 the protocol's encoder and decoder, and to the learning method only through a
 :class:`~coordinator.strategies.base.Strategy`. Every received message is
 checked; anything unacceptable is counted and logged, never raised.
@@ -26,12 +26,13 @@ from coordinator.downlink import Downlink, shared_tensors
 from coordinator.profiles import ProfileStore
 from coordinator.selection import DeadlineFilter, RoundTimes
 from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
-from edge_client.diagnostics import divergence_metrics
-from edge_client.models import build_model, state_shapes
-from edge_client.protocol import Message, ProtocolError, Topics, check_tensors, decode, encode
-from edge_client.chunking import ChunkingTransport
-from edge_client.transport import MessageTooLarge, Transport, TransportError
-from edge_client.updates import decode_upload
+from coordinator.diagnostics import divergence_metrics
+from edge_client.models import state_shapes
+from edge_client.registry import build_model
+from edge_client.wire.protocol import Message, ProtocolError, Topics, check_tensors, decode, encode
+from edge_client.wire.chunking import ChunkingTransport
+from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
+from edge_client.wire.updates import decode_upload
 from profiling.schema import clean_profile
 
 __all__ = ["RunError", "Coordinator", "EvalData"]

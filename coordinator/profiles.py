@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edge_client.files import write_jsonl_atomic
+from edge_client.wire.files import write_jsonl_atomic
 from profiling.history import read_jsonl
 
 __all__ = ["ProfileStore"]

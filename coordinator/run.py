@@ -26,10 +26,11 @@ from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
 from coordinator.strategies import make_strategy
 from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
-from edge_client.files import write_jsonl_atomic
-from edge_client.models import build_model, federated_names
-from edge_client.sphere import with_sphere_seed
-from edge_client.transport import BrokerSettings, InprocHub, MqttTransport, Transport
+from edge_client.wire.files import write_jsonl_atomic
+from edge_client.models import federated_names
+from edge_client.registry import build_model
+from edge_client.methods.sphere_head import with_sphere_seed
+from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
 
 __all__ = ["RunResult", "run_federated", "new_run_id"]
 

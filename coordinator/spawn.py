@@ -18,8 +18,8 @@ from coordinator.config import RunConfig
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import Dataset, client_split
 from edge_client.objectives import local_data
-from edge_client.protocol import Topics
-from edge_client.transport import InprocHub
+from edge_client.wire.protocol import Topics
+from edge_client.wire.transport import InprocHub
 
 __all__ = ["SpawnedClients", "spawn_processes", "spawn_threads", "sim_client_id"]
 

@@ -79,8 +79,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from edge_client.client import ClientSettings, EdgeClient
     from edge_client.data import DataError
-    from edge_client.protocol import Topics, valid_client_id
-    from edge_client.transport import BrokerSettings, MqttTransport, TransportError
+    from edge_client.wire.protocol import Topics, valid_client_id
+    from edge_client.wire.transport import BrokerSettings, MqttTransport, TransportError
 
     if not valid_client_id(args.client_id):
         print(f"fedge-client: bad --client-id {args.client_id!r}: use 1-64 letters, digits, '_', '.', '-'",

@@ -23,14 +23,14 @@ import psutil
 import torch
 from torch import nn
 
-from edge_client.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
-from edge_client.codec import parse_codec
-from edge_client.models import ModelSpecError, build_model, federated_names, state_shapes
-from edge_client.objectives import OBJECTIVES, LocalData, ObjectiveError, TaskContext, shuffle_seed, warm_up
-from edge_client import dfl as _dfl  # noqa: F401  (registers the objectives dfl_train and dfl_evaluate)
-from edge_client.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError, Topics, decode, encode
-from edge_client.transport import MessageTooLarge, Transport, TransportError, Will
-from edge_client.updates import ResidualStore, UploadSettings, decode_download, encode_upload
+from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
+from edge_client.wire.codec import parse_codec
+from edge_client.models import ModelSpecError, federated_names, state_shapes
+from edge_client.registry import OBJECTIVES, build_model
+from edge_client.objectives import LocalData, ObjectiveError, TaskContext, shuffle_seed, warm_up
+from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError, Topics, decode, encode
+from edge_client.wire.transport import MessageTooLarge, Transport, TransportError, Will
+from edge_client.wire.updates import ResidualStore, UploadSettings, decode_download, encode_upload
 from profiling.device import device_facts
 from profiling.history import append_history
 from profiling.profiler import Profiler

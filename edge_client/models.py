@@ -8,10 +8,12 @@ names and shapes agree everywhere without ever sending code or pickles.
 Models: ``mlp`` (``hidden`` widths), ``cnn`` and ``vgg9``. Each takes ``norm``
 (``none``, ``bn`` or ``gn``), ``width`` (a multiplier of every hidden layer's
 size, default 1) and the PAN options ``pan`` (``none``, ``add``, ``mul``),
-``pan_period`` and ``pan_amplitude`` (see :mod:`edge_client.pans`). ``dfl`` wraps
-one of them in DFL's two branches (see :mod:`edge_client.dfl_model`). Every model
+``pan_period`` and ``pan_amplitude`` (see :mod:`edge_client.methods.pans`). Every model
 also takes ``head``: ``linear`` (default) or ``sphere``, SphereFed's fixed classifier
-on L2-normalized features, built from ``sphere_seed`` (see :mod:`edge_client.sphere`).
+on L2-normalized features, built from ``sphere_seed`` (see :mod:`edge_client.methods.sphere_head`).
+Methods add networks around these backbones (DFL's two branches,
+:mod:`edge_client.methods.dfl_model`); :func:`edge_client.registry.build_model` builds
+any of them, this module only the backbones.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from edge_client.pans import PanError, PanSettings, PositionAwareReLU
-from edge_client.sphere import SphereError, apply_head
+from edge_client.methods.pans import PanError, PanSettings, PositionAwareReLU
+from edge_client.methods.sphere_head import SphereError, apply_head
 
 __all__ = [
     "ModelSpecError",
@@ -200,32 +202,25 @@ def _vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none
     return vgg9(num_classes, in_channels, image_size, norm, _pan_settings(pan), _check_width(width))
 
 
-@register_model("dfl")
-def _dfl(num_classes: int, in_channels: int, image_size: int, **options: Any) -> nn.Module:
-    # Imported here: the two-branch wrapper builds its branches through this registry.
-    from edge_client.dfl_model import two_branch
-
-    return two_branch(num_classes, in_channels, image_size, **options)
-
-
 _SHAPE_KEYS = ("num_classes", "in_channels", "image_size")
-_HEAD_KEYS = ("head", "sphere_seed")   # every model's options: see edge_client/sphere.py
+_HEAD_KEYS = ("head", "sphere_seed")   # every model's options: see edge_client/methods/sphere.py
 
 
-def build_model(spec: Mapping[str, Any]) -> nn.Module:
-    """Build the model a spec describes; raise ModelSpecError naming the problem."""
+def build_model(spec: Mapping[str, Any], models: Mapping[str, ModelFactory] = MODELS) -> nn.Module:
+    """Build the model a spec describes from ``models`` (the backbones here; with the methods'
+    networks through :func:`edge_client.registry.build_model`); raise ModelSpecError naming the problem."""
     if not isinstance(spec, Mapping) or "name" not in spec:
         raise ModelSpecError(f"a model spec is a mapping with a 'name', got {spec!r}")
     name = spec["name"]
-    if name not in MODELS:
-        raise ModelSpecError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}")
+    if name not in models:
+        raise ModelSpecError(f"unknown model {name!r}; available: {', '.join(sorted(models))}")
     for key in _SHAPE_KEYS:
         value = spec.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ModelSpecError(f"model spec needs a positive integer {key!r}, got {value!r}")
     options = {k: v for k, v in spec.items() if k not in ("name", *_HEAD_KEYS)}
     try:
-        model = MODELS[name](**options)
+        model = models[name](**options)
     except TypeError as exc:  # an option the factory does not take
         raise ModelSpecError(f"model {name!r} rejects its options {sorted(options)}: {exc}") from exc
     try:   # any model's last linear layer can become SphereFed's fixed sphere head

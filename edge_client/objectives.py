@@ -3,8 +3,8 @@
 Each objective is a function of the model (already holding the weights the task
 sent down), the device's private data, the task's hyperparameters and a seed; it
 returns how many samples it used and a few metrics. The client then sends back
-exactly the tensors the task asked for. Methods from papers add their client side
-here, next to plain training.
+exactly the tensors the task asked for. Methods from papers keep their client side
+in :mod:`edge_client.methods` and are listed in :mod:`edge_client.registry`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from edge_client.data import holdout_split
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
-           "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "warm_up", "register_objective",
-           "minibatches"]
+           "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "warm_up", "minibatches",
+           "Objective"]
 
 
 class ObjectiveError(ValueError):
@@ -209,15 +209,5 @@ def evaluate_local(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], 
 
 
 Objective = Callable[[nn.Module, LocalData, Mapping[str, Any], TaskContext], ObjectiveOutput]
+# Plain training and personalized evaluation; each method adds its own (edge_client/registry.py).
 OBJECTIVES: dict[str, Objective] = {"train": train, "evaluate": evaluate_local}
-
-
-def register_objective(name: str) -> Callable[[Objective], Objective]:
-    """Add an objective under ``name`` (a decorator), for methods whose client side lives in a
-    sibling module (SphereFed's ``sphere_train`` and ``ffc_stats`` in ``edge_client/sphere.py``)."""
-
-    def add(objective: Objective) -> Objective:
-        OBJECTIVES[name] = objective
-        return objective
-
-    return add

@@ -15,7 +15,7 @@ from typing import Any
 
 from edge_client.data import (DIGITS_MEAN, DIGITS_STD, FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD,
                               parse_attribute_skew)
-from edge_client.files import write_atomic
+from edge_client.wire.files import write_atomic
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
            "write_card"]

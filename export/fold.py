@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edge_client.pans import PositionAwareReLU
+from edge_client.methods.pans import PositionAwareReLU
 
 __all__ = ["FoldedPan", "ChannelConstant", "fold_pans", "has_pans"]
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from edge_client.data import DataError, client_split, evaluation_split, load_dataset, parse_attribute_skew
-from edge_client.files import write_atomic
+from edge_client.wire.files import write_atomic
 from export.card import class_names, input_normalization, sha256, strategy_config, write_card
 from export.errors import ExportError, SourceError
 from export.fold import FoldedPan, fold_pans

@@ -29,7 +29,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from edge_client.models import ModelSpecError, build_model, federated_names
+from edge_client.models import ModelSpecError, federated_names
+from edge_client.registry import build_model
 from export.errors import SourceError
 
 if sys.version_info >= (3, 11):
@@ -232,8 +233,8 @@ def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
         raise SourceError(f"run {checkpoint.run_id} ({checkpoint.strategy}, model {spec.get('name')!r}) keeps "
                           "no personalized parts on its devices that fedge can export; export the global model "
                           "(without --client-state)")
-    from edge_client.dfl import STATE_FILE, DeviceState
-    from edge_client.dfl_model import INVARIANT, PREDICTOR, SPECIFIC, part_names
+    from edge_client.methods.dfl import STATE_FILE, DeviceState
+    from edge_client.methods.dfl_model import INVARIANT, PREDICTOR, SPECIFIC, part_names
 
     model = _build(spec)
     invariant = {k: checkpoint.params[k] for k in part_names(checkpoint.params, INVARIANT)}
@@ -249,7 +250,8 @@ def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
 def _sphere_personalized(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
     """SphereFed: the global model (extractor and calibrated classifier) with the sphere head's classifier
     replaced by the one the device solved from its own FFC statistics (``ffc.personalize``)."""
-    from edge_client.sphere import CLASSIFIER, PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, sphere_head
+    from edge_client.methods.sphere import PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, sphere_head
+    from edge_client.methods.sphere_head import CLASSIFIER
 
     path = state_dir / PERSONAL_CLASSIFIER_FILE
     if not path.is_file():

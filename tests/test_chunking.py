@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from edge_client.chunking import HEADER_BYTES, ChunkingTransport, Reassembler, parse_chunk, split
-from edge_client.transport import InprocHub, MessageTooLarge
+from edge_client.wire.chunking import HEADER_BYTES, ChunkingTransport, Reassembler, parse_chunk, split
+from edge_client.wire.transport import InprocHub, MessageTooLarge
 
 
 class Clock:

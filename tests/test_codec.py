@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from edge_client.codec import CodecError, decode_tensors, encode_tensors, parse_codec, wire_bytes
-from edge_client.compression import CompressionError, compress, decompress
-from edge_client.protocol import ProtocolError, decode, encode
-from edge_client.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from edge_client.wire.codec import CodecError, decode_tensors, encode_tensors, parse_codec, wire_bytes
+from edge_client.wire.compression import CompressionError, compress, decompress
+from edge_client.wire.protocol import ProtocolError, decode, encode
+from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -19,10 +19,11 @@ from coordinator.run import run_federated
 from coordinator.strategies.base import TaskPlan
 from edge_client.client import ClientSettings, EdgeClient, presence_payload
 from edge_client.data import load_dataset
-from edge_client.models import build_model, state_shapes
+from edge_client.models import state_shapes
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData
-from edge_client.protocol import Topics, decode, encode
-from edge_client.transport import BrokerSettings, InprocHub, MqttTransport
+from edge_client.wire.protocol import Topics, decode, encode
+from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport
 
 MODEL_BYTES = 53_194 * 4   # the float32 cnn on 8x8 digits
 

@@ -16,9 +16,10 @@ from coordinator.selection import PROBE_AFTER, SAFETY, DeadlineFilter, RoundTime
 from coordinator.strategies import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
-from edge_client.models import build_model, federated_names
+from edge_client.models import federated_names
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
-from edge_client.transport import InprocHub
+from edge_client.wire.transport import InprocHub
 from profiling.profiler import NullProfiler
 
 CNN = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}

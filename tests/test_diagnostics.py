@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_client.data import load_dataset
-from edge_client.diagnostics import (
+from coordinator.diagnostics import (
     DiagnosticsError,
     class_preferences,
     divergence_metrics,
@@ -24,7 +24,7 @@ from edge_client.diagnostics import (
     shuffle_permutation,
     weight_divergence,
 )
-from edge_client.models import build_model
+from edge_client.registry import build_model
 
 
 def spec(name: str, size: int = 16, channels: int = 1, **options) -> dict:

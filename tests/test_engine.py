@@ -14,10 +14,11 @@ from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.strategies import make_strategy
 from edge_client.client import ClientSettings, EdgeClient, presence_payload
 from edge_client.data import load_dataset
-from edge_client.models import build_model, federated_names
+from edge_client.models import federated_names
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData
-from edge_client.protocol import PROTOCOL_VERSION, Topics, decode, encode
-from edge_client.transport import InprocHub
+from edge_client.wire.protocol import PROTOCOL_VERSION, Topics, decode, encode
+from edge_client.wire.transport import InprocHub
 
 SPEC = {"name": "mlp", "hidden": [16], "num_classes": 10, "in_channels": 1, "image_size": 8}
 

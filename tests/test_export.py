@@ -21,10 +21,11 @@ from coordinator.config import dump_config, load_config
 from coordinator.run import run_federated
 from coordinator.strategies.base import ServerState
 from edge_client.data import load_dataset
-from edge_client.dfl import STATE_FILE, DeviceState
-from edge_client.models import build_model, federated_names
+from edge_client.methods.dfl import STATE_FILE, DeviceState
+from edge_client.models import federated_names
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
-from edge_client.pans import PanSettings, PositionAwareReLU
+from edge_client.methods.pans import PanSettings, PositionAwareReLU
 from export.card import card_path, sha256
 from export.cli import main as export_main
 from export.errors import ParityError, QuantizationError, SourceError

@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 from coordinator.config import load_config
 from coordinator.run import run_federated
 from edge_client.data import load_dataset
-from edge_client.models import build_model
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext
-from edge_client.sphere import (CLASSIFIER, PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, fixed_classifier,
-                                ffc_stats)
+from edge_client.methods.sphere import PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, ffc_stats
+from edge_client.methods.sphere_head import CLASSIFIER, fixed_classifier
 from export.cli import main as export_main
 from export.errors import SourceError
 from export.onnx_graph import predict, session

@@ -25,12 +25,13 @@ from coordinator.config import load_config
 from coordinator.run import run_federated
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import DIGITS_MEAN, DIGITS_STD, client_split, load_dataset
-from edge_client.models import build_model, federated_names
+from edge_client.models import federated_names
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData
-from edge_client.pans import PositionAwareReLU
-from edge_client.chunking import ChunkingTransport
-from edge_client.protocol import DEFAULT_MAX_MESSAGE_BYTES, Topics, decode
-from edge_client.transport import BrokerSettings, MqttTransport
+from edge_client.methods.pans import PositionAwareReLU
+from edge_client.wire.chunking import ChunkingTransport
+from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, Topics, decode
+from edge_client.wire.transport import BrokerSettings, MqttTransport
 
 CLIENTS = 2
 

@@ -17,7 +17,8 @@ from coordinator.checkpoint import (
     save_checkpoint,
 )
 from coordinator.strategies.base import ServerState
-from edge_client.models import MODELS, ModelSpecError, build_model, federated_names, state_shapes
+from edge_client.models import MODELS, ModelSpecError, federated_names, state_shapes
+from edge_client.registry import build_model
 
 CNN28 = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28}
 MLP8 = {"name": "mlp", "num_classes": 10, "in_channels": 1, "image_size": 8, "hidden": [16]}

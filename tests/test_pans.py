@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from edge_client.models import ModelSpecError, build_model, federated_names
-from edge_client.pans import PanSettings, PositionAwareReLU, pan_encoding
+from edge_client.models import ModelSpecError, federated_names
+from edge_client.registry import build_model
+from edge_client.methods.pans import PanSettings, PositionAwareReLU, pan_encoding
 
 CNN28 = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28}
 VGG28 = {"name": "vgg9", "num_classes": 10, "in_channels": 1, "image_size": 28}

@@ -19,10 +19,10 @@ from coordinator.config import load_config
 from coordinator.run import run_federated
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
-from edge_client.models import build_model
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
-from edge_client.protocol import Topics, decode, encode
-from edge_client.transport import InprocHub
+from edge_client.wire.protocol import Topics, decode, encode
+from edge_client.wire.transport import InprocHub
 from profiling.cli import main as profile_main
 from profiling.device import device_facts
 from profiling.profiler import STEP_PHASES, NullProfiler, Profiler, percentile

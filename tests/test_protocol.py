@@ -1,4 +1,4 @@
-"""Tests for edge_client.protocol: the envelope, its checks and the topic layout."""
+"""Tests for edge_client.wire.protocol: the envelope, its checks and the topic layout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from edge_client.protocol import (
+from edge_client.wire.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     KINDS,
     PROTOCOL_VERSION,

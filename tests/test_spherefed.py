@@ -25,18 +25,19 @@ from coordinator.run import run_federated
 from coordinator.strategies import make_strategy
 from coordinator.strategies.base import ClientResult
 from coordinator.strategies.spherefed import SphereFed
-from edge_client.chunking import ChunkingTransport
+from edge_client.wire.chunking import ChunkingTransport
 from edge_client.client import ClientSettings, EdgeClient
-from edge_client.codec import parse_codec
+from edge_client.wire.codec import parse_codec
 from edge_client.data import load_dataset, partition_indices
-from edge_client.models import ModelSpecError, build_model, federated_names
+from edge_client.models import ModelSpecError, federated_names
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext
-from edge_client.protocol import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
-from edge_client.sphere import (CLASSIFIER, STAT_NAMES, FfcStats, SphereError, SphereHead, ffc_stats,
-                                fixed_classifier, pack_upper, packed_size, sphere_accuracies, sphere_loss, sphere_train,
-                                unpack_upper, wire_numbers)
-from edge_client.transport import BrokerSettings, InprocHub, MqttTransport
-from edge_client.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
+from edge_client.methods.sphere import (STAT_NAMES, FfcStats, ffc_stats, pack_upper, packed_size, sphere_accuracies,
+                                        sphere_loss, sphere_train, unpack_upper, wire_numbers)
+from edge_client.methods.sphere_head import CLASSIFIER, SphereError, SphereHead, fixed_classifier
+from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport
+from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
 from profiling.profiler import Profiler
 
 DIGITS = {"num_classes": 10, "in_channels": 1, "image_size": 8}

@@ -14,7 +14,7 @@ from coordinator.strategies import STRATEGIES, make_strategy
 from coordinator.strategies.base import AggregationError, ClientResult, ServerState, TaskPlan, WeightedSum
 from coordinator.strategies.fedavg import FedAvg, FedProx
 from edge_client.data import load_dataset
-from edge_client.models import build_model
+from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, TrainHyper, train
 from profiling.profiler import Profiler
 

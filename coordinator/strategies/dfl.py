@@ -1,10 +1,10 @@
 """Disentangled FL (DFL): only the invariant extractor is aggregated; the rest stays on the devices.
 
-The clients run a two-branch model (``edge_client/dfl_model.py``) around the
+The clients run a two-branch model (``edge_client/methods/dfl_model.py``) around the
 configured backbone; :meth:`DFL.model_spec` wraps the spec. Each round:
 
 - ``train``: every selected client gets the global invariant extractor and runs
-  ``dfl_train`` (``edge_client/dfl.py``); it sends back its invariant extractor
+  ``dfl_train`` (``edge_client/methods/dfl.py``); it sends back its invariant extractor
   only. The new global invariant extractor is their sample-weighted mean.
 - ``evaluate`` (every ``eval.every`` rounds and in the last): every online client
   reports the accuracy of the global invariant extractor with its own specific
@@ -31,8 +31,9 @@ from torch import nn
 
 from coordinator.config import ConfigError, DflSection, RunConfig
 from coordinator.strategies.base import ClientResult, PersonalizedEval, ServerState, Strategy, TaskPlan, WeightedSum
-from edge_client.dfl_model import INVARIANT, SPECIFIC, part_names
-from edge_client.models import build_model, federated_names
+from edge_client.methods.dfl_model import INVARIANT, SPECIFIC, part_names
+from edge_client.models import federated_names
+from edge_client.registry import build_model
 
 __all__ = ["DFL", "BANK"]
 

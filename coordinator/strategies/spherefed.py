@@ -5,7 +5,7 @@ Training is FedAvg on the feature extractor only (FedProx's proximal term with
 orthonormal matrix that every party rebuilds from the model spec's
 ``sphere_seed``, so it is in no download and no upload. After the last round (and
 every ``ffc.every`` rounds) an ``ffc`` phase asks every online client for the sums
-G, B and n of its features (the ``ffc_stats`` objective, :mod:`edge_client.sphere`).
+G, B and n of its features (the ``ffc_stats`` objective, :mod:`edge_client.methods.sphere`).
 Their sum gives the least-squares classifier, which replaces the fixed one in the
 global model that the coordinator evaluates and checkpoints. The next training
 round starts again from the fixed classifier: it is the one clients train against.
@@ -25,9 +25,9 @@ from torch import nn
 from coordinator.config import ConfigError, FfcSection, RunConfig
 from coordinator.strategies.base import ClientResult, ServerState, TaskPlan, summarize_personalized
 from coordinator.strategies.fedavg import FedProx
-from edge_client.sphere import (CLASSIFIER, STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, SphereError,
-                                fixed_classifier, sphere_accuracies, sphere_head, wire_numbers, wire_shapes,
-                                with_sphere_seed)
+from edge_client.methods.sphere import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
+                                        sphere_head, wire_numbers, wire_shapes)
+from edge_client.methods.sphere_head import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
 
 __all__ = ["SphereFed"]
 
@@ -74,7 +74,7 @@ class SphereFed(FedProx):
             raise ConfigError('spherefed needs a model with head = "sphere" (its state has no classifier.weight)')
         if not torch.equal(params[CLASSIFIER], self.fixed(state)):
             raise ConfigError(f"the model's sphere classifier was not built from sphere_seed {self.sphere_seed}; "
-                              "build the model spec with edge_client.sphere.with_sphere_seed and the run's seed")
+                              "build the model spec with edge_client.methods.sphere.with_sphere_seed and the run's seed")
         return state
 
     # -- phases -----------------------------------------------------------------

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from edge_client.codec import FP32, CodecError, CodecSpec, decode_tensors, encode_tensors, parse_codec
-from edge_client.files import write_tensors_atomic
+from edge_client.wire.codec import FP32, CodecError, CodecSpec, decode_tensors, encode_tensors, parse_codec
+from edge_client.wire.files import write_tensors_atomic
 
 __all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_upload", "encode_download",
            "decode_download"]

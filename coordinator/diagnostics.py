@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.pans import PositionAwareReLU
+from edge_client.methods.pans import PositionAwareReLU
 
 __all__ = [
     "DiagnosticsError",

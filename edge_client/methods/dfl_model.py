@@ -1,15 +1,16 @@
 """DFL's client model: an invariant and a specific extractor side by side, a predictor on both.
 
-Registered as model ``dfl`` (``{"name": "dfl", "backbone": "cnn", ...}``); any
-registry backbone works, through its ``features`` (the extractor) and the input
-size of its ``classifier`` (the representation size). Parameter names say which
+The network ``dfl`` of the method registry (``{"name": "dfl", "backbone": "cnn", ...}``,
+:mod:`edge_client.registry`); any backbone of :mod:`edge_client.models` works, through
+its ``features`` (the extractor) and the input size of its ``classifier`` (the
+representation size). Parameter names say which
 branch a tensor belongs to, which is all the protocol and the strategy need:
 
 - ``invariant.*``: the backbone's extractor; the only part that is ever aggregated.
 - ``specific.*``: the same backbone at ``specific_width`` times its width; stays on the device.
 - ``predictor.*``: one linear layer on ``[invariant(x); specific(x)]``; stays on the device.
 - ``mi.spe.*``, ``mi.glob.*``: critics estimating MI(invariant; specific) and
-  MI(invariant; global invariant) (:mod:`edge_client.mutual_info`); stay on the device.
+  MI(invariant; global invariant) (:mod:`edge_client.methods.mutual_info`); stay on the device.
 - ``peers.K.*`` (``peers = M > 0``): slots for M other clients' specific extractors,
   filled by diversity transferring; never trained, never saved.
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from edge_client.models import MODELS, ModelSpecError, build_model
-from edge_client.mutual_info import PairCritic
+from edge_client.methods.mutual_info import PairCritic
 
 __all__ = ["TwoBranchModel", "two_branch", "INVARIANT", "SPECIFIC", "PREDICTOR", "CRITICS", "PEERS",
            "DEVICE_PARTS", "part_names"]
@@ -68,8 +69,8 @@ def two_branch(num_classes: int, in_channels: int, image_size: int, backbone: st
                specific_width: float = 1.0, mi_hidden: int = 128, peers: int = 0,
                **options: Any) -> TwoBranchModel:
     """The DFL model over ``backbone``; ``options`` are the backbone's own (norm, pan, width, ...)."""
-    if backbone == "dfl" or backbone not in MODELS:
-        raise ModelSpecError(f"dfl backbone must be one of {', '.join(sorted(set(MODELS) - {'dfl'}))}, "
+    if backbone not in MODELS:
+        raise ModelSpecError(f"dfl backbone must be one of {', '.join(sorted(MODELS))}, "
                              f"got {backbone!r}")
     if isinstance(specific_width, bool) or not isinstance(specific_width, (int, float)) or specific_width <= 0:
         raise ModelSpecError(f"dfl specific_width must be a positive number, got {specific_width!r}")

@@ -25,7 +25,7 @@ duplicates, bounds what it holds for incomplete messages per sender (topic) and
 in total, drops incomplete messages after a timeout, and verifies the length and
 hash before handing a message on. Every failure is reported with its reason and
 the bytes it cost; none raises. :class:`ChunkingTransport` puts all of this
-between the protocol and any :class:`~edge_client.transport.Transport`.
+between the protocol and any :class:`~edge_client.wire.transport.Transport`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edge_client.transport import Incoming, MessageTooLarge, Transport
+from edge_client.wire.transport import Incoming, MessageTooLarge, Transport
 
 __all__ = ["MAGIC", "HEADER_BYTES", "MIN_MESSAGE_BYTES", "DEFAULT_PACKET_BYTES", "DEFAULT_TIMEOUT",
            "ChunkError", "MessageTooLarge", "Chunk", "split", "parse_chunk", "is_chunk", "Reassembler",

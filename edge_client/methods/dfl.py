@@ -13,7 +13,7 @@ has already loaded into the model's ``invariant`` branch. Then:
    with diversity transferring, the specific ones).
 
 In both stages the critics learn to raise their MI estimate
-(:mod:`edge_client.mutual_info`); only the extractors' sign differs. With
+(:mod:`edge_client.methods.mutual_info`); only the extractors' sign differs. With
 diversity transferring, the task also fills ``peers`` slots with other clients'
 specific extractors, and each stage adds the mean cross-entropy of the predictor
 on ``[invariant(x); peer(x)]``.
@@ -47,11 +47,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from edge_client.dfl_model import DEVICE_PARTS, TwoBranchModel
-from edge_client.files import write_tensors_atomic
-from edge_client.mutual_info import jsd_mutual_information, mi_penalty
+from edge_client.methods.dfl_model import DEVICE_PARTS, TwoBranchModel
+from edge_client.wire.files import write_tensors_atomic
+from edge_client.methods.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
-                                    minibatches, register_objective)
+                                    minibatches, Objective)
 from profiling.history import append_history
 from profiling.profiler import Profiler
 
@@ -259,7 +259,6 @@ def _hyper(hyper: Mapping[str, Any]) -> tuple[TrainHyper, DflHyper]:
     return TrainHyper.from_dict(train), DflHyper.from_dict(hyper.get("dfl", {}))
 
 
-@register_objective("dfl_train")
 def dfl_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """One round of DFL on this device: local stage, global stage, save the device-only parts."""
     model = _two_branch(model)
@@ -284,7 +283,6 @@ def dfl_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
     return ObjectiveOutput(num_samples=len(data), metrics=metrics)
 
 
-@register_objective("dfl_evaluate")
 def dfl_evaluate(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """Personalized accuracy: the received global invariant branch with this device's own specific
     branch and predictor, on its held-out split. A device that has not trained yet uses its
@@ -298,3 +296,6 @@ def dfl_evaluate(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ct
     loss, accuracy = evaluate(model, data.x_test, data.y_test)
     return ObjectiveOutput(num_samples=data.num_test, metrics={"local_accuracy": accuracy, "local_loss": loss},
                            tensors={})
+
+
+OBJECTIVES: dict[str, Objective] = {"dfl_train": dfl_train, "dfl_evaluate": dfl_evaluate}

@@ -79,7 +79,7 @@ class Incoming:
     payload: bytes
     # time.monotonic() when the message reached this process, for the receiver's profile
     received_at: float = field(default_factory=time.monotonic, compare=False)
-    wire_bytes: int = 0      # bytes it took on the wire (all chunks); set by edge_client.chunking
+    wire_bytes: int = 0      # bytes it took on the wire (all chunks); set by edge_client.wire.chunking
     error: str = ""          # set instead of a payload when reassembling its chunks failed
 
 

@@ -3,8 +3,8 @@
 Every message is one safetensors buffer. Its ``__metadata__["fedge"]`` entry holds
 a JSON header (protocol version, kind, run id, round, task id, sender, body);
 its tensors are the weights the message carries, in the codec its body names
-(:mod:`edge_client.codec`). A message may travel compressed
-(:mod:`edge_client.compression`) and in chunks (:mod:`edge_client.chunking`).
+(:mod:`edge_client.wire.codec`). A message may travel compressed
+(:mod:`edge_client.wire.compression`) and in chunks (:mod:`edge_client.wire.chunking`).
 Decoding parses and checks the header *before* any tensor is materialized, and
 nothing is ever unpickled.
 ``docs/protocol.md`` describes the same thing for people; keep both true.
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from edge_client.compression import CompressionError, decompress
+from edge_client.wire.compression import CompressionError, decompress
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -164,7 +164,7 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     A compressed message is decompressed first, within the same limit. Checks size,
     header layout, version, kind and field types, tensor dtypes and byte ranges, and
     that every floating-point tensor is finite. Names and shapes against what was
-    asked are checked by the receiver (:func:`check_tensors`, :mod:`edge_client.codec`).
+    asked are checked by the receiver (:func:`check_tensors`, :mod:`edge_client.wire.codec`).
     """
     size = len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else 0
     if size > max_bytes:

@@ -12,7 +12,7 @@ A codec spec is a ``+``-joined string read from the run config (``codec.up``,
   entries of each tensor, their values in the value format. It applies to updates
   sent as differences; raw values are always sent dense.
 - ``zstd[:LEVEL]`` or ``lz4[:LEVEL]``: lossless compression of the whole message,
-  applied only when it makes the message smaller (:mod:`edge_client.compression`).
+  applied only when it makes the message smaller (:mod:`edge_client.wire.compression`).
 
 Wire layout of a tensor ``NAME`` (safetensors entries of the message):
 
@@ -44,8 +44,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from edge_client.compression import COMPRESSORS, CompressionError, check_available, compress
-from edge_client.protocol import ProtocolError
+from edge_client.wire.compression import COMPRESSORS, CompressionError, check_available, compress
+from edge_client.wire.protocol import ProtocolError
 
 __all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_FORMATS", "encode_tensors", "decode_tensors",
            "wire_bytes", "FP32"]

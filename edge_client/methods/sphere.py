@@ -15,10 +15,11 @@ sums and keeps that classifier in its state directory
 never travels. ``fedge-export RUN_DIR --client-state STATE_DIR`` puts it on the
 run's extractor (:mod:`export.source`).
 
-Here: the head (:class:`SphereHead`, put on any registry model by the model spec's
-``head = "sphere"``), the objectives ``sphere_train`` and ``ffc_stats``, and
-:class:`FfcStats` (packing, summing, the Cholesky solve), which the coordinator's
-``coordinator/strategies/spherefed.py`` uses too.
+Here: the objectives ``sphere_train`` and ``ffc_stats`` and :class:`FfcStats`
+(packing, summing, the Cholesky solve), which the coordinator's
+``coordinator/strategies/spherefed.py`` uses too. The head itself (:class:`SphereHead`,
+put on any registry model by the spec's ``head = "sphere"``) is in
+:mod:`edge_client.methods.sphere_head`, so building a model never imports training code.
 """
 
 from __future__ import annotations
@@ -32,27 +33,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_client.files import write_tensors_atomic
-from edge_client.objectives import LocalData, ObjectiveError, ObjectiveOutput, TaskContext, register_objective, train
+from edge_client.methods.sphere_head import CLASSIFIER, SphereError, SphereHead
+from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
+from edge_client.wire.files import write_tensors_atomic
 
 __all__ = [
-    "HEADS", "CLASSIFIER", "STAT_NAMES", "WIRE_DTYPES", "WIRE_CODECS", "FALLBACK_RIDGE",
-    "PERSONAL_CLASSIFIER_FILE", "PERSONAL_METADATA",
-    "SphereError", "SphereHead", "Calibration", "FfcStats", "FfcHyper",
-    "fixed_classifier", "apply_head", "with_sphere_seed", "sphere_head", "sphere_loss", "sphere_accuracies",
+    "STAT_NAMES", "WIRE_DTYPES", "WIRE_CODECS", "FALLBACK_RIDGE", "PERSONAL_CLASSIFIER_FILE", "PERSONAL_METADATA",
+    "OBJECTIVES", "Calibration", "FfcStats", "FfcHyper", "sphere_head", "sphere_loss", "sphere_accuracies",
     "packed_size", "pack_upper", "unpack_upper", "wire_shapes", "wire_numbers", "solve_classifier",
     "feature_stats", "save_personal_classifier", "sphere_train", "ffc_stats",
 ]
 
 log = logging.getLogger("fedge.sphere")
 
-HEADS = ("linear", "sphere")
-CLASSIFIER = "classifier.weight"                       # the head's state: the classifier in use
 STAT_NAMES = ("ffc.gram", "ffc.cross", "ffc.count")   # what an ffc_stats result carries, nothing else
 WIRE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 WIRE_CODECS = {"float64": "fp64", "float32": "fp32"}   # the upload codec that carries each exactly
@@ -61,98 +58,6 @@ FALLBACK_RIDGE = 1e-6
 # With ffc.personalize: the device's own classifier (float32 [C, d] under CLASSIFIER), in its state directory.
 PERSONAL_CLASSIFIER_FILE = "sphere_classifier.safetensors"
 PERSONAL_METADATA = "fedge"   # its safetensors metadata key: JSON with ridge, round, dim, classes, ...
-
-
-class SphereError(ValueError):
-    """A model cannot take the sphere head, or FFC statistics are malformed; the message says why."""
-
-
-# ----------------------------------------------------------------------------- the head
-
-
-def fixed_classifier(num_classes: int, dim: int, seed: int) -> torch.Tensor:
-    """The fixed classifier: the first C rows of Q from the QR decomposition of a seeded d x d Gaussian.
-
-    Float64, ``[C, d]``, orthonormal rows. NumPy's seeded generator gives the same
-    Gaussian on every platform, and the signs are fixed so that R has a positive
-    diagonal (QR is then unique), so every party rebuilds the same matrix (to
-    rounding). The factorization is torch's, which keeps to the process's torch
-    threads (NumPy's BLAS threads took seconds for d = 512 on a busy 2-core machine).
-    """
-    if dim < num_classes:
-        raise SphereError(f"the sphere head needs a feature dimension d >= the number of classes C, "
-                          f"got d = {dim} < C = {num_classes}: {num_classes} orthonormal rows do not fit in "
-                          f"{dim} dimensions; widen the model's last hidden layer or use head = linear")
-    gaussian = torch.from_numpy(np.random.default_rng(seed).standard_normal((dim, dim)))
-    q, r = torch.linalg.qr(gaussian)
-    q = q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)   # column j times sign(R_jj): the unique QR
-    return q[:num_classes].contiguous()
-
-
-class SphereHead(nn.Module):
-    """Scores ``W z`` of the L2-normalized features ``z = h / ||h||``; ``W`` is never trained.
-
-    ``fixed`` (the seeded orthonormal classifier) is a non-persistent buffer: rebuilt
-    by every party, never in a state dict or a message. ``weight`` is the classifier
-    in use: the fixed one during training, the calibrated one on the coordinator
-    after FFC. It is a buffer (no gradient, never in an optimizer) in the state dict,
-    so checkpoints keep the calibrated classifier; SphereFed never sends it.
-    """
-
-    fixed: torch.Tensor
-    weight: torch.Tensor
-
-    def __init__(self, in_features: int, num_classes: int, seed: int) -> None:
-        super().__init__()
-        w = fixed_classifier(num_classes, in_features, seed).to(torch.float32)
-        self.register_buffer("fixed", w, persistent=False)
-        self.register_buffer("weight", w.clone())
-
-    @property
-    def in_features(self) -> int:
-        return int(self.weight.shape[1])
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.normalize(h.flatten(1), dim=1) @ self.weight.t()
-
-    @torch.no_grad()
-    def reset(self) -> None:
-        """Go back to the fixed classifier (training always runs against it)."""
-        self.weight.copy_(self.fixed)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fixed orthonormal rows"
-
-
-def apply_head(model: nn.Module, head: Any = "linear", sphere_seed: Any = None) -> nn.Module:
-    """Give a registry model the head its spec asks for (``head``, ``sphere_seed``)."""
-    if head not in HEADS:
-        raise SphereError(f"head must be one of {', '.join(HEADS)}, got {head!r}")
-    if head == "linear":
-        if sphere_seed is not None:
-            raise SphereError("sphere_seed applies only to head = sphere; remove it or set head = sphere")
-        return model
-    seed = 0 if sphere_seed is None else sphere_seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise SphereError(f"sphere_seed must be an integer >= 0, got {sphere_seed!r}")
-    linear = getattr(model, "classifier", None)
-    if not isinstance(linear, nn.Linear):
-        raise SphereError(f"head = sphere replaces a model's last linear layer `classifier`, which "
-                          f"{type(model).__name__} does not have")
-    model.classifier = SphereHead(linear.in_features, linear.out_features, seed)
-    return model
-
-
-def with_sphere_seed(spec: Mapping[str, Any], seed: int) -> dict[str, Any]:
-    """The model spec with ``sphere_seed`` defaulting to the run's seed when ``head = sphere``."""
-    out = dict(spec)
-    if out.get("head") == "sphere":
-        out.setdefault("sphere_seed", seed)
-    return out
 
 
 def sphere_head(model: nn.Module) -> SphereHead:
@@ -360,7 +265,6 @@ def save_personal_classifier(state_dir: Path, own: Calibration, *, round: int, c
 # ----------------------------------------------------------------------------- objectives
 
 
-@register_objective("sphere_train")
 def sphere_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """Local SphereFed training: the usual local SGD (FedProx's ``mu`` included), squared-error loss,
     against the fixed classifier whatever the model last received."""
@@ -389,7 +293,6 @@ class FfcHyper:
         return h
 
 
-@register_objective("ffc_stats")
 def ffc_stats(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """FFC statistics of this device's whole training split with the received extractor.
 
@@ -418,3 +321,6 @@ def ffc_stats(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
             metrics.update(ffc_local_accuracy=own_acc, ffc_local_accuracy_fixed=fixed_acc)
         metrics.update(ffc_local_ridge=own.ridge, ffc_personalize_seconds=time.perf_counter() - started)
     return ObjectiveOutput(num_samples=len(data), metrics=metrics, tensors=stats.to_wire(WIRE_DTYPES[h.dtype]))
+
+
+OBJECTIVES: dict[str, Objective] = {"sphere_train": sphere_train, "ffc_stats": ffc_stats}

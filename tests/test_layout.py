@@ -1,0 +1,122 @@
+"""The package layout holds: no import cycles, and the device package stands on its own.
+
+Imports are read from the source (every ``import`` statement, including those inside
+functions, since a deferred import is still a dependency), so the test needs no
+torch and fails on the first cycle anyone adds.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("edge_client", "coordinator", "export", "profiling")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``path`` imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and modules[target].name != "__init__.py":
+                out.add(target)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_project_has_no_import_cycle():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_device_package_never_imports_the_coordinator_or_export():
+    graph = _graph()
+    bad = {m: sorted(d for d in deps if d.startswith(("coordinator", "export")))
+           for m, deps in graph.items() if m.startswith("edge_client")}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_wire_and_methods_are_where_the_layout_says():
+    graph = _graph()
+    for name in ("protocol", "transport", "chunking", "compression", "codec", "updates", "files"):
+        assert f"edge_client.wire.{name}" in graph
+    for name in ("pans", "sphere", "sphere_head", "dfl", "dfl_model", "mutual_info"):
+        assert f"edge_client.methods.{name}" in graph
+    assert "coordinator.diagnostics" in graph and "edge_client.diagnostics" not in graph
+
+
+@pytest.mark.parametrize("module", ["edge_client.models", "edge_client.wire.protocol"])
+def test_building_a_model_or_reading_a_message_imports_no_training_code(module):
+    training = ("edge_client.objectives", "edge_client.methods.sphere", "edge_client.methods.dfl")
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m in {training!r}))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
