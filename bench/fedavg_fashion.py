@@ -28,6 +28,7 @@ from coordinator.config import load_config
 from coordinator.mosquitto import LocalMosquitto
 from coordinator.report import RoundTable
 from coordinator.run import run_federated
+from edge_client.wire.files import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -36,8 +37,8 @@ def client_peak_rss(out: Path) -> int | None:
     """Largest RSS any client process reported over the run (from its profile history)."""
     peaks = []
     for history in (out / "clients").glob("*/profile.jsonl"):
-        for line in history.read_text().splitlines():
-            value = json.loads(line).get("peak_rss_bytes")
+        for row in read_jsonl(history):
+            value = row.get("peak_rss_bytes")
             if value:
                 peaks.append(value)
     return max(peaks) if peaks else None
@@ -64,7 +65,7 @@ def main() -> int:
         with RoundTable(console, title="FedAvg, Fashion-MNIST, Dirichlet 0.5, 10 processes over Mosquitto") as t:
             result = run_federated(config, say=lambda s: console.print(f"[dim]{s}[/dim]"), on_round=t.add)
         wall = time.monotonic() - started
-    rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(result.out_dir / "metrics.jsonl")
     trained = [r for r in rows if r["round"] > 0]
     figures = {
         "setting": {"data": args.data, "partition": "dirichlet:0.5", "seed": 0, "clients": args.clients,

@@ -49,6 +49,7 @@ from rich.table import Table
 from coordinator.config import ConfigError, load_config
 from coordinator.report import human_bytes
 from coordinator.run import run_federated
+from edge_client.wire.files import read_jsonl
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -154,7 +155,7 @@ def run_one(run: Run, out_dir: Path, console: Console) -> dict[str, Any]:
         result = run_federated(config, say=lambda s: None, on_round=progress)
         seconds = time.monotonic() - started
         out = result.out_dir
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = read_jsonl(out / "metrics.jsonl")
         record = {"matrix": out_dir.name, "group": run.group, "labels": list(run.labels), "seed": run.seed,
                   "rounds": run.rounds, "config": tomllib.loads((out / "config.toml").read_text()),
                   "seconds": seconds, "rows": rows, "summary": result.summary}

@@ -5,5 +5,6 @@ On the device: ``profiler`` (per-task phases, step latencies, memory, CPU), ``se
 (the device's profile.jsonl). For people: ``runs`` (reading run directories and
 histories), ``report`` (terminal), ``html`` (HTML with plots), ``infer`` (ONNX Runtime
 latency) and ``cli`` (``fedge-profile``). ``schema`` checks a profile received over
-the network. Nothing here imports edge_client or coordinator.
+the network. Nothing here imports the coordinator, and from edge_client only the
+file helpers (``edge_client.wire.files``, which need no torch).
 """

@@ -3,7 +3,8 @@
 The client appends one ``task`` line per task and ``fedge-profile infer`` one
 ``infer`` line per benchmark, so the history of a device survives restarts and
 can be read with any JSON-lines tool. Appending one short line at a time keeps a
-crash from corrupting earlier lines; a torn last line is skipped when reading.
+crash from corrupting earlier lines; a torn last line is skipped when reading
+(``read_jsonl``, fedge's one JSON-lines reader, offered here beside the appender).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+
+from edge_client.wire.files import read_jsonl
 
 __all__ = ["HISTORY_FILE", "append_history", "read_jsonl"]
 
@@ -27,15 +30,3 @@ def append_history(state_dir: Path, kind: str, record: dict[str, Any]) -> Path:
         fh.write(line + "\n")
     return path
 
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file; blank, torn or non-object lines are skipped."""
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows

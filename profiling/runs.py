@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge_client.wire.files import read_jsonl
 from profiling.errors import ProfileError
-from profiling.history import read_jsonl
 from profiling.profiler import STEP_PHASES, TASK_PHASES
 from profiling.schema import clean_profile
 

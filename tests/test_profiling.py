@@ -16,15 +16,17 @@ import pytest
 import torch
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.run import _read_metrics, run_federated
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
+from edge_client.wire.files import read_jsonl, write_jsonl_atomic
 from edge_client.wire.protocol import Topics, decode, encode
 from edge_client.wire.transport import InprocHub
 from profiling.cli import main as profile_main
 from profiling.device import device_facts
+from profiling.history import read_jsonl as history_read_jsonl
 from profiling.profiler import STEP_PHASES, NullProfiler, Profiler, percentile
 from profiling.schema import clean_profile
 from profiling.sensors import cpu_temperature, parse_throttled
@@ -262,3 +264,19 @@ def test_infer_explains_what_it_cannot_run(tmp_path):
     np.savez(tmp_path / "wrong.npz", x=np.zeros((4, 3, 28, 28), dtype=np.float32))
     wrong = _infer_without_torch(str(fixed), "--data", f"npz:{tmp_path / 'wrong.npz'}", "--no-record")
     assert wrong.returncode == 2 and "the model takes [1, 8, 8]" in wrong.stderr
+
+
+def test_read_jsonl_keeps_every_complete_object_and_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "profile.jsonl"
+    write_jsonl_atomic(path, [{"round": 1}, {"round": 2}])
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write('\n[1, 2]\n"text"\n{"round": 3}\n{"round": 4, "pha')    # blank, non-objects, a crash mid-append
+    assert read_jsonl(path) == [{"round": 1}, {"round": 2}, {"round": 3}]
+    assert history_read_jsonl is read_jsonl             # one reader, whichever module it is taken from
+
+
+def test_resume_reads_the_metrics_of_completed_rounds_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert _read_metrics(path, 3) == []
+    write_jsonl_atomic(path, [{"round": r} for r in range(5)] + [{"no": "round"}])
+    assert _read_metrics(path, 2) == [{"round": 0}, {"round": 1}, {"round": 2}]
