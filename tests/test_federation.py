@@ -182,6 +182,10 @@ def test_personalized_evaluation_reports_local_accuracy(tmp_path):
     for row in rows[1:]:
         assert row["evaluate_returned"] == 3 and row["personalized_clients"] == 3
         assert 0 <= row["personalized_accuracy_min"] <= row["personalized_accuracy_mean"] <= 1
-        assert row["personalized_accuracy_std"] >= 0
+        # the variance of n accuracies <= 1 with this mean and minimum: no less than with the other n - 1
+        # all equal, no more than (1 - mean)(mean - min) (Bhatia-Davis)
+        mean, low, std = (row[f"personalized_accuracy_{k}"] for k in ("mean", "min", "std"))
+        n = row["personalized_clients"]
+        assert (mean - low) ** 2 / (n - 1) - 1e-9 <= std ** 2 <= (1 - mean) * (mean - low) + 1e-9
     # two classes per client and a fine-tuning epoch: local accuracy beats the global model's
     assert rows[-1]["personalized_accuracy_mean"] > rows[-1]["test_accuracy"]
