@@ -27,7 +27,7 @@ from torch import nn
 
 from edge_client.methods.pans import PositionAwareReLU
 
-__all__ = ["FoldedPan", "ChannelConstant", "fold_pans", "has_pans"]
+__all__ = ["FoldedPan", "ChannelConstant", "fold_pans"]
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)
 
@@ -55,10 +55,6 @@ class ChannelConstant(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         e = self.encoding.view(1, -1, *([1] * (z.dim() - 2)))
         return z * e if self.mode == "mul" else z + e
-
-
-def has_pans(model: nn.Module) -> bool:
-    return any(isinstance(m, PositionAwareReLU) for m in model.modules())
 
 
 def _per_output(e: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-__all__ = ["COMPRESSORS", "CompressionError", "compress", "decompress", "is_compressed", "check_available"]
+__all__ = ["COMPRESSORS", "CompressionError", "compress", "decompress", "check_available"]
 
 # name -> (magic, default level, valid levels, pip package)
 COMPRESSORS: dict[str, tuple[bytes, int, range, str]] = {
@@ -59,10 +59,6 @@ def compress(payload: bytes, name: str, level: int | None = None) -> bytes:
         packed = _module(name).compress(payload, compression_level=level, store_size=True)
     framed = magic + packed
     return framed if len(framed) < len(payload) else payload
-
-
-def is_compressed(payload: bytes) -> bool:
-    return bytes(payload[:4]) in _BY_MAGIC
 
 
 def decompress(payload: bytes, max_bytes: int) -> bytes:
