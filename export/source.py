@@ -1,11 +1,11 @@
 """Where an exported model comes from: a run's checkpoint, optionally with one device's private state.
 
-Checkpoints are read here with safetensors directly (the export side never imports
-the coordinator): ``RUN_DIR/checkpoints/round_NNNN.safetensors`` holds the global
-parameters, and its ``fedge`` metadata entry is a JSON object with ``run_id``,
-``model`` (the model spec), ``strategy``, ``round`` and ``extra``. Nothing is
-unpickled; every tensor is checked against the model the spec builds (name, shape,
-finiteness) before it is loaded.
+Checkpoints (``RUN_DIR/checkpoints/``) are found and read by the coordinator's own
+reader, :mod:`coordinator.checkpoint`, the one place that knows their names and
+layout: the server state (round, global parameters, model spec, extra) and the info
+the coordinator saved with it (run id, strategy). Nothing is unpickled; every tensor
+is checked against the model the spec builds (name, shape, finiteness) before it is
+loaded.
 
 A device's personalized model combines the run's global part with what never left
 the device: for DFL, the global invariant extractor with the device's specific
@@ -17,7 +17,6 @@ from its own FFC statistics, ``STATE_DIR/sphere_classifier.safetensors``.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,8 +28,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
+from coordinator.checkpoint import CheckpointError, checkpoint_rounds, load_checkpoint
+from coordinator.strategies.base import ServerState
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_model
+from edge_client.wire.files import read_jsonl
 from export.errors import SourceError
 
 if sys.version_info >= (3, 11):
@@ -40,8 +42,6 @@ else:  # pragma: no cover
 
 __all__ = ["Checkpoint", "RunSource", "Personalized", "open_run", "find_checkpoint", "read_checkpoint",
            "global_model", "personalized_model", "load_tensors", "run_dir_of_state"]
-
-_ROUND_FILE = re.compile(r"^round_(\d{4,})\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,16 @@ class Checkpoint:
     strategy: str
     extra: dict[str, Any]
     params: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, path: Path, state: ServerState, info: Mapping[str, Any]) -> Checkpoint:
+        """The export's view of what ``load_checkpoint`` read: the state plus the run id and strategy
+        name the coordinator saved beside it."""
+        run_id, strategy = info.get("run_id"), info.get("strategy")
+        if not isinstance(run_id, str) or not isinstance(strategy, str):
+            raise SourceError(f"checkpoint {path} has no run id or strategy name in its metadata, so it was not "
+                              "written by fedge-coordinator; export a checkpoint of a fedge run")
+        return cls(path, state.round, run_id, state.spec, strategy, state.extra, state.params)
 
 
 @dataclass(frozen=True)
@@ -84,10 +94,6 @@ class Personalized:
     parts: dict[str, Any]
 
 
-def _rounds(directory: Path) -> dict[int, Path]:
-    return {int(m.group(1)): p for p in directory.glob("round_*.safetensors") if (m := _ROUND_FILE.match(p.name))}
-
-
 def find_checkpoint(source: Path, round: int | None = None) -> tuple[Path, Path | None]:
     """(checkpoint file, run directory or None) for a run directory or a checkpoint file."""
     source = Path(source)
@@ -99,7 +105,7 @@ def find_checkpoint(source: Path, round: int | None = None) -> tuple[Path, Path 
     if not source.is_dir():
         raise SourceError(f"{source} does not exist; pass a run directory (it holds checkpoints/) or a "
                           "checkpoints/round_NNNN.safetensors file")
-    found = _rounds(source / "checkpoints")
+    found = checkpoint_rounds(source / "checkpoints")
     if not found:
         raise SourceError(f"{source} has no checkpoints/round_NNNN.safetensors; is it a run directory "
                           "(fedge-coordinator run --out DIR) with at least one completed round?")
@@ -112,26 +118,17 @@ def find_checkpoint(source: Path, round: int | None = None) -> tuple[Path, Path 
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
-    """Parse a checkpoint file; SourceError names the file and the remedy when it is not one."""
+    """Read a checkpoint file; SourceError names the file and the remedy when it is not one."""
     path = Path(path)
-    if not path.is_file():
-        raise SourceError(f"checkpoint {path} does not exist")
     try:
-        data = path.read_bytes()
-        params = load_safetensors(data)
-        with safe_open(str(path), framework="pt") as fh:
-            info = json.loads((fh.metadata() or {})["fedge"])
-        if not isinstance(info, dict):
-            raise ValueError("its fedge metadata is not a JSON object")
-        spec, strategy = info["model"], info["strategy"]
-        if not isinstance(spec, dict) or not isinstance(strategy, str):
-            raise ValueError("its metadata has no model spec or strategy name")
-        checkpoint = Checkpoint(path, int(info["round"]), str(info["run_id"]), spec, strategy,
-                                dict(info.get("extra") or {}), {k: v.to(torch.float32) for k, v in params.items()})
-    except (SafetensorError, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise SourceError(f"checkpoint {path} is not a readable fedge checkpoint ({type(exc).__name__}: {exc}); "
+        state, info = load_checkpoint(path)
+    except CheckpointError as exc:
+        if exc.cause is None:
+            raise SourceError(f"checkpoint {path} does not exist; pass a run directory or one of its "
+                              "checkpoints/round_NNNN.safetensors files") from None
+        raise SourceError(f"checkpoint {path} is not a readable fedge checkpoint ({exc.cause}); "
                           "export another round with --round N") from None
-    return checkpoint
+    return Checkpoint.of(path, state, info)
 
 
 def _read_config(run_dir: Path | None) -> dict[str, Any]:
@@ -148,14 +145,7 @@ def _read_metrics(run_dir: Path | None, round: int) -> dict[str, Any]:
     path = None if run_dir is None else run_dir / "metrics.jsonl"
     if path is None or not path.is_file():
         return {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("round") == round:
-            return row
-    return {}
+    return next((row for row in read_jsonl(path) if row.get("round") == round), {})
 
 
 def open_run(source: Path, round: int | None = None) -> RunSource:

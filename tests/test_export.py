@@ -88,8 +88,8 @@ def trained(spec: dict, digits, epochs: int = 2) -> nn.Module:
 def write_run(directory: Path, model: nn.Module, spec: dict, *, round: int = 3, strategy: str = "fedavg") -> Path:
     """A run directory as the coordinator leaves it: config.toml and a checkpoint."""
     params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in federated_names(model)}
-    save_checkpoint(directory / "checkpoints", ServerState(round, params),
-                    {"run_id": "test-run", "model": {**spec, **DIGITS}, "strategy": strategy})
+    save_checkpoint(directory / "checkpoints", ServerState(round, params, {**spec, **DIGITS}),
+                    {"run_id": "test-run", "strategy": strategy})
     dump_config(load_config(None, [("data", "eval", "digits"), ("model", "name", spec["name"])]),
                 directory / "config.toml")
     return directory
@@ -234,8 +234,8 @@ def _fake_dfl_run(directory: Path, digits) -> Path:
     spec = {"name": "dfl", "backbone": "mlp", "hidden": [16]}
     model = build_model({**spec, **DIGITS})
     invariant = {k: v for k, v in model.state_dict().items() if k.startswith("invariant.")}
-    save_checkpoint(directory / "checkpoints", ServerState(1, invariant),
-                    {"run_id": "dfl-run", "model": {**spec, **DIGITS}, "strategy": "dfl"})
+    save_checkpoint(directory / "checkpoints", ServerState(1, invariant, {**spec, **DIGITS}),
+                    {"run_id": "dfl-run", "strategy": "dfl"})
     (directory / "clients" / "sim-000").mkdir(parents=True)
     return directory
 
