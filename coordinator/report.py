@@ -12,7 +12,10 @@ from profiling.units import human_bytes
 
 __all__ = ["RoundTable", "human_bytes"]
 
-_COLUMNS = ("round", "accuracy", "loss", "personal", "clients", "late/rej", "down", "up", "seconds")
+# Each column with the width of its plain-text line: the header or the widest usual cell ("1023.9 MB"),
+# so that a round fits one 80-column line of a CI log (a wider cell widens its line, never wraps it).
+_COLUMNS = (("round", 5), ("accuracy", 8), ("loss", 7), ("personal", 8), ("clients", 7), ("late/rej", 8),
+            ("down", 9), ("up", 9), ("seconds", 7))
 
 
 def _number(value: float | None) -> str:
@@ -34,13 +37,17 @@ def _cells(row: dict[str, Any]) -> list[str]:
     ]
 
 
+def _plain_line(cells: list[str]) -> str:
+    return " ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, _COLUMNS))
+
+
 class RoundTable:
     """Live table on a terminal; one plain line per round when output is a file or CI log."""
 
     def __init__(self, console: Console | None = None, title: str = "fedge") -> None:
         self.console = console or Console()
         self.table = Table(title=title)
-        for name in _COLUMNS:
+        for name, _ in _COLUMNS:
             self.table.add_column(name, justify="right")
         self._live: Live | None = None
 
@@ -49,14 +56,18 @@ class RoundTable:
             self._live = Live(self.table, console=self.console, refresh_per_second=4)
             self._live.__enter__()
         else:
-            self.console.print(" ".join(f"{c:>9}" for c in _COLUMNS))
+            self._print_line([name for name, _ in _COLUMNS])
         return self
 
     def add(self, row: dict[str, Any]) -> None:
         cells = _cells(row)
         self.table.add_row(*cells)
         if self._live is None:
-            self.console.print(" ".join(f"{c:>9}" for c in cells), highlight=False)
+            self._print_line(cells)
+
+    def _print_line(self, cells: list[str]) -> None:
+        """One line as is: rich would otherwise wrap it at the console's width, 80 columns when piped."""
+        self.console.print(_plain_line(cells), soft_wrap=True, highlight=False, markup=False)
 
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:

@@ -1,0 +1,45 @@
+"""The per-round table when output is piped (a file, a CI log): one plain line per round."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from coordinator.report import RoundTable
+
+ROWS = [
+    {"round": 0, "test_accuracy": 0.1024, "test_loss": 2.3031, "returned": 0, "selected": 0, "seconds": 0.4},
+    {"round": 7, "test_accuracy": 0.91234, "test_loss": 0.2345, "personalized_accuracy_mean": 0.95, "returned": 10,
+     "selected": 10, "late": 1, "rejected": 2, "bytes_down": 123_456_789, "bytes_up": 98_765_432, "seconds": 123.4},
+    {"round": 1000, "test_accuracy": None, "test_loss": 12.3456, "personalized_accuracy_mean": 0.5, "returned": 100,
+     "selected": 100, "late": 10, "rejected": 10, "bytes_down": 1023.9 * 2**20, "bytes_up": 1023.9 * 2**20,
+     "seconds": 99999.9},
+]
+
+
+def _piped_lines(rows: list[dict]) -> list[str]:
+    console = Console(file=io.StringIO(), width=80, force_terminal=False)
+    with RoundTable(console) as table:
+        for row in rows:
+            table.add(row)
+    return console.file.getvalue().splitlines()
+
+
+def test_piped_output_is_one_line_per_round_within_80_columns():
+    header, *lines = _piped_lines(ROWS)
+    assert header.split() == ["round", "accuracy", "loss", "personal", "clients", "late/rej", "down", "up",
+                              "seconds"]
+    assert len(lines) == len(ROWS)
+    for line, row in zip(lines, ROWS):
+        assert line.split()[0] == str(row["round"])
+        assert len(line) <= 80, line
+    assert lines[1].split() == ["7", "0.9123", "0.2345", "0.9500", "10/10", "1/2", "117.7", "MB", "94.2", "MB",
+                                "123.4"]
+    assert lines[2].split()[1] == "-"                          # no global accuracy (DFL)
+
+
+def test_a_cell_wider_than_its_column_widens_the_line_without_wrapping_it():
+    huge = {"round": 3, "test_loss": 1.0, "bytes_down": 5 * 2**40, "seconds": 12_345_678.9}   # 5120.0 GB
+    header, line = _piped_lines([huge])
+    assert line.split()[0] == "3" and line.split()[-1] == "12345678.9" and "5120.0 GB" in line
