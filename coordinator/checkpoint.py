@@ -60,6 +60,8 @@ def checkpoint_rounds(directory: Path) -> dict[int, Path]:
 def save_checkpoint(directory: Path, state: ServerState, info: dict[str, Any], *, keep_all: bool = True) -> Path:
     """Write the state atomically; ``info`` (run id, strategy) goes in the metadata beside the state's
     round, model spec and extra."""
+    if not state.spec:
+        raise ValueError("a checkpoint needs the state's model spec: the network cannot be rebuilt without it")
     path = checkpoint_path(directory, state.round)
     meta = {"fedge": json.dumps({**info, "round": state.round, "spec": state.spec, "extra": state.extra})}
     write_tensors_atomic(path, state.params, meta)

@@ -11,7 +11,7 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key, type, help)
 _FLAGS: dict[str, tuple[str, str, type, str]] = {
-    "--strategy": ("run", "strategy", str, "federated strategy: fedavg, fedprox, dfl"),
+    "--strategy": ("run", "strategy", str, "the method: fedavg, fedprox, spherefed, dfl (docs/methods.md)"),
     "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9"),
     "--rounds": ("run", "rounds", int, "number of federated rounds"),
     "--clients": ("clients", "expected", int, "how many clients the run waits for before round 1"),

@@ -1,18 +1,24 @@
 """Run configuration: TOML file, command-line flags and ``--set KEY=VALUE`` overrides.
 
 Sections are frozen dataclasses so a typo is an error naming the valid keys, not a
-silently ignored setting. The resolved configuration is written to
-``OUT/config.toml``, which is also what ``--resume`` reads back.
+silently ignored setting. The sections here are the runtime's; each method brings
+its own (``[fedprox]``, ``[dfl]``, ...), named in its registry entry
+(:mod:`edge_client.registry`) and defined beside its strategy, along with the model
+options it needs and the defaults it brings. The resolved configuration is written
+to ``OUT/config.toml``, which is also what ``--resume`` reads back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.errors import ConfigError
+from coordinator.methods import method_sections, requirements
 from coordinator.selection import SELECTIONS
 from edge_client.wire.chunking import MIN_MESSAGE_BYTES
 from edge_client.wire.codec import CodecError, parse_codec
@@ -22,11 +28,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "parse_override", "dump_config"]
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message says which and why."""
+__all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "with_method_requirements", "parse_override",
+           "dump_config"]
 
 
 @dataclass(frozen=True)
@@ -67,42 +70,6 @@ class TrainSection:
     momentum: float = 0.9
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0
-
-
-@dataclass(frozen=True)
-class FedProxSection:
-    mu: float = 0.01
-
-
-@dataclass(frozen=True)
-class DflSection:
-    """Disentangled FL (run.strategy = "dfl"); docs/dfl.md."""
-
-    local_epochs: int = 1           # local stage: specific extractor + predictor, invariant frozen
-    global_epochs: int = 1          # global stage: invariant extractor, the rest frozen
-    mi_min_weight: float = 1.0      # MI(invariant; specific), minimized
-    mi_max_weight: float = 1.0      # MI(invariant; received global invariant), maximized
-    specific_width: float = 1.0     # the specific extractor's width relative to the backbone
-    mi_hidden: int = 128            # hidden width of the MI critics
-    diversity: int = 0              # other clients' specific extractors relayed to each client (0: off, private)
-
-
-@dataclass(frozen=True)
-class SphereFedSection:
-    """SphereFed (run.strategy = "spherefed" with model.head = "sphere"); docs/spherefed.md."""
-
-    mu: float = 0.0                 # FedProx's proximal weight in local training (0: off)
-
-
-@dataclass(frozen=True)
-class FfcSection:
-    """SphereFed's Fast Federated Calibration of the classifier; docs/spherefed.md."""
-
-    enabled: bool = True            # calibrate after the last round
-    every: int = 0                  # ... and every this many rounds (0: only after the last)
-    ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one
-    dtype: str = "float64"          # statistics on the wire: float64 (exact) or float32 (half the bytes)
-    personalize: bool = False       # clients also solve their own classifier (kept in their state dir), scored locally
 
 
 @dataclass(frozen=True)
@@ -152,15 +119,21 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     clients: ClientsSection = field(default_factory=ClientsSection)
     train: TrainSection = field(default_factory=TrainSection)
-    fedprox: FedProxSection = field(default_factory=FedProxSection)
-    dfl: DflSection = field(default_factory=DflSection)
-    spherefed: SphereFedSection = field(default_factory=SphereFedSection)
-    ffc: FfcSection = field(default_factory=FfcSection)
     transport: TransportSection = field(default_factory=TransportSection)
     codec: CodecSection = field(default_factory=CodecSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
     export: ExportSection = field(default_factory=ExportSection)
+    # The methods' own sections (name -> dataclass), read as attributes: ``config.dfl.diversity``.
+    methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
+    # "section.key" the user set (file or flags): a method's defaults never override these.
+    explicit: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def __getattr__(self, name: str) -> Any:
+        methods = self.__dict__.get("methods", {})
+        if name in methods:
+            return methods[name]
+        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
 
     def validate(self) -> "RunConfig":
         c, r, t = self.clients, self.run, self.transport
@@ -169,21 +142,7 @@ class RunConfig:
             (c.max_attempts >= 1, "clients.max_attempts must be at least 1"),
             (self.train.epochs >= 1 and self.train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
             (self.train.lr > 0 and self.train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
-            (self.fedprox.mu >= 0, "fedprox.mu must be >= 0"),
-            (min(self.dfl.local_epochs, self.dfl.global_epochs, self.dfl.diversity) >= 0
-             and self.dfl.local_epochs + self.dfl.global_epochs >= 1,
-             "dfl.local_epochs and dfl.global_epochs must be >= 0 (not both 0), dfl.diversity >= 0"),
-            (min(self.dfl.mi_min_weight, self.dfl.mi_max_weight) >= 0 and self.dfl.specific_width > 0
-             and self.dfl.mi_hidden >= 1, "dfl MI weights must be >= 0, dfl.specific_width > 0, dfl.mi_hidden >= 1"),
             (0.0 <= self.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),
-            (r.strategy != "spherefed" or self.model.get("head") == "sphere",
-             'run.strategy = "spherefed" trains against the fixed sphere classifier: set model.head = "sphere"'),
-            (self.spherefed.mu >= 0, "spherefed.mu must be >= 0"),
-            (self.ffc.every >= 0 and self.ffc.ridge >= 0, "ffc.every and ffc.ridge must be >= 0"),
-            (self.ffc.enabled or self.ffc.every == 0, "ffc.every needs ffc.enabled = true"),
-            (self.ffc.dtype in ("float64", "float32"), "ffc.dtype must be float64 or float32"),
-            (not self.ffc.personalize or self.data.local_test_fraction > 0 or self.clients.spawn == 0,
-             "ffc.personalize needs data.local_test_fraction > 0 for spawned clients"),
             (self.eval.every >= 1 and self.eval.finetune_epochs >= 0, "eval.every must be >= 1, eval.finetune_epochs >= 0"),
             (not self.eval.personalized or self.data.local_test_fraction > 0 or self.clients.spawn == 0,
              "eval.personalized needs data.local_test_fraction > 0 for spawned clients"),
@@ -202,7 +161,11 @@ class RunConfig:
                                                        f"{MIN_MESSAGE_BYTES}"),
             (self.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
             ("name" in self.model, "model.name is required"),
+            *(check for section in self.methods.values() for check in section.checks(self)),
         ]
+        model_options, _ = requirements(r.strategy, self.model, self.explicit)   # an unknown strategy fails here
+        checks += [(self.model.get(k) == v, f"run.strategy = {r.strategy!r} needs model.{k} = {v!r}")
+                   for k, v in model_options.items()]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -254,30 +217,45 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
-def _from_dict(raw: dict[str, Any]) -> RunConfig:
+_NOT_SECTIONS = ("methods", "explicit")
+
+
+def _core_sections() -> dict[str, Any]:
+    """The runtime's own sections: name -> default value (a dataclass, or the model dict)."""
+    return {f.name: f.default_factory() for f in dataclasses.fields(RunConfig)  # type: ignore[misc]
+            if f.name not in _NOT_SECTIONS}
+
+
+def _from_dict(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> RunConfig:
+    core, methods = _core_sections(), method_sections()
     sections: dict[str, Any] = {}
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    method_values = {name: cls() for name, cls in methods.items()}
     for name, values in raw.items():
-        if name not in fields:
-            raise ConfigError(f"unknown config section [{name}]; valid: {', '.join(fields)}")
+        if name not in core and name not in methods:
+            raise ConfigError(f"unknown config section [{name}]; valid: {', '.join([*core, *methods])}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table")
         if name == "model":
             model = {k: v.parsed() if isinstance(v, OverrideText) and k != "name" else v for k, v in values.items()}
             sections[name] = {"name": "cnn", **{k: str(v) if k == "name" else v for k, v in model.items()}}
             continue
-        cls = fields[name].default_factory()  # type: ignore[misc]
-        known = {f.name: getattr(cls, f.name) for f in dataclasses.fields(cls)}
+        default = method_values[name] if name in methods else core[name]
+        known = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
         for key in values:
             if key not in known:
                 raise ConfigError(f"unknown key {name}.{key}; valid: {', '.join(known)}")
-        sections[name] = dataclasses.replace(cls, **{k: _coerce(name, k, v, known[k]) for k, v in values.items()})
-    return RunConfig(**sections)
+        value = dataclasses.replace(default, **{k: _coerce(name, k, v, known[k]) for k, v in values.items()})
+        if name in methods:
+            method_values[name] = value
+        else:
+            sections[name] = value
+    return RunConfig(**sections, methods=method_values, explicit=explicit)
 
 
 def _to_dict(config: RunConfig) -> dict[str, Any]:
-    return {f.name: (dict(getattr(config, f.name)) if f.name == "model" else dataclasses.asdict(getattr(config, f.name)))
-            for f in dataclasses.fields(config)}
+    core = {name: dict(config.model) if name == "model" else dataclasses.asdict(getattr(config, name))
+            for name in _core_sections()}
+    return {**core, **{name: dataclasses.asdict(value) for name, value in config.methods.items()}}
 
 
 def parse_override(item: str) -> tuple[str, str, OverrideText]:
@@ -293,11 +271,24 @@ def parse_override(item: str) -> tuple[str, str, OverrideText]:
     return section.strip(), key.strip(), OverrideText(text.strip())
 
 
-def apply_overrides(config: RunConfig, overrides: list[tuple[str, str, Any]]) -> RunConfig:
+def apply_overrides(config: RunConfig, overrides: list[tuple[str, str, Any]], *, explicit: bool = True) -> RunConfig:
+    """``config`` with (section, key, value) overrides; ``explicit``: the user set them (a method's
+    defaults never replace what the user set)."""
     raw = _to_dict(config)
     for section, key, value in overrides:
         raw.setdefault(section, {})[key] = value
-    return _from_dict(raw)
+    marked = {f"{section}.{key}" for section, key, _ in overrides} if explicit else set()
+    return _from_dict(raw, config.explicit | marked)
+
+
+def with_method_requirements(config: RunConfig) -> RunConfig:
+    """``config`` with the model options its strategy needs and the defaults it brings, where the user
+    set none (``--strategy spherefed`` alone gets ``model.head = "sphere"``); a conflicting value the
+    user set is an error that names both."""
+    model_options, defaults = requirements(config.run.strategy, config.model, config.explicit)
+    overrides = [("model", k, v) for k, v in model_options.items() if k not in config.model]
+    overrides += [(*key.split(".", 1), value) for key, value in defaults.items()]   # type: ignore[misc]
+    return apply_overrides(config, overrides, explicit=False) if overrides else config
 
 
 def load_config(path: Path | None = None, overrides: list[tuple[str, str, Any]] | None = None) -> RunConfig:
@@ -309,7 +300,8 @@ def load_config(path: Path | None = None, overrides: list[tuple[str, str, Any]] 
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    return apply_overrides(_from_dict(raw), overrides or []).validate()
+    given = frozenset(f"{name}.{key}" for name, values in raw.items() if isinstance(values, dict) for key in values)
+    return with_method_requirements(apply_overrides(_from_dict(raw, given), overrides or [])).validate()
 
 
 def dump_config(config: RunConfig, path: Path) -> None:

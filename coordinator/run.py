@@ -24,9 +24,10 @@ from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
-from coordinator.strategies import make_strategy
+from coordinator.methods import make_strategy
+from coordinator.strategies.base import Strategy
 from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
-from edge_client.wire.files import write_jsonl_atomic
+from edge_client.wire.files import read_jsonl, write_jsonl_atomic
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.methods.sphere_head import with_sphere_seed
@@ -51,8 +52,7 @@ def _read_metrics(path: Path, up_to_round: int) -> list[dict[str, Any]]:
     """Metrics rows of completed rounds; rows past the last checkpoint are dropped on resume."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r for r in rows if r["round"] <= up_to_round]
+    return [r for r in read_jsonl(path) if isinstance(r.get("round"), int) and r["round"] <= up_to_round]
 
 
 def _write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -124,36 +124,41 @@ def _prepare_out_dir(config: RunConfig, resume: bool) -> tuple[Path, str]:
 
 
 def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str], None] = print,
-                  on_round: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
-    """Run (or resume) the training run ``config`` describes; return its directory and summary."""
+                  on_round: Callable[[dict[str, Any]], None] | None = None,
+                  strategy: Strategy | None = None) -> RunResult:
+    """Run (or resume) the training run ``config`` describes; return its directory and summary.
+
+    ``strategy``: one to use instead of the configured ``run.strategy`` (a method being
+    developed, before it has a registry entry); the rest of the configuration applies as is.
+    """
     out, run_id = _prepare_out_dir(config, resume)
     dump_config(config, out / "config.toml")
     handler = _setup_file_log(out)
     try:
-        return _run(config, out, run_id, resume, say, on_round or (lambda row: None))
+        return _run(config, out, run_id, resume, say, on_round or (lambda row: None),
+                    strategy or make_strategy(config))
     finally:
         logging.getLogger("fedge").removeHandler(handler)
         handler.close()
 
 
 def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[[str], None],
-         on_round: Callable[[dict[str, Any]], None]) -> RunResult:
+         on_round: Callable[[dict[str, Any]], None], strategy: Strategy) -> RunResult:
     started = time.monotonic()
     dataset = load_dataset(config.data.eval)
     # As the clients see their data: attribute skew can change the channels (docs/dfl.md).
     x_eval, y_eval = evaluation_split(dataset, config.data.partition)
-    strategy = make_strategy(config)
-    spec = strategy.model_spec(with_sphere_seed({**config.model, "num_classes": dataset.num_classes,
-                                                 "in_channels": int(x_eval.shape[1]),
-                                                 "image_size": dataset.image_size}, config.run.seed))
-    if resume:
+    if resume:   # the network is the checkpoint's: a strategy may have changed it since round 1
         state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))  # type: ignore[arg-type]
         say(f"resuming run {run_id} after round {state.round}")
     else:
+        spec = strategy.model_spec(with_sphere_seed({**config.model, "num_classes": dataset.num_classes,
+                                                     "in_channels": int(x_eval.shape[1]),
+                                                     "image_size": dataset.image_size}, config.run.seed))
         torch.manual_seed(config.run.seed)
         model = build_model(spec)
         params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}
-        state = strategy.initialize(params)
+        state = strategy.initialize(spec, params)
     metrics_path = out / "metrics.jsonl"
     rows = _read_metrics(metrics_path, state.round) if resume else []
     eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
@@ -166,7 +171,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
 
     with _open_transport(config, run_id, say) as (transport, reach):
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
-                                  model_spec=spec, eval_data=eval_data, on_round=on_round)
+                                  eval_data=eval_data, on_round=on_round)
         coordinator.announce("running")
         spawned = SpawnedClients()
         try:
@@ -199,7 +204,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         finally:
             coordinator.announce("finished")
             spawned.stop()
-    summary = {**_summary(config, run_id, out, rows, time.monotonic() - started, spec), **strategy.summary(rows)}
+    summary = {**_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec),
+               **strategy.summary(rows)}
     if config.export.enabled:
         summary["export"] = _export_final(out, say)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")

@@ -13,7 +13,7 @@ import torch
 from coordinator.config import ConfigError, load_config
 from coordinator.engine import Coordinator, EvalData
 from coordinator.selection import PROBE_AFTER, SAFETY, DeadlineFilter, RoundTimes
-from coordinator.strategies import make_strategy
+from coordinator.methods import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
 from edge_client.models import federated_names
@@ -109,7 +109,7 @@ def test_deadline_selection_skips_a_client_that_is_really_slow(tmp_path, caplog)
     strategy = make_strategy(config)
     params = {k: v.clone() for k, v in model.state_dict().items() if k in federated_names(model)}
     coord = Coordinator(config, hub.connect("coordinator"), run_id="run1", out_dir=tmp_path, strategy=strategy,
-                        state=strategy.initialize(params), model_spec=CNN,
+                        state=strategy.initialize(CNN, params),
                         eval_data=EvalData(torch.from_numpy(digits.x_test), torch.from_numpy(digits.y_test)))
     stop = threading.Event()
     sizes = {"fast-a": 64, "fast-b": 64, "slow": 64 * 400}

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from coordinator.config import ConfigError, load_config
 from coordinator.run import run_federated
-from coordinator.strategies import make_strategy
+from coordinator.methods import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import (client_split, domain_palette, evaluation_split, load_dataset, parse_attribute_skew,
                               partition_indices)
@@ -235,7 +235,7 @@ def test_uploads_carry_only_the_invariant_branch(tmp_path, digits):
     spec = strategy.model_spec({"name": "cnn", "num_classes": 10, "in_channels": 3, "image_size": 8})
     assert spec["name"] == "dfl" and spec["backbone"] == "cnn"
     model = build_model(spec)
-    state = strategy.initialize({k: v for k, v in model.state_dict().items() if k in federated_names(model)})
+    state = strategy.initialize(spec, {k: v for k, v in model.state_dict().items() if k in federated_names(model)})
     invariant = part_names(state.params, "invariant")
     assert sorted(state.params) == invariant and invariant
     [plan] = strategy.configure("train", 1, state, ["dev1"])

@@ -21,6 +21,7 @@ from edge_client.models import MODELS, ModelSpecError, federated_names, state_sh
 from edge_client.registry import build_model
 
 CNN28 = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28}
+SPEC0 = {"name": "mlp"}   # checkpoints hold a spec; these tests only read it back
 MLP8 = {"name": "mlp", "num_classes": 10, "in_channels": 1, "image_size": 8, "hidden": [16]}
 
 
@@ -179,19 +180,19 @@ def _cnn_state(round: int, seed: int = 0) -> ServerState:
     torch.manual_seed(seed)
     model = build_model(CNN28)
     params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in federated_names(model)}
-    return ServerState(round=round, params=params, extra={"rng": [1, 2, 3], "note": "x"})
+    return ServerState(round=round, params=params, spec=CNN28, extra={"rng": [1, 2, 3], "note": "x"})
 
 
 def test_checkpoint_round_trip_is_exact(tmp_path):
     state = _cnn_state(3)
-    info = {"run_id": "run-1", "model": CNN28, "strategy": "fedavg"}
+    info = {"run_id": "run-1", "strategy": "fedavg"}
     path = save_checkpoint(tmp_path / "ckpt", state, info)
     assert path == checkpoint_path(tmp_path / "ckpt", 3) == tmp_path / "ckpt" / "round_0003.safetensors"
     assert sorted(p.name for p in path.parent.iterdir()) == ["round_0003.safetensors"]   # no temp file left
     loaded, loaded_info = load_checkpoint(path)
     assert loaded.round == 3
     assert loaded.extra == {"rng": [1, 2, 3], "note": "x"}
-    assert loaded_info == info
+    assert loaded_info == info and loaded.spec == CNN28
     assert loaded.params.keys() == state.params.keys()
     for k, v in state.params.items():
         assert loaded.params[k].dtype == torch.float32
@@ -202,7 +203,7 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
 
 def test_checkpoint_of_non_contiguous_params(tmp_path):
     w = torch.arange(6.0).reshape(2, 3)
-    path = save_checkpoint(tmp_path, ServerState(round=1, params={"w": w.t()}), {})
+    path = save_checkpoint(tmp_path, ServerState(round=1, params={"w": w.t()}, spec=SPEC0), {})
     loaded, info = load_checkpoint(path)
     assert torch.equal(loaded.params["w"], w.t()) and info == {} and loaded.extra == {}
 
@@ -210,9 +211,9 @@ def test_checkpoint_of_non_contiguous_params(tmp_path):
 def test_latest_checkpoint_picks_the_highest_round(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     assert latest_checkpoint(tmp_path / "does-not-exist") is None
-    small = ServerState(round=0, params={"w": torch.ones(2)})
+    small = ServerState(round=0, params={"w": torch.ones(2)}, spec=SPEC0)
     for r in (2, 10, 9, 9999, 10000, 1):
-        save_checkpoint(tmp_path, ServerState(round=r, params=small.params), {"r": r})
+        save_checkpoint(tmp_path, ServerState(round=r, params=small.params, spec=SPEC0), {"r": r})
     (tmp_path / "round_99999.tmp").write_bytes(b"partial")
     (tmp_path / "round_123456.safetensors.bak").write_bytes(b"x")
     (tmp_path / "round_7.safetensors").write_bytes(b"x")        # not a name save_checkpoint writes
@@ -226,9 +227,9 @@ def test_latest_checkpoint_picks_the_highest_round(tmp_path):
 def test_keep_all_false_removes_older_checkpoints(tmp_path):
     params = {"w": torch.ones(2)}
     for r in (1, 2):
-        save_checkpoint(tmp_path, ServerState(round=r, params=params), {})
+        save_checkpoint(tmp_path, ServerState(round=r, params=params, spec=SPEC0), {})
     assert len(list(tmp_path.glob("round_*.safetensors"))) == 2
-    path = save_checkpoint(tmp_path, ServerState(round=3, params={"w": torch.full((2,), 3.0)}), {},
+    path = save_checkpoint(tmp_path, ServerState(round=3, params={"w": torch.full((2,), 3.0)}, spec=SPEC0), {},
                            keep_all=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round_0003.safetensors"]
     assert latest_checkpoint(tmp_path) == path
@@ -237,13 +238,13 @@ def test_keep_all_false_removes_older_checkpoints(tmp_path):
 
 def test_keep_all_true_keeps_every_round(tmp_path):
     for r in (1, 2, 3):
-        save_checkpoint(tmp_path, ServerState(round=r, params={"w": torch.full((1,), float(r))}), {})
+        save_checkpoint(tmp_path, ServerState(round=r, params={"w": torch.full((1,), float(r))}, spec=SPEC0), {})
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"round_000{r}.safetensors" for r in (1, 2, 3)]
     assert torch.equal(load_checkpoint(checkpoint_path(tmp_path, 2))[0].params["w"], torch.tensor([2.0]))
 
 
 def _valid_bytes() -> bytes:
-    return save({"w": torch.ones(4)}, metadata={"fedge": json.dumps({"round": 1, "extra": {}})})
+    return save({"w": torch.ones(4)}, metadata={"fedge": json.dumps({"round": 1, "spec": SPEC0, "extra": {}})})
 
 
 @pytest.mark.parametrize("content", [
@@ -281,6 +282,7 @@ def test_valid_hand_written_checkpoint_loads(tmp_path):
     path.write_bytes(_valid_bytes())
     state, info = load_checkpoint(path)
     assert state.round == 1 and torch.equal(state.params["w"], torch.ones(4)) and info == {}
+    assert state.spec == SPEC0
 
 
 def test_missing_checkpoint_raises_checkpoint_error(tmp_path):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from coordinator.config import ConfigError, FfcSection, load_config
 from coordinator.engine import Coordinator, EvalData
 from coordinator.run import run_federated
-from coordinator.strategies import make_strategy
+from coordinator.methods import make_strategy
 from coordinator.strategies.base import ClientResult
 from coordinator.strategies.spherefed import SphereFed
 from edge_client.wire.chunking import ChunkingTransport
@@ -201,7 +201,7 @@ def test_ffc_equals_centralized_least_squares_for_any_split_and_grouping(digits)
 
     float32_state = sphere_model("mlp", hidden=[64])
     strategy = SphereFed({}, sphere_seed=7, ffc=FfcSection())
-    state = strategy.initialize({k: v.clone() for k, v in float32_state.state_dict().items()})
+    state = strategy.initialize({}, {k: v.clone() for k, v in float32_state.state_dict().items()})
     for name, parts in splits(digits.y_train).items():
         stats = [client_stats_over_the_wire(model, x[p], y[p])[0] for p in parts]
         assert sum(s.count for s in stats) == len(y)
@@ -264,7 +264,7 @@ def test_a_client_without_samples_is_refused_cleanly():
     # A malformed result is discarded and counted; the others still calibrate.
     good = FfcStats(torch.eye(64, dtype=torch.float64), torch.ones(64, 10, dtype=torch.float64), 5)
     strategy = SphereFed({}, sphere_seed=7)
-    state = strategy.initialize({k: v.clone() for k, v in model.state_dict().items()})
+    state = strategy.initialize({}, {k: v.clone() for k, v in model.state_dict().items()})
     results = [ClientResult("a", 5, good.to_wire()), ClientResult("b", 9, good.to_wire())]   # b lies about n
     new, metrics = strategy.aggregate("ffc", 3, state, results)
     assert (metrics["ffc_clients"], metrics["ffc_discarded"], metrics["ffc_samples"]) == (1, 1, 5)
@@ -287,7 +287,7 @@ def test_an_empty_client_fails_its_tasks_and_the_others_calibrate(tmp_path, digi
     torch.manual_seed(0)
     params = {k: v.clone() for k, v in build_model(spec).state_dict().items()}
     coord = Coordinator(config, hub.connect("coordinator"), run_id="run1", out_dir=tmp_path, strategy=strategy,
-                        state=strategy.initialize(params), model_spec=spec,
+                        state=strategy.initialize(spec, params),
                         eval_data=EvalData(torch.from_numpy(digits.x_test), torch.from_numpy(digits.y_test)))
     x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
     datas = [LocalData(x[:700], y[:700]), LocalData(x[700:], y[700:]), LocalData(x[:0], y[:0])]

@@ -27,10 +27,18 @@ class AggregationError(ValueError):
 
 @dataclass(frozen=True)
 class ServerState:
-    """Everything the coordinator needs to continue a run: saved in each checkpoint."""
+    """Everything the coordinator needs to continue a run: saved in each checkpoint.
+
+    ``spec`` is the model spec every party builds the network from (JSON, sent with
+    each task). It belongs to the state, not to the run's configuration, because a
+    method may change the network between rounds (FedMA grows layers): a strategy
+    returns a state with a new spec and matching parameters, and the coordinator,
+    the devices, the checkpoint and the export all follow it.
+    """
 
     round: int
     params: dict[str, torch.Tensor]
+    spec: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)   # JSON-serializable strategy state
 
 
@@ -130,8 +138,9 @@ class Strategy:
         wraps it here."""
         return spec
 
-    def initialize(self, params: dict[str, torch.Tensor]) -> ServerState:
-        return ServerState(round=0, params=params)
+    def initialize(self, spec: dict[str, Any], params: dict[str, torch.Tensor]) -> ServerState:
+        """The state before round 1: the network ``spec`` builds and its freshly initialized ``params``."""
+        return ServerState(round=0, params=params, spec=spec)
 
     def phases(self, round: int, last: bool) -> list[str]:
         """The exchanges of a round, in order; a strategy may add e.g. a calibration phase."""

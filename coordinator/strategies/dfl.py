@@ -23,21 +23,49 @@ it reports no global test accuracy; the personalized metrics are DFL's result.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from coordinator.config import ConfigError, DflSection, RunConfig
+from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, PersonalizedEval, ServerState, Strategy, TaskPlan, WeightedSum
 from edge_client.methods.dfl_model import INVARIANT, SPECIFIC, part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 
-__all__ = ["DFL", "BANK"]
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+__all__ = ["DFL", "DflSection", "BANK"]
 
 BANK = "bank"   # state names of relayed specific extractors: bank/CLIENT_ID/specific.*
+
+
+@dataclass(frozen=True)
+class DflSection:
+    """``[dfl]``: disentangled FL (run.strategy = "dfl"); docs/dfl.md."""
+
+    local_epochs: int = 1           # local stage: specific extractor + predictor, invariant frozen
+    global_epochs: int = 1          # global stage: invariant extractor, the rest frozen
+    mi_min_weight: float = 1.0      # MI(invariant; specific), minimized
+    mi_max_weight: float = 1.0      # MI(invariant; received global invariant), maximized
+    specific_width: float = 1.0     # the specific extractor's width relative to the backbone
+    mi_hidden: int = 128            # hidden width of the MI critics
+    diversity: int = 0              # other clients' specific extractors relayed to each client (0: off, private)
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        return [
+            (min(self.local_epochs, self.global_epochs, self.diversity) >= 0
+             and self.local_epochs + self.global_epochs >= 1,
+             "dfl.local_epochs and dfl.global_epochs must be >= 0 (not both 0), dfl.diversity >= 0"),
+            (min(self.mi_min_weight, self.mi_max_weight) >= 0 and self.specific_width > 0 and self.mi_hidden >= 1,
+             "dfl MI weights must be >= 0, dfl.specific_width > 0, dfl.mi_hidden >= 1"),
+        ]
 
 
 class DFL(Strategy):
@@ -48,13 +76,12 @@ class DFL(Strategy):
         self.settings = settings
         self.seed = seed
         self.personalized = PersonalizedEval(every=every)   # DFL's result is personalized accuracy
-        self._specific: list[str] = []                      # names of a specific extractor (diversity only)
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "DFL":
         if config.clients.spawn > 0 and config.data.local_test_fraction <= 0:
-            raise ConfigError("dfl reports personalized accuracy on each client's held-out split: set "
-                              "data.local_test_fraction > 0 (e.g. 0.2)")
+            raise ConfigError("dfl reports personalized accuracy on each client's held-out split: "
+                              "data.local_test_fraction must be > 0 (leave it unset for dfl's default, 0.2)")
         return cls(dataclasses.asdict(config.train), config.dfl, seed=config.run.seed, every=config.eval.every)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -65,13 +92,15 @@ class DFL(Strategy):
         s = self.settings
         wrapped = {**spec, "name": "dfl", "backbone": spec["name"], "specific_width": s.specific_width,
                    "mi_hidden": s.mi_hidden, **({"peers": s.diversity} if s.diversity else {})}
-        if s.diversity:
-            self._specific = part_names(federated_names(_model(wrapped)), SPECIFIC)
         return wrapped
 
-    def initialize(self, params: dict[str, torch.Tensor]) -> ServerState:
+    def initialize(self, spec: dict[str, Any], params: dict[str, torch.Tensor]) -> ServerState:
         """Only the invariant extractor is global; the other branches start on each device."""
-        return ServerState(round=0, params={k: params[k] for k in part_names(params, INVARIANT)})
+        return ServerState(round=0, params={k: params[k] for k in part_names(params, INVARIANT)}, spec=spec)
+
+    def _specific(self, state: ServerState) -> list[str]:
+        """Names of a specific extractor: what clients send and the coordinator relays (diversity only)."""
+        return _specific_names(json.dumps(state.spec, sort_keys=True)) if self.settings.diversity else []
 
     def _hyper(self, peers: int = 0) -> dict[str, Any]:
         s = self.settings
@@ -90,15 +119,16 @@ class DFL(Strategy):
         chosen = random.Random(f"{self.seed}/{round}/{client}").sample(banked, min(self.settings.diversity,
                                                                                     len(banked)))
         return {f"peers.{i}.{name.removeprefix(SPECIFIC + '.')}": state.params[f"{BANK}/{cid}/{name}"]
-                for i, cid in enumerate(chosen) for name in self._specific}
+                for i, cid in enumerate(chosen) for name in self._specific(state)}
 
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         invariant = self._invariant(state)
-        up = sorted(invariant) + self._specific
+        specific = self._specific(state)
+        up = sorted(invariant) + specific
         plans = []
         for c in clients:
             peers = self._peers(round, state, c) if self.settings.diversity else {}
-            count = len(peers) // max(len(self._specific), 1)
+            count = len(peers) // max(len(specific), 1)
             plans.append(TaskPlan(client_id=c, objective="dfl_train", hyper=self._hyper(count),
                                   down={**invariant, **peers}, up=up))
         return plans
@@ -113,7 +143,7 @@ class DFL(Strategy):
         """Sample-weighted mean of the invariant extractors; with diversity, bank each specific one."""
         names = part_names(state.params, INVARIANT)
         total = WeightedSum.reduce(WeightedSum.of({k: r.tensors[k] for k in names}, r.num_samples) for r in results)
-        banked = {f"{BANK}/{r.client_id}/{k}": r.tensors[k] for r in results for k in self._specific}
+        banked = {f"{BANK}/{r.client_id}/{k}": r.tensors[k] for r in results for k in self._specific(state)}
         return dataclasses.replace(state, round=round, params={**state.params, **total.mean(), **banked})
 
     def configure_evaluate(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
@@ -126,9 +156,11 @@ class DFL(Strategy):
         return {}
 
 
-def _model(spec: dict[str, Any]) -> nn.Module:
+@functools.lru_cache(maxsize=4)
+def _specific_names(spec_json: str) -> list[str]:
     with torch.random.fork_rng(devices=[]):   # building it must not move the run's seeded initialization
-        return build_model(spec)
+        model = build_model(json.loads(spec_json))
+    return part_names(federated_names(model), SPECIFIC)
 
 
 def _train_metrics(results: list[ClientResult]) -> dict[str, Any]:

@@ -7,11 +7,25 @@ only adds the proximal weight ``mu`` to the clients' local objective.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
 
-__all__ = ["FedAvg", "FedProx"]
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+__all__ = ["FedAvg", "FedProx", "FedProxSection"]
+
+
+@dataclass(frozen=True)
+class FedProxSection:
+    """``[fedprox]``: the proximal term of FedProx (run.strategy = "fedprox")."""
+
+    mu: float = 0.01
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        return [(self.mu >= 0, "fedprox.mu must be >= 0")]
 
 
 class FedAvg(Strategy):
@@ -19,6 +33,10 @@ class FedAvg(Strategy):
 
     def __init__(self, train: dict[str, Any]) -> None:
         self.train = dict(train)
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "FedAvg":
+        return cls(dataclasses.asdict(config.train))
 
     def hyper(self) -> dict[str, Any]:
         return dict(self.train)
@@ -42,6 +60,10 @@ class FedProx(FedAvg):
         if mu < 0:
             raise ValueError(f"fedprox.mu must be >= 0, got {mu}")
         self.mu = mu
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "FedProx":
+        return cls(dataclasses.asdict(config.train), config.fedprox.mu)
 
     def hyper(self) -> dict[str, Any]:
         return {**self.train, "mu": self.mu}

@@ -17,19 +17,23 @@ import dataclasses
 import logging
 import statistics
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from coordinator.config import ConfigError, FfcSection, RunConfig
+from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, ServerState, TaskPlan, summarize_personalized
 from coordinator.strategies.fedavg import FedProx
 from edge_client.methods.sphere import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
                                         sphere_head, wire_numbers, wire_shapes)
 from edge_client.methods.sphere_head import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
 
-__all__ = ["SphereFed"]
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+__all__ = ["SphereFed", "SphereFedSection", "FfcSection"]
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -37,6 +41,36 @@ log = logging.getLogger("fedge.coordinator")
 _SUMMARY_KEYS = ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_clients", "ffc_samples", "ffc_ridge",
                  "ffc_singular", "ffc_stats_numbers", "ffc_stats_dtype", "ffc_bytes_up", "ffc_coordinator_seconds",
                  "ffc_client_seconds_max", "ffc_personalized_accuracy_mean", "ffc_personalized_fixed_accuracy_mean")
+
+
+@dataclass(frozen=True)
+class SphereFedSection:
+    """``[spherefed]``: local training of SphereFed (docs/spherefed.md)."""
+
+    mu: float = 0.0                 # FedProx's proximal weight in local training (0: off)
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        return [(self.mu >= 0, "spherefed.mu must be >= 0")]
+
+
+@dataclass(frozen=True)
+class FfcSection:
+    """``[ffc]``: SphereFed's Fast Federated Calibration of the classifier (docs/spherefed.md)."""
+
+    enabled: bool = True            # calibrate after the last round
+    every: int = 0                  # ... and every this many rounds (0: only after the last)
+    ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one
+    dtype: str = "float64"          # statistics on the wire: float64 (exact) or float32 (half the bytes)
+    personalize: bool = False       # clients also solve their own classifier (kept in their state dir), scored locally
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        return [
+            (self.every >= 0 and self.ridge >= 0, "ffc.every and ffc.ridge must be >= 0"),
+            (self.enabled or self.every == 0, "ffc.every needs ffc.enabled = true"),
+            (self.dtype in WIRE_DTYPES, "ffc.dtype must be float64 or float32"),
+            (not self.personalize or config.data.local_test_fraction > 0 or config.clients.spawn == 0,
+             "ffc.personalize needs data.local_test_fraction > 0 for spawned clients"),
+        ]
 
 
 class SphereFed(FedProx):
@@ -68,8 +102,8 @@ class SphereFed(FedProx):
         """What travels: everything but the classifier."""
         return {k: v for k, v in state.params.items() if k != CLASSIFIER}
 
-    def initialize(self, params: dict[str, torch.Tensor]) -> ServerState:
-        state = ServerState(round=0, params=params)
+    def initialize(self, spec: dict[str, Any], params: dict[str, torch.Tensor]) -> ServerState:
+        state = ServerState(round=0, params=params, spec=spec)
         if CLASSIFIER not in params:
             raise ConfigError('spherefed needs a model with head = "sphere" (its state has no classifier.weight)')
         if not torch.equal(params[CLASSIFIER], self.fixed(state)):

@@ -1,0 +1,9 @@
+"""The configuration error, apart from the config module so strategies can raise it without importing it."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message says which and why."""
