@@ -37,8 +37,8 @@ from edge_client.data import client_split, load_dataset
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
-from edge_client.wire.protocol import decode, encode
-from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from edge_client.wire.protocol import ResultBody, UploadSettings, decode, encode
+from edge_client.wire.updates import ResidualStore, decode_upload, encode_upload
 from profiling.profiler import Profiler
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -72,12 +72,13 @@ def measure(text: str, trained, received, repeats: int) -> dict:
     for _ in range(repeats):
         store = ResidualStore(None)      # the first round of a run: no residual yet
         t0 = time.perf_counter()
-        wire, fields = encode_upload(trained, received, settings, store, "bench")
-        payload = spec.compress(encode("result", run_id="bench", round=1, task_id="t", sender="bench",
-                                       body={"num_samples": 1, **fields}, tensors=wire))
+        wire, delta = encode_upload(trained, received, settings, store, "bench")
+        body = ResultBody(num_samples=1, codec=spec, delta=tuple(delta))
+        payload = encode("result", run_id="bench", round=1, task_id="t", sender="bench", body=body.to_body(),
+                         tensors=wire, compression=spec)
         t1 = time.perf_counter()
         msg = decode(payload)
-        got = decode_upload(msg.tensors, msg.body, shapes, received)
+        got = decode_upload(msg.tensors, ResultBody.from_body(msg.body), shapes, received)
         t2 = time.perf_counter()
         encode_s.append(t1 - t0)
         decode_s.append(t2 - t1)
@@ -113,7 +114,8 @@ def main() -> int:
                                     f"of 10 ({info['samples']} samples), as a difference",
                           "threads": 1, "repeats": args.repeats,
                           "encode": "encode_upload (difference, error feedback, codec) + envelope + compression",
-                          "decode": "decompression + envelope checks + decode_upload (codec checks, add back)",
+                          "decode": "decompression + envelope checks + body parsing + decode_upload (codec checks, "
+                                    "add back)",
                           "error": "||received update - true update|| / ||true update||, one round"},
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "arch": platform.machine(), "cpus": os.cpu_count()},

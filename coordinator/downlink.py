@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from coordinator.config import RunConfig
 from coordinator.strategies.base import TaskPlan
 from edge_client.wire.codec import CodecSpec, parse_codec
-from edge_client.wire.protocol import encode
-from edge_client.wire.updates import UploadSettings, encode_download
+from edge_client.wire.protocol import ModelBody, TaskBody, UploadSettings, encode
+from edge_client.wire.updates import encode_download
 
 __all__ = ["shared_tensors", "Downlink"]
 
@@ -41,30 +40,34 @@ class Downlink:
     def __init__(self, config: RunConfig, run_id: str) -> None:
         self.config = config
         self.run_id = run_id
-        self.spec = parse_codec(config.codec.down).dense()
-        self.up = parse_codec(config.codec.up)
+        self.spec = parse_codec(config.codec.down).dense()   # the codec of every task and broadcast
+        # Upload codecs by a plan's own spec (None: the run's codec.up), each parsed once.
+        self._upload_codecs: dict[str | None, CodecSpec] = {None: parse_codec(config.codec.up)}
 
-    def _encode(self, kind: str, round: int, task_id: str, body: dict[str, Any],
+    def _encode(self, kind: str, round: int, task_id: str, body: ModelBody | TaskBody,
                 tensors: dict[str, torch.Tensor]) -> bytes:
         # Seeded, so a retried attempt re-encodes the same bytes (same broadcast hash).
         generator = torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + round)
-        wire, fields = encode_download(tensors, self.spec, generator=generator)
-        return self.spec.compress(encode(kind, run_id=self.run_id, round=round, task_id=task_id,
-                                         sender="coordinator", body={**body, **fields}, tensors=wire))
+        wire = encode_download(tensors, body.codec, generator=generator)
+        return encode(kind, run_id=self.run_id, round=round, task_id=task_id, sender="coordinator",
+                      body=body.to_body(), tensors=wire, compression=body.codec)
 
     def broadcast(self, round: int, tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:
         """The ``model`` message for ``tensors`` and the SHA-256 (hex) tasks reference it by."""
-        payload = self._encode("model", round, "", {}, tensors)
+        payload = self._encode("model", round, "", ModelBody(self.spec), tensors)
         return payload, hashlib.sha256(payload).hexdigest()
 
-    def task(self, round: int, task_id: str, body: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bytes:
+    def task(self, round: int, task_id: str, body: TaskBody, tensors: dict[str, torch.Tensor]) -> bytes:
+        """The ``task`` message: ``tensors`` in the body's codec (normally :attr:`spec`)."""
         return self._encode("task", round, task_id, body, tensors)
 
     def upload_codec(self, plan: TaskPlan) -> CodecSpec:
         """The codec a plan's result comes in: its own (``plan.codec``) or the run's ``codec.up``."""
-        return parse_codec(plan.codec) if plan.codec is not None else self.up
+        if plan.codec not in self._upload_codecs:
+            self._upload_codecs[plan.codec] = parse_codec(plan.codec)
+        return self._upload_codecs[plan.codec]
 
-    def upload(self, plan: TaskPlan) -> dict[str, Any]:
+    def upload(self, plan: TaskPlan) -> UploadSettings:
         """The task's ``upload`` field: statistics (``plan.expect``) always go back raw."""
         update = "raw" if plan.expect is not None else plan.update
-        return UploadSettings(self.upload_codec(plan), update, self.config.codec.error_feedback).to_body()
+        return UploadSettings(self.upload_codec(plan), update, self.config.codec.error_feedback)

@@ -8,6 +8,7 @@ checked; anything unacceptable is counted and logged, never raised.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from coordinator.checkpoint import save_checkpoint
 from coordinator.config import RunConfig
@@ -29,7 +31,8 @@ from coordinator.strategies.base import ClientResult, ServerState, Strategy, Tas
 from coordinator.diagnostics import divergence_metrics
 from edge_client.models import state_shapes
 from edge_client.registry import build_model
-from edge_client.wire.protocol import Message, ProtocolError, Topics, check_tensors, decode, encode
+from edge_client.wire.protocol import (Message, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody, Topics,
+                                       check_tensors, decode, encode)
 from edge_client.wire.chunking import ChunkingTransport
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
 from edge_client.wire.updates import decode_upload
@@ -79,8 +82,10 @@ class Coordinator:
     """Runs the rounds of one federated training run."""
 
     def __init__(self, config: RunConfig, transport: Transport, *, run_id: str, out_dir: Path,
-                 strategy: Strategy, state: ServerState, model_spec: dict[str, Any], eval_data: EvalData,
+                 strategy: Strategy, state: ServerState, eval_data: EvalData,
                  on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+        if not state.spec:
+            raise ValueError("the server state has no model spec; build it with Strategy.initialize(spec, params)")
         self.config = config
         t = config.transport
         # Chunks what is over the broker's packet limit, reassembles what comes in chunks.
@@ -90,17 +95,15 @@ class Coordinator:
         self.out = out_dir
         self.strategy = strategy
         self.state = state
-        self.model_spec = model_spec
         self.eval_data = eval_data
         self.on_round = on_round or (lambda row: None)
         self.topics = Topics(config.transport.prefix)
-        self.model = build_model(model_spec)
-        self.shapes = state_shapes(self.model)
-        self.fp32_model_bytes = 4 * sum(math.prod(s) for s in self.shapes.values())
+        self._network_key = ""                        # the spec self.model was built from (JSON)
+        self.model, self.shapes = self._network()
         self.downlink = Downlink(config, run_id)
         self._broadcast_digest = ""                   # the model message last published
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
-        self.online: dict[str, dict[str, Any]] = {}
+        self.online: dict[str, PresenceBody] = {}
         self.sent_tasks: set[str] = set()
         self.round_times = RoundTimes()
         self._deadline_filter = DeadlineFilter(self.round_times)
@@ -131,6 +134,23 @@ class Coordinator:
             elif kind == "presence" and incoming.payload:
                 self._on_presence(client_id, incoming.payload)
 
+    def _network(self) -> tuple[nn.Module, dict[str, tuple[int, ...]]]:
+        """The coordinator's copy of the network the state's spec describes, and its tensor shapes.
+
+        Rebuilt only when a strategy changed the spec; the shapes are what results are checked against.
+        """
+        key = json.dumps(self.state.spec, sort_keys=True)
+        if key != self._network_key:
+            with torch.random.fork_rng(devices=[]):   # building must not move the run's random stream
+                model = build_model(self.state.spec)
+            self.model, self.shapes, self._network_key = model, state_shapes(model), key
+        return self.model, self.shapes
+
+    @property
+    def fp32_model_bytes(self) -> int:
+        """The whole exchanged model in float32: the reference traffic is measured against."""
+        return 4 * sum(math.prod(s) for s in self.shapes.values())
+
     def _add_bytes(self, client_id: str, direction: str, n: int) -> None:
         self._client_bytes.setdefault(client_id, {"down": 0, "up": 0})[direction] += n
 
@@ -142,21 +162,30 @@ class Coordinator:
             return
         if msg.sender != client_id or msg.kind != "presence":
             return
-        if msg.body.get("state") == "online":
+        try:
+            body = PresenceBody.from_body(msg.body)
+        except ProtocolError as exc:
+            log.warning("ignored presence of %s: %s", client_id, exc)
+            return
+        if body.state == "online":
             if client_id not in self.online:
-                log.info("client %s online (%s samples)", client_id, msg.body.get("num_samples"))
-            self.online[client_id] = msg.body
+                log.info("client %s online (%s samples)", client_id, body.num_samples)
+            self.online[client_id] = body
         elif self.online.pop(client_id, None) is not None:
             log.info("client %s went offline", client_id)
+
+    def _device(self, client_id: str) -> dict[str, Any] | None:
+        """The device facts a client announced with its presence, if it is online."""
+        presence = self.online.get(client_id)
+        return presence.device if presence is not None else None
 
     def _count(self, what: str, client_id: str, reason: str) -> None:
         self._round.counts[what] += 1
         log.warning("%s result from %s: %s", what, client_id, reason)
 
     def _status(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:
-        body = {"state": state, "task_id": task_id, **({"reason": reason} if reason else {})}
         payload = encode("status", run_id=self.run_id, round=self._round.round, task_id=task_id,
-                         sender="coordinator", body=body)
+                         sender="coordinator", body=StatusBody(state, task_id, reason).to_body())
         self._publish(self.topics.client(client_id, "status"), payload)
 
     def _on_result(self, client_id: str, payload: bytes) -> None:
@@ -169,10 +198,16 @@ class Coordinator:
         if msg.kind != "result" or msg.sender != client_id:
             self._count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
             return
-        profile = clean_profile(msg.body.get("profile"))
+        try:   # a body that does not parse is rejected below, once the result is sorted
+            body: ResultBody | None = ResultBody.from_body(msg.body)
+            problem = ""
+        except ProtocolError as exc:
+            body, problem = None, str(exc)
+        profile = clean_profile(body.profile if body is not None else None)
         answered = self.round_times.answered(msg.task_id, client_id, time.monotonic())
         if answered is not None:   # the first answer to a task this coordinator gave this client
-            self._store_profile(client_id, msg, profile, *answered, late=msg.task_id not in book.plans)
+            self._store_profile(client_id, msg, body.error if body is not None else None, profile, *answered,
+                                late=msg.task_id not in book.plans)
         plan = book.plans.get(msg.task_id)
         if msg.run_id != self.run_id or (plan is None and msg.task_id in self.sent_tasks):
             self._count("late", client_id, f"task {msg.task_id} of round {msg.round} is over")
@@ -188,9 +223,11 @@ class Coordinator:
             return
         book.profiles[client_id] = profile
         try:
-            result = self._accept(plan, msg)
+            if body is None:
+                raise ProtocolError(problem)
+            result = self._accept(plan, msg, body)
         except ProtocolError as exc:
-            what = "failed" if "error" in msg.body else "rejected"
+            what = "failed" if body is not None and body.error is not None else "rejected"
             self._count(what, client_id, str(exc))
             if what == "failed":   # the client said it cannot run the task: it will send nothing else
                 book.failed.add(client_id)
@@ -199,30 +236,20 @@ class Coordinator:
         book.results[client_id] = result
         self._status(client_id, msg.task_id, "ack")
 
-    def _store_profile(self, client_id: str, msg: Message, profile: dict[str, Any], round_seconds: float,
-                       objective: str, *, late: bool) -> None:
-        error = msg.body.get("error")
+    def _store_profile(self, client_id: str, msg: Message, error: str | None, profile: dict[str, Any],
+                       round_seconds: float, objective: str, *, late: bool) -> None:
         self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, objective=objective,
                                round_seconds=round_seconds, late=late,
-                               error=None if error is None else str(error)[:500], profile=profile,
-                               device=self.online.get(client_id, {}).get("device"))
+                               error=None if error is None else error[:500], profile=profile,
+                               device=self._device(client_id))
 
-    def _accept(self, plan: TaskPlan, msg: Message) -> ClientResult:
-        if "error" in msg.body:
-            raise ProtocolError(f"client could not run the task: {msg.body['error']}")
-        n = msg.body.get("num_samples")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ProtocolError(f"num_samples must be a positive integer, got {n!r}")
+    def _accept(self, plan: TaskPlan, msg: Message, body: ResultBody) -> ClientResult:
+        if body.error is not None:
+            raise ProtocolError(f"client could not run the task: {body.error}")
         expect = plan.expect if plan.expect is not None else {k: self.shapes[k] for k in plan.up}
-        tensors = decode_upload(msg.tensors, msg.body, expect, plan.down)   # differences back to parameters
+        tensors = decode_upload(msg.tensors, body, expect, plan.down)   # differences back to parameters
         check_tensors(tensors, expect, self.downlink.upload_codec(plan).dtype)   # float64 for fp64 statistics
-        metrics = msg.body.get("metrics", {})
-        if not isinstance(metrics, dict):
-            metrics = {}
-        # Only finite numbers are kept: a client's metrics feed sums and tables.
-        metrics = {k: float(v) for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-        return ClientResult(plan.client_id, n, tensors, metrics)
+        return ClientResult(plan.client_id, body.num_samples, tensors, dict(body.metrics))
 
     def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> int:
         """Publish (in chunks if needed) and return the bytes sent; a message too large ends the run."""
@@ -238,7 +265,7 @@ class Coordinator:
         """Tell every client the run's state and current round (older tasks are stale)."""
         current = self.state.round + 1 if round is None else round
         payload = encode("status", run_id=self.run_id, round=current,
-                         task_id="", sender="coordinator", body={"state": state})
+                         task_id="", sender="coordinator", body=StatusBody(state).to_body())
         self._publish(self.topics.coordinator_status, payload, retain=True)
 
     # -- rounds ---------------------------------------------------------------
@@ -267,8 +294,7 @@ class Coordinator:
         timeout = self.config.clients.round_timeout
         for task_id, client_id, objective in self.round_times.missed(book.plans, timeout):
             self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
-                                   round_seconds=timeout, missed=True,
-                                   device=self.online.get(client_id, {}).get("device"))
+                                   round_seconds=timeout, missed=True, device=self._device(client_id))
 
     def _skip_predicted_late(self, pool: list[str], round: int) -> list[str]:
         c = self.config.clients
@@ -296,10 +322,10 @@ class Coordinator:
         digest = self._broadcast(book, shared) if shared else ""
         for plan in plans:
             task_id = uuid.uuid4().hex[:16]
-            body = {"objective": plan.objective, "hyper": plan.hyper, "model": self.model_spec, "up": plan.up,
-                    "seed": self.config.run.seed, "timeout": c.round_timeout, "resend_every": c.resend_every,
-                    "deadline": time.time() + c.round_timeout, "upload": self.downlink.upload(plan),
-                    **({"broadcast": digest} if digest else {})}
+            body = TaskBody(objective=plan.objective, model=self.state.spec, up=tuple(plan.up), hyper=plan.hyper,
+                            upload=self.downlink.upload(plan), codec=self.downlink.spec, broadcast=digest or None,
+                            seed=self.config.run.seed, timeout=c.round_timeout, resend_every=c.resend_every,
+                            deadline=time.time() + c.round_timeout)
             own = {k: v for k, v in plan.down.items() if k not in shared}
             payload = self.downlink.task(book.round, task_id, body, own)
             book.plans[task_id] = plan
@@ -365,9 +391,9 @@ class Coordinator:
                 row.update({f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results),
                             f"{phase}_bytes_down": totals["bytes_down"], f"{phase}_bytes_up": totals["bytes_up"]})
             self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results)
+            self._network()   # the strategy may have changed the network: the next phase checks against it
             row.update(phase_metrics)
-        self.model.load_state_dict(self.state.params, strict=False)
-        row.update(self.strategy.evaluate(self.state, self.model, self.eval_data.x, self.eval_data.y))
+        row.update(self.evaluate())
         row.update(counts)
         row["bytes_per_client"] = {k: self._client_bytes[k] for k in sorted(self._client_bytes)}
         row["seconds"] = time.monotonic() - started
@@ -375,10 +401,11 @@ class Coordinator:
 
     def evaluate(self) -> dict[str, Any]:
         """The strategy's evaluation of the current global state on the coordinator's test split."""
+        self._network()
         self.model.load_state_dict(self.state.params, strict=False)
         return self.strategy.evaluate(self.state, self.model, self.eval_data.x, self.eval_data.y)
 
     def checkpoint(self) -> Path:
-        info = {"run_id": self.run_id, "model": self.model_spec, "strategy": self.strategy.name}
+        info = {"run_id": self.run_id, "strategy": self.strategy.name}
         return save_checkpoint(self.out / "checkpoints", self.state, info,
                                keep_all=self.config.checkpoint.keep == "all")

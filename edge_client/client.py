@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,15 @@ import torch
 from torch import nn
 
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
-from edge_client.wire.codec import parse_codec
+from edge_client.wire.codec import CodecSpec
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.registry import OBJECTIVES, build_model
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext, shuffle_seed, warm_up
-from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, Message, ProtocolError, Topics, decode, encode
+from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, Message,
+                                       ModelBody, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody,
+                                       Topics, decode, encode)
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError, Will
-from edge_client.wire.updates import ResidualStore, UploadSettings, decode_download, encode_upload
+from edge_client.wire.updates import ResidualStore, decode_download, encode_upload
 from profiling.device import device_facts
 from profiling.history import append_history
 from profiling.profiler import Profiler
@@ -52,14 +54,32 @@ class ClientSettings:
     parent_pid: int | None = None    # leave when this process is gone (spawned simulations)
 
 
-def presence_payload(client_id: str, state: str, **body: Any) -> bytes:
-    return encode("presence", run_id="", round=0, task_id="", sender=client_id, body={"state": state, **body})
+def presence_payload(client_id: str, body: PresenceBody) -> bytes:
+    return encode("presence", run_id="", round=0, task_id="", sender=client_id, body=body.to_body())
 
 
-def _seconds(value: Any, default: float) -> float:
-    """A duration from a task body; anything but a finite positive number means the default."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
-    return float(value) if ok else default
+@dataclass(frozen=True)
+class _Task:
+    """A task message with its body parsed once; ``body`` is None when it does not parse (``problem``: why)."""
+
+    msg: Message
+    body: TaskBody | None
+    problem: str = ""
+
+    @classmethod
+    def read(cls, msg: Message) -> _Task:
+        try:
+            return cls(msg, TaskBody.from_body(msg.body))
+        except ProtocolError as exc:
+            return cls(msg, None, str(exc))
+
+    @property
+    def timeout(self) -> float:
+        return self.body.timeout if self.body is not None else DEFAULT_TASK_TIMEOUT
+
+    @property
+    def resend_every(self) -> float:
+        return self.body.resend_every if self.body is not None else DEFAULT_RESEND_EVERY
 
 
 @dataclass
@@ -91,15 +111,16 @@ class EdgeClient:
         self._runs_seen: set[str] = set()
         self._finished = False
         self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
-        self._broadcasts: OrderedDict[str, Message] = OrderedDict()   # model messages by SHA-256, newest last
-        self._waiting: tuple[Message, Profiler, float] | None = None   # a task waiting for its broadcast
+        # Model broadcasts by SHA-256, newest last: their wire tensors and codec.
+        self._broadcasts: OrderedDict[str, tuple[dict[str, torch.Tensor], CodecSpec]] = OrderedDict()
+        self._waiting: tuple[_Task, Profiler, float] | None = None   # a task waiting for its broadcast
         self._residuals = ResidualStore(settings.state_dir)
         self.tasks_run = 0
 
     @staticmethod
     def will(settings: ClientSettings) -> Will:
         return Will(settings.topics.client(settings.client_id, "presence"),
-                    presence_payload(settings.client_id, "offline"))
+                    presence_payload(settings.client_id, PresenceBody("offline")))
 
     # -- main loop ------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
@@ -109,9 +130,9 @@ class EdgeClient:
         self.transport.subscribe(self.topics.coordinator_status)
         warm_up()   # before announcing: the first task's time should be the task's own
         sample = self.data.x[:1]
-        self.transport.announce(self.topics.client(cid, "presence"), presence_payload(
-            cid, "online", num_samples=len(self.data), input_shape=list(sample.shape[1:]),
-            num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts()))
+        self.transport.announce(self.topics.client(cid, "presence"), presence_payload(cid, PresenceBody(
+            "online", num_samples=len(self.data), input_shape=tuple(sample.shape[1:]),
+            num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts())))
         log.info("client %s online with %d samples", cid, len(self.data))
         while not self._finished and not (stop is not None and stop.is_set()):
             if self.settings.parent_pid and not psutil.pid_exists(self.settings.parent_pid):
@@ -124,7 +145,8 @@ class EdgeClient:
                 self._handle(incoming.topic, incoming.payload, incoming.received_at)
             self._give_up_waiting()
             self._resend_if_due()
-        self.transport.publish(self.topics.client(cid, "presence"), presence_payload(cid, "offline"), retain=True)
+        self.transport.publish(self.topics.client(cid, "presence"), presence_payload(cid, PresenceBody("offline")),
+                               retain=True)
 
     def _handle(self, topic: str, payload: bytes, received_at: float | None = None) -> None:
         taken_up, started = time.monotonic(), time.perf_counter()
@@ -136,33 +158,42 @@ class EdgeClient:
         except ProtocolError as exc:
             log.warning("ignored a message on %s: %s", topic, exc)
             return
-        if topic == self.topics.coordinator_status:
+        if msg.kind == "status" and topic == self.topics.coordinator_status:
             self._on_coordinator_status(msg)
         elif msg.kind == "task" and topic == self.topics.client(self.settings.client_id, "task"):
             profiler = Profiler(started=started)
             if received_at is not None:   # how long the task waited on this device before we took it up
                 profiler.add("receive", max(0.0, taken_up - received_at))
+            task = _Task.read(msg)
             profiler.add("decode", time.perf_counter() - started)
-            self._on_task(msg, profiler)
+            self._on_task(task, profiler)
         elif msg.kind == "status":
             self._on_status(msg)
 
     def _on_coordinator_status(self, msg: Message) -> None:
-        state = msg.body.get("state")
-        if state == "running":
+        try:
+            status = StatusBody.from_body(msg.body)
+        except ProtocolError as exc:
+            log.warning("ignored the coordinator's status: %s", exc)
+            return
+        if status.state == "running":
             self._runs_seen.add(msg.run_id)
             self._latest_round[msg.run_id] = max(self._latest_round.get(msg.run_id, 0), msg.round)
-        elif state == "finished" and msg.run_id in self._runs_seen:
+        elif status.state == "finished" and msg.run_id in self._runs_seen:
             log.info("run %s finished", msg.run_id)
             self._pending = None
             if self.settings.exit_after_run:
                 self._finished = True
 
     def _on_status(self, msg: Message) -> None:
-        task_id = msg.body.get("task_id")
-        if self._pending is not None and task_id == self._pending.task_id:
-            if msg.body.get("state") == "rejected":
-                log.warning("coordinator rejected result of %s: %s", task_id, msg.body.get("reason"))
+        try:
+            status = StatusBody.from_body(msg.body)
+        except ProtocolError as exc:
+            log.warning("ignored a status: %s", exc)
+            return
+        if self._pending is not None and status.task_id == self._pending.task_id:
+            if status.state == "rejected":
+                log.warning("coordinator rejected result of %s: %s", status.task_id, status.reason)
             self._pending = None
 
     # -- the model broadcast ----------------------------------------------------
@@ -170,29 +201,31 @@ class EdgeClient:
         digest = hashlib.sha256(payload).hexdigest()
         try:
             msg = decode(payload, max_bytes=self.settings.max_decoded_bytes)
+            body = ModelBody.from_body(msg.body) if msg.kind == "model" else None
         except ProtocolError as exc:
             log.warning("ignored a model broadcast: %s", exc)
             return
-        if msg.kind != "model":
+        if body is None:
             return
-        self._broadcasts[digest] = msg
+        self._broadcasts[digest] = (msg.tensors, body.codec)
         while len(self._broadcasts) > 2:   # the current model and the one before are enough
             self._broadcasts.popitem(last=False)
-        if self._waiting is not None and self._waiting[0].body.get("broadcast") == digest:
-            task, profiler, since = self._waiting
+        waiting = self._waiting
+        if waiting is not None and waiting[0].body is not None and waiting[0].body.broadcast == digest:
+            task, profiler, since = waiting
             self._stop_waiting()
             profiler.add("fetch_model", time.monotonic() - since)
             self._on_task(task, profiler)
 
-    def _needs_broadcast(self, msg: Message, profiler: Profiler) -> bool:
+    def _needs_broadcast(self, task: _Task, profiler: Profiler) -> bool:
         """Park a task whose broadcast is not here yet and fetch it (the retained model topic)."""
-        digest = msg.body.get("broadcast")
-        if not digest or digest in self._broadcasts:
+        digest = task.body.broadcast if task.body is not None else None
+        if digest is None or digest in self._broadcasts:
             self._stop_waiting()
             return False
         if self._waiting is None:
             self.transport.subscribe(self.topics.model, parts=True)
-        self._waiting = (msg, profiler, time.monotonic())
+        self._waiting = (task, profiler, time.monotonic())
         return True
 
     def _stop_waiting(self) -> None:
@@ -205,74 +238,78 @@ class EdgeClient:
         if self._waiting is None:
             return
         task, profiler, since = self._waiting
-        if time.monotonic() - since > _seconds(task.body.get("timeout"), 600.0):
+        if time.monotonic() - since > task.timeout:
             self._stop_waiting()
             self._on_task(task, profiler, wait=False)
 
     # -- tasks ----------------------------------------------------------------
-    def _on_task(self, msg: Message, profiler: Profiler | None = None, *, wait: bool = True) -> None:
+    def _on_task(self, task: _Task, profiler: Profiler | None = None, *, wait: bool = True) -> None:
+        msg = task.msg
         self._runs_seen.add(msg.run_id)
         if msg.task_id in self._done:  # the coordinator asked again: it missed our result
-            self._send(msg, self._done[msg.task_id])
+            self._send(task, self._done[msg.task_id])
             return
         if msg.round < self._latest_round.get(msg.run_id, 0):
             log.info("skipped stale task %s for round %d", msg.task_id, msg.round)
             return
         self._latest_round[msg.run_id] = msg.round
         profiler = Profiler() if profiler is None else profiler
-        if wait and self._needs_broadcast(msg, profiler):
+        if wait and self._needs_broadcast(task, profiler):
             return
         try:
-            tensors, output, fields = self._execute(msg, profiler)
-            body = {"num_samples": output.num_samples, "metrics": output.metrics, **fields}
+            if task.body is None:
+                raise ProtocolError(task.problem)
+            tensors, answer = self._execute(msg, task.body, profiler)
         except (ObjectiveError, ModelSpecError, ProtocolError) as exc:
             log.warning("task %s failed: %s", msg.task_id, exc)
-            tensors, body = {}, {"error": str(exc)}
+            tensors, answer = {}, ResultBody(error=str(exc))
         except Exception as exc:  # a task must never take the device's client down
             log.exception("task %s failed unexpectedly", msg.task_id)
-            tensors, body = {}, {"error": f"{type(exc).__name__}: {exc}"}
+            tensors, answer = {}, ResultBody(error=f"{type(exc).__name__}: {exc}")
         # Encoding and publishing come after the profile is sealed into the result, so
         # their times travel with the next result, as `previous_send`.
-        body["profile"] = {**profiler.summary(), **self._previous_send}
+        answer = replace(answer, profile={**profiler.summary(), **self._previous_send})
         with profiler.phase("encode"):
-            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
-                             sender=self.settings.client_id, body=body, tensors=tensors)
-            payload = parse_codec(body["codec"]).compress(payload) if "codec" in body else payload
-        try:
-            self.transport.check_size(payload)
-        except MessageTooLarge as exc:   # tell the coordinator now rather than let its round time out
-            log.warning("task %s: %s", msg.task_id, exc)
-            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
-                             sender=self.settings.client_id, body={"error": str(exc), "profile": body["profile"]})
+            payload = self._result_payload(msg, answer, tensors)
         self._done = {msg.task_id: payload}
         with profiler.phase("publish"):
-            self._send(msg, payload)
+            self._send(task, payload)
         sent = {"task_id": msg.task_id, **{k: profiler.phases[k] for k in ("encode", "publish")}}
         self._previous_send = {"previous_send": sent}
         self.tasks_run += 1
-        self._write_profile(msg, {**body["profile"], "phases": profiler.phases})
+        self._write_profile(task, {**answer.profile, "phases": profiler.phases})
 
-    def _execute(self, msg: Message, profiler: Profiler) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any]]:
-        """Run the task; return the wire tensors, the objective's output and the result's codec fields."""
-        body = msg.body
-        objective = OBJECTIVES.get(body.get("objective"))
+    def _result_payload(self, msg: Message, answer: ResultBody, tensors: dict[str, torch.Tensor]) -> bytes:
+        """The result message, compressed in its codec; an error result when it cannot be encoded or sent."""
+        try:
+            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
+                             sender=self.settings.client_id, body=answer.to_body(), tensors=tensors,
+                             compression=answer.codec)
+            self.transport.check_size(payload)
+            return payload
+        except (ProtocolError, MessageTooLarge) as exc:   # tell the coordinator now rather than let it time out
+            log.warning("task %s: %s", msg.task_id, exc)
+            failure = ResultBody(error=str(exc), profile=answer.profile)
+            return encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
+                          sender=self.settings.client_id, body=failure.to_body())
+
+    def _execute(self, msg: Message, task: TaskBody, profiler: Profiler) -> tuple[dict[str, torch.Tensor], ResultBody]:
+        """Run the task; return the wire tensors and the result's body (without its profile)."""
+        objective = OBJECTIVES.get(task.objective)
         if objective is None:
-            raise ObjectiveError(f"unknown objective {body.get('objective')!r}; this client knows {sorted(OBJECTIVES)}")
+            raise ObjectiveError(f"unknown objective {task.objective!r}; this client knows {sorted(OBJECTIVES)}")
+        up = list(task.up)
         with profiler.phase("decode"):
-            model = self._model_for(body.get("model"))
-            self._check_data_fits(body["model"])
-            up = body.get("up")
+            model = self._model_for(task.model)
+            self._check_data_fits(task.model)
             known = set(federated_names(model))
-            if not isinstance(up, list) or not all(isinstance(n, str) for n in up):
-                raise ProtocolError("the task's 'up' must be a list of tensor names")
-            upload = UploadSettings.from_body(body)
-            received = self._received(msg, state_shapes(model))
+            received = self._received(msg, task, state_shapes(model))
             model.load_state_dict(received, strict=False)
-        ctx = TaskContext(seed=shuffle_seed(int(body.get("seed", 0)), msg.round, self.settings.client_id),
+        ctx = TaskContext(seed=shuffle_seed(task.seed, msg.round, self.settings.client_id),
                           round=msg.round, client_id=self.settings.client_id, state_dir=self.settings.state_dir,
                           profiler=profiler)
         with profiler.phase("train"):
-            output = objective(model, self.data, body.get("hyper", {}), ctx)
+            output = objective(model, self.data, task.hyper, ctx)
         if output.tensors is not None:
             if sorted(output.tensors) != sorted(up):
                 raise ProtocolError(f"objective produced {sorted(output.tensors)[:5]}, the task asked for {up[:5]}")
@@ -283,21 +320,22 @@ class EdgeClient:
             state = model.state_dict()
             tensors, raw_only = {name: state[name].detach().clone() for name in up}, False
         with profiler.phase("codec"):
-            wire, fields = encode_upload(tensors, received, upload, self._residuals, msg.run_id, raw_only=raw_only,
-                                         generator=torch.Generator().manual_seed(ctx.seed))
-        return wire, output, fields
+            wire, delta = encode_upload(tensors, received, task.upload, self._residuals, msg.run_id,
+                                        raw_only=raw_only, generator=torch.Generator().manual_seed(ctx.seed))
+        return wire, ResultBody(num_samples=output.num_samples, metrics=dict(output.metrics),
+                                codec=task.upload.codec, delta=tuple(delta))
 
-    def _received(self, msg: Message, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    def _received(self, msg: Message, task: TaskBody, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """The task's tensors plus its broadcast's, decoded to float32 and checked against the model."""
         tensors = {}
-        digest = msg.body.get("broadcast")
-        if digest:
-            shared = self._broadcasts.get(digest)
+        if task.broadcast is not None:
+            shared = self._broadcasts.get(task.broadcast)
             if shared is None:
-                raise ProtocolError(f"the model broadcast {str(digest)[:16]}... did not arrive within the task's "
+                raise ProtocolError(f"the model broadcast {task.broadcast[:16]}... did not arrive within the task's "
                                     "timeout; check that this device may read the coordinator's model topic")
-            tensors.update(decode_download(shared.tensors, shared.body, shapes))
-        tensors.update(decode_download(msg.tensors, msg.body, shapes))
+            wire, codec = shared
+            tensors.update(decode_download(wire, codec, shapes))
+        tensors.update(decode_download(msg.tensors, task.codec, shapes))
         return tensors
 
     def _model_for(self, spec: Any) -> nn.Module:
@@ -315,12 +353,10 @@ class EdgeClient:
             raise ObjectiveError(f"this device has label {int(self.data.y.max())} but the model has "
                                  f"{spec['num_classes']} classes")
 
-    def _send(self, task: Message, payload: bytes) -> None:
-        body = task.body
-        now = time.monotonic()
-        self._pending = _Pending(task.run_id, task.round, task.task_id, payload,
-                                 give_up_at=now + _seconds(body.get("timeout"), 600.0),
-                                 resend_every=max(0.5, _seconds(body.get("resend_every"), 10.0)))
+    def _send(self, task: _Task, payload: bytes) -> None:
+        msg, now = task.msg, time.monotonic()
+        self._pending = _Pending(msg.run_id, msg.round, msg.task_id, payload, give_up_at=now + task.timeout,
+                                 resend_every=max(0.5, task.resend_every))
         self._resend_if_due()
 
     def _resend_if_due(self) -> None:
@@ -340,10 +376,11 @@ class EdgeClient:
                 return
             p.next_send_at = now + p.resend_every
 
-    def _write_profile(self, task: Message, profile: dict[str, Any]) -> None:
+    def _write_profile(self, task: _Task, profile: dict[str, Any]) -> None:
         if self.settings.state_dir is None:
             return
-        record = {"run_id": task.run_id, "round": task.round, "task_id": task.task_id,
-                  "objective": task.body.get("objective"), **profile}
+        msg = task.msg
+        record = {"run_id": msg.run_id, "round": msg.round, "task_id": msg.task_id,
+                  "objective": task.body.objective if task.body is not None else None, **profile}
         record.pop("previous_send", None)   # this line already has its own encode and publish times
         append_history(self.settings.state_dir, "task", record)

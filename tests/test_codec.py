@@ -9,8 +9,8 @@ import torch
 
 from edge_client.wire.codec import CodecError, decode_tensors, encode_tensors, parse_codec, wire_bytes
 from edge_client.wire.compression import CompressionError, compress, decompress
-from edge_client.wire.protocol import ProtocolError, decode, encode
-from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
+from edge_client.wire.protocol import ProtocolError, ResultBody, UploadSettings, decode, encode
+from edge_client.wire.updates import ResidualStore, decode_download, decode_upload, encode_download, encode_upload
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -233,8 +233,8 @@ def _feedback_error(rounds: int, feedback: bool, store: ResidualStore) -> float:
     true_sum = {k: torch.zeros_like(v) for k, v in drift.items()}
     for _ in range(rounds):
         update = {k: d + torch.randn(d.shape, generator=g) * 0.01 for k, d in drift.items()}
-        wire, body = encode_upload(update, zero, settings, store, "run-1")
-        got = decode_upload(wire, body, _shapes(update), zero)
+        wire, delta = encode_upload(update, zero, settings, store, "run-1")
+        got = decode_upload(wire, ResultBody(1, codec=settings.codec, delta=tuple(delta)), _shapes(update), zero)
         for k in update:
             sent_sum[k] += got[k]
             true_sum[k] += update[k]
@@ -277,12 +277,39 @@ def test_lossless_or_raw_uploads_keep_no_residual(tmp_path):
 def test_differences_are_added_back_to_what_was_sent():
     x = _tensors()
     sent = {k: torch.full_like(v, 0.5) for k, v in x.items() if k != "fc.bias"}
-    wire, body = encode_upload(x, sent, UploadSettings(parse_codec("fp32"), "delta", False), ResidualStore(None), "r")
-    assert body["delta"] == sorted(sent)
-    out = decode_upload(wire, body, _shapes(x), sent)
+    wire, delta = encode_upload(x, sent, UploadSettings(parse_codec("fp32"), "delta", False), ResidualStore(None), "r")
+    assert delta == sorted(sent)
+    out = decode_upload(wire, ResultBody(1, delta=tuple(delta)), _shapes(x), sent)
     assert all(torch.allclose(out[k], x[k], atol=1e-6) for k in x)
     with pytest.raises(CodecError, match="did not send"):
-        decode_upload(wire, {**body, "delta": [*body["delta"], "fc.bias"]}, _shapes(x), sent)
+        decode_upload(wire, ResultBody(1, delta=(*delta, "fc.bias")), _shapes(x), sent)
+
+
+def test_an_upload_travels_in_a_result_and_back():
+    """encode_upload, the typed body, the envelope compressed in the codec, and decode_upload: what the wire does."""
+    x = _tensors()
+    sent = {k: torch.zeros_like(v) for k, v in x.items()}
+    settings = UploadSettings(parse_codec("topk:0.5+int8+zstd"), "delta", False)
+    wire, delta = encode_upload(x, sent, settings, ResidualStore(None), "r")
+    body = ResultBody(num_samples=7, metrics={"train_loss": 0.5}, codec=settings.codec, delta=tuple(delta))
+    payload = encode("result", run_id="r", round=1, task_id="t", sender="c", body=body.to_body(), tensors=wire,
+                     compression=body.codec)
+    assert payload[:4] == b"FDZ1"                                        # compressed by encode itself
+    parsed = ResultBody.from_body(decode(payload).body)
+    assert parsed == body
+    out = decode_upload(decode(payload).tensors, parsed, _shapes(x), sent)
+    assert all(float((out[k] - x[k]).abs().max()) <= float(x[k].abs().max()) for k in x)
+
+
+def test_a_download_decodes_in_the_codec_its_body_names():
+    x = _tensors()
+    spec = parse_codec("topk:0.1+fp16")                                 # downloads are always dense
+    wire = encode_download(x, spec)
+    assert set(wire) == set(x) and all(t.dtype == torch.float16 for t in wire.values())
+    out = decode_download(wire, spec, _shapes(x))
+    assert all(torch.allclose(out[k], x[k], rtol=1e-3, atol=1e-4) for k in x)
+    with pytest.raises(CodecError):
+        decode_download(wire, parse_codec("fp32"), _shapes(x))
 
 
 # --------------------------------------------------------------------------- compression

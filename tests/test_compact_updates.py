@@ -22,7 +22,7 @@ from edge_client.data import load_dataset
 from edge_client.models import state_shapes
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData
-from edge_client.wire.protocol import Topics, decode, encode
+from edge_client.wire.protocol import PresenceBody, Topics, decode, encode
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport
 
 MODEL_BYTES = 53_194 * 4   # the float32 cnn on 8x8 digits
@@ -166,8 +166,8 @@ def test_round_through_a_broker_with_a_128k_packet_limit_works_with_chunking(tmp
 def test_oversize_messages_fail_cleanly_and_fast(tmp_path, small_broker, prefix, sets, reason):
     """The first task cannot be sent: the run stops at once with the remedy, no hang, no resend loop."""
     device = MqttTransport(BrokerSettings(url=small_broker), f"{prefix}-dev1").connect()
-    device.publish(Topics(prefix).client("dev1", "presence"), presence_payload("dev1", "online", num_samples=10),
-                   retain=True)
+    device.publish(Topics(prefix).client("dev1", "presence"),
+                   presence_payload("dev1", PresenceBody("online", num_samples=10)), retain=True)
     config = config_for(tmp_path / "run", transport__broker=small_broker, transport__prefix=prefix,
                         clients__expected=1, clients__spawn=0, **sets)
     started = time.monotonic()

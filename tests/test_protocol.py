@@ -1,4 +1,4 @@
-"""Tests for edge_client.wire.protocol: the envelope, its checks and the topic layout."""
+"""Tests for edge_client.wire.protocol: the envelope, its checks, the typed bodies and the topic layout."""
 
 from __future__ import annotations
 
@@ -10,13 +10,23 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from edge_client.wire.codec import CodecError, parse_codec
+from edge_client.wire.compression import COMPRESSORS
 from edge_client.wire.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RESEND_EVERY,
+    DEFAULT_TASK_TIMEOUT,
     KINDS,
     PROTOCOL_VERSION,
     Message,
+    ModelBody,
+    PresenceBody,
     ProtocolError,
+    ResultBody,
+    StatusBody,
+    TaskBody,
     Topics,
+    UploadSettings,
     check_tensors,
     decode,
     encode,
@@ -443,3 +453,181 @@ def test_valid_client_id_rejects_trailing_newline(client_id):
 
 def test_decode_rejects_sender_with_trailing_newline():
     _rejects(encode("presence", run_id="r", round=0, task_id="", sender="dev1\n"), "is not a valid id")
+
+
+# --------------------------------------------------------------------------- compression in encode
+
+
+@pytest.mark.parametrize("codec, compressor", [("fp32+zstd", "zstd"), ("int8+lz4:4", "lz4")])
+def test_encode_compresses_in_the_codec_it_is_given_and_decode_undoes_it(codec, compressor):
+    tensors = {"w": torch.zeros(10_000)}
+    plain = encode("result", run_id="r", round=1, task_id="t", sender="c", tensors=tensors)
+    packed = encode("result", run_id="r", round=1, task_id="t", sender="c", tensors=tensors,
+                    compression=parse_codec(codec))
+    assert packed[:4] == COMPRESSORS[compressor][0] and len(packed) < len(plain) / 10
+    assert torch.equal(decode(packed).tensors["w"], tensors["w"])
+
+
+def test_encode_leaves_a_message_plain_without_a_compressor_or_when_it_would_not_shrink():
+    noise = {"w": torch.randint(0, 256, (8000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))}
+    plain = encode("result", run_id="r", round=1, task_id="t", sender="c", tensors=noise)
+    for codec in ("fp32", "zstd"):
+        again = encode("result", run_id="r", round=1, task_id="t", sender="c", tensors=noise,
+                       compression=parse_codec(codec))
+        assert again == plain
+
+
+# --------------------------------------------------------------------------- typed bodies
+
+SPEC = {"name": "mlp", "hidden": [16], "num_classes": 10, "in_channels": 1, "image_size": 8}
+DIGEST = "ab" * 32
+
+BODIES = {
+    "presence online": ("presence", PresenceBody("online", num_samples=12, input_shape=(1, 8, 8), num_classes=10,
+                                                  device={"arch": "aarch64", "cores": 4, "board": None})),
+    "presence offline": ("presence", PresenceBody("offline")),
+    "task": ("task", TaskBody(objective="train", model=SPEC, up=("fc.weight", "fc.bias"), hyper={"lr": 0.1},
+                              upload=UploadSettings(parse_codec("topk:0.1+int8+zstd"), "delta", True),
+                              codec=parse_codec("fp16+zstd:5"), broadcast=DIGEST, seed=3, timeout=30.0,
+                              resend_every=2.5, deadline=1.7e9)),
+    "task, defaults": ("task", TaskBody(objective="evaluate", model=SPEC, up=())),
+    "result": ("result", ResultBody(num_samples=5, metrics={"train_loss": 0.25, "n": 3.0},
+                                    codec=parse_codec("topk:0.1+int8"), delta=("fc.weight",),
+                                    profile={"seconds": 1.5})),
+    "result, failed": ("result", ResultBody(error="no such objective", profile={"seconds": 0.1})),
+    "status ack": ("status", StatusBody("ack", "f4af0f0ab87c4609")),
+    "status rejected": ("status", StatusBody("rejected", "f4af0f0ab87c4609", "bad shapes")),
+    "status running": ("status", StatusBody("running")),
+    "model": ("model", ModelBody(parse_codec("bf16+lz4"))),
+}
+
+
+@pytest.mark.parametrize("name", BODIES)
+def test_each_body_round_trips_through_a_message(name):
+    kind, body = BODIES[name]
+    msg = decode(encode(kind, run_id="r", round=1, task_id="t", sender="coordinator", body=body.to_body()))
+    assert type(body).from_body(msg.body) == body
+
+
+def test_bodies_keep_the_documented_json_keys():
+    task = BODIES["task"][1].to_body()
+    assert list(task) == ["objective", "hyper", "model", "up", "seed", "timeout", "resend_every", "deadline",
+                          "upload", "broadcast", "codec"]
+    assert task["upload"] == {"codec": "topk:0.1+int8+zstd", "update": "delta", "error_feedback": True}
+    assert task["codec"] == "fp16+zstd:5" and task["up"] == ["fc.weight", "fc.bias"]
+    assert "broadcast" not in BODIES["task, defaults"][1].to_body()
+    assert list(BODIES["result"][1].to_body()) == ["num_samples", "metrics", "codec", "delta", "profile"]
+    assert BODIES["result, failed"][1].to_body() == {"error": "no such objective", "profile": {"seconds": 0.1}}
+    assert BODIES["status ack"][1].to_body() == {"state": "ack", "task_id": "f4af0f0ab87c4609"}
+    assert BODIES["status running"][1].to_body() == {"state": "running"}
+    assert BODIES["presence offline"][1].to_body() == {"state": "offline"}
+    assert BODIES["presence online"][1].to_body()["input_shape"] == [1, 8, 8]
+    assert BODIES["model"][1].to_body() == {"codec": "bf16+lz4"}
+
+
+def test_absent_optional_fields_take_their_defaults():
+    task = TaskBody.from_body({"objective": "train", "model": SPEC, "up": []})
+    assert (task.hyper, task.seed, task.broadcast, task.deadline) == ({}, 0, None, None)
+    assert (task.timeout, task.resend_every) == (DEFAULT_TASK_TIMEOUT, DEFAULT_RESEND_EVERY)
+    assert task.upload == UploadSettings() and task.codec.text == "fp32"   # no upload: raw float32
+    upload = TaskBody.from_body({"objective": "train", "model": SPEC, "up": [], "upload": {}}).upload
+    assert (upload.codec.text, upload.update, upload.error_feedback) == ("fp32", "delta", True)
+    result = ResultBody.from_body({"num_samples": 4})
+    assert (result.metrics, result.codec.text, result.delta, result.profile, result.error) == ({}, "fp32", (), {}, None)
+    assert ModelBody.from_body({}).codec.text == "fp32"
+    assert TaskBody.from_body({"objective": "train", "model": SPEC, "up": [], "timeout": 30}).timeout == 30.0
+
+
+def test_a_failed_result_needs_only_its_reason():
+    body = ResultBody.from_body({"error": "out of memory", "num_samples": "whatever"})
+    assert body.error == "out of memory" and body.profile == {}
+
+
+def test_metrics_arrive_as_floats():
+    assert ResultBody.from_body({"num_samples": 1, "metrics": {"a": 1, "b": 0.5}}).metrics == {"a": 1.0, "b": 0.5}
+
+
+_TASK = {"objective": "train", "model": SPEC, "up": ["fc.weight"]}
+_RESULT = {"num_samples": 5}
+
+
+@pytest.mark.parametrize("cls, base, key, value, field", [
+    (TaskBody, _TASK, "objective", 3, "objective"),
+    (TaskBody, _TASK, "model", "mlp", "model"),
+    (TaskBody, _TASK, "up", "fc.weight", "up"),
+    (TaskBody, _TASK, "up", ["fc.weight", 2], "up"),
+    (TaskBody, _TASK, "hyper", [], "hyper"),
+    (TaskBody, _TASK, "upload", "fp32", "upload"),
+    (TaskBody, _TASK, "upload", {"codec": 16}, "upload.codec"),
+    (TaskBody, _TASK, "upload", {"update": "sum"}, "upload.update"),
+    (TaskBody, _TASK, "upload", {"error_feedback": "yes"}, "upload.error_feedback"),
+    (TaskBody, _TASK, "codec", ["fp32"], "codec"),
+    (TaskBody, _TASK, "broadcast", 5, "broadcast"),
+    (TaskBody, _TASK, "broadcast", "not-a-hash", "broadcast"),
+    (TaskBody, _TASK, "seed", 1.5, "seed"),
+    (TaskBody, _TASK, "seed", True, "seed"),
+    (TaskBody, _TASK, "timeout", "30", "timeout"),
+    (TaskBody, _TASK, "timeout", 0, "timeout"),
+    (TaskBody, _TASK, "timeout", 10**400, "timeout"),
+    (TaskBody, _TASK, "resend_every", -1, "resend_every"),
+    (TaskBody, _TASK, "deadline", "soon", "deadline"),
+    (ResultBody, _RESULT, "num_samples", "5", "num_samples"),
+    (ResultBody, _RESULT, "num_samples", 0, "num_samples"),
+    (ResultBody, _RESULT, "num_samples", True, "num_samples"),
+    (ResultBody, _RESULT, "metrics", [1.0], "metrics"),
+    (ResultBody, _RESULT, "metrics", {"train_loss": "low"}, "metrics"),
+    (ResultBody, _RESULT, "metrics", {"train_loss": 1e400}, "metrics"),
+    (ResultBody, _RESULT, "codec", 8, "codec"),
+    (ResultBody, _RESULT, "delta", {"fc.weight": 1}, "delta"),
+    (ResultBody, _RESULT, "profile", "fast", "profile"),
+    (ResultBody, _RESULT, "error", 500, "error"),
+    (StatusBody, {"state": "ack"}, "state", "maybe", "state"),
+    (StatusBody, {"state": "ack"}, "task_id", 7, "task_id"),
+    (StatusBody, {"state": "rejected"}, "reason", None, "reason"),
+    (PresenceBody, {"state": "online"}, "state", "away", "state"),
+    (PresenceBody, {"state": "online"}, "num_samples", -1, "num_samples"),
+    (PresenceBody, {"state": "online"}, "input_shape", [1, "8", 8], "input_shape"),
+    (PresenceBody, {"state": "online"}, "num_classes", 2.0, "num_classes"),
+    (PresenceBody, {"state": "online"}, "device", "pi", "device"),
+    (ModelBody, {}, "codec", None, "codec"),
+])
+def test_a_wrong_type_is_refused_naming_the_field(cls, base, key, value, field):
+    with pytest.raises(ProtocolError, match=f"field '{field}'") as info:
+        cls.from_body({**base, key: value})
+    assert "must be" in str(info.value)
+
+
+@pytest.mark.parametrize("cls, body, field", [
+    (TaskBody, {"model": SPEC, "up": []}, "objective"),
+    (TaskBody, {"objective": "train", "up": []}, "model"),
+    (TaskBody, {"objective": "train", "model": SPEC}, "up"),
+    (ResultBody, {"metrics": {}}, "num_samples"),
+    (StatusBody, {"task_id": "t"}, "state"),
+    (PresenceBody, {"num_samples": 3}, "state"),
+])
+def test_a_missing_required_field_is_refused_naming_it(cls, body, field):
+    with pytest.raises(ProtocolError, match=f"field '{field}' is missing"):
+        cls.from_body(body)
+
+
+@pytest.mark.parametrize("cls", [TaskBody, ResultBody, StatusBody, PresenceBody, ModelBody])
+def test_a_body_that_is_not_an_object_is_refused(cls):
+    with pytest.raises(ProtocolError, match="body must be an object"):
+        cls.from_body(["state", "online"])
+
+
+@pytest.mark.parametrize("cls, body, field", [
+    (TaskBody, {**_TASK, "codec": "fp8"}, "codec"),
+    (TaskBody, {**_TASK, "upload": {"codec": "topk:2"}}, "upload.codec"),
+    (ResultBody, {**_RESULT, "codec": "int8+fp16"}, "codec"),
+    (ModelBody, {"codec": ""}, "codec"),
+])
+def test_an_invalid_codec_is_a_codec_error_naming_the_field(cls, body, field):
+    with pytest.raises(CodecError, match=f"field '{field}'"):
+        cls.from_body(body)
+
+
+def test_a_body_parses_its_codecs_once():
+    task = TaskBody.from_body({**_TASK, "codec": "fp16+zstd", "upload": {"codec": "int8+lz4"}})
+    assert task.codec == parse_codec("fp16+zstd") and task.upload.codec == parse_codec("int8+lz4")
+    assert task.codec.compressor == "zstd" and task.upload.codec.dtype == torch.float32

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from edge_client.wire.compression import COMPRESSORS, CompressionError, check_available, compress
-from edge_client.wire.protocol import ProtocolError
+from edge_client.wire.errors import ProtocolError
 
 __all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_FORMATS", "encode_tensors", "decode_tensors",
            "wire_bytes", "FP32"]

@@ -1,4 +1,4 @@
-"""The fedge wire protocol: topic layout, message kinds and the envelope.
+"""The fedge wire protocol: topic layout, message kinds, the envelope and the typed bodies.
 
 Every message is one safetensors buffer. Its ``__metadata__["fedge"]`` entry holds
 a JSON header (protocol version, kind, run id, round, task id, sender, body);
@@ -7,6 +7,12 @@ its tensors are the weights the message carries, in the codec its body names
 (:mod:`edge_client.wire.compression`) and in chunks (:mod:`edge_client.wire.chunking`).
 Decoding parses and checks the header *before* any tensor is materialized, and
 nothing is ever unpickled.
+
+The body of each kind is a frozen dataclass here (:class:`PresenceBody`,
+:class:`TaskBody`, :class:`ResultBody`, :class:`StatusBody`, :class:`ModelBody`):
+``to_body()`` gives the JSON object a message carries and ``from_body()`` parses one,
+checking every field's type and raising ProtocolError that names the field. Codec
+specs in a body are parsed there, once per message.
 ``docs/protocol.md`` describes the same thing for people; keep both true.
 """
 
@@ -16,7 +22,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,15 +30,26 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from edge_client.wire.codec import FP32, CodecError, CodecSpec, parse_codec
 from edge_client.wire.compression import CompressionError, decompress
+from edge_client.wire.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
     "KINDS",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TASK_TIMEOUT",
+    "DEFAULT_RESEND_EVERY",
+    "UPDATES",
     "ProtocolError",
     "Message",
     "Topics",
+    "UploadSettings",
+    "PresenceBody",
+    "TaskBody",
+    "ResultBody",
+    "StatusBody",
+    "ModelBody",
     "encode",
     "decode",
     "check_tensors",
@@ -48,10 +65,12 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # safetensors dtype tag -> bytes per element; anything else is refused.
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}
 _FLOAT_TAGS = {"F32", "F16", "BF16", "F64"}
-
-
-class ProtocolError(ValueError):
-    """A message that cannot be accepted; ``str(err)`` is the logged reason."""
+DEFAULT_TASK_TIMEOUT = 600.0     # a task's ``timeout`` when it has none
+DEFAULT_RESEND_EVERY = 10.0      # a task's ``resend_every`` when it has none
+UPDATES = ("delta", "raw")
+PRESENCE_STATES = ("online", "offline")
+STATUS_STATES = ("ack", "rejected", "running", "finished")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def valid_client_id(client_id: str) -> bool:
@@ -109,8 +128,14 @@ class Message:
 
 def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
            body: Mapping[str, Any] | None = None,
-           tensors: Mapping[str, torch.Tensor] | None = None) -> bytes:
-    """Serialize one message; tensors are made contiguous CPU copies first."""
+           tensors: Mapping[str, torch.Tensor] | None = None,
+           compression: CodecSpec | None = None) -> bytes:
+    """Serialize one message; tensors are made contiguous CPU copies first.
+
+    ``body``: a body dataclass's ``to_body()``. ``compression``: the message's codec
+    (its body's ``codec``); when that names a compressor, the whole envelope is
+    compressed with it if that makes it smaller, which :func:`decode` undoes.
+    """
     if kind not in KINDS:
         raise ProtocolError(f"unknown message kind {kind!r}; expected one of {KINDS}")
     header = {"v": PROTOCOL_VERSION, "kind": kind, "run_id": run_id, "round": int(round),
@@ -120,7 +145,8 @@ def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
         text = json.dumps(header, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"message body is not plain finite JSON: {exc}") from None
-    return st_save(plain, metadata={"fedge": text})
+    payload = st_save(plain, metadata={"fedge": text})
+    return compression.compress(payload) if compression is not None else payload
 
 
 def _refuse_constant(name: str) -> None:
@@ -209,3 +235,249 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tu
             raise ProtocolError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         if t.dtype != dtype:
             raise ProtocolError(f"tensor {name!r} has dtype {t.dtype}, expected {dtype}")
+
+
+# ----------------------------------------------------------------------------- bodies
+
+_MISSING: Any = object()
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite JSON number (booleans excluded; an integer too large for a float is not finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(n, str) for n in value)
+
+
+class _Fields:
+    """Reads the fields of one JSON object of a body, naming the field in every error."""
+
+    def __init__(self, kind: str, body: Any, prefix: str = "") -> None:
+        if not isinstance(body, Mapping):
+            raise ProtocolError(f"{kind} {'field ' + repr(prefix.rstrip('.')) if prefix else 'body'} "
+                                f"must be an object, got {_show(body)}")
+        self.kind, self.body, self.prefix = kind, body, prefix
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.body
+
+    def get(self, name: str, want: str, ok: Callable[[Any], bool], default: Any = _MISSING) -> Any:
+        """``body[name]`` when ``ok`` accepts it; ``default`` when absent (without one, it is required)."""
+        if name not in self.body:
+            if default is _MISSING:
+                raise ProtocolError(f"{self.kind} field {self.prefix + name!r} is missing; it must be {want}")
+            return default
+        value = self.body[name]
+        if not ok(value):
+            raise ProtocolError(f"{self.kind} field {self.prefix + name!r} must be {want}, got {_show(value)}")
+        return value
+
+    def codec(self, name: str) -> CodecSpec:
+        """A codec spec string, parsed; float32 when absent."""
+        text = self.get(name, "a codec spec string such as 'topk:0.1+int8+zstd'", _is_str, None)
+        if text is None:
+            return FP32
+        try:
+            return parse_codec(text)
+        except CodecError as exc:
+            raise CodecError(f"{self.kind} field {self.prefix + name!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class UploadSettings:
+    """How a client answers a task: the task body's ``upload`` object.
+
+    A task without one gets raw float32 values; in one, ``update`` defaults to
+    ``delta``, ``codec`` to ``fp32`` and ``error_feedback`` to true.
+    """
+
+    codec: CodecSpec = FP32
+    update: str = "raw"              # delta | raw
+    error_feedback: bool = False
+
+    @classmethod
+    def from_body(cls, upload: Any) -> UploadSettings:
+        f = _Fields("task", upload, "upload.")
+        return cls(codec=f.codec("codec"),
+                   update=f.get("update", f"one of {UPDATES}", lambda v: v in UPDATES, "delta"),
+                   error_feedback=f.get("error_feedback", "true or false", lambda v: isinstance(v, bool), True))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"codec": self.codec.text, "update": self.update, "error_feedback": self.error_feedback}
+
+
+@dataclass(frozen=True)
+class PresenceBody:
+    """A ``presence`` body: a client is online (with facts about its data and device) or offline."""
+
+    state: str                                  # online | offline
+    num_samples: int | None = None              # size of its training data
+    input_shape: tuple[int, ...] | None = None  # [C, H, W] of its images
+    num_classes: int | None = None              # its largest label + 1
+    device: dict[str, Any] | None = None        # profiling.device facts
+
+    @classmethod
+    def from_body(cls, body: Any) -> PresenceBody:
+        f = _Fields("presence", body)
+        count = "a non-negative integer"
+        shape = f.get("input_shape", "a list of non-negative integers",
+                      lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v), None)
+        return cls(state=f.get("state", f"one of {PRESENCE_STATES}", lambda v: v in PRESENCE_STATES),
+                   num_samples=f.get("num_samples", count, lambda v: _is_int(v) and v >= 0, None),
+                   input_shape=None if shape is None else tuple(shape),
+                   num_classes=f.get("num_classes", count, lambda v: _is_int(v) and v >= 0, None),
+                   device=f.get("device", "an object", _is_object, None))
+
+    def to_body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state}
+        for key in ("num_samples", "input_shape", "num_classes", "device"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if key == "input_shape" else value
+        return out
+
+
+@dataclass(frozen=True)
+class TaskBody:
+    """A ``task`` body: what one client is asked to do and how to answer."""
+
+    objective: str                     # a registered objective: train, evaluate, a method's own
+    model: dict[str, Any]              # the model spec the client builds the network from
+    up: tuple[str, ...]                # names of the tensors to send back
+    hyper: dict[str, Any] = field(default_factory=dict)
+    upload: UploadSettings = UploadSettings()
+    codec: CodecSpec = FP32            # the codec of this message's tensors
+    broadcast: str | None = None       # SHA-256 of the model message with the shared tensors
+    seed: int = 0                      # the run's seed
+    timeout: float = DEFAULT_TASK_TIMEOUT
+    resend_every: float = DEFAULT_RESEND_EVERY
+    deadline: float | None = None      # Unix time the coordinator stops waiting; informational
+
+    @classmethod
+    def from_body(cls, body: Any) -> TaskBody:
+        f = _Fields("task", body)
+        seconds = "a positive number of seconds"
+        upload = f.get("upload", "an object", _is_object, None)
+        return cls(objective=f.get("objective", "an objective name", _is_str),
+                   model=f.get("model", "a model spec object", _is_object),
+                   up=tuple(f.get("up", "a list of tensor names", _is_names)),
+                   hyper=f.get("hyper", "an object", _is_object, {}),
+                   upload=UploadSettings() if upload is None else UploadSettings.from_body(upload),
+                   codec=f.codec("codec"),
+                   broadcast=f.get("broadcast", "a SHA-256 in lowercase hex (64 characters)",
+                                   lambda v: isinstance(v, str) and bool(_SHA256_RE.fullmatch(v)), None),
+                   seed=f.get("seed", "an integer", _is_int, 0),
+                   timeout=float(f.get("timeout", seconds, lambda v: _is_number(v) and v > 0, DEFAULT_TASK_TIMEOUT)),
+                   resend_every=float(f.get("resend_every", seconds, lambda v: _is_number(v) and v > 0,
+                                            DEFAULT_RESEND_EVERY)),
+                   deadline=f.get("deadline", "a Unix time", _is_number, None))
+
+    def to_body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"objective": self.objective, "hyper": self.hyper, "model": self.model,
+                               "up": list(self.up), "seed": self.seed, "timeout": self.timeout,
+                               "resend_every": self.resend_every}
+        if self.deadline is not None:
+            out["deadline"] = self.deadline
+        out["upload"] = self.upload.to_body()
+        if self.broadcast is not None:
+            out["broadcast"] = self.broadcast
+        out["codec"] = self.codec.text
+        return out
+
+
+@dataclass(frozen=True)
+class ResultBody:
+    """A ``result`` body: a client's answer to one task, or (``error``) why it could not run it.
+
+    A failed result carries only ``error`` and ``profile``; the other fields are
+    left at their defaults and are not read.
+    """
+
+    num_samples: int = 0                         # positive; the result's aggregation weight
+    metrics: dict[str, float] = field(default_factory=dict)
+    codec: CodecSpec = FP32                      # the codec of the result's tensors
+    delta: tuple[str, ...] = ()                  # the tensors sent as differences
+    profile: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @classmethod
+    def from_body(cls, body: Any) -> ResultBody:
+        f = _Fields("result", body)
+        profile = f.get("profile", "an object", _is_object, {})
+        if "error" in f:
+            return cls(error=f.get("error", "a string", _is_str), profile=profile)
+        metrics = f.get("metrics", "an object of finite numbers",
+                        lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()), {})
+        return cls(num_samples=f.get("num_samples", "a positive integer", lambda v: _is_int(v) and v >= 1),
+                   metrics={k: float(v) for k, v in metrics.items()},
+                   codec=f.codec("codec"),
+                   delta=tuple(f.get("delta", "a list of tensor names", _is_names, [])),
+                   profile=profile)
+
+    def to_body(self) -> dict[str, Any]:
+        if self.error is not None:
+            return {"error": self.error, "profile": self.profile}
+        return {"num_samples": self.num_samples, "metrics": self.metrics, "codec": self.codec.text,
+                "delta": list(self.delta), "profile": self.profile}
+
+
+@dataclass(frozen=True)
+class StatusBody:
+    """A ``status`` body: ``ack`` or ``rejected`` for one result (``task_id``), or the run's state."""
+
+    state: str                   # ack | rejected (one result), running | finished (the run)
+    task_id: str | None = None   # the result's task; None in the run's status
+    reason: str = ""             # why a result was rejected
+
+    @classmethod
+    def from_body(cls, body: Any) -> StatusBody:
+        f = _Fields("status", body)
+        return cls(state=f.get("state", f"one of {STATUS_STATES}", lambda v: v in STATUS_STATES),
+                   task_id=f.get("task_id", "a string", _is_str, None),
+                   reason=f.get("reason", "a string", _is_str, ""))
+
+    def to_body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state}
+        if self.task_id is not None:
+            out["task_id"] = self.task_id
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(frozen=True)
+class ModelBody:
+    """A ``model`` body: the codec of the broadcast's tensors."""
+
+    codec: CodecSpec = FP32
+
+    @classmethod
+    def from_body(cls, body: Any) -> ModelBody:
+        return cls(codec=_Fields("model", body).codec("codec"))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"codec": self.codec.text}

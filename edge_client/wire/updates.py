@@ -23,44 +23,21 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from edge_client.wire.codec import FP32, CodecError, CodecSpec, decode_tensors, encode_tensors, parse_codec
+from edge_client.wire.codec import CodecError, CodecSpec, decode_tensors, encode_tensors
 from edge_client.wire.files import write_tensors_atomic
+from edge_client.wire.protocol import UPDATES, ResultBody, UploadSettings
 
+# UPDATES and UploadSettings (the task's ``upload``) are defined with the other bodies
+# in the protocol module; they are part of this module's interface too.
 __all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_upload", "encode_download",
            "decode_download"]
 
 log = logging.getLogger("fedge.updates")
-UPDATES = ("delta", "raw")
 RESIDUAL_FILE = "residual.safetensors"
-
-
-@dataclass(frozen=True)
-class UploadSettings:
-    """How a client answers a task; the task body's ``upload`` field, parsed."""
-
-    codec: CodecSpec = FP32
-    update: str = "raw"              # delta | raw; a task without ``upload`` gets raw float32
-    error_feedback: bool = False
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> "UploadSettings":
-        upload = body.get("upload")
-        if upload is None:
-            return cls()
-        if not isinstance(upload, dict):
-            raise CodecError(f"the task's 'upload' must be an object, got {upload!r}")
-        update = upload.get("update", "delta")
-        if update not in UPDATES:
-            raise CodecError(f"upload.update must be one of {UPDATES}, got {update!r}")
-        return cls(parse_codec(upload.get("codec", "fp32")), update, bool(upload.get("error_feedback", True)))
-
-    def to_body(self) -> dict[str, Any]:
-        return {"codec": self.codec.text, "update": self.update, "error_feedback": self.error_feedback}
 
 
 @dataclass
@@ -107,9 +84,10 @@ class ResidualStore:
 def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
                   settings: UploadSettings, residuals: ResidualStore, run_id: str, *,
                   raw_only: bool = False, generator: torch.Generator | None = None
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Wire tensors and the result body fields (``codec``, ``delta``) for ``tensors``.
+                  ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Wire tensors for ``tensors`` in ``settings.codec``, and the names sent as differences.
 
+    The result's body names the codec (``settings.codec``) and the differences (``delta``).
     ``received``: what the task sent down, the reference of each difference.
     ``raw_only``: the tensors are not model parameters (an objective's statistics).
     """
@@ -130,35 +108,18 @@ def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, to
         sent = decode_tensors(wire, spec, {n: tuple(v.shape) for n, v in values.items()}, sparse=delta)
         stored.update({name: values[name] - sent[name] for name in delta})
         residuals.save()
-    return wire, {"codec": spec.text, "delta": delta}
+    return wire, delta
 
 
-def _spec(body: Mapping[str, Any]) -> CodecSpec:
-    """The codec a message's tensors are in (``codec`` in its body; float32 when absent)."""
-    text = body.get("codec", "fp32")
-    if not isinstance(text, str):
-        raise CodecError(f"the body's 'codec' must be a codec spec string, got {text!r}")
-    return parse_codec(text)
-
-
-def _names(body: Mapping[str, Any], key: str) -> list[str]:
-    value = body.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
-        raise CodecError(f"the body's {key!r} must be a list of tensor names")
-    return value
-
-
-def decode_upload(wire: Mapping[str, torch.Tensor], body: Mapping[str, Any],
+def decode_upload(wire: Mapping[str, torch.Tensor], body: ResultBody,
                   expected: Mapping[str, tuple[int, ...]], sent: Mapping[str, torch.Tensor]
                   ) -> dict[str, torch.Tensor]:
     """Float32 values of a result: differences are added back to the exact tensors ``sent``."""
-    spec = _spec(body)
-    delta = _names(body, "delta")
-    stray = sorted(set(delta) - (set(expected) & set(sent)))
+    stray = sorted(set(body.delta) - (set(expected) & set(sent)))
     if stray:
         raise CodecError(f"differences declared for tensors the task did not send: {stray[:5]}")
-    values = decode_tensors(wire, spec, expected, sparse=delta)
-    for name in delta:
+    values = decode_tensors(wire, body.codec, expected, sparse=body.delta)
+    for name in body.delta:
         values[name] = sent[name].to(torch.float32) + values[name]
         if not bool(torch.isfinite(values[name]).all()):
             raise CodecError(f"tensor {name!r} is not finite after adding its difference")
@@ -166,13 +127,12 @@ def decode_upload(wire: Mapping[str, torch.Tensor], body: Mapping[str, Any],
 
 
 def encode_download(tensors: Mapping[str, torch.Tensor], spec: CodecSpec, *,
-                    generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Wire tensors and the body's ``codec`` field for what a task or broadcast sends down (dense)."""
-    dense = spec.dense()
-    return encode_tensors(tensors, dense, generator=generator), {"codec": dense.text}
+                    generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Wire tensors of what a task or broadcast sends down: dense, in ``spec.dense()``, the body's ``codec``."""
+    return encode_tensors(tensors, spec.dense(), generator=generator)
 
 
-def decode_download(wire: Mapping[str, torch.Tensor], body: Mapping[str, Any],
+def decode_download(wire: Mapping[str, torch.Tensor], codec: CodecSpec,
                     shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Float32 tensors of a task or model broadcast (dense, any subset of ``shapes``)."""
-    return decode_tensors(wire, _spec(body).dense(), shapes, exact=False)
+    """Float32 tensors of a task or model broadcast (dense, any subset of ``shapes``) in its body's ``codec``."""
+    return decode_tensors(wire, codec.dense(), shapes, exact=False)
