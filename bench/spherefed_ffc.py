@@ -41,7 +41,7 @@ from edge_client.data import load_dataset
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext
-from edge_client.wire.protocol import decode, encode
+from edge_client.wire.protocol import ResultBody, decode, encode
 from edge_client.methods.sphere import WIRE_CODECS, FfcStats, ffc_stats, wire_numbers, wire_shapes
 from edge_client.methods.sphere_head import CLASSIFIER
 from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
@@ -55,9 +55,10 @@ CLIENTS = 10
 def _result_message(tensors: dict[str, torch.Tensor], dtype: str, n: int) -> bytes:
     """The stats as a client sends them: raw values in the FFC codec, in a result envelope."""
     settings = UploadSettings(parse_codec(WIRE_CODECS[dtype]), "raw")
-    wire, fields = encode_upload(tensors, {}, settings, ResidualStore(None), "run", raw_only=True)
+    wire, delta = encode_upload(tensors, {}, settings, ResidualStore(None), "run", raw_only=True)
+    body = ResultBody(num_samples=n, metrics={"ffc_seconds": 0.0}, codec=settings.codec, delta=tuple(delta))
     return encode("result", run_id="20261122-000000-000000", round=30, task_id="0" * 16, sender="sim-000",
-                  body={"num_samples": n, "metrics": {"ffc_seconds": 0.0}, **fields}, tensors=wire)
+                  body=body.to_body(), tensors=wire)
 
 
 def measure_cost(model_name: str, samples: int) -> dict[str, Any]:
@@ -85,7 +86,7 @@ def measure_cost(model_name: str, samples: int) -> dict[str, Any]:
         parts = []
         for _ in range(CLIENTS):
             msg = decode(payload)
-            tensors = decode_upload(msg.tensors, msg.body, wire_shapes(dim, classes), {})
+            tensors = decode_upload(msg.tensors, ResultBody.from_body(msg.body), wire_shapes(dim, classes), {})
             parts.append(FfcStats.from_wire(tensors, dim, classes))
         calibration = FfcStats.reduce(parts).solve(0.0)
         out[f"coordinator_seconds_{dtype}"] = time.perf_counter() - started

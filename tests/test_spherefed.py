@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from coordinator.config import ConfigError, FfcSection, load_config
+from coordinator.config import ConfigError, load_config
+from coordinator.strategies.spherefed import FfcSection
 from coordinator.engine import Coordinator, EvalData
 from coordinator.run import run_federated
 from coordinator.methods import make_strategy
@@ -32,7 +33,7 @@ from edge_client.data import load_dataset, partition_indices
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext
-from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
+from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ResultBody, decode, encode
 from edge_client.methods.sphere import (STAT_NAMES, FfcStats, ffc_stats, pack_upper, packed_size, sphere_accuracies,
                                         sphere_loss, sphere_train, unpack_upper, wire_numbers)
 from edge_client.methods.sphere_head import CLASSIFIER, SphereError, SphereHead, fixed_classifier
@@ -117,8 +118,9 @@ def test_a_model_with_fewer_features_than_classes_is_refused():
 
 
 def test_spherefed_needs_the_sphere_head_and_valid_ffc_settings():
-    with pytest.raises(ConfigError, match='set model.head = "sphere"'):
-        load_config(None, [("run", "strategy", "spherefed")])
+    assert load_config(None, [("run", "strategy", "spherefed")]).model["head"] == "sphere"   # the strategy sets it
+    with pytest.raises(ConfigError, match="needs model.head = 'sphere'"):
+        load_config(None, [("run", "strategy", "spherefed"), ("model", "head", "linear")])
     ok = [("run", "strategy", "spherefed"), ("model", "head", "sphere")]
     for bad, message in [(("ffc", "dtype", "float16"), "ffc.dtype"), (("ffc", "ridge", -1.0), "ffc.ridge"),
                          (("ffc", "every", 2), None), (("spherefed", "mu", -0.1), "spherefed.mu")]:
@@ -168,12 +170,13 @@ def client_stats_over_the_wire(model, x, y) -> tuple[FfcStats, int]:
     """One client's ffc_stats result, encoded and decoded as the real client and coordinator do."""
     out = ffc_stats(model, LocalData(x, y), {"dtype": "float64"}, ctx())
     settings = UploadSettings(parse_codec("fp64"), "raw")
-    wire, fields = encode_upload(out.tensors, {}, settings, ResidualStore(None), "run", raw_only=True)
-    payload = encode("result", run_id="run", round=1, task_id="t", sender="c",
-                     body={"num_samples": out.num_samples, **fields}, tensors=wire)
+    wire, delta = encode_upload(out.tensors, {}, settings, ResidualStore(None), "run", raw_only=True)
+    body = ResultBody(num_samples=out.num_samples, codec=settings.codec, delta=tuple(delta))
+    payload = encode("result", run_id="run", round=1, task_id="t", sender="c", body=body.to_body(), tensors=wire)
     msg = decode(payload)
     d, classes = model.classifier.in_features, model.classifier.out_features
-    tensors = decode_upload(msg.tensors, msg.body, {k: t.shape for k, t in out.tensors.items()}, {})
+    tensors = decode_upload(msg.tensors, ResultBody.from_body(msg.body), {k: t.shape for k, t in out.tensors.items()},
+                            {})
     assert all(t.dtype == torch.float64 for t in tensors.values())
     return FfcStats.from_wire(tensors, d, classes), len(payload)
 
@@ -229,10 +232,10 @@ def test_stats_message_holds_exactly_the_packed_sums(digits):
     for dtype, codec, itemsize in (("float64", "fp64", 8), ("float32", "fp32", 4)):
         out = ffc_stats(model, LocalData(x, y), {"dtype": dtype}, ctx())
         assert sorted(out.tensors) == sorted(STAT_NAMES) and out.num_samples == 300
-        wire, fields = encode_upload(out.tensors, {}, UploadSettings(parse_codec(codec), "raw"), ResidualStore(None),
-                                     "run", raw_only=True)
-        payload = encode("result", run_id="run", round=1, task_id="t", sender="c",
-                         body={"num_samples": 300, **fields}, tensors=wire)
+        wire, delta = encode_upload(out.tensors, {}, UploadSettings(parse_codec(codec), "raw"), ResidualStore(None),
+                                    "run", raw_only=True)
+        body = ResultBody(num_samples=300, codec=parse_codec(codec), delta=tuple(delta))
+        payload = encode("result", run_id="run", round=1, task_id="t", sender="c", body=body.to_body(), tensors=wire)
         (header,) = struct.unpack("<Q", payload[:8])
         assert len(payload) == 8 + header + numbers * itemsize
         assert sum(t.numel() for t in decode(payload).tensors.values()) == numbers
