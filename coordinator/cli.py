@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rich.console import Console
     from rich.logging import RichHandler
+    from rich.markup import escape
 
     console = Console(stderr=False)
     handler = RichHandler(console=Console(stderr=True), show_path=False)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.config import ConfigError
     from coordinator.engine import RunError
     from coordinator.report import RoundTable
-    from coordinator.run import run_federated
+    from coordinator.run import RunInterrupted, run_federated
     from edge_client.data import DataError
     from edge_client.models import ModelSpecError
     from edge_client.wire.protocol import ProtocolError
@@ -109,19 +110,36 @@ def main(argv: list[str] | None = None) -> int:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
         with RoundTable(console, title=f"fedge {config.run.strategy} / {config.model['name']}") as table:
             result = run_federated(config, resume=getattr(args, "resume", False),
-                                   say=lambda text: console.print(f"[dim]{text}[/dim]"), on_round=table.add)
+                                   say=lambda text: console.print(f"[dim]{escape(text)}[/dim]"), on_round=table.add)
     except (ConfigError, DataError, ModelSpecError, TransportError, RunError, CheckpointError, ProtocolError) as exc:
-        console.print(f"[red]fedge-coordinator: {exc}[/red]")
+        # One line however long (piped output would wrap at 80 columns); messages hold [section] names.
+        console.print(f"[red]fedge-coordinator: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2
+    except RunInterrupted as stop:
+        console.print(f"[yellow]{escape(_interrupted(stop))}[/yellow]", soft_wrap=True)
+        return 130
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted; the last completed round is checkpointed (use --resume)[/yellow]")
+        console.print("[yellow]interrupted before the run started; nothing was written[/yellow]")
         return 130
     s = result.summary
-    accuracy = (f"final test accuracy {s['final_accuracy']:.4f}" if s["final_accuracy"] is not None
-                else f"final personalized accuracy {s['final_personalized_accuracy'] or 0.0:.4f}")
-    console.print(f"{accuracy} after {s['rounds']} rounds ({s['bytes_down'] + s['bytes_up']:,} bytes moved)")
+    if s.get("rounds") is not None:
+        accuracy = (f"final test accuracy {s['final_accuracy']:.4f}" if s["final_accuracy"] is not None
+                    else f"final personalized accuracy {s['final_personalized_accuracy'] or 0.0:.4f}")
+        console.print(f"{accuracy} after {s['rounds']} rounds ({s['bytes_down'] + s['bytes_up']:,} bytes moved)")
     console.print(f"run directory: {result.out_dir}")
+    console.print(escape(f"next: fedge-profile show {result.out_dir}   fedge-profile html {result.out_dir} "
+                         f"-o report.html   fedge-export {result.out_dir}"), highlight=False)
     return 0
+
+
+def _interrupted(stop) -> str:  # stop: coordinator.run.RunInterrupted
+    """What is true after Ctrl-C: what can be resumed, or that nothing can."""
+    if stop.checkpointed_round:
+        return (f"interrupted; round {stop.checkpointed_round} is checkpointed: continue with "
+                f"fedge-coordinator run --resume --out {stop.out_dir}")
+    if stop.out_dir is not None:
+        return f"interrupted before any round was checkpointed; nothing to resume in {stop.out_dir}"
+    return "interrupted before round 1 finished; nothing was checkpointed, so there is nothing to resume"
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from coordinator.methods import method_sections, requirements
 from coordinator.selection import SELECTIONS
 from edge_client.wire.chunking import MIN_MESSAGE_BYTES
 from edge_client.wire.codec import CodecError, parse_codec
+from edge_client.wire.transport import BrokerUrlError, parse_broker_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -155,6 +156,7 @@ class RunConfig:
             (t.kind in ("mqtt", "inproc"), "transport.kind must be mqtt or inproc"),
             (t.kind == "mqtt" or c.spawn > 0, "the inproc transport needs spawned clients (--spawn-clients N)"),
             (t.protocol in ("auto", "5", "3.1.1"), "transport.protocol must be auto, 5 or 3.1.1"),
+            (not t.broker or _broker_url_problem(t.broker) == "", f"transport.broker: {_broker_url_problem(t.broker)}"),
             (t.max_message_bytes >= MIN_MESSAGE_BYTES, f"transport.max_message_bytes must be at least "
                                                        f"{MIN_MESSAGE_BYTES}"),
             (t.max_decoded_bytes >= MIN_MESSAGE_BYTES, f"transport.max_decoded_bytes must be at least "
@@ -193,6 +195,14 @@ class RunConfig:
     @property
     def required_results(self) -> int:
         return self.clients.min_results or self.selected_per_round
+
+
+def _broker_url_problem(url: str) -> str:
+    try:
+        parse_broker_url(url)
+    except BrokerUrlError as exc:
+        return str(exc)
+    return ""
 
 
 class OverrideText(str):

@@ -52,17 +52,19 @@ class RoundTable:
         self._live: Live | None = None
 
     def __enter__(self) -> "RoundTable":
-        if self.console.is_terminal:
-            self._live = Live(self.table, console=self.console, refresh_per_second=4)
-            self._live.__enter__()
-        else:
-            self._print_line([name for name, _ in _COLUMNS])
         return self
 
     def add(self, row: dict[str, Any]) -> None:
+        """Show a round; the table (or the header line) appears with the first one, so an error at
+        start-up comes alone, not under an empty table."""
         cells = _cells(row)
         self.table.add_row(*cells)
-        if self._live is None:
+        if self._live is None and self.console.is_terminal:
+            self._live = Live(self.table, console=self.console, refresh_per_second=4)
+            self._live.__enter__()
+        elif self._live is None:
+            if self.table.row_count == 1:
+                self._print_line([name for name, _ in _COLUMNS])
             self._print_line(cells)
 
     def _print_line(self, cells: list[str]) -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from edge_client.registry import build_model
 from edge_client.methods.sphere_head import with_sphere_seed
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
 
-__all__ = ["RunResult", "run_federated", "new_run_id"]
+__all__ = ["RunResult", "RunInterrupted", "run_federated", "new_run_id"]
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -42,6 +43,16 @@ log = logging.getLogger("fedge.coordinator")
 class RunResult:
     out_dir: Path
     summary: dict[str, Any]
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, with what is true afterwards: the directory kept (None: a start that
+    had checkpointed nothing was removed) and the last checkpointed round (None: nothing to resume)."""
+
+    def __init__(self, out_dir: Path | None, checkpointed_round: int | None) -> None:
+        super().__init__(out_dir, checkpointed_round)
+        self.out_dir = out_dir
+        self.checkpointed_round = checkpointed_round
 
 
 def new_run_id() -> str:
@@ -105,7 +116,8 @@ def _open_transport(config: RunConfig, run_id: str, say: Callable[[str], None]) 
             broker.stop()
 
 
-def _prepare_out_dir(config: RunConfig, resume: bool) -> tuple[Path, str]:
+def _prepare_out_dir(config: RunConfig, resume: bool) -> tuple[Path, str, int, bool]:
+    """The run directory, run id, last checkpointed round, and whether this call created the directory."""
     if resume:
         if not config.run.out:
             raise ConfigError("--resume needs --out DIR of the run to continue")
@@ -113,14 +125,20 @@ def _prepare_out_dir(config: RunConfig, resume: bool) -> tuple[Path, str]:
         ckpt = latest_checkpoint(out / "checkpoints")
         if ckpt is None:
             raise ConfigError(f"nothing to resume in {out}: it has no checkpoints/")
-        _, info = load_checkpoint(ckpt)
-        return out, info["run_id"]
+        state, info = load_checkpoint(ckpt)
+        return out, info["run_id"], state.round, False
     run_id = new_run_id()
     out = Path(config.run.out or Path("runs") / run_id)
     if latest_checkpoint(out / "checkpoints") is not None:
         raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    return out, run_id
+    return out, run_id, 0, created
+
+
+def _close_log(handler: logging.Handler) -> None:
+    logging.getLogger("fedge").removeHandler(handler)
+    handler.close()
 
 
 def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str], None] = print,
@@ -131,15 +149,27 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
     ``strategy``: one to use instead of the configured ``run.strategy`` (a method being
     developed, before it has a registry entry); the rest of the configuration applies as is.
     """
-    out, run_id = _prepare_out_dir(config, resume)
+    strategy = strategy or make_strategy(config)   # a configuration it refuses leaves nothing behind
+    out, run_id, done, created = _prepare_out_dir(config, resume)
+    if resume and done >= config.run.rounds:
+        say(f"run {run_id} finished all {done} rounds already; nothing to resume (raise --rounds to train more)")
+        summary_path = out / "summary.json"
+        return RunResult(out, json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {})
     dump_config(config, out / "config.toml")
     handler = _setup_file_log(out)
     try:
-        return _run(config, out, run_id, resume, say, on_round or (lambda row: None),
-                    strategy or make_strategy(config))
+        return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy)
+    except BaseException as exc:
+        _close_log(handler)
+        checkpoint = latest_checkpoint(out / "checkpoints")
+        if checkpoint is None and created:   # a start that failed leaves no run directory behind
+            shutil.rmtree(out, ignore_errors=True)
+        if isinstance(exc, KeyboardInterrupt):
+            kept = None if checkpoint is None and created else out
+            raise RunInterrupted(kept, load_checkpoint(checkpoint)[0].round if checkpoint else None) from None
+        raise
     finally:
-        logging.getLogger("fedge").removeHandler(handler)
-        handler.close()
+        _close_log(handler)
 
 
 def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[[str], None],

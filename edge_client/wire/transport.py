@@ -24,6 +24,8 @@ __all__ = [
     "TransportError",
     "MessageTooLarge",
     "BrokerSettings",
+    "BrokerUrlError",
+    "parse_broker_url",
     "Will",
     "Incoming",
     "Transport",
@@ -57,11 +59,33 @@ class BrokerSettings:
     connect_timeout: float = 15.0
     max_message_bytes: int = 64 * 1024 * 1024
 
+    def __post_init__(self) -> None:
+        parse_broker_url(self.url)   # a malformed URL is a configuration error now, not a retry loop later
+
     def host_port(self) -> tuple[str, int]:
-        parsed = urlparse(self.url)
-        if parsed.scheme != "mqtt" or not parsed.hostname:
-            raise TransportError(f"broker URL {self.url!r} must look like mqtt://HOST:PORT")
-        return parsed.hostname, parsed.port or 1883
+        return parse_broker_url(self.url)
+
+
+class BrokerUrlError(TransportError, ValueError):
+    """A broker URL fedge cannot use; no retry can fix it."""
+
+
+def parse_broker_url(url: str) -> tuple[str, int]:
+    """(host, port) of ``mqtt://HOST[:PORT]`` (port 1883 when omitted); BrokerUrlError saying why otherwise."""
+    hint = f"broker URL {url!r} must look like mqtt://HOST:PORT (e.g. mqtt://127.0.0.1:1883)"
+    if not isinstance(url, str) or "://" not in url:
+        raise BrokerUrlError(f"{hint}: the mqtt:// scheme is missing")
+    parsed = urlparse(url)
+    if parsed.scheme != "mqtt":
+        raise BrokerUrlError(f"{hint}: fedge speaks plain MQTT (mqtt://), not {parsed.scheme}://")
+    try:
+        port = parsed.port or 1883
+    except ValueError:
+        raise BrokerUrlError(f"{hint}: the port is not a number in 1..65535") from None
+    if not parsed.hostname or parsed.path not in ("", "/") or parsed.query or parsed.username or parsed.password:
+        raise BrokerUrlError(f"{hint}: give only a host and a port (credentials go in --username and "
+                             "the FEDGE_MQTT_PASSWORD variable)")
+    return parsed.hostname, port
 
 
 @dataclass(frozen=True)
