@@ -109,6 +109,13 @@ class EdgeClient:
         self._done: dict[str, bytes] = {}          # task id -> result payload, for re-sends
         self._latest_round: dict[str, int] = {}    # run id -> newest round the coordinator announced
         self._runs_seen: set[str] = set()
+        self._runs_trained: set[str] = set()       # runs this device ran a task for
+        self._runs_ended: set[str] = set()
+        # The coordinator's current running run, from its retained status ("" once it finished). Only its
+        # tasks run: a persistent session can hold tasks a dead run queued, and training them is waste.
+        self._running_run: str | None = None      # None: no status seen yet
+        self._parked: list[tuple[_Task, Profiler]] = []   # tasks that came before any run status
+        self._parked_since = 0.0
         self._finished = False
         self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
         # Model broadcasts by SHA-256, newest last: their wire tensors and codec.
@@ -144,6 +151,7 @@ class EdgeClient:
             elif incoming is not None and incoming.payload:
                 self._handle(incoming.topic, incoming.payload, incoming.received_at)
             self._give_up_waiting()
+            self._warn_if_parked()
             self._resend_if_due()
         self.transport.publish(self.topics.client(cid, "presence"), presence_payload(cid, PresenceBody("offline")),
                                retain=True)
@@ -166,7 +174,7 @@ class EdgeClient:
                 profiler.add("receive", max(0.0, taken_up - received_at))
             task = _Task.read(msg)
             profiler.add("decode", time.perf_counter() - started)
-            self._on_task(task, profiler)
+            self._take(task, profiler)
         elif msg.kind == "status":
             self._on_status(msg)
 
@@ -177,13 +185,43 @@ class EdgeClient:
             log.warning("ignored the coordinator's status: %s", exc)
             return
         if status.state == "running":
+            self._running_run = msg.run_id
             self._runs_seen.add(msg.run_id)
             self._latest_round[msg.run_id] = max(self._latest_round.get(msg.run_id, 0), msg.round)
-        elif status.state == "finished" and msg.run_id in self._runs_seen:
-            log.info("run %s finished", msg.run_id)
-            self._pending = None
-            if self.settings.exit_after_run:
-                self._finished = True
+        elif status.state == "finished":
+            self._running_run = "" if self._running_run in (None, msg.run_id) else self._running_run
+            if msg.run_id in self._runs_trained and msg.run_id not in self._runs_ended:
+                log.info("run %s finished", msg.run_id)
+            self._runs_ended.add(msg.run_id)
+            if msg.run_id in self._runs_seen:
+                self._pending = None
+                if self.settings.exit_after_run:
+                    self._finished = True
+        parked, self._parked = self._parked, []
+        for task, profiler in parked:
+            self._take(task, profiler)
+
+    def _take(self, task: _Task, profiler: Profiler) -> None:
+        """Run a new task if it belongs to the coordinator's current running run; park it while no run
+        status has arrived (the retained status may come after a persistent session's queued tasks)."""
+        run = task.msg.run_id
+        if self._running_run is None:
+            if not self._parked:
+                self._parked_since = time.monotonic()
+            self._parked = [*self._parked[-7:], (task, profiler)]   # a few; the coordinator re-sends
+            return
+        if run != self._running_run:
+            log.info("dropped task %s of run %s: it is not the coordinator's current run (%s)", task.msg.task_id,
+                     run, self._running_run or "none running")
+            return
+        self._on_task(task, profiler)
+
+    def _warn_if_parked(self) -> None:
+        """Tasks waiting long for a run status mean this device cannot read it: say so, once."""
+        if self._parked and self._parked_since and time.monotonic() - self._parked_since > 15.0:
+            log.warning("tasks are waiting for the coordinator's run status on %s, which has not arrived; check "
+                        "that this device may read that topic (the broker's ACL)", self.topics.coordinator_status)
+            self._parked_since = 0.0
 
     def _on_status(self, msg: Message) -> None:
         try:
@@ -246,6 +284,7 @@ class EdgeClient:
     def _on_task(self, task: _Task, profiler: Profiler | None = None, *, wait: bool = True) -> None:
         msg = task.msg
         self._runs_seen.add(msg.run_id)
+        self._runs_trained.add(msg.run_id)
         if msg.task_id in self._done:  # the coordinator asked again: it missed our result
             self._send(task, self._done[msg.task_id])
             return

@@ -213,7 +213,8 @@ def build_model(spec: Mapping[str, Any], models: Mapping[str, ModelFactory] = MO
         raise ModelSpecError(f"a model spec is a mapping with a 'name', got {spec!r}")
     name = spec["name"]
     if name not in models:
-        raise ModelSpecError(f"unknown model {name!r}; available: {', '.join(sorted(models))}")
+        # The backbones are what a person picks (model.name); methods build their own networks around them.
+        raise ModelSpecError(f"unknown model {name!r}; model.name is one of {', '.join(sorted(MODELS))}")
     for key in _SHAPE_KEYS:
         value = spec.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

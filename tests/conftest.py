@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
+from collections.abc import Callable
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -28,6 +33,40 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> str:
 def prefix(request: pytest.FixtureRequest) -> str:
     """A topic prefix of its own for each test, so retained messages never leak between tests."""
     return "t" + str(abs(hash(request.node.nodeid)) % 10**8) + "-" + str(time.monotonic_ns() % 10**6)
+
+
+def _kill_after_checkpoint(proc: subprocess.Popen, out: Path, round: int, timeout: float = 180.0) -> None:
+    """SIGKILL a coordinator process once round ``round`` of its run in ``out`` is checkpointed, and
+    wait for its spawned clients, which leave when their parent is gone."""
+    deadline = time.monotonic() + timeout
+    while not (out / "checkpoints" / f"round_{round:04d}.safetensors").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"coordinator ended before round {round}"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(children, timeout=30)
+
+
+@pytest.fixture
+def kill_after_checkpoint() -> Callable[..., None]:
+    """``kill(proc, out, round)``: a coordinator killed hard right after a checkpoint, for resume tests."""
+    return _kill_after_checkpoint
+
+
+def _announce_running(transport, run_id: str = "r", prefix: str = "fedge") -> None:
+    """What a coordinator publishes before its tasks: the retained status naming its running run
+    (devices run only that run's tasks)."""
+    from edge_client.wire.protocol import Topics, encode
+
+    payload = encode("status", run_id=run_id, round=1, task_id="", sender="coordinator", body={"state": "running"})
+    transport.publish(Topics(prefix).coordinator_status, payload, retain=True)
+
+
+@pytest.fixture
+def announce_running() -> Callable[..., None]:
+    """``announce(transport, run_id="r")`` for tests that play the coordinator by hand."""
+    return _announce_running
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ def _model_message(round: int, seed: int) -> tuple[bytes, str]:
     return payload, hashlib.sha256(payload).hexdigest()
 
 
-def test_client_fetches_a_broadcast_only_when_it_does_not_hold_it(tmp_path):
+def test_client_fetches_a_broadcast_only_when_it_does_not_hold_it(tmp_path, announce_running):
     hub = InprocHub()
     digits = load_dataset("digits")
     client = EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"),
@@ -102,6 +102,7 @@ def test_client_fetches_a_broadcast_only_when_it_does_not_hold_it(tmp_path):
     thread.start()
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
+    announce_running(me)
     first, first_hash = _model_message(1, 0)
     second, second_hash = _model_message(2, 1)
     up = sorted(state_shapes(build_model(SPEC)))

@@ -230,7 +230,7 @@ def dfl_config(out: Path, **sets):
     return load_config(None, [(*key.split("__", 1), value) for key, value in base.items()])
 
 
-def test_uploads_carry_only_the_invariant_branch(tmp_path, digits):
+def test_uploads_carry_only_the_invariant_branch(tmp_path, digits, announce_running):
     strategy = make_strategy(dfl_config(tmp_path / "run"))
     spec = strategy.model_spec({"name": "cnn", "num_classes": 10, "in_channels": 3, "image_size": 8})
     assert spec["name"] == "dfl" and spec["backbone"] == "cnn"
@@ -250,6 +250,7 @@ def test_uploads_carry_only_the_invariant_branch(tmp_path, digits):
     thread.start()
     me = hub.connect("coord")
     me.subscribe(topics.client("dev1", "result"))
+    announce_running(me)
     body = {"objective": plan.objective, "hyper": plan.hyper, "model": spec, "up": plan.up, "seed": 0,
             "timeout": 30, "resend_every": 30}
     me.publish(topics.client("dev1", "task"), encode("task", run_id="r", round=1, task_id="t1",

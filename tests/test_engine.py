@@ -172,7 +172,7 @@ def test_too_few_results_retries_the_round_with_a_fresh_sample(tmp_path):
         coord.run_round(4)
 
 
-def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path):
+def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path, announce_running):
     hub = InprocHub()
     digits = load_dataset("digits")
     settings = ClientSettings(client_id="dev1", state_dir=tmp_path / "state")
@@ -184,6 +184,7 @@ def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path):
     me = hub.connect("coord")
     topics = Topics()
     me.subscribe(topics.client("dev1", "result"))
+    announce_running(me)
     model = build_model(SPEC)
     params = {k: v for k, v in model.state_dict().items()}
     body = {"objective": "train", "hyper": {"epochs": 1}, "model": SPEC, "up": sorted(params), "seed": 1,
@@ -242,7 +243,7 @@ def test_results_whose_body_does_not_parse_are_rejected_naming_the_field(tmp_pat
         assert any(f"result field '{name}'" in reason for reason in reasons), (name, reasons)
 
 
-def test_edge_client_answers_tasks_whose_body_does_not_parse_with_an_error_naming_the_field(tmp_path):
+def test_edge_client_answers_tasks_whose_body_does_not_parse_with_an_error_naming_the_field(tmp_path, announce_running):
     hub = InprocHub()
     digits = load_dataset("digits")
     client = EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"),
@@ -252,6 +253,7 @@ def test_edge_client_answers_tasks_whose_body_does_not_parse_with_an_error_namin
     thread.start()
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
+    announce_running(me)
     body = {"objective": "train", "hyper": {"epochs": 1}, "model": SPEC, "up": [], "timeout": 30, "resend_every": 30}
     bad = {"t1": {"timeout": "soon"}, "t2": {"upload": {"codec": "fp8"}}, "t3": {"broadcast": "latest"},
            "t4": {"model": "mlp"}, "t5": {"seed": 1.5}, "t6": {"up": "everything"}}

@@ -224,7 +224,7 @@ def test_missing_or_corrupt_checkpoint_and_unknown_model_are_clear_errors(digits
     assert not (run / "export").exists()
 
     unknown = write_run(tmp_path / "unknown", trained(spec, digits), {**spec, "name": "resnet50"})
-    with pytest.raises(SourceError, match="unknown model 'resnet50'; available: cnn, dfl, mlp, vgg9"):
+    with pytest.raises(SourceError, match="unknown model 'resnet50'; model.name is one of cnn, mlp, vgg9"):
         export_global(unknown)
     with pytest.raises(SourceError, match="dfl_state.safetensors does not exist"):
         export_personalized(None, _fake_dfl_run(tmp_path / "dfl", digits) / "clients" / "sim-000")

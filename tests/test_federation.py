@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -128,7 +126,7 @@ def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: s
             "--set", "train.epochs=2", *extra]
 
 
-def test_resume_after_kill_matches_uninterrupted_run(tmp_path, mosquitto, prefix):
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path, mosquitto, prefix, kill_after_checkpoint):
     rounds = 4
     ref = subprocess.run(_coordinator_cmd(tmp_path / "ref", mosquitto, prefix + "-ref", rounds),
                          capture_output=True, text=True, timeout=300)
@@ -137,14 +135,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path, mosquitto, prefix
     out = tmp_path / "resumed"
     proc = subprocess.Popen(_coordinator_cmd(out, mosquitto, prefix, rounds), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not (out / "checkpoints" / "round_0002.safetensors").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "coordinator ended before round 2"
-        time.sleep(0.05)
-    children = psutil.Process(proc.pid).children()
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(children, timeout=30)   # spawned clients leave when their parent is gone
+    kill_after_checkpoint(proc, out, 2)
     done_before = [r["round"] for r in read_metrics(out)]
     assert max(done_before) < rounds
 

@@ -8,13 +8,10 @@ the export must all follow it.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from coordinator.checkpoint import load_checkpoint
@@ -35,7 +32,8 @@ def _widen_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) ->
             "--set", f"transport.prefix={prefix}", "--set", "model.hidden=[16]", *extra]
 
 
-def test_a_strategy_that_widens_the_model_runs_over_mqtt_and_resumes_to_the_same_rows(tmp_path, mosquitto, prefix):
+def test_a_strategy_that_widens_the_model_runs_over_mqtt_and_resumes_to_the_same_rows(tmp_path, mosquitto, prefix,
+                                                                                      kill_after_checkpoint):
     rounds = 4
     ref = subprocess.run(_widen_cmd(tmp_path / "ref", mosquitto, prefix + "-ref", rounds),
                          capture_output=True, text=True, timeout=300)
@@ -54,14 +52,7 @@ def test_a_strategy_that_widens_the_model_runs_over_mqtt_and_resumes_to_the_same
     out = tmp_path / "resumed"
     proc = subprocess.Popen(_widen_cmd(out, mosquitto, prefix, rounds), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not (out / "checkpoints" / "round_0002.safetensors").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "coordinator ended before round 2"
-        time.sleep(0.05)
-    children = psutil.Process(proc.pid).children()
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(children, timeout=30)
+    kill_after_checkpoint(proc, out, 2)
     assert max(r["round"] for r in read_metrics(out)) < rounds
 
     resumed = subprocess.run(_widen_cmd(out, mosquitto, prefix, rounds, "--resume"),

@@ -92,7 +92,7 @@ def test_forward_shapes(name, size, channels, classes):
 
 
 def test_unknown_model_lists_available():
-    with pytest.raises(ModelSpecError, match="unknown model 'resnet'; available: cnn, dfl, mlp"):
+    with pytest.raises(ModelSpecError, match="unknown model 'resnet'; model.name is one of cnn, mlp, vgg9$"):
         build_model({**CNN28, "name": "resnet"})
 
 

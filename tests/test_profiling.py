@@ -131,7 +131,7 @@ def test_device_facts_without_importing_torch():
     assert device_facts()["torch_threads"] == torch.get_num_threads()   # here torch is loaded
 
 
-def test_client_profiles_every_phase_and_keeps_its_history(tmp_path, digits):
+def test_client_profiles_every_phase_and_keeps_its_history(tmp_path, digits, announce_running):
     hub = InprocHub()
     state = tmp_path / "state"
     client = EdgeClient(ClientSettings(client_id="dev1", state_dir=state), hub.connect("dev1"),
@@ -139,6 +139,7 @@ def test_client_profiles_every_phase_and_keeps_its_history(tmp_path, digits):
     coordinator = hub.connect("coordinator")
     topics = Topics()
     coordinator.subscribe(topics.client("dev1", "result"))
+    announce_running(coordinator)
     coordinator.subscribe(topics.client("dev1", "presence"))
     stop = threading.Event()
     thread = threading.Thread(target=client.run, args=(stop,), daemon=True)

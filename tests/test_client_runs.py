@@ -1,0 +1,89 @@
+"""A device trains only for the coordinator's current running run.
+
+A device's persistent MQTT session keeps tasks a run queued while the device was
+away; if that run died, training them costs the device a round's compute and the
+next run counts the result as late. The retained run status says which run is
+current, and it may arrive after the queued tasks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from edge_client.client import ClientSettings, EdgeClient
+from edge_client.data import load_dataset
+from edge_client.objectives import LocalData
+from edge_client.registry import build_model
+from edge_client.wire.protocol import Topics, decode, encode
+from edge_client.wire.transport import InprocHub
+
+SPEC = {"name": "mlp", "hidden": [8], "num_classes": 10, "in_channels": 1, "image_size": 8}
+
+
+def _client(hub: InprocHub) -> tuple[EdgeClient, threading.Event, threading.Thread]:
+    digits = load_dataset("digits")
+    client = EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"),
+                        LocalData(torch.from_numpy(digits.x_train[:64]), torch.from_numpy(digits.y_train[:64])))
+    stop = threading.Event()
+    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
+    thread.start()
+    return client, stop, thread
+
+
+def _task(run_id: str, task_id: str) -> bytes:
+    params = build_model(SPEC).state_dict()
+    body = {"objective": "train", "hyper": {"epochs": 1}, "model": SPEC, "up": sorted(params), "seed": 1,
+            "timeout": 30, "resend_every": 30}
+    return encode("task", run_id=run_id, round=1, task_id=task_id, sender="coordinator", body=body, tensors=params)
+
+
+def _status(run_id: str, state: str) -> bytes:
+    return encode("status", run_id=run_id, round=1, task_id="", sender="coordinator", body={"state": state})
+
+
+def _results(me, until: str, seconds: float = 30.0) -> set[str]:
+    seen: set[str] = set()
+    deadline = time.monotonic() + seconds
+    while until not in seen and time.monotonic() < deadline:
+        incoming = me.get(0.2)
+        if incoming is not None:
+            seen.add(decode(incoming.payload).task_id)
+    return seen
+
+
+def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains():
+    hub = InprocHub()
+    client, stop, thread = _client(hub)
+    me, topics = hub.connect("coord"), Topics()
+    me.subscribe(topics.client("dev1", "result"))
+    # What a persistent session replays first: a task of run "dead", before any run status.
+    me.publish(topics.client("dev1", "task"), _task("dead", "stale"))
+    time.sleep(0.5)
+    me.publish(topics.coordinator_status, _status("live", "running"), retain=True)
+    me.publish(topics.client("dev1", "task"), _task("live", "fresh"))
+    seen = _results(me, until="fresh")
+    stop.set()
+    thread.join(5)
+    assert seen == {"fresh"}
+    assert client.tasks_run == 1
+
+
+def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives():
+    hub = InprocHub()
+    client, stop, thread = _client(hub)
+    me, topics = hub.connect("coord"), Topics()
+    me.subscribe(topics.client("dev1", "result"))
+    me.publish(topics.client("dev1", "task"), _task("live", "early"))
+    time.sleep(0.5)
+    assert client.tasks_run == 0   # parked: no status says which run is current
+    me.publish(topics.coordinator_status, _status("live", "running"), retain=True)
+    seen = _results(me, until="early")
+    me.publish(topics.coordinator_status, _status("live", "finished"), retain=True)
+    me.publish(topics.client("dev1", "task"), _task("live", "after-the-end"))
+    seen |= _results(me, until="never", seconds=2.0)
+    stop.set()
+    thread.join(5)
+    assert seen == {"early"} and client.tasks_run == 1
