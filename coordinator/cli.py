@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
         with RoundTable(console, title=f"fedge {config.run.strategy} / {config.model['name']}") as table:
             result = run_federated(config, resume=getattr(args, "resume", False),
-                                   say=lambda text: console.print(f"[dim]{escape(text)}[/dim]"), on_round=table.add)
+                                   say=lambda text: console.print(f"[dim]{escape(text)}[/dim]"), on_round=table.add,
+                                   on_progress=table.progress)
     except (ConfigError, DataError, ModelSpecError, TransportError, RunError, CheckpointError, ProtocolError) as exc:
         # One line however long (piped output would wrap at 80 columns); messages hold [section] names.
         console.print(f"[red]fedge-coordinator: {escape(str(exc))}[/red]", soft_wrap=True)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{accuracy} after {s['rounds']} rounds ({s['bytes_down'] + s['bytes_up']:,} bytes moved)")
     console.print(f"run directory: {result.out_dir}")
     console.print(escape(f"next: fedge-profile show {result.out_dir}   fedge-profile html {result.out_dir} "
-                         f"-o report.html   fedge-export {result.out_dir}"), highlight=False)
+                         f"-o report.html   fedge-export {result.out_dir}"), highlight=False, soft_wrap=True)
     return 0
 
 

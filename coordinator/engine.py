@@ -83,7 +83,7 @@ class Coordinator:
 
     def __init__(self, config: RunConfig, transport: Transport, *, run_id: str, out_dir: Path,
                  strategy: Strategy, state: ServerState, eval_data: EvalData,
-                 on_round: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         if not state.spec:
             raise ValueError("the server state has no model spec; build it with Strategy.initialize(spec, params)")
         self.config = config
@@ -96,7 +96,8 @@ class Coordinator:
         self.strategy = strategy
         self.state = state
         self.eval_data = eval_data
-        self.on_round = on_round or (lambda row: None)
+        # What a person watching wants between rounds: who is online while waiting, results coming in.
+        self.on_progress = on_progress or (lambda info: None)
         self.topics = Topics(config.transport.prefix)
         self._network_key = ""                        # the spec self.model was built from (JSON)
         self.model, self.shapes = self._network()
@@ -112,8 +113,14 @@ class Coordinator:
         self.watchdog: Callable[[], None] = lambda: None   # raises RunError if spawned clients died
 
     # -- messages -------------------------------------------------------------
-    def _pump(self, until: float, done: Callable[[], bool]) -> None:
+    def _pump(self, until: float, done: Callable[[], bool],
+              progress: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Handle messages until ``done()`` or ``until``; report ``progress()`` whenever it changes."""
+        shown: dict[str, Any] | None = None
         while not done() and time.monotonic() < until:
+            if progress is not None and (now := progress()) != shown:
+                self.on_progress(now)
+                shown = now
             self.watchdog()
             incoming = self.transport.get(min(0.2, max(0.0, until - time.monotonic())))
             if incoming is None:
@@ -273,7 +280,8 @@ class Coordinator:
         """Block until ``count`` clients are online; raise RunError after ``timeout``."""
         self.transport.subscribe(self.topics.all_clients("presence"))
         self.transport.subscribe(self.topics.all_clients("result"))
-        self._pump(time.monotonic() + timeout, lambda: len(self.online) >= count)
+        self._pump(time.monotonic() + timeout, lambda: len(self.online) >= count,
+                   lambda: {"kind": "waiting", "online": sorted(self.online), "needed": count})
         if len(self.online) < count:
             raise RunError(f"only {len(self.online)} of {count} clients came online within {timeout:.0f} s "
                            f"({sorted(self.online)}); start more clients or lower clients.expected")
@@ -344,7 +352,12 @@ class Coordinator:
             self.announce("running", round)
             clients = sorted(self.online) if self.strategy.selects_all(phase) else self._sample(round, attempt)
             self._send_tasks(book, self.strategy.configure(phase, round, self.state, clients))
-            self._pump(time.monotonic() + c.clients.round_timeout, lambda: book.complete)
+            started = time.monotonic()
+            self._pump(started + c.clients.round_timeout, lambda: book.complete,
+                       lambda: {"kind": "exchange", "round": round, "phase": phase, "attempt": attempt + 1,
+                                "results": len(book.results), "selected": len(book.plans),
+                                "bytes_down": book.bytes_down, "bytes_up": book.bytes_up, "started": started,
+                                "timeout": c.clients.round_timeout})
             self._note_missed(book)
             for key in COUNTERS:
                 totals[key] += book.counts[key]

@@ -143,11 +143,14 @@ def _close_log(handler: logging.Handler) -> None:
 
 def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str], None] = print,
                   on_round: Callable[[dict[str, Any]], None] | None = None,
-                  strategy: Strategy | None = None) -> RunResult:
+                  strategy: Strategy | None = None,
+                  on_progress: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     """Run (or resume) the training run ``config`` describes; return its directory and summary.
 
     ``strategy``: one to use instead of the configured ``run.strategy`` (a method being
     developed, before it has a registry entry); the rest of the configuration applies as is.
+    ``on_round`` gets each round's metrics row; ``on_progress`` what happens in between (clients
+    coming online, results coming in: :meth:`coordinator.engine.Coordinator._pump`).
     """
     strategy = strategy or make_strategy(config)   # a configuration it refuses leaves nothing behind
     out, run_id, done, created = _prepare_out_dir(config, resume)
@@ -158,7 +161,7 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
     dump_config(config, out / "config.toml")
     handler = _setup_file_log(out)
     try:
-        return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy)
+        return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy, on_progress)
     except BaseException as exc:
         _close_log(handler)
         checkpoint = latest_checkpoint(out / "checkpoints")
@@ -173,7 +176,8 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
 
 
 def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[[str], None],
-         on_round: Callable[[dict[str, Any]], None], strategy: Strategy) -> RunResult:
+         on_round: Callable[[dict[str, Any]], None], strategy: Strategy,
+         on_progress: Callable[[dict[str, Any]], None] | None) -> RunResult:
     started = time.monotonic()
     dataset = load_dataset(config.data.eval)
     # As the clients see their data: attribute skew can change the channels (docs/dfl.md).
@@ -201,7 +205,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
 
     with _open_transport(config, run_id, say) as (transport, reach):
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
-                                  eval_data=eval_data, on_round=on_round)
+                                  eval_data=eval_data, on_progress=on_progress)
         coordinator.announce("running")
         spawned = SpawnedClients()
         try:

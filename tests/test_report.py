@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 from rich.console import Console
 
@@ -43,3 +44,31 @@ def test_a_cell_wider_than_its_column_widens_the_line_without_wrapping_it():
     huge = {"round": 3, "test_loss": 1.0, "bytes_down": 5 * 2**40, "seconds": 12_345_678.9}   # 5120.0 GB
     header, line = _piped_lines([huge])
     assert line.split()[0] == "3" and line.split()[-1] == "12345678.9" and "5120.0 GB" in line
+
+
+def test_progress_shows_clients_coming_online_and_results_coming_in():
+    out = io.StringIO()
+    table = RoundTable(Console(file=out, width=80, force_terminal=False))
+    table.PIPED_EVERY = 0.0   # every change makes a line
+    table.progress({"kind": "waiting", "online": [], "needed": 2})
+    table.progress({"kind": "waiting", "online": ["pi-01"], "needed": 2})
+    exchange = {"kind": "exchange", "round": 1, "phase": "train", "attempt": 1, "results": 0, "selected": 2,
+                "bytes_down": 3_000_000, "bytes_up": 0, "started": time.monotonic() - 12, "timeout": 300.0}
+    table.progress(exchange)
+    table.progress({**exchange, "bytes_up": 10})        # bytes alone: no new line within PIPED_EVERY
+    table.progress({**exchange, "results": 1, "bytes_up": 1_500_000})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "waiting for clients: 0/2 online"
+    assert lines[1] == "waiting for clients: 1/2 online (pi-01)"
+    assert lines[2].startswith("round 1: 0/2 results, 2.9 MB down, 0 B up, 12 s of 300 s")
+    assert lines[3].startswith("round 1: 1/2 results") and len(lines) == 4
+
+
+def test_a_quick_round_adds_no_progress_lines_to_a_log_but_waiting_shows_at_once():
+    out = io.StringIO()
+    table = RoundTable(Console(file=out, width=80, force_terminal=False))
+    table.progress({"kind": "waiting", "online": ["a"], "needed": 2})
+    for results in range(3):
+        table.progress({"kind": "exchange", "round": 1, "phase": "train", "attempt": 1, "results": results,
+                        "selected": 3, "bytes_down": 0, "bytes_up": 0, "started": time.monotonic(), "timeout": 9.0})
+    assert out.getvalue().splitlines() == ["waiting for clients: 1/2 online (a)"]
