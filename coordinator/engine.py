@@ -106,6 +106,7 @@ class Coordinator:
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, PresenceBody] = {}
         self.sent_tasks: set[str] = set()
+        self.started_after = state.round   # the last round done before this session (0: a new run)
         self.round_times = RoundTimes()
         self._deadline_filter = DeadlineFilter(self.round_times)
         self.profile_store = ProfileStore(out_dir / "clients", completed_rounds=state.round)
@@ -218,6 +219,14 @@ class Coordinator:
         plan = book.plans.get(msg.task_id)
         if msg.run_id != self.run_id or (plan is None and msg.task_id in self.sent_tasks):
             self._count("late", client_id, f"task {msg.task_id} of round {msg.round} is over")
+            self._status(client_id, msg.task_id, "ack")
+            return
+        if (plan is None and self.started_after and msg.round <= self.started_after + 1
+                and msg.task_id not in self.sent_tasks):
+            # A task of the round the coordinator was in when it stopped: expected after --resume, and late.
+            self._round.counts["late"] += 1
+            log.info("late result from %s: task %s of round %d was given before this coordinator resumed",
+                     client_id, msg.task_id, msg.round)
             self._status(client_id, msg.task_id, "ack")
             return
         if plan is None or plan.client_id != client_id:

@@ -238,8 +238,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         finally:
             coordinator.announce("finished")
             spawned.stop()
-    summary = {**_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec),
-               **strategy.summary(rows)}
+    summary = {**_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
+                          coordinator.started_after), **strategy.summary(rows)}
     if config.export.enabled:
         summary["export"] = _export_final(out, say)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -275,8 +275,11 @@ def _traffic(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any]], seconds: float,
-             spec: dict[str, Any]) -> dict[str, Any]:
+             spec: dict[str, Any], started_after: int) -> dict[str, Any]:
+    """The run's summary; with ``started_after > 0`` (a resumed run) ``this_session`` counts what this
+    session itself did and moved, apart from the whole run's totals."""
     trained = [r for r in rows if r["round"] > 0]
+    session = [r for r in trained if r["round"] > started_after]
     return {
         "run_id": run_id,
         "out_dir": str(out),
@@ -294,4 +297,6 @@ def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any
         "rejected": sum(r.get("rejected", 0) for r in rows),
         "late": sum(r.get("late", 0) for r in rows),
         "seconds_this_session": seconds,
+        "this_session": {"resumed_after_round": started_after, "rounds": len(session),
+                         **{k: sum(r.get(k, 0) for r in session) for k in ("bytes_down", "bytes_up", "late")}},
     }

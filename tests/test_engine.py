@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import threading
 import time
@@ -17,13 +18,13 @@ from edge_client.data import load_dataset
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData
-from edge_client.wire.protocol import PROTOCOL_VERSION, PresenceBody, Topics, decode, encode
+from edge_client.wire.protocol import PROTOCOL_VERSION, PresenceBody, ResultBody, Topics, decode, encode
 from edge_client.wire.transport import InprocHub
 
 SPEC = {"name": "mlp", "hidden": [16], "num_classes": 10, "in_channels": 1, "image_size": 8}
 
 
-def make_coordinator(tmp_path, hub: InprocHub, *, expected: int, **sets) -> Coordinator:
+def make_coordinator(tmp_path, hub: InprocHub, *, expected: int, resumed_after: int = 0, **sets) -> Coordinator:
     # The scripted peers below read the weights from the task itself, so no model broadcast.
     overrides = [("clients", "expected", expected), ("clients", "round_timeout", 5.0), ("transport", "kind", "mqtt"),
                  ("transport", "max_decoded_bytes", 200_000), ("codec", "broadcast", False),
@@ -35,8 +36,9 @@ def make_coordinator(tmp_path, hub: InprocHub, *, expected: int, **sets) -> Coor
     model = build_model(SPEC)
     strategy = make_strategy(config)
     params = {k: v.clone() for k, v in model.state_dict().items() if k in federated_names(model)}
+    state = dataclasses.replace(strategy.initialize(SPEC, params), round=resumed_after)
     return Coordinator(config, hub.connect("coordinator"), run_id="run1", out_dir=tmp_path, strategy=strategy,
-                       state=strategy.initialize(SPEC, params),
+                       state=state,
                        eval_data=EvalData(torch.from_numpy(digits.x_test), torch.from_numpy(digits.y_test)))
 
 
@@ -275,3 +277,14 @@ def test_edge_client_answers_tasks_whose_body_does_not_parse_with_an_error_namin
     for task_id, change in bad.items():
         (name,) = change
         assert f"task field '{name}" in results[task_id]["error"], results[task_id]
+
+
+def test_after_resume_a_result_of_the_interrupted_round_is_late_not_unexpected(tmp_path):
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1, resumed_after=2)
+    body = ResultBody(num_samples=5).to_body()
+    before = encode("result", run_id="run1", round=3, task_id="given-before", sender="a", body=body)
+    forged = encode("result", run_id="run1", round=7, task_id="never-given", sender="a", body=body)
+    coord._on_result("a", before)
+    coord._on_result("a", forged)
+    assert coord._round.counts["late"] == 1 and coord._round.counts["unexpected"] == 1

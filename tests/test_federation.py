@@ -143,6 +143,8 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path, mosquitto, prefix
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming run" in resumed.stdout
+    session = json.loads((out / "summary.json").read_text())["this_session"]
+    assert session["resumed_after_round"] == max(done_before) and session["rounds"] == rounds - max(done_before)
     a, b = read_metrics(tmp_path / "ref"), read_metrics(out)
     assert [r["round"] for r in b] == list(range(rounds + 1))
     for ra, rb in zip(a, b):
