@@ -1,11 +1,12 @@
 """``fedge-profile``: read what runs and devices recorded, and benchmark inference on a device.
 
-    fedge-profile show RUN_DIR_OR_PROFILE_FILE     terminal report (rich)
+    fedge-profile show RUN_DIR_OR_PROFILE          terminal report (rich tables, else plain text)
     fedge-profile html RUN_DIR -o report.html      self-contained HTML report with plots (matplotlib)
     fedge-profile infer MODEL.onnx [--data SPEC]   ONNX Runtime latency on this device (no torch needed)
 
-Each command imports only what it needs, so ``infer`` runs on a device with
-onnxruntime and numpy but no torch, rich or matplotlib.
+Each command imports only what it needs: ``show`` runs on a device with only the
+``client`` extra (no rich: plain-text tables), and ``infer`` on one with onnxruntime
+and numpy but no torch, rich or matplotlib.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reports on where federated training spends time and memory on each device, and an "
                     "ONNX Runtime latency benchmark for the device itself.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    show = sub.add_parser("show", help="print a report of a run directory or a profile file",
+    show = sub.add_parser("show", help="print a report of a run directory or a device's profile history",
                           description="Print one row per device (median round time, phase breakdown, peak memory, "
                                       "temperature, straggler rank) and one per round (accuracy, bytes), or, for "
-                                      "a device's profile.jsonl, one row per task and inference benchmark.")
-    show.add_argument("path", type=Path, metavar="RUN_DIR_OR_PROFILE_FILE",
-                      help="a run directory (the coordinator's --out), a device's profile.jsonl, "
-                           "or a run's clients/ID.jsonl")
+                                      "a device's profile.jsonl, one row per task and inference benchmark. "
+                                      "Without rich installed the tables are plain text.")
+    show.add_argument("path", type=Path, metavar="RUN_DIR_OR_PROFILE",
+                      help="a run directory (the coordinator's --out), a device's state directory "
+                           "(fedge-client --state-dir) or its profile.jsonl, or a run's clients/ID.jsonl")
     page = sub.add_parser("html", help="write a self-contained HTML report with plots",
                           description="Write one HTML file with the report's tables and plots (accuracy and bytes "
                                       "per round, round time per device, phase breakdown, memory) embedded.")
@@ -59,15 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from profiling.report import render
+    from profiling.report import render, render_plain
     from profiling.runs import load
 
+    run = load(args.path)
+    try:
+        from rich.console import Console
+    except ImportError:   # a device with only the client extra
+        render_plain(run)
+        return 0
     # Piped into a file or a pager (and COLUMNS unset), tables keep their full width instead of
     # rich's 80-column default.
     piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
-    render(load(args.path), Console(width=200) if piped else Console())
+    render(run, Console(width=200) if piped else Console())
     return 0
 
 
@@ -98,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(args)
     except ImportError as exc:
-        extra = "onnxruntime numpy psutil" if args.command == "infer" else "rich matplotlib"
-        print(f"fedge-profile {args.command}: {exc}; install what is missing: pip install {extra}", file=sys.stderr)
+        missing = (exc.name or "").split(".")[0]
+        extra = "infer" if args.command == "infer" else "coordinator"
+        fix = f"pip install {missing}, or the {extra} extra" if missing else f"install the {extra} extra"
+        print(f"fedge-profile {args.command} needs {missing or exc}, which is not installed: {fix} "
+              f"(pip install 'fedge[{extra}]')", file=sys.stderr)
         return 2
     except ProfileError as exc:
         print(f"fedge-profile {args.command}: {exc}", file=sys.stderr)

@@ -1,27 +1,31 @@
-"""``fedge-profile show``: the terminal report (rich tables).
+"""``fedge-profile show``: the terminal report.
 
 For a run: one row per device (median round time, step latency, throughput, peak
 memory, CPU, temperature, straggler rank), the phase breakdown per device, and
 one row per round (accuracy, bytes, slowest client, skipped clients). For a single
 device's history: one row per task and one per inference benchmark.
+
+The tables are built as plain data (:class:`TableData`, :func:`report_parts`) and drawn
+with rich where it is installed (:func:`render`), else as aligned plain text
+(:func:`render_plain`): a device with only the ``client`` extra can read its own history.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
-
+import sys
 from dataclasses import dataclass, field
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, TextIO
 
 from profiling.runs import (Device, DeviceStats, RunRecords, device_stats, part_names, straggler_ranks,
                             task_breakdown)
 from profiling.units import ABSENT, human_bytes, milliseconds, number, seconds
 
-__all__ = ["TableData", "render", "device_table", "resources_table", "breakdown_table", "rounds_table", "tasks_table",
+if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
+    from rich.console import Console
+    from rich.table import Table
+
+__all__ = ["TableData", "Note", "report_parts", "render", "render_plain", "to_text", "device_table", "resources_table", "breakdown_table", "rounds_table", "tasks_table",
            "inference_table", "facts_line", "run_title", "to_rich"]
 
 
@@ -38,7 +42,18 @@ class TableData:
         self.rows.append(list(cells))
 
 
+@dataclass(frozen=True)
+class Note:
+    """A line of text between the tables; ``bold`` for a heading."""
+
+    text: str
+    bold: bool = False
+
+
 def to_rich(data: TableData) -> Table:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=data.title)
     for name in data.columns:
         table.add_column(name, justify="left" if name in data.left else "right")
@@ -183,25 +198,55 @@ def inference_table(device: Device) -> TableData:
     return table
 
 
-def render(run: RunRecords, console: Console) -> None:
-    """Print every table that applies to ``run``."""
+def report_parts(run: RunRecords) -> list[Note | TableData]:
+    """Every line and table that applies to ``run``, in the order they are shown."""
     stats = run.stats()
     if run.is_run:
-        console.print(Text(run_title(run), style="bold"))
+        parts: list[Note | TableData] = [Note(run_title(run), bold=True)]
         if run.devices:
-            console.print(to_rich(device_table(run, stats)))
-            console.print(to_rich(resources_table(stats)))
-            console.print(to_rich(breakdown_table(stats)))
+            parts += [device_table(run, stats), resources_table(stats), breakdown_table(stats)]
         else:
-            console.print("no device profiles in this run (clients/ is empty)")
-        console.print(to_rich(rounds_table(run)))
-        return
+            parts.append(Note("no device profiles in this run (clients/ is empty)"))
+        return parts + [rounds_table(run)]
+    parts = []
     for device in run.devices.values():
-        console.print(Text(f"{device.client_id}: {facts_line(device.facts)}", style="bold"))
+        parts.append(Note(f"{device.client_id}: {facts_line(device.facts)}", bold=True))
         if device.tasks:
-            console.print(to_rich(tasks_table(device)))
-            console.print(to_rich(breakdown_table([device_stats(device, run.training_tasks(device))])))
+            parts += [tasks_table(device), breakdown_table([device_stats(device, run.training_tasks(device))])]
         if device.inference:
-            console.print(to_rich(inference_table(device)))
+            parts.append(inference_table(device))
         if not device.tasks and not device.inference:
-            console.print(Text(f"{run.source} holds no task or inference records"))
+            parts.append(Note(f"{run.source} holds no task or inference records"))
+    return parts
+
+
+def render(run: RunRecords, console: Console) -> None:
+    """Print the report of ``run`` with rich."""
+    from rich.text import Text
+
+    for part in report_parts(run):
+        if isinstance(part, TableData):
+            console.print(to_rich(part))
+        else:   # Text: a device's own strings are never markup
+            console.print(Text(part.text, style="bold" if part.bold else ""))
+
+
+def to_text(data: TableData) -> str:
+    """``data`` as plain text: the title, a header, a rule, one line per row; numbers aligned right."""
+    widths = [max([len(name), *(len(row[i]) for row in data.rows)]) for i, name in enumerate(data.columns)]
+
+    def line(cells: list[str] | tuple[str, ...]) -> str:
+        return "  ".join(cell.ljust(w) if name in data.left else cell.rjust(w)
+                         for name, cell, w in zip(data.columns, cells, widths)).rstrip()
+
+    return "\n".join([data.title, line(data.columns), "  ".join("-" * w for w in widths),
+                      *(line(row) for row in data.rows)])
+
+
+def render_plain(run: RunRecords, out: TextIO = sys.stdout) -> None:
+    """Print the report of ``run`` as plain text (no rich needed), a blank line between tables."""
+    for part in report_parts(run):
+        if isinstance(part, TableData):
+            out.write(f"\n{to_text(part)}\n\n")
+        else:
+            out.write(part.text + "\n")

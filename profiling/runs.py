@@ -7,8 +7,8 @@ Two kinds of input, both JSON lines:
   answered task: round, round time, late, error, profile) plus ``clients/ID.json``
   (latest profile and the device facts);
 - a device's own history, ``STATE_DIR/profile.jsonl`` (``task`` lines with the profile
-  fields at the top level, ``infer`` lines from ``fedge-profile infer``), or a single
-  ``clients/ID.jsonl``.
+  fields at the top level, ``infer`` lines from ``fedge-profile infer``; the state
+  directory itself names it too), or a single ``clients/ID.jsonl``.
 
 Both are turned into :class:`TaskRecord` lists, so :func:`device_stats` computes the
 same figures for the terminal and the HTML report. Everything read is checked with
@@ -28,6 +28,7 @@ from typing import Any
 
 from edge_client.wire.files import read_jsonl
 from profiling.errors import ProfileError
+from profiling.history import HISTORY_FILE
 from profiling.profiler import STEP_PHASES, TASK_PHASES
 from profiling.schema import clean_profile
 
@@ -206,17 +207,23 @@ def _load_run_dir(path: Path) -> RunRecords:
         records.devices[device.client_id] = device
     if not records.is_run and not records.devices:
         raise ReportError(f"{path} holds no metrics.jsonl, summary.json or clients/*.json; "
-                          "pass a run directory (the coordinator's --out) or a profile.jsonl file")
+                          "pass a run directory (the coordinator's --out), a device's state directory or its profile.jsonl")
     return records
 
 
+def _is_state_dir(path: Path) -> bool:
+    """A device's state directory: its profile history, none of a run directory's files."""
+    return (path / HISTORY_FILE).is_file() and not any(
+        (path / name).exists() for name in ("metrics.jsonl", "summary.json", "clients"))
+
+
 def load(path: Path) -> RunRecords:
-    """A run directory, a device's ``profile.jsonl`` or a ``clients/ID.jsonl``."""
+    """A run directory, a device's state directory or its ``profile.jsonl``, or a ``clients/ID.jsonl``."""
     if path.is_dir():
-        return _load_run_dir(path)
+        return _load_history_file(path / HISTORY_FILE) if _is_state_dir(path) else _load_run_dir(path)
     if path.is_file():
         return _load_history_file(path)
-    raise ReportError(f"{path} does not exist; pass a run directory or a profile.jsonl file")
+    raise ReportError(f"{path} does not exist; pass a run directory, a device's state directory or a profile.jsonl file")
 
 
 # -- figures --------------------------------------------------------------------
