@@ -52,6 +52,7 @@ class ClientSettings:
     chunking: bool = True
     exit_after_run: bool = False     # leave once a run we took part in finishes
     parent_pid: int | None = None    # leave when this process is gone (spawned simulations)
+    presence_echo_timeout: float = 10.0   # our own presence must come back from the broker within this
 
 
 def presence_payload(client_id: str, body: PresenceBody) -> bytes:
@@ -116,6 +117,8 @@ class EdgeClient:
         self._running_run: str | None = None      # None: no status seen yet
         self._parked: list[tuple[_Task, Profiler]] = []   # tasks that came before any run status
         self._parked_since = 0.0
+        self._presence = b""          # the presence we announced, and when it must have come back
+        self._echo_due = 0.0
         self._finished = False
         self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
         # Model broadcasts by SHA-256, newest last: their wire tensors and codec.
@@ -132,14 +135,16 @@ class EdgeClient:
     # -- main loop ------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
         cid = self.settings.client_id
-        for kind in ("task", "status"):
+        for kind in ("task", "status", "presence"):   # our own presence: to see that the broker passes it on
             self.transport.subscribe(self.topics.client(cid, kind))
         self.transport.subscribe(self.topics.coordinator_status)
         warm_up()   # before announcing: the first task's time should be the task's own
         sample = self.data.x[:1]
-        self.transport.announce(self.topics.client(cid, "presence"), presence_payload(cid, PresenceBody(
+        self._presence = presence_payload(cid, PresenceBody(
             "online", num_samples=len(self.data), input_shape=tuple(sample.shape[1:]),
-            num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts())))
+            num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts()))
+        self._echo_due = time.monotonic() + self.settings.presence_echo_timeout
+        self.transport.announce(self.topics.client(cid, "presence"), self._presence)
         log.info("client %s online with %d samples", cid, len(self.data))
         while not self._finished and not (stop is not None and stop.is_set()):
             if self.settings.parent_pid and not psutil.pid_exists(self.settings.parent_pid):
@@ -151,13 +156,28 @@ class EdgeClient:
             elif incoming is not None and incoming.payload:
                 self._handle(incoming.topic, incoming.payload, incoming.received_at)
             self._give_up_waiting()
+            self._warn_if_unseen()
             self._warn_if_parked()
             self._resend_if_due()
         self.transport.publish(self.topics.client(cid, "presence"), presence_payload(cid, PresenceBody("offline")),
                                retain=True)
 
+    def _warn_if_unseen(self) -> None:
+        """Our presence never came back: the broker drops what this device publishes (an ACL that does
+        not match its client id, typically), so no coordinator will ever see it. Say so, once."""
+        if self._echo_due and time.monotonic() > self._echo_due:
+            self._echo_due = 0.0
+            log.error("this device's presence on %s did not come back from the broker within %.0f s, so no "
+                      "coordinator can see it: the broker drops what it publishes. Check the broker's ACL; "
+                      "with fedge's ACL (deploy/mosquitto.acl) --client-id must equal the MQTT --username",
+                      self.topics.client(self.settings.client_id, "presence"), self.settings.presence_echo_timeout)
+
     def _handle(self, topic: str, payload: bytes, received_at: float | None = None) -> None:
         taken_up, started = time.monotonic(), time.perf_counter()
+        if topic == self.topics.client(self.settings.client_id, "presence"):
+            if payload == self._presence:
+                self._echo_due = 0.0   # the broker passes on what we publish
+            return
         if topic == self.topics.model:
             self._on_model(payload)
             return

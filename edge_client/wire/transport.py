@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -186,6 +187,12 @@ class MqttTransport(Transport):
         self._client: mqtt.Client | None = None
         self._birth: tuple[str, bytes] | None = None
         self._broker_max: int | None = None   # the broker's maximum packet size, when it tells (MQTT 5)
+        self._subscribing: dict[int, str] = {}   # SUBSCRIBE packet id -> topic filter, until its SUBACK
+        self.denied: set[str] = set()            # topic filters the broker refused to let us read or write
+        # PUBLISH packet id -> topic until its PUBACK, and refusals whose PUBACK beat publish() returning.
+        # No lock: paho calls on_publish holding its own lock, which publish() takes too.
+        self._publishing: dict[int, str] = {}
+        self._refused_early: dict[int, object] = {}
 
     # -- connection -------------------------------------------------------------
     def connect(self) -> "MqttTransport":
@@ -221,6 +228,8 @@ class MqttTransport(Transport):
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
+        client.on_publish = self._on_publish
         props = None
         if v5:
             props = Properties(PacketTypes.CONNECT)
@@ -255,7 +264,7 @@ class MqttTransport(Transport):
         with self._lock:
             filters = list(self._filters)
         for f in filters:
-            client.subscribe(f, qos=1)
+            self._subscribe_with(client, f)
         if self._birth is not None:
             client.publish(self._birth[0], self._birth[1], qos=1, retain=True)
         self._connected.set()
@@ -268,6 +277,38 @@ class MqttTransport(Transport):
         if getattr(reason, "value", 0) != 0:
             log.info("disconnected from broker (%s); reconnecting with backoff", reason)
 
+    def _subscribe_with(self, client: mqtt.Client, topic_filter: str) -> None:
+        _, mid = client.subscribe(topic_filter, qos=1)
+        if mid is not None:
+            with self._lock:
+                self._subscribing[mid] = topic_filter
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: object, mid: int, reasons: list[Any],
+                      properties: object) -> None:
+        """A refused subscription fails silently in MQTT: nothing ever arrives. Say so, and what to fix."""
+        with self._lock:
+            topic_filter = self._subscribing.pop(mid, "?")
+        refused = [r for r in reasons if getattr(r, "is_failure", False)]
+        if refused:
+            self._denied(topic_filter, "read", refused[0])
+
+    def _on_publish(self, client: mqtt.Client, userdata: object, mid: int, reason: object,
+                    properties: object) -> None:
+        topic = self._publishing.pop(mid, None)
+        if getattr(reason, "is_failure", False):   # MQTT 5 says so; 3.1.1 brokers drop it silently
+            if topic is None:
+                self._refused_early[mid] = reason
+            else:
+                self._denied(topic, "write", reason)
+
+    def _denied(self, topic: str, access: str, reason: object) -> None:
+        """Refused access fails silently in MQTT (nothing arrives, nothing is delivered): say it, once."""
+        if topic not in self.denied:
+            self.denied.add(topic)
+            log.error("the broker refused to let %s %s %s (%s): check the broker's ACL; with fedge's ACL "
+                      "(deploy/mosquitto.acl) a device's client id must equal its MQTT user name",
+                      self.client_id, access, topic, reason)
+
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         self._inbox.put(Incoming(msg.topic, bytes(msg.payload)))
 
@@ -277,7 +318,7 @@ class MqttTransport(Transport):
             if topic_filter not in self._filters:
                 self._filters.append(topic_filter)
         if self._client is not None:
-            self._client.subscribe(topic_filter, qos=1)
+            self._subscribe_with(self._client, topic_filter)
 
     def unsubscribe(self, topic_filter: str) -> None:
         with self._lock:
@@ -304,6 +345,11 @@ class MqttTransport(Transport):
                                   f"(transport.max_message_bytes, --max-message-bytes) to at most "
                                   f"{self._broker_max - len(topic.encode()) - 16} so larger messages are chunked")
         info = self._client.publish(topic, payload, qos=1, retain=retain)
+        if info.rc == mqtt.MQTT_ERR_SUCCESS:
+            self._publishing[info.mid] = topic
+            if info.mid in self._refused_early:   # its PUBACK came first
+                self._publishing.pop(info.mid, None)
+                self._denied(topic, "write", self._refused_early.pop(info.mid))
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN, mqtt.MQTT_ERR_QUEUE_SIZE):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
 
