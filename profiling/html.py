@@ -1,8 +1,14 @@
 """``fedge-profile html``: one self-contained HTML file with the run's report and plots.
 
 The plots are drawn with matplotlib's object API (``Figure`` with the Agg canvas: no
-display, no pyplot global state) and embedded as base64 PNG images, so the file can be mailed or archived and opens anywhere without
-the run directory. The tables are the same as ``fedge-profile show`` prints.
+display, no pyplot global state) and embedded as base64 PNG images, so the file can be
+mailed or archived and opens anywhere without the run directory. The tables are the
+same as ``fedge-profile show`` prints.
+
+Every per-round axis has integer ticks, legends sit below the axes (never over a bar
+or a line), and the round-time plot keeps to its data's scale: a deadline far above
+every round time is drawn along the top edge with its value in the legend, instead
+of squashing the data into the bottom of the plot.
 """
 
 from __future__ import annotations
@@ -14,15 +20,21 @@ import io
 from collections.abc import Callable
 
 import matplotlib
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from profiling.report import (TableData, breakdown_table, device_table, facts_line, resources_table, rounds_table,
                               run_title)
 from profiling.runs import DeviceStats, RunRecords, part_names, straggler_ranks
 
-__all__ = ["render_html", "PLOTS"]
+__all__ = ["render_html", "PLOTS", "DEADLINE_SCALE"]
 
 _MB = 1024 * 1024
+# The round-time plot's y-axis reaches up to the deadline while the deadline is at most this many
+# times the longest round time; above that the deadline is drawn at the top edge, off scale.
+DEADLINE_SCALE = 2.0
+_LEGEND_COLUMNS = 5
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
@@ -41,8 +53,8 @@ def _png(fig: Figure) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _figure(title: str, xlabel: str, ylabel: str, width: float = 9.0, height: float = 3.6):
-    fig = Figure(figsize=(width, height))
+def _figure(title: str, xlabel: str, ylabel: str, width: float = 9.0, height: float = 3.8) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(width, height), layout="constrained")   # constrained: room for a legend outside
     ax = fig.subplots()
     ax.set_title(title)
     ax.set_xlabel(xlabel)
@@ -51,12 +63,29 @@ def _figure(title: str, xlabel: str, ylabel: str, width: float = 9.0, height: fl
     return fig, ax
 
 
+def _round_axis(ax: Axes, rounds: list[int]) -> None:
+    """Integer ticks on a per-round x-axis: every round when there are few, else a readable subset."""
+    if len(set(rounds)) <= 20:
+        ax.set_xticks(sorted(set(rounds)))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend_below(fig: Figure, ax: Axes) -> None:
+    """The axes' legend below them, outside the plotted area, in up to five columns."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(handles), _LEGEND_COLUMNS),
+                   fontsize="small", frameon=False)
+
+
 def plot_accuracy(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
     rows = [r for r in run.rounds if isinstance(r.get("test_accuracy"), (int, float))]
     if not rows:
         return None
     fig, ax = _figure("Test accuracy per round", "round", "accuracy")
     ax.plot([r["round"] for r in rows], [r["test_accuracy"] for r in rows], marker="o")
+    _round_axis(ax, [r["round"] for r in rows])
     return fig
 
 
@@ -68,21 +97,23 @@ def plot_bytes(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
     x = [r["round"] for r in rows]
     ax.bar([v - 0.2 for v in x], [(r.get("bytes_down") or 0) / _MB for r in rows], width=0.4, label="down (tasks)")
     ax.bar([v + 0.2 for v in x], [(r.get("bytes_up") or 0) / _MB for r in rows], width=0.4, label="up (results)")
-    ax.set_xticks(x)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    _round_axis(ax, x)
+    _legend_below(fig, ax)
     return fig
 
 
 def plot_round_times(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
     fig, ax = _figure("Round time per device (task sent to result received)", "round", "seconds")
-    drawn = False
+    rounds: list[int] = []
+    longest = 0.0
     for device in run.devices.values():
         points = [(t.round, t.round_seconds if t.round_seconds is not None else t.profile.get("seconds"), t)
                   for t in run.training_tasks(device) if t.round is not None]
         points = [p for p in points if p[1] is not None]
         if not points:
             continue
-        drawn = True
+        rounds += [p[0] for p in points]
+        longest = max(longest, *(p[1] for p in points))
         color = None
         for segment in _consecutive(points):   # no line across rounds the device was not in
             line, = ax.plot([p[0] for p in segment], [p[1] for p in segment], marker="o", color=color,
@@ -93,12 +124,29 @@ def plot_round_times(run: RunRecords, stats: list[DeviceStats]) -> Figure | None
             if marked:
                 ax.plot([p[0] for p in marked], [p[1] for p in marked], marker, color=color,
                         markersize=size, linestyle="none")
-    if not drawn:
+    if not rounds:
         return None
-    if run.round_timeout is not None:
-        ax.axhline(run.round_timeout, color="red", linestyle="--", linewidth=1, label="round_timeout")
-    ax.legend(fontsize="small", ncol=4)
+    _round_axis(ax, rounds)
+    _deadline(ax, run.round_timeout, longest)
+    _legend_below(fig, ax)
     return fig
+
+
+def _deadline(ax: Axes, timeout: float | None, longest: float) -> None:
+    """The y-axis from 0 to the data (and the deadline, when it is within :data:`DEADLINE_SCALE` of it)."""
+    if timeout is None:
+        ax.set_ylim(0, longest * 1.1 or 1.0)
+    elif timeout <= DEADLINE_SCALE * longest:
+        ax.set_ylim(0, max(longest, timeout) * 1.1)
+        ax.axhline(timeout, color="red", linestyle="--", linewidth=1, label=f"round_timeout ({timeout:g} s)",
+                   gid="deadline")
+    else:   # far above every round time: keep the data readable, name the deadline's value
+        top = longest * 1.15 or 1.0
+        ax.set_ylim(0, top)
+        ax.axhline(top, color="red", linestyle="--", linewidth=2, clip_on=False, gid="deadline",
+                   label=f"round_timeout ({timeout:g} s, above this scale)")
+        ax.text(0.995, 0.98, f"round_timeout {timeout:g} s ↑", transform=ax.transAxes, ha="right", va="top",
+                color="red", fontsize="small")
 
 
 def _consecutive(points: list[tuple]) -> list[list[tuple]]:
@@ -116,19 +164,21 @@ def plot_breakdown(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
     timed = [s for s in stats if s.breakdown]
     if not timed:
         return None
+    parts = part_names(s.breakdown for s in timed)
+    legend_rows = -(-len(parts) // _LEGEND_COLUMNS)
     fig, ax = _figure("Where a task's time goes, per device (mean seconds per task)", "seconds", "",
-                      height=1.2 + 0.45 * len(timed))
+                      height=1.4 + 0.45 * len(timed) + 0.25 * legend_rows)
     names = [s.client_id for s in timed]
     left = [0.0] * len(timed)
     tab10, tab20 = matplotlib.colormaps["tab10"], matplotlib.colormaps["tab20"]
     colors = [tab10(i) for i in range(10)] + [tab20(2 * i + 1) for i in range(10)]   # 20 distinct colours
-    for i, part in enumerate(part_names(s.breakdown for s in timed)):
+    for i, part in enumerate(parts):
         widths = [s.breakdown.get(part, 0.0) for s in timed]
         if any(widths):
             ax.barh(names, widths, left=left, label=part.replace("_", " "), color=colors[i % len(colors)])
             left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis()
-    ax.legend(fontsize="small", ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    _legend_below(fig, ax)
     return fig
 
 
@@ -143,7 +193,7 @@ def plot_memory(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
     ax.bar([i + 0.2 for i in x], [(s.peak_uss_bytes or 0) / _MB for s in measured], width=0.4,
            label="peak USS (0: not measured)")
     ax.set_xticks(list(x), [s.client_id for s in measured], rotation=30 if len(measured) > 6 else 0)
-    ax.legend()
+    _legend_below(fig, ax)
     return fig
 
 
@@ -152,7 +202,8 @@ PLOTS: tuple[tuple[str, str, Callable[[RunRecords, list[DeviceStats]], Figure | 
     ("accuracy", "Test accuracy of the global model after each round (round 0: the initial model).", plot_accuracy),
     ("bytes", "Bytes of task messages sent and result messages received in each round.", plot_bytes),
     ("round-times", "Each device's round time as the coordinator measured it (x: the answer came after its "
-                    "attempt ended; triangle: no answer by then, drawn at the timeout); dashed: the deadline.",
+                    "attempt ended; triangle: no answer by then, drawn at the timeout); dashed red: the deadline "
+                    "(round_timeout), drawn along the top edge when it is far above every round time.",
      plot_round_times),
     ("phases", "Mean seconds per task in each phase: receive (waiting on the device), decode, the four parts of "
                "each training step, the rest of training, encode and publish.", plot_breakdown),

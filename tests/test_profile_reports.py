@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from profiling.cli import main
-from profiling.runs import device_stats, load, straggler_ranks
+from profiling.html import PLOTS, plot_accuracy, plot_bytes, plot_round_times
+from profiling.runs import RunRecords, device_stats, load, straggler_ranks
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -139,3 +140,60 @@ def test_fedge_profile_is_declared_as_a_command():
     assert pyproject["project"]["scripts"]["fedge-profile"] == "profiling.cli:main"
     out = subprocess.run([sys.executable, "-m", "profiling.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and all(command in out.stdout for command in ("show", "html", "infer"))
+
+
+def _drawn(fig):
+    fig.draw_without_rendering()   # lays out ticks and legends as saving the PNG does
+    return fig
+
+
+def _shown_ticks(ax) -> list[float]:
+    low, high = sorted(ax.get_xlim())
+    return [t for t in ax.get_xticks() if low <= t <= high]
+
+
+def test_per_round_plots_have_integer_round_ticks():
+    run = load(FIXTURE)
+    stats = run.stats()
+    for plot in (plot_accuracy, plot_bytes, plot_round_times):
+        ax = _drawn(plot(run, stats)).axes[0]
+        ticks = _shown_ticks(ax)
+        assert ticks and all(float(t).is_integer() for t in ticks), (plot.__name__, ticks)
+        assert all(label.get_text().lstrip("−-").isdigit() for label in ax.get_xticklabels() if label.get_text())
+    long_run = RunRecords(FIXTURE, rounds=[{"round": r, "test_accuracy": r / 60, "bytes_down": 1, "bytes_up": 1}
+                                           for r in range(61)])
+    for plot in (plot_accuracy, plot_bytes):   # past 20 rounds: fewer ticks, still whole rounds
+        ticks = _shown_ticks(_drawn(plot(long_run, [])).axes[0])
+        assert 3 <= len(ticks) <= 12 and all(float(t).is_integer() for t in ticks)
+
+
+def test_legends_sit_outside_the_plotted_area():
+    run = load(FIXTURE)
+    stats = run.stats()
+    for _, _, plot in PLOTS:
+        fig = _drawn(plot(run, stats))
+        area = fig.axes[0].get_window_extent()
+        legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        for legend in legends:
+            assert not legend.get_window_extent().overlaps(area), plot.__name__
+
+
+def _deadline_line(ax):
+    lines = [line for line in ax.get_lines() if line.get_gid() == "deadline"]
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_round_time_axis_keeps_to_the_data_and_draws_the_deadline():
+    run = load(FIXTURE)
+    longest = max(t.round_seconds for d in run.devices.values() for t in d.tasks if t.round_seconds is not None)
+    ax = _drawn(plot_round_times(run, run.stats())).axes[0]
+    assert run.round_timeout < longest                    # the straggler's late answer went past the deadline
+    assert _deadline_line(ax).get_ydata()[0] == run.round_timeout and longest <= ax.get_ylim()[1] < 1.2 * longest
+    run.config["clients"]["round_timeout"] = 60 * longest   # far above every round time
+    fig = _drawn(plot_round_times(run, run.stats()))
+    ax = fig.axes[0]
+    assert longest <= ax.get_ylim()[1] < 1.2 * longest      # not stretched to the timeout
+    assert _deadline_line(ax).get_ydata()[0] == ax.get_ylim()[1]   # along the top edge ...
+    labels = [t.get_text() for t in fig.legends[0].get_texts()] + [t.get_text() for t in ax.texts]
+    assert sum(f"{60 * longest:g} s" in label for label in labels) == 2   # ... with its value named
