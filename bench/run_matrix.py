@@ -46,7 +46,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.config import ConfigError, load_config
+from benchmark_protocol import Protocol, deviations, load_protocol, rounds_to_reach
+from coordinator.config import ConfigError, RunConfig, load_config
 from coordinator.report import human_bytes
 from coordinator.run import run_federated
 from edge_client.wire.files import read_jsonl
@@ -68,6 +69,7 @@ class Run:
     seed: int
     rounds: int
     overrides: tuple[tuple[str, str, Any], ...]
+    off_protocol: str = ""        # why this cell departs from the benchmark protocol on purpose
 
     @property
     def group(self) -> str:
@@ -85,6 +87,7 @@ class Matrix:
     base: dict[str, Any]
     axes: dict[str, list[dict[str, Any]]]
     seeds: list[int]
+    baseline: tuple[str, str] | None = None   # (axis, label) of the method the others are measured against
 
     @property
     def full_rounds(self) -> int:
@@ -114,36 +117,68 @@ def load_matrix(path: Path) -> Matrix:
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{path}: seeds must be a list of integers")
-    return Matrix(str(raw.get("name", path.stem)), path, raw.get("base", {}), axes, seeds)
+    baseline = raw.get("baseline")
+    if baseline is not None:
+        axis, _, label = str(baseline).partition("=")
+        if axis not in axes or label not in [str(e["label"]) for e in axes[axis]]:
+            raise ConfigError(f"{path}: baseline must be AXIS=LABEL of one of its axes, got {baseline!r}")
+        baseline = (axis, label)
+    return Matrix(str(raw.get("name", path.stem)), path, raw.get("base", {}), axes, seeds, baseline)
 
 
 def expand(matrix: Matrix, seeds: list[int], rounds: int | None, only: list[str]) -> list[Run]:
     """Every combination of one entry per axis and one seed, in file order."""
     runs = []
-    choices = [[(e["label"], {k: v for k, v in e.items() if k != "label"}) for e in entries]
-               for entries in matrix.axes.values()]
+    choices = [[(e["label"], {k: v for k, v in e.items() if k not in ("label", "off_protocol")},
+                 str(e.get("off_protocol", ""))) for e in entries] for entries in matrix.axes.values()]
     for combo in itertools.product(*choices):
-        labels = tuple(str(label) for label, _ in combo)
+        labels = tuple(str(label) for label, _, _ in combo)
         overrides = _flatten(matrix.base, "base")
-        for (label, partial), axis in zip(combo, matrix.axes):
+        for (label, partial, _), axis in zip(combo, matrix.axes):
             overrides += _flatten(partial, f"axes.{axis} {label!r}")
+        why = "; ".join(reason for _, _, reason in combo if reason)
         r = rounds if rounds is not None else matrix.full_rounds
         for seed in seeds:
-            run = Run(labels, seed, r, tuple(overrides))
+            run = Run(labels, seed, r, tuple(overrides), why)
             if not only or any(s in f"{run.group}/s{seed}" for s in only):
                 runs.append(run)
     return runs
 
 
-def run_one(run: Run, out_dir: Path, console: Console) -> dict[str, Any]:
+def run_config(run: Run, out: Path) -> RunConfig:
+    """The configuration one cell runs with: the matrix's keys, its seed and rounds, clients as threads."""
+    overrides = [*run.overrides, ("run", "seed", run.seed), ("run", "rounds", run.rounds),
+                 ("run", "out", str(out)), ("checkpoint", "keep", "last"),
+                 ("export", "enabled", False)]   # the scratch run directory is deleted: nothing to export into
+    clients = load_config(None, overrides).clients
+    return load_config(None, overrides + [("clients", "spawn", clients.spawn or clients.expected),
+                                          ("transport", "kind", "inproc")])
+
+
+def protocol_check(runs: list[Run], seeds: list[int], protocol: Protocol) -> list[list[str]]:
+    """Each run's departures from the benchmark protocol ([] for a run that follows it); building each
+    run's configuration also refuses a bad key before hours of running."""
+    return [deviations(run_config(run, Path("unused")), protocol, seeds) for run in runs]
+
+
+def refuse_departures(runs: list[Run], departures: list[list[str]], console: Console) -> bool:
+    """Print the cells that depart from the protocol without saying why; True if there are any."""
+    unexplained: dict[str, list[str]] = {}
+    for run, found in zip(runs, departures):
+        if found and not run.off_protocol:
+            unexplained.setdefault(run.group, found)
+    for group, found in unexplained.items():
+        console.print(f"[red]{group} departs from the benchmark protocol: {'; '.join(found)}[/red]", soft_wrap=True)
+    if unexplained:
+        console.print("Follow bench/protocol.toml (docs/benchmarks.md), give the cell off_protocol = \"why\" in the "
+                      "matrix, or pass --off-protocol for a trial run; run files record the departures.", soft_wrap=True)
+    return bool(unexplained)
+
+
+def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], protocol: Protocol) -> dict[str, Any]:
     """Run one cell in a scratch directory and keep its configuration, metrics and summary."""
     with tempfile.TemporaryDirectory(prefix="fedge-matrix-") as scratch:
-        overrides = [*run.overrides, ("run", "seed", run.seed), ("run", "rounds", run.rounds),
-                     ("run", "out", str(Path(scratch) / "run")), ("checkpoint", "keep", "last"),
-                     ("export", "enabled", False)]   # the scratch run directory is deleted: nothing to export into
-        clients = load_config(None, overrides).clients
-        config = load_config(None, overrides + [("clients", "spawn", clients.spawn or clients.expected),
-                                                ("transport", "kind", "inproc")])
+        config = run_config(run, Path(scratch) / "run")
 
         def progress(row: dict[str, Any]) -> None:
             div, personal = row.get("weight_divergence_mean"), row.get("personalized_accuracy_mean")
@@ -157,7 +192,8 @@ def run_one(run: Run, out_dir: Path, console: Console) -> dict[str, Any]:
         out = result.out_dir
         rows = read_jsonl(out / "metrics.jsonl")
         record = {"matrix": out_dir.name, "group": run.group, "labels": list(run.labels), "seed": run.seed,
-                  "rounds": run.rounds, "config": tomllib.loads((out / "config.toml").read_text()),
+                  "rounds": run.rounds, "protocol": protocol.name, "departures": departures,
+                  "off_protocol": run.off_protocol, "config": tomllib.loads((out / "config.toml").read_text()),
                   "seconds": seconds, "rows": rows, "summary": result.summary}
     record["config"]["run"]["out"] = ""   # the scratch directory is gone
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -229,10 +265,29 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
+def add_rounds_to_baseline(table: list[dict[str, Any]], records: list[dict[str, Any]], matrix: Matrix) -> None:
+    """Per seed, the first round each cell reached its baseline's final accuracy: the baseline is the
+    cell with the same labels but the matrix's ``baseline`` on its axis (e.g. FedAvg's row)."""
+    if matrix.baseline is None:
+        return
+    axis, label = matrix.baseline
+    position = list(matrix.axes).index(axis)
+    finals = {(row["group"], row["rounds"]): row["final_accuracy_mean"] for row in table}
+    for row in table:
+        labels = row["group"].split("/")
+        base = "/".join([*labels[:position], label, *labels[position + 1:]])
+        target = finals.get((base, row["rounds"]))
+        row["baseline"] = base
+        row["rounds_to_baseline_final"] = [rounds_to_reach(rec["rows"], target) for rec in records
+                                           if rec["group"] == row["group"] and rec["rounds"] == row["rounds"]]
+
+
 def print_table(console: Console, title: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=title)
     personal = any("personalized_accuracy_mean" in r for r in rows)
     extra = (f"personal acc (last {LAST_ROUNDS})", "personal min", "up/client/round") if personal else ()
+    baseline = any("rounds_to_baseline_final" in r for r in rows)
+    extra += ("rounds to baseline",) if baseline else ()
     for name in ("run", "rounds", "seeds", f"final acc (last {LAST_ROUNDS})", "best acc", *extra, "down/round",
                  "up/round", "up vs fp32", "s/run", "weight div"):
         table.add_column(name, justify="left" if name == "run" else "right")
@@ -244,6 +299,8 @@ def print_table(console: Console, title: str, rows: list[dict[str, Any]]) -> Non
             cells = [f"{_fmt(r.get('personalized_accuracy_mean'), 100, 2)} ± "
                      f"{_fmt(r.get('personalized_accuracy_spread'), 100, 2)}",
                      _fmt(r.get("personalized_accuracy_min_mean"), 100, 2), "-" if up is None else human_bytes(up)]
+        if baseline:
+            cells.append(",".join("-" if n is None else str(n) for n in r.get("rounds_to_baseline_final", [])))
         final, spread = _fmt(r["final_accuracy_mean"], 100, 2), r["final_accuracy_spread"]
         table.add_row(r["group"], str(r["rounds"]), ",".join(map(str, r["seeds"])),
                       final if spread is None else f"{final} ± {_fmt(spread, 100, 2)}",
@@ -266,31 +323,37 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     parser.add_argument("--report", action="store_true", help="only rebuild the table from the run files")
     parser.add_argument("--results", type=Path, default=RESULTS, help="results directory (default bench/results)")
+    parser.add_argument("--off-protocol", action="store_true",
+                        help="run cells that depart from the benchmark protocol (bench/protocol.toml), e.g. a short "
+                             "trial with --rounds; their run files record each departure")
     args = parser.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 150)
     try:
         matrix = load_matrix(args.matrix)
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else matrix.seeds
         runs = expand(matrix, seeds, args.rounds, args.only)
-        for run in runs[:1]:   # fail on a bad key before hours of running
-            load_config(None, list(run.overrides))
+        protocol = load_protocol()
+        departures = protocol_check(runs, seeds, protocol)
     except (ConfigError, ValueError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
+    if not (args.report or args.dry_run or args.off_protocol) and refuse_departures(runs, departures, console):
+        return 2
     out_dir = args.results / matrix.name
     if args.dry_run:
-        for run in runs:
-            console.print(f"{run.group}  seed {run.seed}  {run.rounds} rounds  -> {out_dir / run.file_name}",
-                          highlight=False)
+        for run, found in zip(runs, departures):
+            note = f"  (off protocol: {run.off_protocol or '; '.join(found)})" if found else ""
+            console.print(f"{run.group}  seed {run.seed}  {run.rounds} rounds  -> {out_dir / run.file_name}{note}",
+                          highlight=False, soft_wrap=True)
         console.print(f"{len(runs)} runs")
         return 0
     if not args.report:
-        for i, run in enumerate(runs, 1):
+        for i, (run, found) in enumerate(zip(runs, departures), 1):
             if args.skip_existing and (out_dir / run.file_name).exists():
                 console.print(f"[dim]{i}/{len(runs)} {run.group} seed {run.seed}: kept {run.file_name}[/dim]")
                 continue
             console.print(f"[bold]{i}/{len(runs)} {run.group} seed {run.seed}, {run.rounds} rounds[/bold]")
-            record = run_one(run, out_dir, console)
+            record = run_one(run, out_dir, console, found, protocol)
             personal = _final(record["rows"], "personalized_accuracy_mean")
             console.print(f"  final accuracy {_fmt(_final(record['rows'], 'test_accuracy'))}"
                           + (f", personalized {personal:.4f}" if personal is not None else "")
@@ -303,6 +366,7 @@ def main() -> int:
     order = {run.group: i for i, run in enumerate(full_runs)}   # the file's order
     missing = [run.file_name for run in full_runs if not (out_dir / run.file_name).exists()]
     rows = sorted(summarize(records), key=lambda r: (order.get(r["group"], len(order)), r["group"], r["rounds"]))
+    add_rounds_to_baseline(rows, records, matrix)
     ran_rounds = sorted({r["rounds"] for r in rows})
     ran_seeds = sorted({s for r in rows for s in r["seeds"]})
     cells = len(list(itertools.product(*matrix.axes.values())))

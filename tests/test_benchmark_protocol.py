@@ -1,0 +1,40 @@
+"""Every method matrix follows the benchmark protocol, or says why a cell does not."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from benchmark_protocol import deviations, load_protocol  # noqa: E402
+from run_matrix import expand, load_matrix, protocol_check  # noqa: E402
+
+from coordinator.config import load_config  # noqa: E402
+
+MATRICES = sorted((ROOT / "bench" / "matrices").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", MATRICES, ids=[p.stem for p in MATRICES])
+def test_every_cell_follows_the_protocol_or_says_why(path):
+    matrix = load_matrix(path)
+    runs = expand(matrix, matrix.seeds, None, [])
+    found = protocol_check(runs, matrix.seeds, load_protocol())
+    assert runs and all(not departures or run.off_protocol for run, departures in zip(runs, found)), \
+        [(run.group, departures) for run, departures in zip(runs, found) if departures and not run.off_protocol]
+
+
+def test_a_departure_is_named():
+    protocol = load_protocol()
+    good = [("data", "eval", "fashion-mnist"), ("clients", "expected", 100), ("clients", "per_round", 10),
+            ("train", "batch_size", 64), ("run", "rounds", 100), ("eval", "every", 5),
+            ("data", "partition", "dirichlet:0.5")]
+    assert deviations(load_config(None, good), protocol, [0, 1, 2]) == []
+    bad = load_config(None, good + [("train", "lr", 0.1), ("run", "rounds", 30), ("model", "name", "vgg9"),
+                                    ("data", "partition", "iid")])
+    found = " | ".join(deviations(bad, protocol, [0]))
+    for text in ("train.lr = 0.1", "run.rounds = 30", "model = 'vgg9@1.0'", "data.partition = 'iid'", "seeds [0]"):
+        assert text in found, (text, found)
