@@ -114,6 +114,13 @@ class ExportSection:
 
 
 @dataclass(frozen=True)
+class SimSection:
+    """How this process runs the clients it spawns with the inproc transport (coordinator/simulation.py)."""
+
+    workers: int = 0                # tasks run on this many workers; 0: one per core; -1: a thread per client
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
@@ -125,6 +132,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
     export: ExportSection = field(default_factory=ExportSection)
+    sim: SimSection = field(default_factory=SimSection)
     # The methods' own sections (name -> dataclass), read as attributes: ``config.dfl.diversity``.
     methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
     # "section.key" the user set (file or flags): a method's defaults never override these.
@@ -152,6 +160,7 @@ class RunConfig:
             (c.min_results >= 0, "clients.min_results must be >= 0"),
             (c.round_timeout > 0 and c.presence_timeout > 0, "timeouts must be positive"),
             (c.spawn >= 0, "clients.spawn must be >= 0"),
+            (self.sim.workers >= -1, "sim.workers must be >= 1, 0 (one per core) or -1 (a thread per client)"),
             (c.selection in SELECTIONS, f"clients.selection must be one of {', '.join(SELECTIONS)}"),
             (t.kind in ("mqtt", "inproc"), "transport.kind must be mqtt or inproc"),
             (t.kind == "mqtt" or c.spawn > 0, "the inproc transport needs spawned clients (--spawn-clients N)"),
