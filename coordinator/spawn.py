@@ -1,8 +1,12 @@
-"""Local simulated clients: separate ``fedge-client`` processes, or threads for inproc.
+"""Local simulated clients: separate ``fedge-client`` processes, or in this process for inproc.
 
 Each spawned process gets one torch thread (by default) so several clients on one
 machine do not oversubscribe its cores, writes its log to ``OUT/logs``, and exits
 by itself when the run finishes or when the coordinator process disappears.
+
+In-process clients share one arrangement of the train split (each client's data is a
+view of it) and run their tasks on ``sim.workers`` workers (coordinator/simulation.py),
+or, with ``sim.workers = -1``, each on a thread of its own, as separate devices would.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.config import RunConfig
+from coordinator.simulation import ClientPool, worker_count
 from edge_client.client import ClientSettings, EdgeClient
-from edge_client.data import Dataset, client_split
-from edge_client.objectives import local_data
+from edge_client.data import Dataset, arrange_clients
+from edge_client.objectives import holdout_seed, local_data_view
 from edge_client.wire.protocol import Topics
 from edge_client.wire.transport import InprocHub
 
@@ -33,6 +38,7 @@ class SpawnedClients:
     processes: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
+    clients: list[EdgeClient] = field(default_factory=list)   # those running in this process
     stop_event: threading.Event = field(default_factory=threading.Event)
 
     def failures(self) -> list[str]:
@@ -98,18 +104,29 @@ def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dat
     (methods that keep state on the device, like DFL, need one).
     """
     spawned = SpawnedClients()
-    for i in range(count):
-        cid = sim_client_id(i)
-        x, y = client_split(dataset, config.data.partition, i, count, config.run.seed)
-        settings = ClientSettings(client_id=cid, topics=Topics(config.transport.prefix),
+    ids = [sim_client_id(i) for i in range(count)]
+    fraction, seed = config.data.local_test_fraction, config.run.seed
+    rows = arrange_clients(dataset, config.data.partition, count, seed, fraction,
+                           [holdout_seed(seed, cid) for cid in ids])
+    topics = Topics(config.transport.prefix)
+    pool = ClientPool(hub, topics, worker_count(config.sim.workers)) if config.sim.workers != -1 else None
+    for i, cid in enumerate(ids):
+        settings = ClientSettings(client_id=cid, topics=topics,
                                   max_message_bytes=config.transport.max_message_bytes,
                                   max_decoded_bytes=config.transport.max_decoded_bytes,
                                   chunking=config.transport.chunking, exit_after_run=True,
                                   state_dir=out_dir / "clients" / cid if out_dir is not None else None)
         transport = hub.connect(cid, will=EdgeClient.will(settings))
-        data = local_data(x, y, config.data.local_test_fraction, seed=config.run.seed, client_id=cid)
-        client = EdgeClient(settings, transport, data)
-        thread = threading.Thread(target=client.run, args=(spawned.stop_event,), name=cid, daemon=True)
-        thread.start()
-        spawned.threads.append(thread)
+        data = local_data_view(rows, i, fraction)
+        if pool is None:
+            client = EdgeClient(settings, transport, data)
+            thread = threading.Thread(target=client.run, args=(spawned.stop_event,), name=cid, daemon=True)
+            thread.start()
+            spawned.threads.append(thread)
+        else:
+            client = EdgeClient(settings, transport, data, models=pool.models, broadcasts=pool.broadcasts)
+            pool.add(client)
+        spawned.clients.append(client)
+    if pool is not None:
+        spawned.threads += pool.start(spawned.stop_event)
     return spawned

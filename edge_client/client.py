@@ -37,7 +37,7 @@ from profiling.device import device_facts
 from profiling.history import append_history
 from profiling.profiler import Profiler
 
-__all__ = ["ClientSettings", "EdgeClient", "presence_payload"]
+__all__ = ["BroadcastCache", "ClientSettings", "EdgeClient", "ModelCache", "presence_payload"]
 
 log = logging.getLogger("fedge.client")
 
@@ -57,6 +57,52 @@ class ClientSettings:
 
 def presence_payload(client_id: str, body: PresenceBody) -> bytes:
     return encode("presence", run_id="", round=0, task_id="", sender=client_id, body=body.to_body())
+
+
+class ModelCache:
+    """Networks built from task model specs, by spec, newest last; keeps ``keep`` (a device has little memory).
+
+    A task loads every exchanged tensor into the network it gets from here, so any client may use
+    a cached network (simulated clients share one per worker).
+    """
+
+    def __init__(self, keep: int = 1) -> None:
+        self.keep = keep
+        self._models: OrderedDict[str, nn.Module] = OrderedDict()
+
+    def get(self, spec: Any) -> nn.Module:
+        key = json.dumps(spec, sort_keys=True)
+        model = self._models.pop(key, None)
+        if model is None:
+            while len(self._models) >= self.keep:
+                self._models.popitem(last=False)
+            model = build_model(spec)
+        self._models[key] = model
+        return model
+
+
+class BroadcastCache:
+    """Model broadcasts by SHA-256, newest last: their wire tensors and codec. Keeps the current
+    model and the one before; safe to share between clients in one process."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, tuple[dict[str, torch.Tensor], CodecSpec]] = OrderedDict()
+
+    def __contains__(self, digest: object) -> bool:
+        with self._lock:
+            return digest in self._items
+
+    def get(self, digest: str) -> tuple[dict[str, torch.Tensor], CodecSpec] | None:
+        with self._lock:
+            return self._items.get(digest)
+
+    def add(self, digest: str, tensors: dict[str, torch.Tensor], codec: CodecSpec) -> None:
+        with self._lock:
+            self._items[digest] = (tensors, codec)
+            while len(self._items) > self.keep:
+                self._items.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -97,15 +143,21 @@ class _Pending:
 
 
 class EdgeClient:
-    """Runs tasks for a coordinator on this device's private data."""
+    """Runs tasks for a coordinator on this device's private data.
 
-    def __init__(self, settings: ClientSettings, transport: Transport, data: LocalData) -> None:
+    :meth:`run` is a device's whole life; a simulation drives many clients itself with
+    :meth:`start`, :meth:`step` and :meth:`leave`, giving them shared ``models`` and
+    ``broadcasts`` caches so that an idle client holds no network and no model copy.
+    """
+
+    def __init__(self, settings: ClientSettings, transport: Transport, data: LocalData, *,
+                 models: ModelCache | None = None, broadcasts: BroadcastCache | None = None) -> None:
         self.settings = settings
         self.transport = ChunkingTransport(transport, max_message_bytes=settings.max_message_bytes,
                                            max_decoded_bytes=settings.max_decoded_bytes, chunking=settings.chunking)
         self.data = data
         self.topics = settings.topics
-        self._models: dict[str, nn.Module] = {}
+        self._models = models if models is not None else ModelCache()
         self._pending: _Pending | None = None
         self._done: dict[str, bytes] = {}          # task id -> result payload, for re-sends
         self._latest_round: dict[str, int] = {}    # run id -> newest round the coordinator announced
@@ -121,8 +173,7 @@ class EdgeClient:
         self._echo_due = 0.0
         self._finished = False
         self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
-        # Model broadcasts by SHA-256, newest last: their wire tensors and codec.
-        self._broadcasts: OrderedDict[str, tuple[dict[str, torch.Tensor], CodecSpec]] = OrderedDict()
+        self._broadcasts = broadcasts if broadcasts is not None else BroadcastCache()
         self._waiting: tuple[_Task, Profiler, float] | None = None   # a task waiting for its broadcast
         self._residuals = ResidualStore(settings.state_dir)
         self.tasks_run = 0
@@ -134,6 +185,21 @@ class EdgeClient:
 
     # -- main loop ------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
+        self.start()
+        while not self.finished and not (stop is not None and stop.is_set()):
+            if self.settings.parent_pid and not psutil.pid_exists(self.settings.parent_pid):
+                log.info("parent process %d is gone; leaving", self.settings.parent_pid)
+                break
+            self.step(0.2)
+        self.leave()
+
+    @property
+    def finished(self) -> bool:
+        """The run this client took part in finished and it was asked to leave then (``exit_after_run``)."""
+        return self._finished
+
+    def start(self) -> None:
+        """Subscribe to this client's topics and announce it online."""
         cid = self.settings.client_id
         for kind in ("task", "status", "presence"):   # our own presence: to see that the broker passes it on
             self.transport.subscribe(self.topics.client(cid, kind))
@@ -146,19 +212,24 @@ class EdgeClient:
         self._echo_due = time.monotonic() + self.settings.presence_echo_timeout
         self.transport.announce(self.topics.client(cid, "presence"), self._presence)
         log.info("client %s online with %d samples", cid, len(self.data))
-        while not self._finished and not (stop is not None and stop.is_set()):
-            if self.settings.parent_pid and not psutil.pid_exists(self.settings.parent_pid):
-                log.info("parent process %d is gone; leaving", self.settings.parent_pid)
-                break
-            incoming = self.transport.get(0.2)
-            if incoming is not None and incoming.error:
-                log.warning("lost a message on %s: %s", incoming.topic, incoming.error)
-            elif incoming is not None and incoming.payload:
-                self._handle(incoming.topic, incoming.payload, incoming.received_at)
-            self._give_up_waiting()
-            self._warn_if_unseen()
-            self._warn_if_parked()
-            self._resend_if_due()
+
+    def step(self, timeout: float) -> bool:
+        """Handle the next incoming message (waiting up to ``timeout`` s for one), then what is due
+        (re-sends, give-ups, warnings); return whether a message came."""
+        incoming = self.transport.get(timeout)
+        if incoming is not None and incoming.error:
+            log.warning("lost a message on %s: %s", incoming.topic, incoming.error)
+        elif incoming is not None and incoming.payload:
+            self._handle(incoming.topic, incoming.payload, incoming.received_at)
+        self._give_up_waiting()
+        self._warn_if_unseen()
+        self._warn_if_parked()
+        self._resend_if_due()
+        return incoming is not None
+
+    def leave(self) -> None:
+        """Say this client is offline."""
+        cid = self.settings.client_id
         self.transport.publish(self.topics.client(cid, "presence"), presence_payload(cid, PresenceBody("offline")),
                                retain=True)
 
@@ -265,9 +336,7 @@ class EdgeClient:
             return
         if body is None:
             return
-        self._broadcasts[digest] = (msg.tensors, body.codec)
-        while len(self._broadcasts) > 2:   # the current model and the one before are enough
-            self._broadcasts.popitem(last=False)
+        self._broadcasts.add(digest, msg.tensors, body.codec)
         waiting = self._waiting
         if waiting is not None and waiting[0].body is not None and waiting[0].body.broadcast == digest:
             task, profiler, since = waiting
@@ -359,7 +428,7 @@ class EdgeClient:
             raise ObjectiveError(f"unknown objective {task.objective!r}; this client knows {sorted(OBJECTIVES)}")
         up = list(task.up)
         with profiler.phase("decode"):
-            model = self._model_for(task.model)
+            model = self._models.get(task.model)
             self._check_data_fits(task.model)
             known = set(federated_names(model))
             received = self._received(msg, task, state_shapes(model))
@@ -396,12 +465,6 @@ class EdgeClient:
             tensors.update(decode_download(wire, codec, shapes))
         tensors.update(decode_download(msg.tensors, task.codec, shapes))
         return tensors
-
-    def _model_for(self, spec: Any) -> nn.Module:
-        key = json.dumps(spec, sort_keys=True)
-        if key not in self._models:
-            self._models = {key: build_model(spec)}  # keep one: a device has little memory
-        return self._models[key]
 
     def _check_data_fits(self, spec: dict[str, Any]) -> None:
         c, h = int(self.data.x.shape[1]), int(self.data.x.shape[2])

@@ -22,6 +22,8 @@ __all__ = [
     "load_dataset",
     "partition_indices",
     "client_split",
+    "ClientRows",
+    "arrange_clients",
     "describe_partitions",
     "holdout_split",
     "AttributeSkew",
@@ -347,14 +349,63 @@ def holdout_split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int
 
     Seeded, so a restarted client holds out exactly the same samples.
     """
+    train, test = _holdout_rows(len(y), fraction, seed)
+    return x[train], y[train], x[test], y[test]
+
+
+def _holdout_rows(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) positions of :func:`holdout_split` among ``n`` samples, each sorted."""
     if not 0.0 <= fraction < 1.0:
         raise DataError(f"local test fraction must be in [0, 1), got {fraction}")
-    n_test = int(round(len(y) * fraction))
-    if fraction > 0 and (n_test == 0 or n_test == len(y)):
-        raise DataError(f"a local test fraction of {fraction} leaves no train or no test samples out of {len(y)}")
-    order = np.random.default_rng(seed).permutation(len(y))
-    test, train = np.sort(order[:n_test]), np.sort(order[n_test:])
-    return x[train], y[train], x[test], y[test]
+    n_test = int(round(n * fraction))
+    if fraction > 0 and (n_test == 0 or n_test == n):
+        raise DataError(f"a local test fraction of {fraction} leaves no train or no test samples out of {n}")
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_test:]), np.sort(order[:n_test])
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: array fields cannot be compared with ==
+class ClientRows:
+    """Many clients' data in one pair of arrays, client after client, each client's train rows then
+    its local test rows: a client's data is two slices of them (views, no copy)."""
+
+    x: np.ndarray                         # float32 [N, C, H, W], shared by all clients
+    y: np.ndarray                         # int64 [N]
+    rows: tuple[np.ndarray, ...]          # per client: its rows of the train split, in the order held here
+    bounds: tuple[tuple[int, int, int], ...]   # per client: where its train rows start, its test rows, the end
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def client(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(x_train, y_train, x_test, y_test) of client ``index``, as :func:`client_split` and
+        :func:`holdout_split` give them, but views of the shared arrays."""
+        start, test, end = self.bounds[index]
+        return self.x[start:test], self.y[start:test], self.x[test:end], self.y[test:end]
+
+
+def arrange_clients(dataset: Dataset, partition_spec: str, num_partitions: int, seed: int, test_fraction: float,
+                    holdout_seeds: list[int]) -> ClientRows:
+    """The train split arranged for ``num_partitions`` clients of one process (a simulation): the
+    same samples, in the same order, as each client's :func:`client_split` then :func:`holdout_split`
+    with its ``holdout_seeds[i]``, but in one array that every client's data is a view of."""
+    if len(holdout_seeds) != num_partitions:
+        raise DataError(f"{len(holdout_seeds)} holdout seeds for {num_partitions} partitions; give one per client")
+    parts = partition_indices(dataset.y_train, partition_spec, num_partitions, seed)
+    rows, bounds, start = [], [], 0
+    for part, holdout_seed in zip(parts, holdout_seeds):
+        train, test = _holdout_rows(len(part), test_fraction, holdout_seed)
+        rows.append(np.concatenate([part[train], part[test]]))
+        bounds.append((start, start + len(train), start + len(part)))
+        start += len(part)
+    order = np.concatenate(rows)
+    skew = parse_attribute_skew(partition_spec)
+    if skew is None:
+        x = dataset.x_train[order]
+    else:   # each client's images as seen in its domain
+        domains = np.concatenate([np.full(len(r), skew.domain_of(i)) for i, r in enumerate(rows)])
+        x = skew.apply(dataset.x_train[order], domains, _intensity_range(dataset))
+    return ClientRows(x, dataset.y_train[order], tuple(rows), tuple(bounds))
 
 
 def describe_partitions(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> list[dict]:

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_client.data import holdout_split
+from edge_client.data import ClientRows, holdout_split
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
-           "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "warm_up", "minibatches",
+           "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "holdout_seed",
+           "local_data_view", "warm_up", "minibatches",
            "Objective"]
 
 
@@ -52,8 +53,25 @@ class LocalData:
 
 def local_data(x: np.ndarray, y: np.ndarray, test_fraction: float, *, seed: int, client_id: str) -> LocalData:
     """A device's LocalData from numpy arrays, holding out ``test_fraction`` for local evaluation."""
-    x_tr, y_tr, x_te, y_te = holdout_split(x, y, test_fraction, seed ^ zlib.crc32(client_id.encode()))
-    if test_fraction == 0:
+    x_tr, y_tr, x_te, y_te = holdout_split(x, y, test_fraction, holdout_seed(seed, client_id))
+    return _as_local_data(x_tr, y_tr, x_te, y_te, test_fraction > 0)
+
+
+def holdout_seed(seed: int, client_id: str) -> int:
+    """Seed of a client's local test split: the same rows on every start of that client."""
+    return seed ^ zlib.crc32(client_id.encode())
+
+
+def local_data_view(rows: ClientRows, index: int, test_fraction: float) -> LocalData:
+    """Client ``index``'s LocalData in a simulation: the rows :func:`local_data` would give it, as
+    tensors that are views of the arrays all clients share (arranged with :func:`holdout_seed`)."""
+    return _as_local_data(*rows.client(index), test_fraction > 0)
+
+
+def _as_local_data(x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_te: np.ndarray,
+                   with_test: bool) -> LocalData:
+    """Tensors sharing the arrays' memory (torch.from_numpy copies nothing)."""
+    if not with_test:
         return LocalData(torch.from_numpy(x_tr), torch.from_numpy(y_tr))
     return LocalData(torch.from_numpy(x_tr), torch.from_numpy(y_tr), torch.from_numpy(x_te), torch.from_numpy(y_te))
 
