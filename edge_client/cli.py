@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -74,13 +73,76 @@ def _load_data(args: argparse.Namespace):  # -> LocalData
     return local_data(x, y, args.local_test_fraction, seed=args.seed, client_id=args.client_id)
 
 
-def _run(args: argparse.Namespace) -> int:
-    import torch
+# What the ``client`` extra installs; a missing one is a deployment step skipped, not a bug.
+_CLIENT_EXTRA = frozenset({"torch", "numpy", "paho", "psutil", "safetensors", "zstandard", "lz4", "tomli"})
 
-    from edge_client.client import ClientSettings, EdgeClient
-    from edge_client.data import DataError
-    from edge_client.wire.protocol import Topics, valid_client_id
-    from edge_client.wire.transport import BrokerSettings, MqttTransport, TransportError
+
+class _Stop:
+    """Set by SIGTERM and SIGINT, polled by the client's loop.
+
+    A signal handler runs between two bytecodes of the main thread, possibly while that thread
+    holds a lock; ``threading.Event.set`` takes the event's lock and so deadlocks when a second
+    signal lands inside the first one's ``set``. Setting a plain attribute takes no lock and may
+    happen any number of times.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    def is_set(self) -> bool:
+        return self.signal is not None
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` s, waking within 0.1 s of a signal; return whether one came."""
+        deadline = time.monotonic() + timeout
+        while not self.is_set() and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return self.is_set()
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self)
+
+    def uninstall(self) -> None:
+        """Ignore further stop signals: only the interpreter's exit is left, and a signal during it
+        would otherwise kill the process (Python restores the default handlers first)."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _connect(transport, stop: _Stop) -> bool:   # transport: MqttTransport
+    """Connect, retrying with backoff until it works or a stop signal comes; return whether connected."""
+    from edge_client.wire.transport import TransportError
+
+    delay = 1.0
+    while not stop.is_set():
+        try:
+            transport.connect()
+            return True
+        except TransportError as exc:
+            log.warning("%s; retrying in %.0f s", exc, delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 60.0)
+    return False
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+
+        from edge_client.client import ClientSettings, EdgeClient
+        from edge_client.data import DataError
+        from edge_client.wire.protocol import Topics, valid_client_id
+        from edge_client.wire.transport import BrokerSettings, MqttTransport
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in _CLIENT_EXTRA:
+            raise
+        print(f"fedge-client needs {exc.name}, which is not installed: pip install 'fedge[client]' "
+              "(on a device install the pinned torch first, as docs/deploy.md shows)", file=sys.stderr)
+        return 2
 
     if not valid_client_id(args.client_id):
         print(f"fedge-client: bad --client-id {args.client_id!r}: use 1-64 letters, digits, '_', '.', '-'",
@@ -99,27 +161,25 @@ def _run(args: argparse.Namespace) -> int:
                               parent_pid=args.parent_pid)
     broker = BrokerSettings(url=args.broker, username=args.username, password=os.environ.get("FEDGE_MQTT_PASSWORD"),
                             protocol=args.mqtt_protocol, max_message_bytes=args.max_message_bytes)
-    transport = MqttTransport(broker, args.client_id, will=EdgeClient.will(settings))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    delay = 1.0
-    while not stop.is_set():
-        try:
-            transport.connect()
-            break
-        except TransportError as exc:
-            log.warning("%s; retrying in %.0f s", exc, delay)
-            stop.wait(delay)
-            delay = min(delay * 2, 60.0)
-    if stop.is_set():
+    offline = EdgeClient.will(settings)
+    transport = MqttTransport(broker, args.client_id, will=offline)
+    stop = _Stop()
+    stop.install()
+    if not _connect(transport, stop):
+        stop.uninstall()
+        print(f"fedge-client: stopped before connecting to {args.broker}", file=sys.stderr)
         return 0
     try:
         EdgeClient(settings, transport, data).run(stop)
-    except KeyboardInterrupt:
-        pass
     finally:
-        time.sleep(0.2)  # let the offline presence leave before disconnecting
-        transport.close()
+        # Every way out says this device is offline: a clean DISCONNECT fires no last will, and a
+        # coordinator that still saw it online would select it and fail the round.
+        try:
+            transport.publish(offline.topic, offline.payload, retain=True)
+            time.sleep(0.2)   # let it leave before disconnecting
+        finally:
+            transport.close()
+            stop.uninstall()
     return 0
 
 
@@ -128,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "run":
-        return _run(args)
+        try:
+            return _run(args)
+        except KeyboardInterrupt:   # Ctrl-C while starting up, before the stop signals are handled
+            print("fedge-client: interrupted", file=sys.stderr)
+            return 130
     return 2
 
 
