@@ -159,7 +159,7 @@ class EdgeClient:
         self.topics = settings.topics
         self._models = models if models is not None else ModelCache()
         self._pending: _Pending | None = None
-        self._done: dict[str, bytes] = {}          # task id -> result payload, for re-sends
+        self._done: dict[str, bytes | None] = {}   # task id -> result payload for re-sends; None once acknowledged
         self._latest_round: dict[str, int] = {}    # run id -> newest round the coordinator announced
         self._runs_seen: set[str] = set()
         self._runs_trained: set[str] = set()       # runs this device ran a task for
@@ -324,6 +324,7 @@ class EdgeClient:
             if status.state == "rejected":
                 log.warning("coordinator rejected result of %s: %s", status.task_id, status.reason)
             self._pending = None
+            self._done[status.task_id] = None   # the coordinator has it: keep no copy (a model's size)
 
     # -- the model broadcast ----------------------------------------------------
     def _on_model(self, payload: bytes) -> None:
@@ -374,8 +375,10 @@ class EdgeClient:
         msg = task.msg
         self._runs_seen.add(msg.run_id)
         self._runs_trained.add(msg.run_id)
-        if msg.task_id in self._done:  # the coordinator asked again: it missed our result
-            self._send(task, self._done[msg.task_id])
+        if msg.task_id in self._done:  # the task came again: re-send the result unless it was acknowledged
+            payload = self._done[msg.task_id]
+            if payload is not None:
+                self._send(task, payload)
             return
         if msg.round < self._latest_round.get(msg.run_id, 0):
             log.info("skipped stale task %s for round %d", msg.task_id, msg.round)

@@ -15,9 +15,11 @@ from coordinator.config import load_config
 from coordinator.run import run_federated
 from coordinator.simulation import ClientPool, available_cores
 from coordinator.spawn import sim_client_id, spawn_threads
+from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import arrange_clients, client_split, load_dataset, partition_indices
-from edge_client.objectives import holdout_seed, local_data, local_data_view
-from edge_client.wire.protocol import Topics
+from edge_client.objectives import LocalData, holdout_seed, local_data, local_data_view
+from edge_client.registry import build_model
+from edge_client.wire.protocol import Topics, decode, encode
 from edge_client.wire.transport import InprocHub
 
 
@@ -131,3 +133,40 @@ def test_workers_take_their_share_of_the_cores_and_mail_wakes_its_client():
     assert {name for name, _ in steps} <= {"sim-worker-0", "sim-worker-1"}
     assert {n for _, n in steps} == {max(1, available_cores() // 2)}
     assert [c.left for c in clients] == [1, 1]
+
+
+def test_a_client_stepped_by_hand_resends_until_acknowledged_then_keeps_no_copy(digits):
+    spec = {"name": "mlp", "hidden": [8], "num_classes": 10, "in_channels": 1, "image_size": 8}
+    hub, topics = InprocHub(), Topics()
+    data = LocalData(torch.from_numpy(digits.x_train[:64]), torch.from_numpy(digits.y_train[:64]))
+    client = EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"), data)
+    coordinator = hub.connect("coordinator")
+    coordinator.subscribe(topics.client("dev1", "result"))
+    params = build_model(spec).state_dict()
+    task = encode("task", run_id="live", round=1, task_id="t1", sender="coordinator", tensors=params,
+                  body={"objective": "train", "hyper": {"epochs": 1}, "model": spec, "up": sorted(params), "seed": 1,
+                        "timeout": 30, "resend_every": 30})
+    coordinator.publish(topics.coordinator_status, encode("status", run_id="live", round=1, task_id="",
+                                                          sender="coordinator", body={"state": "running"}),
+                        retain=True)
+    client.start()
+
+    def results() -> list[str]:
+        while client.step(0.0):
+            pass
+        out = []
+        while (incoming := coordinator.get(0.0)) is not None:
+            out.append(decode(incoming.payload).task_id)
+        return out
+
+    coordinator.publish(topics.client("dev1", "task"), task)
+    assert results() == ["t1"] and client.tasks_run == 1
+    coordinator.publish(topics.client("dev1", "task"), task)   # delivered again before the ack: the same result
+    assert results() == ["t1"] and client.tasks_run == 1
+    coordinator.publish(topics.client("dev1", "status"), encode("status", run_id="live", round=1, task_id="t1",
+                                                                sender="coordinator",
+                                                                body={"state": "ack", "task_id": "t1"}))
+    coordinator.publish(topics.client("dev1", "task"), task)   # after it: nothing to send, nothing kept
+    assert results() == [] and client.tasks_run == 1
+    assert client._done == {"t1": None}
+    client.leave()
