@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exit-after-run", action="store_true",
                      help="exit once a run this client took part in finishes (default: keep serving)")
     run.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-    run.add_argument("-v", "--verbose", action="store_true", help="log connection, task and run events (INFO level)")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="log every event at INFO level; without it: connecting, one line per task, a run's end")
     return parser
 
 
@@ -121,6 +122,8 @@ def _connect(transport, stop: _Stop) -> bool:   # transport: MqttTransport
     while not stop.is_set():
         try:
             transport.connect()
+            logging.getLogger("fedge.client.activity").info(
+                "connected to %s as %s (MQTT %s)", transport.settings.url, transport.client_id, transport.protocol)
             return True
         except TransportError as exc:
             log.warning("%s; retrying in %.0f s", exc, delay)
@@ -187,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # A person at the device sees it working without -v: connecting, one line per task, a run's end.
+    logging.getLogger("fedge.client.activity").setLevel(logging.INFO)
     if args.command == "run":
         try:
             return _run(args)

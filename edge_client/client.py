@@ -36,10 +36,13 @@ from edge_client.wire.updates import ResidualStore, decode_download, encode_uplo
 from profiling.device import device_facts
 from profiling.history import append_history
 from profiling.profiler import Profiler
+from profiling.units import human_bytes
 
 __all__ = ["BroadcastCache", "ClientSettings", "EdgeClient", "ModelCache", "presence_payload"]
 
 log = logging.getLogger("fedge.client")
+# One line per task, on connecting and at a run's end: what a person at the device sees without -v.
+activity = logging.getLogger("fedge.client.activity")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,19 @@ class ClientSettings:
     exit_after_run: bool = False     # leave once a run we took part in finishes
     parent_pid: int | None = None    # leave when this process is gone (spawned simulations)
     presence_echo_timeout: float = 10.0   # our own presence must come back from the broker within this
+
+
+def _task_line(msg: Message, task: TaskBody | None, answer: ResultBody, wire_bytes: int) -> str:
+    """The line a person at the device sees for each task: what ran on how much, how long, what went up."""
+    if answer.error is not None:
+        return f"round {msg.round}: task failed: {answer.error}"
+    objective = task.objective if task is not None else "task"
+    seconds = answer.profile.get("seconds")
+    took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
+    m = answer.metrics
+    figure = next((f", {name.replace('_', ' ')} {m[name]:.4f}" for name in ("local_accuracy", "train_loss")
+                   if name in m), "")
+    return f"round {msg.round}: {objective} on {answer.num_samples} samples{took}, {human_bytes(wire_bytes)} up{figure}"
 
 
 def presence_payload(client_id: str, body: PresenceBody) -> bytes:
@@ -211,7 +227,7 @@ class EdgeClient:
             num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts()))
         self._echo_due = time.monotonic() + self.settings.presence_echo_timeout
         self.transport.announce(self.topics.client(cid, "presence"), self._presence)
-        log.info("client %s online with %d samples", cid, len(self.data))
+        activity.info("client %s online with %d samples", cid, len(self.data))
 
     def step(self, timeout: float) -> bool:
         """Handle the next incoming message (waiting up to ``timeout`` s for one), then what is due
@@ -282,7 +298,7 @@ class EdgeClient:
         elif status.state == "finished":
             self._running_run = "" if self._running_run in (None, msg.run_id) else self._running_run
             if msg.run_id in self._runs_trained and msg.run_id not in self._runs_ended:
-                log.info("run %s finished", msg.run_id)
+                activity.info("run %s finished", msg.run_id)
             self._runs_ended.add(msg.run_id)
             if msg.run_id in self._runs_seen:
                 self._pending = None
@@ -408,6 +424,7 @@ class EdgeClient:
         sent = {"task_id": msg.task_id, **{k: profiler.phases[k] for k in ("encode", "publish")}}
         self._previous_send = {"previous_send": sent}
         self.tasks_run += 1
+        activity.info(_task_line(msg, task.body, answer, len(payload)))
         self._write_profile(task, {**answer.profile, "phases": profiler.phases})
 
     def _result_payload(self, msg: Message, answer: ResultBody, tensors: dict[str, torch.Tensor]) -> bytes:

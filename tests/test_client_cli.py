@@ -201,6 +201,8 @@ def test_ctrl_c_leaves_the_device_offline(mosquitto, prefix, tiny_data, tmp_path
     code, err = _wait_exit(proc, timeout=10)
     assert code == 0 and "Traceback" not in err, err
     assert _retained_states(mosquitto, prefix, ["pi-01"]) == {"pi-01": "offline"}
+    # Without -v a person at the device still sees it connect and come online.
+    assert "connected to mqtt://" in err and "client pi-01 online with" in err, err
 
 
 def test_a_crash_leaves_the_device_offline(mosquitto, prefix, tiny_data, tmp_path):

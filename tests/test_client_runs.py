@@ -8,6 +8,7 @@ current, and it may arrive after the queued tasks.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -54,7 +55,7 @@ def _results(me, until: str, seconds: float = 30.0) -> set[str]:
     return seen
 
 
-def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains():
+def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplog):
     hub = InprocHub()
     client, stop, thread = _client(hub)
     me, topics = hub.connect("coord"), Topics()
@@ -64,11 +65,16 @@ def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains():
     time.sleep(0.5)
     me.publish(topics.coordinator_status, _status("live", "running"), retain=True)
     me.publish(topics.client("dev1", "task"), _task("live", "fresh"))
-    seen = _results(me, until="fresh")
+    with caplog.at_level(logging.INFO, logger="fedge.client.activity"):
+        seen = _results(me, until="fresh")
     stop.set()
     thread.join(5)
     assert seen == {"fresh"}
     assert client.tasks_run == 1
+    # The one line a person at the device sees for the task.
+    lines = [r.getMessage() for r in caplog.records if r.name == "fedge.client.activity"]
+    assert any(line.startswith("round 1: train on 64 samples in ") and " up, train loss " in line
+               for line in lines), lines
 
 
 def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives():
