@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         from edge_client.client import ClientSettings, EdgeClient
         from edge_client.data import DataError
         from edge_client.wire.protocol import Topics, valid_client_id
-        from edge_client.wire.transport import BrokerSettings, MqttTransport
+        from edge_client.wire.transport import BrokerSettings, BrokerUrlError, MqttTransport, parse_broker_url
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in _CLIENT_EXTRA:
             raise
@@ -147,6 +147,11 @@ def _run(args: argparse.Namespace) -> int:
               "(on a device install the pinned torch first, as docs/deploy.md shows)", file=sys.stderr)
         return 2
 
+    try:   # a URL no retry can fix is a configuration error, said at once
+        parse_broker_url(args.broker)
+    except BrokerUrlError as exc:
+        print(f"fedge-client: {exc}", file=sys.stderr)
+        return 2
     if not valid_client_id(args.client_id):
         print(f"fedge-client: bad --client-id {args.client_id!r}: use 1-64 letters, digits, '_', '.', '-'",
               file=sys.stderr)

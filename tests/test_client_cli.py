@@ -238,3 +238,13 @@ def test_ctrl_c_while_the_broker_is_down_is_one_line(tiny_data, tmp_path):
     assert code == 0, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip().splitlines() == [f"fedge-client: stopped before connecting to mqtt://127.0.0.1:{port}"]
+
+
+def test_a_malformed_broker_url_is_one_line_and_exit_2(tiny_data, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "edge_client.cli", "run", "--broker", "127.0.0.1:1883",
+                          "--client-id", "pi-09", "--data", "digits"], env=ENV, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "fedge-client: broker URL '127.0.0.1:1883' must look like mqtt://HOST:PORT (e.g. mqtt://127.0.0.1:1883): "
+        "the mqtt:// scheme is missing"]
