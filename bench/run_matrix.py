@@ -16,7 +16,7 @@ Each run goes through ``coordinator.run.run_federated`` with clients as threads
 (``transport.kind = "inproc"``) and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
 (configuration, per-round metrics, summary). The table, printed and written to
 ``bench/results/NAME.json``, is built from every run file of the matrix present:
-final accuracy = mean test accuracy of the last 5 rounds, mean and spread (population
+final accuracy = mean test accuracy of the last 5 evaluated rounds (``eval.every``), mean and spread (population
 standard deviation) over seeds, bytes down and up per round, seconds per run, and
 the mean weight divergence over the same rounds when ``run.diagnostics`` is on.
 With personalized evaluation (``eval.personalized``, or a strategy such as DFL whose
@@ -58,7 +58,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAST_ROUNDS = 5   # final accuracy = mean over this many last rounds
+LAST_ROUNDS = 5   # final accuracy = mean over this many last evaluated rounds
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,8 @@ def refuse_departures(runs: list[Run], departures: list[list[str]], console: Con
         console.print(f"[red]{group} departs from the benchmark protocol: {'; '.join(found)}[/red]", soft_wrap=True)
     if unexplained:
         console.print("Follow bench/protocol.toml (docs/benchmarks.md), give the cell off_protocol = \"why\" in the "
-                      "matrix, or pass --off-protocol for a trial run; run files record the departures.", soft_wrap=True)
+                      "matrix, or pass --off-protocol for a trial run; run files record the departures.",
+                      soft_wrap=True)
     return bool(unexplained)
 
 
@@ -202,6 +203,8 @@ def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], pr
 
 
 def _final(rows: list[dict[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over the last LAST_ROUNDS trained rounds that have it: rows of rounds without
+    an evaluation (``eval.every``) have none."""
     trained = [r[key] for r in rows if r["round"] > 0 and r.get(key) is not None]
     tail = trained[-LAST_ROUNDS:]
     return sum(tail) / len(tail) if tail else None
@@ -381,7 +384,7 @@ def main() -> int:
         "personalized_accuracy": f"mean over clients of each one's accuracy on its own held-out split, mean of "
                                  f"the last {LAST_ROUNDS} rounds that evaluated it; mean and population standard "
                                  "deviation over seeds",
-        "final_accuracy": f"mean test accuracy of the last {LAST_ROUNDS} rounds; mean and population "
+        "final_accuracy": f"mean test accuracy of the last {LAST_ROUNDS} evaluated rounds; mean and population "
                           "standard deviation over seeds",
         "machine": {"python": platform.python_version(), "arch": platform.machine(), "cpus": os.cpu_count()},
         "rows": rows,

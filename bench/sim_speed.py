@@ -165,7 +165,8 @@ def main() -> int:
             return 1
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
         r = results[-1]
-        console.print(f"  {r['seconds_per_round']:.2f} s per round, pure compute {r['pure_compute_seconds_per_round']:.2f} s,"
+        console.print(f"  {r['seconds_per_round']:.2f} s per round, "
+                      f"pure compute {r['pure_compute_seconds_per_round']:.2f} s,"
                       f" ratio {r['ratio']:.2f} (goal {r['goal_ratio']}), startup {r['startup_seconds']:.1f} s, "
                       f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MB", highlight=False)
     table = Table(title="fedge round time against the pure compute (rounds 2 and later)")

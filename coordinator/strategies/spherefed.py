@@ -108,7 +108,8 @@ class SphereFed(FedProx):
             raise ConfigError('spherefed needs a model with head = "sphere" (its state has no classifier.weight)')
         if not torch.equal(params[CLASSIFIER], self.fixed(state)):
             raise ConfigError(f"the model's sphere classifier was not built from sphere_seed {self.sphere_seed}; "
-                              "build the model spec with edge_client.methods.sphere.with_sphere_seed and the run's seed")
+                              "build the model spec with edge_client.methods.sphere_head.with_sphere_seed and the "
+                              "run's seed")
         return state
 
     # -- phases -----------------------------------------------------------------
