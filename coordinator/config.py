@@ -96,9 +96,12 @@ class CodecSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    personalized: bool = False      # ask clients for accuracy on their local test split
-    every: int = 1                  # ... every this many rounds (and always in the last round)
-    finetune_epochs: int = 0        # local fine-tuning epochs before that evaluation (0: none)
+    """When rounds are evaluated: the coordinator's test split (in the background while the next round
+    trains; round 0 before training) and, with ``personalized``, the clients' local splits."""
+
+    personalized: bool = False      # also ask clients for accuracy on their local test split
+    every: int = 1                  # both evaluations every this many rounds, and always in the last round
+    finetune_epochs: int = 0        # local fine-tuning epochs before the personalized evaluation (0: none)
 
 
 @dataclass(frozen=True)

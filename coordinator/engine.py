@@ -8,13 +8,18 @@ checked; anything unacceptable is counted and logged, never raised.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import math
 import random
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +83,21 @@ class _Round:
         return len(self.results.keys() | self.failed) >= len(self.plans)
 
 
+@dataclass
+class _Trained:
+    """A trained round whose row is complete once its test-set evaluation (if any) is done."""
+
+    row: dict[str, Any]
+    state: ServerState                                      # snapshot: what is evaluated and checkpointed
+    evaluation: Future[dict[str, Any]] | None = None      # None: no evaluation this round
+
+
+def _snapshot(state: ServerState) -> ServerState:
+    """A copy of ``state`` that nothing done in later rounds can change."""
+    return dataclasses.replace(state, params={k: v.detach().clone() for k, v in state.params.items()},
+                               spec=copy.deepcopy(state.spec), extra=copy.deepcopy(state.extra))
+
+
 class Coordinator:
     """Runs the rounds of one federated training run."""
 
@@ -112,6 +132,12 @@ class Coordinator:
         self.profile_store = ProfileStore(out_dir / "clients", completed_rounds=state.round)
         self._round = _Round(round=0, attempt=-1)   # between rounds: collects strays for the next row
         self.watchdog: Callable[[], None] = lambda: None   # raises RunError if spawned clients died
+        # Evaluation off the critical path (run_rounds): trained rounds whose rows wait, in round order,
+        # and the evaluation thread's own network (never used by two threads at once).
+        self._trained: deque[_Trained] = deque()
+        self._complete: Callable[[dict[str, Any], ServerState], None] = lambda row, state: None
+        self._eval_model: nn.Module | None = None
+        self._eval_model_key = ""
 
     # -- messages -------------------------------------------------------------
     def _pump(self, until: float, done: Callable[[], bool],
@@ -123,6 +149,7 @@ class Coordinator:
                 self.on_progress(now)
                 shown = now
             self.watchdog()
+            self._complete_rows()   # an earlier round's evaluation may have finished meanwhile
             incoming = self.transport.get(min(0.2, max(0.0, until - time.monotonic())))
             if incoming is None:
                 continue
@@ -381,8 +408,20 @@ class Coordinator:
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
                        "check the clients' logs, raise clients.round_timeout or lower clients.min_results")
 
+    def evaluates(self, round: int) -> bool:
+        """Whether ``round`` ends with a test-set evaluation: every ``eval.every`` rounds and in the last."""
+        return round % self.config.eval.every == 0 or round == self.config.run.rounds
+
     def run_round(self, round: int) -> dict[str, Any]:
-        """Run one round's phases (training, then any the strategy adds) and return its metrics row."""
+        """One round with its test-set evaluation, if due, done here and now: the whole row at once."""
+        row = self.train_round(round)
+        if self.evaluates(round):
+            row.update(self.evaluate())
+        return row
+
+    def train_round(self, round: int) -> dict[str, Any]:
+        """Run one round's phases (training, then any the strategy adds) and return its metrics row,
+        without the test-set evaluation; ``seconds`` is the phases' wall time."""
         started = time.monotonic()
         row: dict[str, Any] = {"round": round}
         counts: dict[str, int] = dict.fromkeys((*COUNTERS, "bytes_down", "bytes_up", "bytes_broadcast"), 0)
@@ -415,11 +454,77 @@ class Coordinator:
             self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results)
             self._network()   # the strategy may have changed the network: the next phase checks against it
             row.update(phase_metrics)
-        row.update(self.evaluate())
         row.update(counts)
         row["bytes_per_client"] = {k: self._client_bytes[k] for k in sorted(self._client_bytes)}
         row["seconds"] = time.monotonic() - started
         return row
+
+    def run_rounds(self, first: int, last: int, complete: Callable[[dict[str, Any], ServerState], None]) -> None:
+        """Rounds ``first`` to ``last``, each test-set evaluation on a thread of its own while the next round trains.
+
+        ``complete(row, state)`` gets each round's finished row (its evaluation included) and a snapshot
+        of the state the round ended on, in round order, on this thread, as soon as the evaluation is
+        done: rows and checkpoints written there agree. At most one evaluation runs at a time; one that
+        fails ends the run. If something else ends it, rows already trained are completed first.
+        """
+        self._complete = complete
+        try:
+            for r in range(first, last + 1):
+                row = self.train_round(r)
+                trained = _Trained(row, _snapshot(self.state))
+                if self.evaluates(r):
+                    self._complete_rows(wait=True)   # the evaluation in flight, and the rows behind it
+                    trained.evaluation = self._evaluate_in_background(trained.state)
+                self._trained.append(trained)
+                self._complete_rows()
+            self._complete_rows(wait=True)
+        except BaseException:
+            try:   # keep what was trained: a resumed run need not do it again
+                self._complete_rows(wait=True)
+            except Exception as exc:
+                log.error("could not complete the rows of the rounds trained before the run stopped: %s", exc)
+            raise
+        finally:
+            self._trained.clear()
+            self._complete = lambda row, state: None
+
+    def _complete_rows(self, wait: bool = False) -> None:
+        """Complete trained rounds in order while their evaluation is done (``wait``: wait for it)."""
+        while self._trained:
+            head = self._trained[0]
+            if head.evaluation is not None and not wait and not head.evaluation.done():
+                return
+            self._trained.popleft()
+            try:
+                if head.evaluation is not None:
+                    try:
+                        head.row.update(head.evaluation.result())
+                    except Exception as exc:
+                        raise RunError(f"the test-set evaluation of round {head.row['round']} failed: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+                self._complete(head.row, head.state)
+            except BaseException:
+                self._trained.clear()   # a later round's row must not be written before this one's
+                raise
+
+    def _evaluate_in_background(self, state: ServerState) -> Future[dict[str, Any]]:
+        """The strategy's evaluation of ``state`` (a snapshot) on a new thread, with the thread's own network."""
+        key = json.dumps(state.spec, sort_keys=True)
+        if key != self._eval_model_key:   # built here: building draws from the run's random stream
+            with torch.random.fork_rng(devices=[]):
+                self._eval_model, self._eval_model_key = build_model(state.spec), key
+        model, data = self._eval_model, self.eval_data
+        future: Future[dict[str, Any]] = Future()
+
+        def work() -> None:
+            try:
+                model.load_state_dict(state.params, strict=False)
+                future.set_result(self.strategy.evaluate(state, model, data.x, data.y))
+            except BaseException as exc:   # handed to the run's thread, which raises it
+                future.set_exception(exc)
+
+        threading.Thread(target=work, name=f"fedge-evaluate-{state.round}", daemon=True).start()
+        return future
 
     def evaluate(self) -> dict[str, Any]:
         """The strategy's evaluation of the current global state on the coordinator's test split."""
@@ -427,7 +532,8 @@ class Coordinator:
         self.model.load_state_dict(self.state.params, strict=False)
         return self.strategy.evaluate(self.state, self.model, self.eval_data.x, self.eval_data.y)
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self, state: ServerState | None = None) -> Path:
+        """Save ``state`` (the current one by default) as the checkpoint of its round."""
         info = {"run_id": self.run_id, "strategy": self.strategy.name}
-        return save_checkpoint(self.out / "checkpoints", self.state, info,
+        return save_checkpoint(self.out / "checkpoints", self.state if state is None else state, info,
                                keep_all=self.config.checkpoint.keep == "all")

@@ -26,7 +26,7 @@ from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
 from coordinator.methods import make_strategy
-from coordinator.strategies.base import Strategy
+from coordinator.strategies.base import ServerState, Strategy
 from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
 from edge_client.wire.files import read_jsonl, write_jsonl_atomic
 from edge_client.models import federated_names
@@ -228,12 +228,16 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
                 rows.append({"round": 0, **coordinator.evaluate(), "selected": 0, "returned": 0, "late": 0,
                              "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
                 on_round(rows[-1])
-            for r in range(state.round + 1, config.run.rounds + 1):
-                row = coordinator.run_round(r)
+
+            def complete(row: dict[str, Any], trained: ServerState) -> None:
+                """A round's row is written with its evaluation, and only then its checkpoint: a resumed
+                run re-does every round whose row was not complete."""
                 rows.append(row)
                 _write_metrics(metrics_path, rows)
-                coordinator.checkpoint()
+                coordinator.checkpoint(trained)
                 on_round(row)
+
+            coordinator.run_rounds(state.round + 1, config.run.rounds, complete)
             _write_metrics(metrics_path, rows)
         finally:
             coordinator.announce("finished")
@@ -280,6 +284,8 @@ def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any
     session itself did and moved, apart from the whole run's totals."""
     trained = [r for r in rows if r["round"] > 0]
     session = [r for r in trained if r["round"] > started_after]
+    # the last row with a test-set evaluation (eval.every), or none (DFL has no global model to test)
+    final = next((r for r in reversed(rows) if r.get("test_accuracy") is not None), {})
     return {
         "run_id": run_id,
         "out_dir": str(out),
@@ -288,9 +294,9 @@ def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any
         "rounds": len(trained),
         # None for a strategy without a global model to test (DFL): see its personalized accuracy
         "initial_accuracy": rows[0].get("test_accuracy") if rows else None,
-        "final_accuracy": rows[-1].get("test_accuracy") if rows else None,
+        "final_accuracy": final.get("test_accuracy"),
         "best_accuracy": max((r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None), default=None),
-        "final_loss": rows[-1].get("test_loss") if rows else None,
+        "final_loss": final.get("test_loss"),
         "final_personalized_accuracy": next((r["personalized_accuracy_mean"] for r in reversed(rows)
                                              if "personalized_accuracy_mean" in r), None),
         **_traffic(rows),

@@ -1,0 +1,152 @@
+"""Test-set evaluation every eval.every rounds, off the critical path: it runs while the next round trains."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import load_config
+from coordinator.engine import RunError
+from coordinator.run import run_federated
+from coordinator.strategies.fedavg import FedAvg
+
+
+def config_for(out: Path, **sets):
+    """A small in-process digits run; keyword ``section__key=value`` overrides any key."""
+    base = {"run__rounds": 2, "run__out": str(out), "model__name": "cnn", "data__eval": "digits",
+            "clients__expected": 3, "clients__spawn": 3, "clients__round_timeout": 60.0,
+            "clients__presence_timeout": 60.0, "train__batch_size": 32, "transport__kind": "inproc",
+            "export__enabled": False}
+    base.update(sets)
+    return load_config(None, [(*key.split("__", 1), value) for key, value in base.items()])
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_k_rounds_and_the_last_with_personalized_evaluation_on_the_same_knob(tmp_path):
+    config = config_for(tmp_path / "run", run__rounds=7, eval__every=3, data__local_test_fraction=0.2,
+                        eval__personalized=True)
+    seen = []
+    result = run_federated(config, say=lambda s: None, on_round=lambda row: seen.append(row["round"]))
+    rows = read_metrics(result.out_dir)
+    assert [r["round"] for r in rows] == seen == list(range(8))
+    assert [r["round"] for r in rows if "test_accuracy" in r] == [0, 3, 6, 7]
+    assert [r["round"] for r in rows if "test_loss" in r] == [0, 3, 6, 7]
+    assert [r["round"] for r in rows if "personalized_accuracy_mean" in r] == [3, 6, 7]
+    s = result.summary
+    assert s["final_accuracy"] == rows[7]["test_accuracy"] and s["final_loss"] == rows[7]["test_loss"]
+    assert s["best_accuracy"] == max(rows[r]["test_accuracy"] for r in (0, 3, 6, 7))
+    assert s["rounds"] == 7
+    assert sorted(p.name for p in (result.out_dir / "checkpoints").glob("round_*.safetensors")) == [
+        f"round_{r:04d}.safetensors" for r in range(1, 8)]
+
+
+class SlowEvaluation(FedAvg):
+    """FedAvg whose evaluation and aggregation each take a second more, timed (sleeping releases the GIL,
+    so on a loaded machine the two still overlap when they are run at the same time)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.evaluations: list[tuple[int, float, float, str]] = []   # round, start, end, thread name
+        self.rounds: dict[int, list[float]] = {}                     # round -> [tasks planned, aggregated]
+
+    def configure_train(self, round, state, clients):
+        self.rounds[round] = [time.monotonic()]
+        return super().configure_train(round, state, clients)
+
+    def aggregate_train(self, round, state, results):
+        time.sleep(1.0)
+        new = super().aggregate_train(round, state, results)
+        self.rounds[round].append(time.monotonic())
+        return new
+
+    def evaluate(self, state, model, x, y):
+        start = time.monotonic()
+        time.sleep(1.0)
+        metrics = super().evaluate(state, model, x, y)
+        self.evaluations.append((state.round, start, time.monotonic(), threading.current_thread().name))
+        return metrics
+
+
+def test_evaluation_runs_while_the_next_round_trains(tmp_path):
+    rounds = 4
+    config = config_for(tmp_path / "run", run__rounds=rounds, clients__expected=2, clients__spawn=2)
+    strategy = SlowEvaluation.from_config(config)
+    result = run_federated(config, say=lambda s: None, strategy=strategy)
+    ended = time.monotonic()
+    rows = read_metrics(result.out_dir)
+    assert all("test_accuracy" in r for r in rows)
+    evaluated = {r: (start, end, thread) for r, start, end, thread in strategy.evaluations}
+    assert sorted(evaluated) == list(range(rounds + 1))
+    assert evaluated[0][2] == threading.current_thread().name    # round 0: before training, on the run's thread
+    for r in range(1, rounds):   # round r's evaluation on its own thread, while round r + 1 trained
+        start, end, thread = evaluated[r]
+        planned, aggregated = strategy.rounds[r + 1]
+        assert thread != threading.current_thread().name
+        assert start < aggregated and planned < end, (r, evaluated[r], strategy.rounds[r + 1])
+    # One after the other: every round's training time plus a second per evaluation; overlapped,
+    # only the last round's evaluation adds its second.
+    train = sum(r["seconds"] for r in rows[1:])
+    total = ended - strategy.rounds[1][0]
+    print(f"\n{rounds} rounds: {total:.2f} s from round 1's tasks to the end; training {train:.2f} s, "
+          f"evaluations {rounds} x 1 s; one after the other would take at least {train + rounds:.2f} s")
+    assert total < train + rounds - 1.5
+
+
+class FailingEvaluation(FedAvg):
+    def evaluate(self, state, model, x, y):
+        if state.round == 2:
+            raise ValueError("no test split today")
+        return super().evaluate(state, model, x, y)
+
+
+def test_a_failed_evaluation_fails_the_run_and_keeps_the_rounds_before(tmp_path):
+    config = config_for(tmp_path / "run", run__rounds=4)
+    with pytest.raises(RunError, match="evaluation of round 2 failed: ValueError: no test split today"):
+        run_federated(config, say=lambda s: None, strategy=FailingEvaluation.from_config(config))
+    assert [r["round"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    checkpoints = (tmp_path / "run" / "checkpoints").glob("round_*.safetensors")
+    assert [p.name for p in checkpoints] == ["round_0001.safetensors"]
+
+
+def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "coordinator.cli", "run", "--data", "digits", "--model", "cnn",
+            "--rounds", str(rounds), "--clients", "3", "--spawn-clients", "3", "--broker", broker,
+            "--seed", "5", "--out", str(out), "--set", f"transport.prefix={prefix}", "--set", "eval.every=2",
+            "--set", "export.enabled=false", *extra]
+
+
+def test_resume_after_kill_with_evaluation_every_two_rounds(tmp_path, mosquitto, prefix, kill_after_checkpoint):
+    rounds = 5
+    ref = subprocess.run(_coordinator_cmd(tmp_path / "ref", mosquitto, prefix + "-ref", rounds),
+                         capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen(_coordinator_cmd(out, mosquitto, prefix, rounds), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    kill_after_checkpoint(proc, out, 2)   # round 2's row is complete with its evaluation; round 3 was training
+    done_before = [r["round"] for r in read_metrics(out)]
+    assert 2 <= max(done_before) < rounds
+
+    resumed = subprocess.run(_coordinator_cmd(out, mosquitto, prefix, rounds, "--resume"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a, b = read_metrics(tmp_path / "ref"), read_metrics(out)
+    assert [r["round"] for r in b] == [r["round"] for r in a] == list(range(rounds + 1))
+    assert [r["round"] for r in b if "test_accuracy" in r] == [r["round"] for r in a if "test_accuracy" in r] == [
+        0, 2, 4, 5]
+    for ra, rb in zip(a, b):
+        if "test_accuracy" in ra:
+            assert rb["test_accuracy"] == pytest.approx(ra["test_accuracy"], abs=1e-3)
+            assert rb["test_loss"] == pytest.approx(ra["test_loss"], abs=1e-3)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_accuracy"] == b[-1]["test_accuracy"]
