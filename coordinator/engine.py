@@ -437,6 +437,7 @@ class Coordinator:
                 slowest = max(book.profiles.items(), key=lambda kv: kv[1].get("seconds") or 0, default=(None, {}))
                 row.update({
                     "selected": len(book.plans), "returned": len(book.results), "attempts": book.attempt + 1,
+                    "train_samples": n,
                     "train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n,
                     "slowest_client": slowest[0], "slowest_seconds": slowest[1].get("seconds"),
                     "skipped": book.skipped,
