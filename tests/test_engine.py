@@ -238,6 +238,9 @@ def test_results_whose_body_does_not_parse_are_rejected_naming_the_field(tmp_pat
     peer.start()
     coord.wait_for_clients(1, 5)
     row = coord.run_round(1)
+    deadline = time.monotonic() + 10   # the answers to all six are on their way to the peer
+    while len(peer.acks) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
     peer.stop.set()
     assert (row["returned"], row["rejected"], row["failed"]) == (1, 5, 0)
     reasons = [ack["reason"] for ack in peer.acks if ack["state"] == "rejected"]
