@@ -390,7 +390,10 @@ class InprocHub:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._subs: list[tuple[str, InprocTransport]] = []
+        # Filters without wildcards by topic, the rest in a list: with hundreds of simulated clients
+        # nearly every filter is exact, and a publish must not test each of them.
+        self._exact: dict[str, list[InprocTransport]] = {}
+        self._wild: list[tuple[str, InprocTransport]] = []
         self._retained: dict[str, bytes] = {}
 
     def connect(self, client_id: str | None = None, *, will: Will | None = None,
@@ -399,14 +402,20 @@ class InprocHub:
 
     def _subscribe(self, endpoint: "InprocTransport", topic_filter: str) -> None:
         with self._lock:
-            self._subs.append((topic_filter, endpoint))
+            if "+" in topic_filter or "#" in topic_filter:
+                self._wild.append((topic_filter, endpoint))
+            else:
+                self._exact.setdefault(topic_filter, []).append(endpoint)
             retained = [(t, p) for t, p in self._retained.items() if mqtt.topic_matches_sub(topic_filter, t)]
         for topic, payload in retained:
             endpoint._inbox.put(Incoming(topic, payload))
 
     def _unsubscribe(self, endpoint: "InprocTransport", topic_filter: str) -> None:
         with self._lock:
-            self._subs = [(f, e) for f, e in self._subs if not (e is endpoint and f == topic_filter)]
+            self._wild = [(f, e) for f, e in self._wild if not (e is endpoint and f == topic_filter)]
+            kept = [e for e in self._exact.pop(topic_filter, []) if e is not endpoint]
+            if kept:
+                self._exact[topic_filter] = kept
 
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
         with self._lock:
@@ -414,13 +423,15 @@ class InprocHub:
                 self._retained[topic] = payload
             elif retain:   # as in MQTT, an empty retained message clears the topic's
                 self._retained.pop(topic, None)
-            targets = {id(e): e for f, e in self._subs if mqtt.topic_matches_sub(f, topic)}
+            targets = {id(e): e for e in self._exact.get(topic, ())}
+            targets.update((id(e), e) for f, e in self._wild if mqtt.topic_matches_sub(f, topic))
         for endpoint in targets.values():
             endpoint._inbox.put(Incoming(topic, payload))
 
     def _leave(self, endpoint: "InprocTransport", *, fire_will: bool) -> None:
         with self._lock:
-            self._subs = [(f, e) for f, e in self._subs if e is not endpoint]
+            self._wild = [(f, e) for f, e in self._wild if e is not endpoint]
+            self._exact = {f: kept for f, es in self._exact.items() if (kept := [e for e in es if e is not endpoint])}
         if fire_will and endpoint.will is not None:
             self._publish(endpoint.will.topic, endpoint.will.payload, endpoint.will.retain)
 
