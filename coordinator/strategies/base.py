@@ -175,7 +175,10 @@ class Strategy:
                 for c in clients]
 
     def evaluate(self, state: ServerState, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
-        """Metrics of the global model (already loaded with ``state.params``) on the test split."""
+        """Metrics of the global model (already loaded with ``state.params``) on the test split.
+
+        It runs on the coordinator's evaluation thread while the next round trains, so it must
+        read only its arguments (a snapshot of the round's state and a model of its own)."""
         loss, accuracy = evaluate_model(model, x, y)
         return {"test_accuracy": accuracy, "test_loss": loss}
 
