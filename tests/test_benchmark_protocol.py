@@ -30,7 +30,7 @@ def test_every_cell_follows_the_protocol_or_says_why(path):
 def test_a_departure_is_named():
     protocol = load_protocol()
     good = [("data", "eval", "fashion-mnist"), ("clients", "expected", 100), ("clients", "per_round", 10),
-            ("train", "batch_size", 64), ("run", "rounds", 100), ("eval", "every", 5),
+            ("train", "batch_size", 64), ("train", "lr", 0.02), ("run", "rounds", 100), ("eval", "every", 5),
             ("data", "partition", "dirichlet:0.5")]
     assert deviations(load_config(None, good), protocol, [0, 1, 2]) == []
     bad = load_config(None, good + [("train", "lr", 0.1), ("run", "rounds", 30), ("model", "name", "vgg9"),
