@@ -81,7 +81,8 @@ def _setup_file_log(out_dir: Path) -> logging.Handler:
 
 
 @contextlib.contextmanager
-def _open_transport(config: RunConfig, run_id: str, say: Callable[[str], None]) -> Iterator[tuple[Transport, dict[str, Any]]]:
+def _open_transport(config: RunConfig, run_id: str,
+                    say: Callable[[str], None]) -> Iterator[tuple[Transport, dict[str, Any]]]:
     """The coordinator's transport plus what spawned clients need to reach the same broker."""
     t = config.transport
     if t.kind == "inproc":

@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     except ProfileError as exc:
         print(f"fedge-profile {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # `fedge-profile show RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":
