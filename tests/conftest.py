@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +68,34 @@ def _announce_running(transport, run_id: str = "r", prefix: str = "fedge") -> No
 def announce_running() -> Callable[..., None]:
     """``announce(transport, run_id="r")`` for tests that play the coordinator by hand."""
     return _announce_running
+
+
+class ClientThread:
+    """A device client looping on a thread of its own, for tests that play the coordinator by hand."""
+
+    def __init__(self, client) -> None:   # client: edge_client.client.EdgeClient
+        self.client = client
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=client.run, args=(self._stop,), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def client_thread() -> Callable[..., ClientThread]:
+    """``client_thread(client)`` starts the client's loop; every one started is stopped after the test."""
+    started: list[ClientThread] = []
+
+    def start(client) -> ClientThread:
+        started.append(ClientThread(client))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ current, and it may arrive after the queued tasks.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import torch
@@ -24,14 +23,10 @@ from edge_client.wire.transport import InprocHub
 SPEC = {"name": "mlp", "hidden": [8], "num_classes": 10, "in_channels": 1, "image_size": 8}
 
 
-def _client(hub: InprocHub) -> tuple[EdgeClient, threading.Event, threading.Thread]:
+def _client(hub: InprocHub) -> EdgeClient:
     digits = load_dataset("digits")
-    client = EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"),
-                        LocalData(torch.from_numpy(digits.x_train[:64]), torch.from_numpy(digits.y_train[:64])))
-    stop = threading.Event()
-    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
-    thread.start()
-    return client, stop, thread
+    return EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"),
+                      LocalData(torch.from_numpy(digits.x_train[:64]), torch.from_numpy(digits.y_train[:64])))
 
 
 def _task(run_id: str, task_id: str) -> bytes:
@@ -55,10 +50,11 @@ def _results(me, until: str, seconds: float = 30.0) -> set[str]:
     return seen
 
 
-def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplog):
+def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplog, client_thread):
     caplog.set_level(logging.INFO, logger="fedge.client.activity")
     hub = InprocHub()
-    client, stop, thread = _client(hub)
+    client = _client(hub)
+    running = client_thread(client)
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
     # What a persistent session replays first: a task of run "dead", before any run status.
@@ -67,8 +63,7 @@ def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplo
     me.publish(topics.coordinator_status, _status("live", "running"), retain=True)
     me.publish(topics.client("dev1", "task"), _task("live", "fresh"))
     seen = _results(me, until="fresh")
-    stop.set()
-    thread.join(5)   # the task's line is logged just after its result is sent
+    running.stop()   # the task's line is logged just after its result is sent
     assert seen == {"fresh"}
     assert client.tasks_run == 1
     # The one line a person at the device sees for the task.
@@ -77,9 +72,10 @@ def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplo
                for line in lines), lines
 
 
-def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives():
+def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives(client_thread):
     hub = InprocHub()
-    client, stop, thread = _client(hub)
+    client = _client(hub)
+    running = client_thread(client)
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
     me.publish(topics.client("dev1", "task"), _task("live", "early"))
@@ -90,6 +86,5 @@ def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives():
     me.publish(topics.coordinator_status, _status("live", "finished"), retain=True)
     me.publish(topics.client("dev1", "task"), _task("live", "after-the-end"))
     seen |= _results(me, until="never", seconds=2.0)
-    stop.set()
-    thread.join(5)
+    running.stop()
     assert seen == {"early"} and client.tasks_run == 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -92,14 +91,12 @@ def _model_message(round: int, seed: int) -> tuple[bytes, str]:
     return payload, hashlib.sha256(payload).hexdigest()
 
 
-def test_client_fetches_a_broadcast_only_when_it_does_not_hold_it(tmp_path, announce_running):
+def test_client_fetches_a_broadcast_only_when_it_does_not_hold_it(tmp_path, announce_running, client_thread):
     hub = InprocHub()
     digits = load_dataset("digits")
     client = EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"),
                         LocalData(torch.from_numpy(digits.x_train[:100]), torch.from_numpy(digits.y_train[:100])))
-    stop = threading.Event()
-    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
-    thread.start()
+    running = client_thread(client)
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
     announce_running(me)
@@ -128,8 +125,7 @@ def test_client_fetches_a_broadcast_only_when_it_does_not_hold_it(tmp_path, anno
     three = ask("t3", second_hash)                                      # a new hash: fetched on demand
     assert "error" not in three.body
     missing = ask("t4", "0" * 64, timeout=1)                            # never arrives: an error at the timeout
-    stop.set()
-    thread.join(5)
+    running.stop()
     assert "did not arrive" in missing.body["error"]
 
 

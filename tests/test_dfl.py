@@ -230,7 +230,7 @@ def dfl_config(out: Path, **sets):
     return load_config(None, [(*key.split("__", 1), value) for key, value in base.items()])
 
 
-def test_uploads_carry_only_the_invariant_branch(tmp_path, digits, announce_running):
+def test_uploads_carry_only_the_invariant_branch(tmp_path, digits, announce_running, client_thread):
     strategy = make_strategy(dfl_config(tmp_path / "run"))
     spec = strategy.model_spec({"name": "cnn", "num_classes": 10, "in_channels": 3, "image_size": 8})
     assert spec["name"] == "dfl" and spec["backbone"] == "cnn"
@@ -245,9 +245,7 @@ def test_uploads_carry_only_the_invariant_branch(tmp_path, digits, announce_runn
     x, y = client_split(digits, "attribute:color:3", 0, 3, 0)
     client = EdgeClient(ClientSettings(client_id="dev1", state_dir=tmp_path / "dev1"), hub.connect("dev1"),
                         LocalData(torch.from_numpy(x), torch.from_numpy(y)))
-    stop = threading.Event()
-    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
-    thread.start()
+    running = client_thread(client)
     me = hub.connect("coord")
     me.subscribe(topics.client("dev1", "result"))
     announce_running(me)
@@ -256,8 +254,7 @@ def test_uploads_carry_only_the_invariant_branch(tmp_path, digits, announce_runn
     me.publish(topics.client("dev1", "task"), encode("task", run_id="r", round=1, task_id="t1",
                                                      sender="coordinator", body=body, tensors=plan.down))
     incoming = me.get(60)
-    stop.set()
-    thread.join(5)
+    running.stop()
     assert incoming is not None
     result = decode(incoming.payload)
     assert "error" not in result.body, result.body

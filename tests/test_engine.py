@@ -174,15 +174,13 @@ def test_too_few_results_retries_the_round_with_a_fresh_sample(tmp_path):
         coord.run_round(4)
 
 
-def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path, announce_running):
+def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path, announce_running, client_thread):
     hub = InprocHub()
     digits = load_dataset("digits")
     settings = ClientSettings(client_id="dev1", state_dir=tmp_path / "state")
     client = EdgeClient(settings, hub.connect("dev1"),
                         LocalData(torch.from_numpy(digits.x_train[:200]), torch.from_numpy(digits.y_train[:200])))
-    stop = threading.Event()
-    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
-    thread.start()
+    running = client_thread(client)
     me = hub.connect("coord")
     topics = Topics()
     me.subscribe(topics.client("dev1", "result"))
@@ -212,8 +210,7 @@ def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path, announce_runn
         if incoming is not None:
             msg = decode(incoming.payload)
             results[msg.task_id] = msg
-    stop.set()
-    thread.join(5)
+    running.stop()
     assert set(results) == {"t1", "t2", "t3", "t4", "t5", "t6", "ok"}
     assert all("error" in results[t].body for t in ("t1", "t2", "t3", "t4", "t5", "t6"))
     ok = results["ok"]
@@ -248,14 +245,12 @@ def test_results_whose_body_does_not_parse_are_rejected_naming_the_field(tmp_pat
         assert any(f"result field '{name}'" in reason for reason in reasons), (name, reasons)
 
 
-def test_edge_client_answers_tasks_whose_body_does_not_parse_with_an_error_naming_the_field(tmp_path, announce_running):
+def test_edge_client_answers_tasks_whose_body_does_not_parse_with_an_error_naming_the_field(tmp_path, announce_running, client_thread):
     hub = InprocHub()
     digits = load_dataset("digits")
     client = EdgeClient(ClientSettings(client_id="dev1"), hub.connect("dev1"),
                         LocalData(torch.from_numpy(digits.x_train[:50]), torch.from_numpy(digits.y_train[:50])))
-    stop = threading.Event()
-    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
-    thread.start()
+    running = client_thread(client)
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
     announce_running(me)
@@ -274,8 +269,7 @@ def test_edge_client_answers_tasks_whose_body_does_not_parse_with_an_error_namin
         if incoming is not None:
             msg = decode(incoming.payload)
             results[msg.task_id] = msg.body
-    stop.set()
-    thread.join(5)
+    running.stop()
     assert set(results) == set(bad)
     for task_id, change in bad.items():
         (name,) = change

@@ -7,7 +7,6 @@ import math
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -131,7 +130,7 @@ def test_device_facts_without_importing_torch():
     assert device_facts()["torch_threads"] == torch.get_num_threads()   # here torch is loaded
 
 
-def test_client_profiles_every_phase_and_keeps_its_history(tmp_path, digits, announce_running):
+def test_client_profiles_every_phase_and_keeps_its_history(tmp_path, digits, announce_running, client_thread):
     hub = InprocHub()
     state = tmp_path / "state"
     client = EdgeClient(ClientSettings(client_id="dev1", state_dir=state), hub.connect("dev1"),
@@ -141,9 +140,7 @@ def test_client_profiles_every_phase_and_keeps_its_history(tmp_path, digits, ann
     coordinator.subscribe(topics.client("dev1", "result"))
     announce_running(coordinator)
     coordinator.subscribe(topics.client("dev1", "presence"))
-    stop = threading.Event()
-    thread = threading.Thread(target=client.run, args=(stop,), daemon=True)
-    thread.start()
+    running = client_thread(client)
     model = build_model(CNN)
     params = dict(model.state_dict())
     body = {"objective": "train", "hyper": {"epochs": 1}, "model": CNN, "up": sorted(params), "seed": 1,
@@ -163,8 +160,7 @@ def test_client_profiles_every_phase_and_keeps_its_history(tmp_path, digits, ann
                 presence = msg.body
             elif msg.kind == "result":
                 results[msg.task_id] = msg.body
-    stop.set()
-    thread.join(10)
+    running.stop()
     assert set(results) == {"task-a", "task-b"}
     facts = presence["device"]
     for key in ("arch", "cpu_model", "cores", "ram_bytes", "os", "python", "torch", "torch_threads", "onnxruntime"):
