@@ -8,12 +8,14 @@ departs from it, so the harness can refuse such a cell, or record why it ran any
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coordinator.config import RunConfig
+from edge_client.models import MODELS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,9 +43,13 @@ def load_protocol(path: Path = PROTOCOL_FILE) -> Protocol:
 
 
 def _value(config: RunConfig, key: str) -> Any:
-    """``section.key`` of a configuration; ``model`` is ``NAME@WIDTH``."""
+    """``section.key`` of a configuration; ``model`` is ``NAME@WIDTH/NORM`` (the model's own default norm
+    where the configuration sets none)."""
     if key == "model":
-        return f"{config.model['name']}@{float(config.model.get('width', 1.0))}"
+        name = config.model["name"]
+        norm = config.model.get("norm", inspect.signature(MODELS[name]).parameters["norm"].default
+                                if name in MODELS else "?")
+        return f"{name}@{float(config.model.get('width', 1.0))}/{norm}"
     section, _, name = key.partition(".")
     holder = getattr(config, section)
     return holder.get(name) if isinstance(holder, dict) else getattr(holder, name)

@@ -36,5 +36,5 @@ def test_a_departure_is_named():
     bad = load_config(None, good + [("train", "lr", 0.1), ("run", "rounds", 30), ("model", "name", "vgg9"),
                                     ("data", "partition", "iid")])
     found = " | ".join(deviations(bad, protocol, [0]))
-    for text in ("train.lr = 0.1", "run.rounds = 30", "model = 'vgg9@1.0'", "data.partition = 'iid'", "seeds [0]"):
+    for text in ("train.lr = 0.1", "run.rounds = 30", "model = 'vgg9@1.0/none'", "data.partition = 'iid'", "seeds [0]"):
         assert text in found, (text, found)
