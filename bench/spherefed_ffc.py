@@ -118,7 +118,8 @@ def _mean_last(values: list[float]) -> float:
 
 def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any]:
     """One run's figures; ``derived``: a sphere run read off its sphere+ffc twin (before calibration)."""
-    rows = [r for r in record["rows"] if r["round"] > 0]
+    trained = [r for r in record["rows"] if r["round"] > 0]
+    rows = [r for r in trained if r.get("test_accuracy") is not None]   # the evaluated rounds (eval.every)
     accs = [r["test_accuracy"] for r in rows]
     last = rows[-1]
     if derived:
@@ -126,8 +127,8 @@ def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any
     fig: dict[str, Any] = {"seed": record["seed"], "rounds": record["rounds"], "last": accs[-1],
                            "last5": _mean_last(accs), "best": max(accs),
                            "classifier_bytes_saved_per_round": statistics.fmean(r.get("classifier_bytes_saved", 0)
-                                                                                for r in rows),
-                           "bytes_up_per_round": statistics.fmean(r["bytes_up"] for r in rows)}
+                                                                                for r in trained),
+                           "bytes_up_per_round": statistics.fmean(r["bytes_up"] for r in trained)}
     if "ffc_accuracy_after" in last and not derived:
         fig.update({k: last[k] for k in ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_ridge", "ffc_singular",
                                          "ffc_client_seconds_max", "ffc_coordinator_seconds", "ffc_stats_numbers")})
