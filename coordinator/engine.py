@@ -292,7 +292,11 @@ class Coordinator:
         expect = plan.expect if plan.expect is not None else {k: self.shapes[k] for k in plan.up}
         tensors = decode_upload(msg.tensors, body, expect, plan.down)   # differences back to parameters
         check_tensors(tensors, expect, self.downlink.upload_codec(plan).dtype)   # float64 for fp64 statistics
-        return ClientResult(plan.client_id, body.num_samples, tensors, dict(body.metrics))
+        result = ClientResult(plan.client_id, body.num_samples, tensors, dict(body.metrics))
+        problem = self.strategy.check_result(plan, result)
+        if problem:
+            raise ProtocolError(problem)
+        return result
 
     def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> int:
         """Publish (in chunks if needed) and return the bytes sent; a message too large ends the run."""

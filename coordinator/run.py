@@ -30,7 +30,7 @@ from coordinator.strategies.base import ServerState, Strategy
 from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
 from edge_client.wire.files import read_jsonl, write_jsonl_atomic
 from edge_client.models import federated_names
-from edge_client.registry import build_model
+from edge_client.registry import build_model, describe_size, model_size
 from edge_client.methods.sphere_head import with_sphere_seed
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
 
@@ -194,6 +194,9 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         model = build_model(spec)
         params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}
         state = strategy.initialize(spec, params)
+    size = describe_size(model_size(state.spec))
+    log.info("model %s: %s", state.spec["name"], size)
+    say(f"model {state.spec['name']}: {size}")
     metrics_path = out / "metrics.jsonl"
     rows = _read_metrics(metrics_path, state.round) if resume else []
     eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))

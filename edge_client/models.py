@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edge_client.methods.fed2_model import DecoupledClassifier, Fed2Error, Fed2Plan, GroupedLinear
 from edge_client.methods.pans import PanError, PanSettings, PositionAwareReLU
 from edge_client.methods.sphere_head import SphereError, apply_head
 
@@ -35,12 +36,13 @@ __all__ = [
     "ImageClassifier",
     "build_model",
     "register_model",
-    "hidden_unit",
     "mlp",
     "cnn",
     "vgg9",
     "federated_names",
     "state_shapes",
+    "model_cost",
+    "without_fed2",
 ]
 
 
@@ -83,16 +85,6 @@ def _pan_settings(options: Mapping[str, Any]) -> PanSettings:
         raise ModelSpecError(str(exc)) from None
 
 
-def hidden_unit(layer: nn.Module, width: int, norm: str, pan: PanSettings) -> list[nn.Module]:
-    """One hidden layer in the order PANs need: layer (+ bias), normalization, then the activation.
-
-    With PANs on, the activation applies the position encoding first; it takes the
-    ReLU's place, so parameter names do not depend on the PAN setting.
-    """
-    activation = PositionAwareReLU(pan, width) if pan.enabled else nn.ReLU()
-    return [m for m in (layer, _norm(norm, width, isinstance(layer, nn.Conv2d)), activation) if m is not None]
-
-
 class ImageClassifier(nn.Module):
     """``features`` (the extractor) followed by ``classifier`` (the last linear layer).
 
@@ -120,33 +112,87 @@ def _check_width(width: Any) -> float:
     return float(width)
 
 
+class _Layers:
+    """Builds a model's hidden units and classifier in forward order, numbering the weight layers
+    (1, 2, ...; the classifier last) so that Fed2 can group them from a given one."""
+
+    def __init__(self, norm: str, pan: PanSettings, fed2: Fed2Plan | None) -> None:
+        self.norm, self.pan, self.fed2 = norm, pan, fed2
+        self.index = 0
+
+    def _grouped(self, module: nn.Module | None) -> nn.Module | None:
+        if module is not None and self.fed2 is not None and self.fed2.grouped(self.index):
+            module.fed2_groups = self.fed2.groups   # read by edge_client.methods.fed2_model.row_groups
+        return module
+
+    def _norm(self, kind: str, width: int, conv: bool) -> nn.Module | None:
+        if self.fed2 is not None and self.fed2.grouped(self.index) and kind != "none":
+            return nn.GroupNorm(self.fed2.groups, width)   # normalization groups = Fed2's groups
+        return _norm(kind, width, conv)
+
+    def _unit(self, layer: nn.Module, width: int, norm: str, conv: bool) -> list[nn.Module]:
+        """One hidden unit in the order PANs need: layer (+ bias), normalization, then the activation.
+
+        With PANs on, the activation applies the position encoding first; it takes the
+        ReLU's place, so parameter names do not depend on the PAN setting.
+        """
+        normalization = self._grouped(self._norm(norm, width, conv))
+        activation = PositionAwareReLU(self.pan, width) if self.pan.enabled else nn.ReLU()
+        return [m for m in (self._grouped(layer), normalization, activation) if m is not None]
+
+    def _next(self, units: int) -> tuple[int, int]:
+        """The next layer's (width, input groups)."""
+        self.index += 1
+        if self.fed2 is None:
+            return units, 1
+        return self.fed2.width(units, self.index), self.fed2.input_groups(self.index)
+
+    def conv(self, channels: int, units: int) -> tuple[list[nn.Module], int]:
+        """A 3x3 convolution unit and its output width."""
+        width, groups = self._next(units)
+        return self._unit(nn.Conv2d(channels, width, 3, padding=1, groups=groups), width, self.norm, True), width
+
+    def linear(self, features: int, units: int, norm: str) -> tuple[list[nn.Module], int]:
+        """A fully connected unit (block-diagonal where grouped) and its output width."""
+        width, groups = self._next(units)
+        layer = GroupedLinear(features, width, groups) if groups > 1 else nn.Linear(features, width)
+        return self._unit(layer, width, norm, False), width
+
+    def classifier(self, features: int, num_classes: int) -> nn.Linear:
+        """The last layer; with Fed2, each group connected only to its classes' logits."""
+        self.index += 1
+        if self.fed2 is None:
+            return nn.Linear(features, num_classes)
+        return DecoupledClassifier(features, self.fed2.allocation, self.fed2.groups)
+
+
 def mlp(num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, ...] = (1024, 1024, 1024),
-        norm: str = "none", pan: PanSettings = PanSettings(), scale: float = 1.0) -> ImageClassifier:
+        norm: str = "none", pan: PanSettings = PanSettings(), scale: float = 1.0,
+        fed2: Fed2Plan | None = None) -> ImageClassifier:
     """Fully connected network; the default 3 x 1024 hidden widths are the PANs paper's MLP."""
+    build = _Layers(norm, pan, fed2)
     layers: list[nn.Module] = [nn.Flatten()]
     width = in_channels * image_size * image_size
     for h in (_scaled(h, scale) for h in hidden):
-        layers += hidden_unit(nn.Linear(width, h), h, norm, pan)
-        width = h
-    return ImageClassifier(nn.Sequential(*layers), nn.Linear(width, num_classes))
+        unit, width = build.linear(width, h, norm)
+        layers += unit
+    return ImageClassifier(nn.Sequential(*layers), build.classifier(width, num_classes))
 
 
 def cnn(num_classes: int, in_channels: int, image_size: int, norm: str = "gn",
-        pan: PanSettings = PanSettings(), scale: float = 1.0) -> ImageClassifier:
+        pan: PanSettings = PanSettings(), scale: float = 1.0, fed2: Fed2Plan | None = None) -> ImageClassifier:
     """The small two-block ConvNet (421,834 parameters on 28x28x1, 10 classes, GroupNorm).
 
     ``scale`` multiplies its 32 and 64 channels and its 128 features.
     """
     if image_size % 4:
         raise ModelSpecError(f"cnn needs an image size divisible by 4, got {image_size}")
-    c1, c2, d = _scaled(32, scale), _scaled(64, scale), _scaled(128, scale)
-    features = nn.Sequential(
-        *hidden_unit(nn.Conv2d(in_channels, c1, 3, padding=1), c1, norm, pan), nn.MaxPool2d(2),
-        *hidden_unit(nn.Conv2d(c1, c2, 3, padding=1), c2, norm, pan), nn.MaxPool2d(2),
-        nn.Flatten(),
-        *hidden_unit(nn.Linear(c2 * (image_size // 4) ** 2, d), d, "none", pan),
-    )
-    return ImageClassifier(features, nn.Linear(d, num_classes))
+    build = _Layers(norm, pan, fed2)
+    conv1, c1 = build.conv(in_channels, _scaled(32, scale))
+    conv2, c2 = build.conv(c1, _scaled(64, scale))
+    fc, d = build.linear(c2 * (image_size // 4) ** 2, _scaled(128, scale), "none")
+    features = nn.Sequential(*conv1, nn.MaxPool2d(2), *conv2, nn.MaxPool2d(2), nn.Flatten(), *fc)
+    return ImageClassifier(features, build.classifier(d, num_classes))
 
 
 VGG9_LAYOUT = (32, 64, "M", 128, 128, "M", 256, 256, "M")
@@ -154,7 +200,7 @@ VGG9_FC = (512, 512)
 
 
 def vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none",
-         pan: PanSettings = PanSettings(), scale: float = 1.0) -> ImageClassifier:
+         pan: PanSettings = PanSettings(), scale: float = 1.0, fed2: Fed2Plan | None = None) -> ImageClassifier:
     """VGG-9 as in FedMA, Fed2 and PANs: six 3x3 convolutions, three max-pools, FC 512, 512.
 
     The flatten size follows the input (256 x 3 x 3 on 28x28, 256 x 4 x 4 on 32x32).
@@ -163,6 +209,7 @@ def vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none"
     if image_size < 8:
         raise ModelSpecError(f"vgg9 halves the image three times and needs an image size of at least 8, "
                              f"got {image_size}; use cnn or mlp for smaller inputs")
+    build = _Layers(norm, pan, fed2)
     layers: list[nn.Module] = []
     channels, size = in_channels, image_size
     for item in VGG9_LAYOUT:
@@ -170,36 +217,54 @@ def vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none"
             layers.append(nn.MaxPool2d(2))
             size //= 2
         else:
-            out = _scaled(int(item), scale)
-            layers += hidden_unit(nn.Conv2d(channels, out, 3, padding=1), out, norm, pan)
-            channels = out
+            unit, channels = build.conv(channels, _scaled(int(item), scale))
+            layers += unit
     layers.append(nn.Flatten())
     width = channels * size * size
     for h in (_scaled(h, scale) for h in VGG9_FC):
-        layers += hidden_unit(nn.Linear(width, h), h, "none", pan)
-        width = h
-    return ImageClassifier(nn.Sequential(*layers), nn.Linear(width, num_classes))
+        unit, width = build.linear(width, h, "none")
+        layers += unit
+    return ImageClassifier(nn.Sequential(*layers), build.classifier(width, num_classes))
+
+
+def _fed2_plan(num_classes: int, layers: int, options: Mapping[str, Any]) -> Fed2Plan | None:
+    try:
+        return Fed2Plan.from_options(num_classes, layers, **options)
+    except Fed2Error as exc:
+        raise ModelSpecError(str(exc)) from None
+
+
+def _split(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A spec's remaining options as (PAN options, Fed2 options)."""
+    fed2 = {k: v for k, v in options.items() if k.startswith("fed2_")}
+    return {k: v for k, v in options.items() if k not in fed2}, fed2
 
 
 @register_model("mlp")
 def _mlp(num_classes: int, in_channels: int, image_size: int,
          hidden: list[int] | tuple[int, ...] = (1024, 1024, 1024), norm: str = "none", width: float = 1.0,
-         **pan: Any) -> nn.Module:
+         **options: Any) -> nn.Module:
     if not hidden or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in hidden):
         raise ModelSpecError(f"mlp hidden widths must be positive integers, got {hidden!r}")
-    return mlp(num_classes, in_channels, image_size, tuple(hidden), norm, _pan_settings(pan), _check_width(width))
+    pan, fed2 = _split(options)
+    return mlp(num_classes, in_channels, image_size, tuple(hidden), norm, _pan_settings(pan), _check_width(width),
+               _fed2_plan(num_classes, len(hidden) + 1, fed2))
 
 
 @register_model("cnn")
 def _cnn(num_classes: int, in_channels: int, image_size: int, norm: str = "gn", width: float = 1.0,
-         **pan: Any) -> nn.Module:
-    return cnn(num_classes, in_channels, image_size, norm, _pan_settings(pan), _check_width(width))
+         **options: Any) -> nn.Module:
+    pan, fed2 = _split(options)
+    return cnn(num_classes, in_channels, image_size, norm, _pan_settings(pan), _check_width(width),
+               _fed2_plan(num_classes, 4, fed2))
 
 
 @register_model("vgg9")
 def _vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none", width: float = 1.0,
-          **pan: Any) -> nn.Module:
-    return vgg9(num_classes, in_channels, image_size, norm, _pan_settings(pan), _check_width(width))
+          **options: Any) -> nn.Module:
+    pan, fed2 = _split(options)
+    return vgg9(num_classes, in_channels, image_size, norm, _pan_settings(pan), _check_width(width),
+                _fed2_plan(num_classes, sum(1 for item in VGG9_LAYOUT if item != "M") + len(VGG9_FC) + 1, fed2))
 
 
 _SHAPE_KEYS = ("num_classes", "in_channels", "image_size")
@@ -224,6 +289,9 @@ def build_model(spec: Mapping[str, Any], models: Mapping[str, ModelFactory] = MO
         model = models[name](**options)
     except TypeError as exc:  # an option the factory does not take
         raise ModelSpecError(f"model {name!r} rejects its options {sorted(options)}: {exc}") from exc
+    if isinstance(getattr(model, "classifier", None), DecoupledClassifier) and spec.get("head", "linear") != "linear":
+        raise ModelSpecError(f"model {name!r}: Fed2's decoupled classifier (fed2_groups) and head = "
+                             f"{spec['head']!r} both replace the last layer; remove one of them")
     try:   # any model's last linear layer can become SphereFed's fixed sphere head
         return apply_head(model, **{k: spec[k] for k in _HEAD_KEYS if k in spec})
     except SphereError as exc:
@@ -244,3 +312,41 @@ def state_shapes(model: nn.Module, names: list[str] | None = None) -> dict[str, 
     """Expected shape of each exchanged tensor, used to validate received messages."""
     state = model.state_dict()
     return {k: tuple(state[k].shape) for k in (names if names is not None else federated_names(model))}
+
+
+def model_cost(model: nn.Module, in_channels: int, image_size: int) -> dict[str, int]:
+    """Trainable parameters and multiply-adds of one forward pass on one image.
+
+    Multiply-adds count the connections each weight layer actually computes: a group
+    convolution's ``in / groups`` inputs per output, a grouped linear layer's blocks,
+    and only the unmasked weights of Fed2's decoupled classifier. What a method changes
+    in a network's size (Fed2's groups) is stated with these two numbers.
+    """
+    macs = 0
+
+    def count(module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        nonlocal macs
+        if isinstance(module, nn.Conv2d):
+            macs += output[0].numel() * module.weight[0].numel()
+        elif isinstance(module, DecoupledClassifier):
+            macs += int(module.mask.sum())
+        elif isinstance(module, (nn.Linear, GroupedLinear)):
+            macs += module.weight.numel()
+
+    hooks = [m.register_forward_hook(count) for m in model.modules()
+             if isinstance(m, (nn.Conv2d, nn.Linear, GroupedLinear))]
+    try:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros(1, in_channels, image_size, image_size))
+        model.train(was_training)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {"parameters": sum(p.numel() for p in model.parameters() if p.requires_grad), "multiply_adds": macs}
+
+
+def without_fed2(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec of the original model a Fed2 spec was adapted from."""
+    return {k: v for k, v in spec.items() if not k.startswith("fed2_")}

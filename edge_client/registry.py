@@ -18,16 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from edge_client import models
-from edge_client.methods import dfl, sphere
+from edge_client.methods import dfl, fed2, sphere
 from edge_client.methods.dfl_model import two_branch
 from edge_client.models import ModelFactory
 from edge_client.objectives import OBJECTIVES as PLAIN_OBJECTIVES
 from edge_client.objectives import Objective
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "NETWORKS", "build_model"]
+__all__ = ["Method", "METHODS", "OBJECTIVES", "NETWORKS", "build_model", "model_size", "describe_size"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("dfl", f"{_STRATEGIES}.dfl:DFL", objectives=dfl.OBJECTIVES, networks={"dfl": two_branch},
            sections={"dfl": f"{_STRATEGIES}.dfl:DflSection"},
            defaults={"data.local_test_fraction": 0.2}),
+    Method("fed2", f"{_STRATEGIES}.fed2:Fed2", objectives=fed2.OBJECTIVES,
+           sections={"fed2": f"{_STRATEGIES}.fed2:Fed2Section"},
+           defaults={"model.fed2_groups": 10}),
 )}
 
 OBJECTIVES: dict[str, Objective] = {**PLAIN_OBJECTIVES,
@@ -69,3 +73,27 @@ NETWORKS: dict[str, ModelFactory] = {**models.MODELS,
 def build_model(spec: Mapping[str, Any]) -> nn.Module:
     """The network a model spec names, a backbone or a method's; every party builds it the same way."""
     return models.build_model(spec, NETWORKS)
+
+
+def model_size(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameters and multiply-adds per image of the network a spec builds, and, for a model a
+    method adapted (Fed2's groups), of the original beside it (``original``)."""
+    def cost(s: Mapping[str, Any]) -> dict[str, int]:
+        with torch.random.fork_rng(devices=[]):   # measuring must not move a seeded initialization
+            model = build_model(s)
+        return models.model_cost(model, int(s["in_channels"]), int(s["image_size"]))
+
+    size: dict[str, Any] = cost(spec)
+    original = models.without_fed2(spec)
+    if original != dict(spec):
+        size["original"] = cost(original)
+    return size
+
+
+def describe_size(size: Mapping[str, Any]) -> str:
+    """``model_size`` in words, for run logs."""
+    def words(c: Mapping[str, Any]) -> str:
+        return f"{c['parameters']:,} parameters, {c['multiply_adds']:,} multiply-adds per image"
+
+    text = words(size)
+    return f"{text} (the original model: {words(size['original'])})" if "original" in size else text

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from edge_client.data import DataError, client_split, evaluation_split, load_dataset, parse_attribute_skew
+from edge_client.registry import model_size
 from edge_client.wire.files import write_atomic
 from export.card import class_names, input_normalization, sha256, strategy_config, write_card
 from export.errors import ExportError, SourceError
@@ -145,6 +146,7 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
                 "run_dir": str(source.run_dir.resolve()) if source.run_dir else None},
         "strategy": strategy_config(source.config, source.checkpoint.strategy),
         "model": spec,
+        "size": model_size(spec),
         "personalized": personalized,
         "test_accuracy": test_acc,
         "test_data": {"spec": data.spec, "partition": data.partition, "samples": n_test,

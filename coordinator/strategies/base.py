@@ -17,7 +17,7 @@ from torch import nn
 
 from edge_client.objectives import evaluate as evaluate_model
 
-__all__ = ["ServerState", "TaskPlan", "ClientResult", "WeightedSum", "Strategy", "AggregationError",
+__all__ = ["ServerState", "TaskPlan", "ClientResult", "WeightedSum", "RowWeightedSum", "Strategy", "AggregationError",
            "PersonalizedEval", "summarize_personalized"]
 
 
@@ -103,6 +103,55 @@ class WeightedSum:
 
 
 @dataclass(frozen=True)
+class RowWeightedSum:
+    """A partial aggregate in which every row (dimension 0) of a tensor has its own weight.
+
+    What methods need when a client's say differs by part of a layer: Fed2 weights a
+    group's rows by the client's samples of that group's classes, a per-class last
+    layer weights row ``c`` by class ``c``'s count. Rows no client gave weight keep
+    their previous value (:meth:`mean`). Associative like :class:`WeightedSum`.
+    """
+
+    sums: dict[str, torch.Tensor]       # sum of row weight * tensor (float64)
+    weights: dict[str, torch.Tensor]    # sum of row weights, one per row (float64)
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], row_weights: Mapping[str, torch.Tensor]) -> "RowWeightedSum":
+        weights = {k: row_weights[k].to(torch.float64) for k in tensors}
+        if any(bool((w < 0).any()) or len(w) != tensors[k].shape[0] for k, w in weights.items()):
+            raise AggregationError("row weights must be >= 0, one per row of each tensor")
+        return cls({k: v.to(torch.float64) * _rows(weights[k], v) for k, v in tensors.items()}, weights)
+
+    def __add__(self, other: "RowWeightedSum") -> "RowWeightedSum":
+        if self.sums.keys() != other.sums.keys():
+            raise AggregationError("cannot add partial aggregates over different tensors")
+        return RowWeightedSum({k: v + other.sums[k] for k, v in self.sums.items()},
+                              {k: v + other.weights[k] for k, v in self.weights.items()})
+
+    def mean(self, previous: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weighted mean of every row with weight, ``previous`` for rows without."""
+        out = {}
+        for k, total in self.sums.items():
+            w = _rows(self.weights[k], total)
+            out[k] = torch.where(w > 0, total / w.clamp_min(1e-300), previous[k].to(torch.float64)).to(torch.float32)
+        return out
+
+    @staticmethod
+    def reduce(parts: Iterable["RowWeightedSum"]) -> "RowWeightedSum":
+        total: RowWeightedSum | None = None
+        for part in parts:
+            total = part if total is None else total + part
+        if total is None:
+            raise AggregationError("nothing to aggregate")
+        return total
+
+
+def _rows(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-row weights shaped to broadcast over a tensor's other dimensions."""
+    return weights.view(-1, *([1] * (like.dim() - 1)))
+
+
+@dataclass(frozen=True)
 class PersonalizedEval:
     """Ask every online client how the global model does on its own held-out split."""
 
@@ -173,6 +222,14 @@ class Strategy:
         hyper = {"finetune_epochs": p.finetune_epochs, "train": p.train}
         return [TaskPlan(client_id=c, objective="evaluate", hyper=hyper, down=state.params, up=[], expect={})
                 for c in clients]
+
+    def check_result(self, plan: TaskPlan, result: ClientResult) -> str | None:
+        """Why a decoded result cannot be used (its tensors are already checked), or None.
+
+        The engine rejects such a result like a malformed message, before it reaches
+        :meth:`aggregate`: a method that reads facts from the metrics checks them here.
+        """
+        return None
 
     def evaluate(self, state: ServerState, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         """Metrics of the global model (already loaded with ``state.params``) on the test split.

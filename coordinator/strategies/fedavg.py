@@ -30,6 +30,7 @@ class FedProxSection:
 
 class FedAvg(Strategy):
     name = "fedavg"
+    objective = "train"     # the device objective its training tasks run
 
     def __init__(self, train: dict[str, Any]) -> None:
         self.train = dict(train)
@@ -43,7 +44,7 @@ class FedAvg(Strategy):
 
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         names = sorted(state.params)
-        return [TaskPlan(client_id=c, objective="train", hyper=self.hyper(), down=state.params, up=names)
+        return [TaskPlan(client_id=c, objective=self.objective, hyper=self.hyper(), down=state.params, up=names)
                 for c in clients]
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:

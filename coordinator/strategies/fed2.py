@@ -1,0 +1,149 @@
+"""Fed2 (Yu et al., ICLR 2021): feature paired averaging over a model whose upper layers are split into groups.
+
+The clients train the Fed2 structure (:mod:`edge_client.methods.fed2_model`: from
+``model.fed2_from`` up, ``model.fed2_groups`` groups that never mix, group ``g``
+feeding only the logits of its classes) with ``fed2_train``, which also reports
+the label histogram they trained on. Aggregation:
+
+- shared layers (below ``fed2_from``) by FedAvg, weighted by sample counts;
+- group ``g``'s rows in every grouped layer weighted by each client's samples of
+  ``g``'s classes; a client with none of them does not contribute to ``g`` (its
+  copy only learned to suppress those classes), and a group no client trained on
+  keeps its previous value.
+
+The allocation of classes to groups is fixed by the run (``fed2.allocation``, or
+class ``c`` to group ``c mod G``) and written into the model spec, so pairing is by
+group index and every party builds the same decoupled classifier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coordinator.errors import ConfigError
+from coordinator.strategies.base import ClientResult, RowWeightedSum, ServerState, TaskPlan
+from coordinator.strategies.fedavg import FedAvg
+from edge_client.methods.fed2 import CLASS_COUNT
+from edge_client.methods.fed2_model import row_groups
+from edge_client.registry import build_model
+
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+__all__ = ["Fed2", "Fed2Section", "group_weights"]
+
+
+@dataclass(frozen=True)
+class Fed2Section:
+    """``[fed2]``: Fed2's class-to-group allocation (run.strategy = "fed2"); docs/fed2.md."""
+
+    allocation: list[int] = field(default_factory=list)   # group of each class; empty: class c to group c mod G
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        return [(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),
+                 "fed2.allocation lists a group index (>= 0) for every class, e.g. [0, 0, 1, 1, 2, ...]")]
+
+
+class Fed2(FedAvg):
+    name = "fed2"
+    objective = "fed2_train"
+
+    def __init__(self, train: dict[str, Any], allocation: list[int] | None = None) -> None:
+        super().__init__(train)
+        self.allocation = list(allocation or [])
+        self.num_classes = 0    # of the model the current round trains: set when its tasks are planned
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> "Fed2":
+        model = config.model
+        if model.get("head", "linear") != "linear":
+            raise ConfigError(f"fed2 decouples the classifier into class groups; model.head = {model['head']!r} "
+                              "replaces it with a fixed one: remove model.head (or use run.strategy = spherefed)")
+        groups = model.get("fed2_groups", 0)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ConfigError(f"fed2 needs the Fed2 structure: model.fed2_groups >= 1 (leave it unset for 10), "
+                              f"got {groups!r}")
+        return cls(dataclasses.asdict(config.train), config.fed2.allocation)
+
+    def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The configured model with ``fed2.allocation`` in it, so every party decouples the same classes."""
+        if not self.allocation:
+            return spec
+        if "fed2_allocation" in spec and list(spec["fed2_allocation"]) != self.allocation:
+            raise ConfigError("model.fed2_allocation and fed2.allocation differ; set only fed2.allocation")
+        return {**spec, "fed2_allocation": self.allocation}
+
+    def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
+        self.num_classes = int(state.spec["num_classes"])
+        return super().configure_train(round, state, clients)
+
+    def check_result(self, plan: TaskPlan, result: ClientResult) -> str | None:
+        """A training result must carry its label histogram: one whole count per class, summing to its samples."""
+        if plan.objective != self.objective:
+            return None
+        counts = _counts(result.metrics)
+        if counts is None or len(counts) != self.num_classes:
+            return (f"a fed2 result reports its samples of each of the {self.num_classes} classes as metrics "
+                    f"{CLASS_COUNT}0, {CLASS_COUNT}1, ...")
+        whole = bool((counts >= 0).all()) and bool((counts == counts.round()).all())
+        if not whole or int(counts.sum()) != result.num_samples:
+            return (f"a fed2 result's class counts must be whole numbers >= 0 that add up to its "
+                    f"{result.num_samples} samples, got {counts.tolist()}")
+        return None
+
+    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
+        """Shared rows by sample count, group rows by the client's samples of the group's classes."""
+        owners = _row_groups(json.dumps(state.spec, sort_keys=True))
+        allocation = _allocation(json.dumps(state.spec, sort_keys=True))
+        total = RowWeightedSum.reduce(
+            RowWeightedSum.of(r.tensors, group_weights(r.tensors, r.num_samples, _counts(r.metrics), owners,
+                                                       allocation))
+            for r in results)
+        return dataclasses.replace(state, round=round, params={**state.params, **total.mean(state.params)})
+
+
+def group_weights(tensors: dict[str, torch.Tensor], num_samples: int, counts: torch.Tensor | None,
+                  owners: dict[str, torch.Tensor], allocation: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One client's weight for every row of every tensor it sent.
+
+    ``owners[name][row]`` is the row's group (tensors not in ``owners`` are shared);
+    ``allocation[c]`` is class ``c``'s group; ``counts[c]`` the client's class-c samples.
+    """
+    per_group = torch.zeros(int(allocation.max()) + 1, dtype=torch.float64)
+    if counts is not None:
+        per_group.index_add_(0, allocation, counts.to(torch.float64))
+    return {k: per_group[owners[k]] if k in owners else torch.full((v.shape[0],), float(num_samples),
+                                                                     dtype=torch.float64)
+            for k, v in tensors.items()}
+
+
+def _counts(metrics: dict[str, Any]) -> torch.Tensor | None:
+    """The client's class counts from its metrics, in class order; None if any class is missing."""
+    keys = [k for k in metrics if k.startswith(CLASS_COUNT)]
+    try:
+        classes = sorted(int(k.removeprefix(CLASS_COUNT)) for k in keys)
+    except ValueError:
+        return None
+    if not classes or classes != list(range(len(classes))):
+        return None
+    return torch.tensor([float(metrics[f"{CLASS_COUNT}{c}"]) for c in classes], dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=4)
+def _model(spec_json: str) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):   # building it must not move the run's seeded initialization
+        return build_model(json.loads(spec_json))
+
+
+def _row_groups(spec_json: str) -> dict[str, torch.Tensor]:
+    return row_groups(_model(spec_json))
+
+
+def _allocation(spec_json: str) -> torch.Tensor:
+    return torch.tensor(_model(spec_json).classifier.allocation)
