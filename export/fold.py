@@ -5,7 +5,7 @@ the ReLU: ``relu(z * e)`` or ``relu(z + e)``. ``z`` is an affine function of the
 layer's parameters, so the constant can live in those parameters instead of in
 an extra operator (docs/export.md, "Folded PANs"):
 
-- after a Linear or Conv2d: multiplicative ``W <- diag(e) W, b <- e * b``;
+- after a Linear or Conv2d (grouped or not): multiplicative ``W <- diag(e) W, b <- e * b``;
   additive ``b <- b + e`` (a bias is created when the layer has none);
 - after an affine normalization (BatchNorm in eval mode, GroupNorm; both have a
   per-channel scale ``gamma`` and shift ``beta`` as their last step):
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edge_client.methods.fed2_model import GroupedLinear
 from edge_client.methods.pans import PositionAwareReLU
 
 __all__ = ["FoldedPan", "ChannelConstant", "fold_pans"]
@@ -63,7 +64,7 @@ def _per_output(e: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _fold_into_layer(layer: nn.Linear | nn.Conv2d, mode: str, e: torch.Tensor) -> None:
+def _fold_into_layer(layer: nn.Linear | nn.Conv2d | GroupedLinear, mode: str, e: torch.Tensor) -> None:
     if mode == "mul":
         layer.weight.mul_(_per_output(e, layer.weight))
         if layer.bias is not None:
@@ -85,7 +86,7 @@ def _fold_into_norm(norm: nn.Module, mode: str, e: torch.Tensor) -> None:
 
 def _foldable(module: nn.Module, neurons: int) -> str | None:
     """``"layer"`` or ``"norm"`` when ``module`` can absorb a PAN over ``neurons`` channels, else None."""
-    if isinstance(module, (nn.Linear, nn.Conv2d)) and module.weight.shape[0] == neurons:
+    if isinstance(module, (nn.Linear, nn.Conv2d, GroupedLinear)) and module.weight.shape[0] == neurons:
         return "layer"
     if isinstance(module, _NORMS) and getattr(module, "affine", False) and module.weight.shape[0] == neurons:
         return "norm"

@@ -47,6 +47,9 @@ VARIANTS = {
     "vgg9": {"name": "vgg9", "width": 0.25},
     "vgg9-bn-mul": {"name": "vgg9", "width": 0.25, "norm": "bn", "pan": "mul", "pan_amplitude": 0.5},
     "vgg9-gn-add": {"name": "vgg9", "width": 0.25, "norm": "gn", "pan": "add", "pan_amplitude": 0.25},
+    # Fed2: group convolutions, block-diagonal linear layers and the decoupled classifier
+    "cnn-fed2-mul": {"name": "cnn", "width": 0.5, "fed2_groups": 10, "pan": "mul"},
+    "vgg9-fed2-gn": {"name": "vgg9", "width": 0.5, "norm": "gn", "fed2_groups": 5, "fed2_from": 4},
 }
 
 
@@ -133,7 +136,7 @@ def test_every_variant_exports_with_verified_parity(variant, digits, tmp_path):
 # --------------------------------------------------------------------------- folded PANs
 
 
-@pytest.mark.parametrize("variant", ["cnn-bn-add", "cnn-none-mul", "mlp-gn-add", "vgg9-bn-mul"])
+@pytest.mark.parametrize("variant", ["cnn-bn-add", "cnn-none-mul", "mlp-gn-add", "vgg9-bn-mul", "cnn-fed2-mul"])
 def test_folded_pans_leave_no_operator_behind(variant, digits):
     spec = VARIANTS[variant]
     with_pans = trained(spec, digits)
