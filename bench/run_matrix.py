@@ -114,6 +114,12 @@ def load_matrix(path: Path) -> Matrix:
     for axis, entries in axes.items():
         if not isinstance(entries, list) or not all(isinstance(e, dict) and "label" in e for e in entries):
             raise ConfigError(f"{path}: axes.{axis} must be an array of tables, each with a label ([[axes.{axis}]])")
+    for axis, entries in axes.items():
+        for e in entries:
+            other, _, label = str(e.get("only_with", "=")).partition("=")
+            if "only_with" in e and (other == axis or label not in [str(x["label"]) for x in axes.get(other, [])]):
+                raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: only_with must be AXIS=LABEL of another "
+                                  f"axis, got {e['only_with']!r}")
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{path}: seeds must be a list of integers")
@@ -126,17 +132,38 @@ def load_matrix(path: Path) -> Matrix:
     return Matrix(str(raw.get("name", path.stem)), path, raw.get("base", {}), axes, seeds, baseline)
 
 
+_ENTRY_KEYS = ("label", "off_protocol", "only_with")
+
+
+def _fits(combo: tuple[tuple[str, dict[str, Any], str, str], ...], axes: list[str]) -> bool:
+    """Whether every entry's ``only_with = "AXIS=LABEL"`` holds in this combination."""
+    chosen = dict(zip(axes, (label for label, *_ in combo)))
+    for *_, only_with in combo:
+        axis, _, label = only_with.partition("=")
+        if only_with and chosen.get(axis) != label:
+            return False
+    return True
+
+
 def expand(matrix: Matrix, seeds: list[int], rounds: int | None, only: list[str]) -> list[Run]:
-    """Every combination of one entry per axis and one seed, in file order."""
+    """Every combination of one entry per axis and one seed, in file order.
+
+    An entry with ``only_with = "AXIS=LABEL"`` joins only the combinations with that
+    label on that axis (e.g. a layer choice that exists for one model only).
+    """
     runs = []
-    choices = [[(e["label"], {k: v for k, v in e.items() if k not in ("label", "off_protocol")},
-                 str(e.get("off_protocol", ""))) for e in entries] for entries in matrix.axes.values()]
+    axes = list(matrix.axes)
+    choices = [[(e["label"], {k: v for k, v in e.items() if k not in _ENTRY_KEYS},
+                 str(e.get("off_protocol", "")), str(e.get("only_with", ""))) for e in entries]
+               for entries in matrix.axes.values()]
     for combo in itertools.product(*choices):
-        labels = tuple(str(label) for label, _, _ in combo)
+        if not _fits(combo, axes):
+            continue
+        labels = tuple(str(label) for label, *_ in combo)
         overrides = _flatten(matrix.base, "base")
-        for (label, partial, _), axis in zip(combo, matrix.axes):
+        for (label, partial, _, _), axis in zip(combo, matrix.axes):
             overrides += _flatten(partial, f"axes.{axis} {label!r}")
-        why = "; ".join(reason for _, _, reason in combo if reason)
+        why = "; ".join(reason for _, _, reason, _ in combo if reason)
         r = rounds if rounds is not None else matrix.full_rounds
         for seed in seeds:
             run = Run(labels, seed, r, tuple(overrides), why)
