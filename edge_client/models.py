@@ -5,9 +5,11 @@ A model spec is a plain JSON-serializable dict (it travels inside each task), e.
 The coordinator and every client call :func:`build_model` on it, so the parameter
 names and shapes agree everywhere without ever sending code or pickles.
 
-Models: ``mlp`` (``hidden`` widths), ``cnn`` and ``vgg9``. Each takes ``norm``
+Models: ``mlp`` (``hidden`` widths), ``cnn`` and ``vgg9`` (``widths``: every hidden
+layer's size, for a network whose layers were grown one by one). Each takes ``norm``
 (``none``, ``bn`` or ``gn``), ``width`` (a multiplier of every hidden layer's
-size, default 1) and the PAN options ``pan`` (``none``, ``add``, ``mul``),
+size, default 1), Fed2's grouping (``fed2_groups``, ``fed2_from``, ``fed2_allocation``:
+:mod:`edge_client.methods.fed2_model`) and the PAN options ``pan`` (``none``, ``add``, ``mul``),
 ``pan_period`` and ``pan_amplitude`` (see :mod:`edge_client.methods.pans`). Every model
 also takes ``head``: ``linear`` (default) or ``sphere``, SphereFed's fixed classifier
 on L2-normalized features, built from ``sphere_seed`` (see :mod:`edge_client.methods.sphere_head`).
@@ -116,8 +118,8 @@ class _Layers:
     """Builds a model's hidden units and classifier in forward order, numbering the weight layers
     (1, 2, ...; the classifier last) so that Fed2 can group them from a given one."""
 
-    def __init__(self, norm: str, pan: PanSettings, fed2: Fed2Plan | None) -> None:
-        self.norm, self.pan, self.fed2 = norm, pan, fed2
+    def __init__(self, norm: str, pan: PanSettings, fed2: Fed2Plan | None, widths: tuple[int, ...] | None) -> None:
+        self.norm, self.pan, self.fed2, self.widths = norm, pan, fed2, widths
         self.index = 0
 
     def _grouped(self, module: nn.Module | None) -> nn.Module | None:
@@ -141,8 +143,10 @@ class _Layers:
         return [m for m in (self._grouped(layer), normalization, activation) if m is not None]
 
     def _next(self, units: int) -> tuple[int, int]:
-        """The next layer's (width, input groups)."""
+        """The next layer's (width, input groups); explicit ``widths`` replace the architecture's sizes."""
         self.index += 1
+        if self.widths is not None:
+            units = self.widths[self.index - 1]
         if self.fed2 is None:
             return units, 1
         return self.fed2.width(units, self.index), self.fed2.input_groups(self.index)
@@ -170,7 +174,7 @@ def mlp(num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, 
         norm: str = "none", pan: PanSettings = PanSettings(), scale: float = 1.0,
         fed2: Fed2Plan | None = None) -> ImageClassifier:
     """Fully connected network; the default 3 x 1024 hidden widths are the PANs paper's MLP."""
-    build = _Layers(norm, pan, fed2)
+    build = _Layers(norm, pan, fed2, None)
     layers: list[nn.Module] = [nn.Flatten()]
     width = in_channels * image_size * image_size
     for h in (_scaled(h, scale) for h in hidden):
@@ -180,14 +184,15 @@ def mlp(num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, 
 
 
 def cnn(num_classes: int, in_channels: int, image_size: int, norm: str = "gn",
-        pan: PanSettings = PanSettings(), scale: float = 1.0, fed2: Fed2Plan | None = None) -> ImageClassifier:
+        pan: PanSettings = PanSettings(), scale: float = 1.0, fed2: Fed2Plan | None = None,
+        widths: tuple[int, ...] | None = None) -> ImageClassifier:
     """The small two-block ConvNet (421,834 parameters on 28x28x1, 10 classes, GroupNorm).
 
-    ``scale`` multiplies its 32 and 64 channels and its 128 features.
+    ``scale`` multiplies its 32 and 64 channels and its 128 features; ``widths`` gives all three.
     """
     if image_size % 4:
         raise ModelSpecError(f"cnn needs an image size divisible by 4, got {image_size}")
-    build = _Layers(norm, pan, fed2)
+    build = _Layers(norm, pan, fed2, widths)
     conv1, c1 = build.conv(in_channels, _scaled(32, scale))
     conv2, c2 = build.conv(c1, _scaled(64, scale))
     fc, d = build.linear(c2 * (image_size // 4) ** 2, _scaled(128, scale), "none")
@@ -200,16 +205,18 @@ VGG9_FC = (512, 512)
 
 
 def vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none",
-         pan: PanSettings = PanSettings(), scale: float = 1.0, fed2: Fed2Plan | None = None) -> ImageClassifier:
+         pan: PanSettings = PanSettings(), scale: float = 1.0, fed2: Fed2Plan | None = None,
+         widths: tuple[int, ...] | None = None) -> ImageClassifier:
     """VGG-9 as in FedMA, Fed2 and PANs: six 3x3 convolutions, three max-pools, FC 512, 512.
 
     The flatten size follows the input (256 x 3 x 3 on 28x28, 256 x 4 x 4 on 32x32).
-    Normalization, when asked for, follows the convolutions only.
+    Normalization, when asked for, follows the convolutions only. ``widths`` gives all
+    eight hidden sizes (FedMA's matched model grows them one by one).
     """
     if image_size < 8:
         raise ModelSpecError(f"vgg9 halves the image three times and needs an image size of at least 8, "
                              f"got {image_size}; use cnn or mlp for smaller inputs")
-    build = _Layers(norm, pan, fed2)
+    build = _Layers(norm, pan, fed2, widths)
     layers: list[nn.Module] = []
     channels, size = in_channels, image_size
     for item in VGG9_LAYOUT:
@@ -225,6 +232,17 @@ def vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none"
         unit, width = build.linear(width, h, "none")
         layers += unit
     return ImageClassifier(nn.Sequential(*layers), build.classifier(width, num_classes))
+
+
+def _check_widths(widths: Any, count: int, model: str) -> tuple[int, ...] | None:
+    """Explicit hidden widths (a spec's ``widths``): one positive integer per hidden weight layer."""
+    if widths is None:
+        return None
+    if not isinstance(widths, (list, tuple)) or len(widths) != count or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        raise ModelSpecError(f"{model} widths lists the size of each of its {count} hidden weight layers as "
+                             f"positive integers, got {widths!r}")
+    return tuple(widths)
 
 
 def _fed2_plan(num_classes: int, layers: int, options: Mapping[str, Any]) -> Fed2Plan | None:
@@ -253,18 +271,19 @@ def _mlp(num_classes: int, in_channels: int, image_size: int,
 
 @register_model("cnn")
 def _cnn(num_classes: int, in_channels: int, image_size: int, norm: str = "gn", width: float = 1.0,
-         **options: Any) -> nn.Module:
+         widths: list[int] | None = None, **options: Any) -> nn.Module:
     pan, fed2 = _split(options)
     return cnn(num_classes, in_channels, image_size, norm, _pan_settings(pan), _check_width(width),
-               _fed2_plan(num_classes, 4, fed2))
+               _fed2_plan(num_classes, 4, fed2), _check_widths(widths, 3, "cnn"))
 
 
 @register_model("vgg9")
 def _vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none", width: float = 1.0,
-          **options: Any) -> nn.Module:
+          widths: list[int] | None = None, **options: Any) -> nn.Module:
     pan, fed2 = _split(options)
+    hidden = sum(1 for item in VGG9_LAYOUT if item != "M") + len(VGG9_FC)
     return vgg9(num_classes, in_channels, image_size, norm, _pan_settings(pan), _check_width(width),
-                _fed2_plan(num_classes, sum(1 for item in VGG9_LAYOUT if item != "M") + len(VGG9_FC) + 1, fed2))
+                _fed2_plan(num_classes, hidden + 1, fed2), _check_widths(widths, hidden, "vgg9"))
 
 
 _SHAPE_KEYS = ("num_classes", "in_channels", "image_size")

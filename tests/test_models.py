@@ -301,3 +301,17 @@ def test_checkpoint_with_bad_fedge_metadata_raises_checkpoint_error(tmp_path, me
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path)
     assert str(path) in str(info.value)
+
+
+def test_explicit_widths_rebuild_a_grown_network_layer_by_layer():
+    shape = {"num_classes": 10, "in_channels": 1, "image_size": 28}
+    model = build_model({"name": "vgg9", "widths": [5, 6, 7, 8, 9, 10, 11, 12], **shape})
+    weights = [tuple(p.shape) for n, p in model.named_parameters() if n.endswith("weight")]
+    assert weights == [(5, 1, 3, 3), (6, 5, 3, 3), (7, 6, 3, 3), (8, 7, 3, 3), (9, 8, 3, 3), (10, 9, 3, 3),
+                       (11, 10 * 3 * 3), (12, 11), (10, 12)]
+    cnn = build_model({"name": "cnn", "widths": [5, 6, 7], "norm": "none", **shape})
+    assert [tuple(p.shape) for n, p in cnn.named_parameters() if n.endswith("weight")] == \
+        [(5, 1, 3, 3), (6, 5, 3, 3), (7, 6 * 7 * 7), (10, 7)]
+    for bad in ([5, 6], [5, 0, 7], [5, 6.5, 7], "5,6,7"):
+        with pytest.raises(ModelSpecError, match="widths lists the size of each of its 3 hidden weight layers"):
+            build_model({"name": "cnn", "widths": bad, **shape})
