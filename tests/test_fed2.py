@@ -114,7 +114,7 @@ def _state() -> ServerState:
 
 
 def test_paired_averaging_weights_each_group_by_the_clients_samples_of_its_classes():
-    strategy = Fed2({"epochs": 1})
+    strategy = Fed2({"epochs": 1}, pairing="holders")
     state = _state()
     strategy.configure_train(1, state, ["a", "b"])
     # a: 3 samples of class 0 and 1 of class 1 (group 0: 3, group 1: 1); b: 2 of class 3 only (group 1: 2).
@@ -133,7 +133,7 @@ def test_paired_averaging_weights_each_group_by_the_clients_samples_of_its_class
 
 
 def test_a_group_no_client_trained_on_keeps_its_previous_value():
-    strategy = Fed2({"epochs": 1})
+    strategy = Fed2({"epochs": 1}, pairing="holders")
     state = _state()
     strategy.configure_train(1, state, ["b"])
     new = strategy.aggregate_train(1, state, [_result("b", 4.0, [0, 5] + [0] * 8)]).params
@@ -162,7 +162,7 @@ def test_row_weighted_sums_reduce_in_any_grouping():
     ({f"class_count/{c}": 2.0 for c in range(10)}, "add up to its 10 samples"),
 ])
 def test_results_without_a_sound_label_histogram_are_rejected(metrics, message):
-    strategy = Fed2({"epochs": 1})
+    strategy = Fed2({"epochs": 1}, pairing="holders")
     strategy.configure_train(1, _state(), ["a"])
     plan = TaskPlan("a", "fed2_train", {}, {}, [])
     assert message in strategy.check_result(plan, ClientResult("a", 10, {}, metrics))
@@ -207,12 +207,13 @@ def test_fed2_over_mosquitto_with_client_processes_exports_float_and_int8(tmp_pa
                      data__eval="digits", data__partition="dirichlet:0.5", clients__expected=3,
                      clients__spawn=3, clients__round_timeout=60.0, clients__presence_timeout=60.0,
                      train__batch_size=32, transport__broker=mosquitto, transport__prefix=prefix,
-                     codec__up="topk:0.5+int8+zstd")
+                     codec__up="topk:0.5+int8+zstd", fed2__pairing="holders")
     said: list[str] = []
     result = run_federated(config, say=said.append)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     assert all((r["returned"], r["rejected"]) == (3, 0) for r in rows[1:])   # every label histogram accepted
+    assert any(p.name.startswith("round") for p in (out / "checkpoints").iterdir())
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
     assert any("multiply-adds per image (the original model:" in line for line in said)
     card = json.loads((out / "export" / "model.card.json").read_text())
@@ -222,3 +223,24 @@ def test_fed2_over_mosquitto_with_client_processes_exports_float_and_int8(tmp_pa
     assert export_main([str(out), "--int8", "-o", str(tmp_path / "fed2.onnx")]) == 0
     int8 = json.loads(Path(tmp_path / "fed2.int8.card.json").read_text())
     assert int8["precision"] == "int8" and int8["quantization"]["accuracy_drop_points"] <= 1.0
+
+
+def test_pairing_all_is_fedavg_over_the_fed2_structure_and_asks_for_no_histogram(tmp_path):
+    """With the allocation fixed by the run every client's group g serves the same classes, so the
+    paper's pairing averages each group over all clients: the same rows as FedAvg on the same network."""
+    def run(strategy: str) -> list[dict]:
+        out = tmp_path / strategy
+        run_federated(_config(run__strategy=strategy, run__rounds=2, run__out=str(out), model__name="cnn",
+                              model__fed2_groups=5, data__eval="digits", data__partition="shards:2",
+                              clients__expected=4, clients__spawn=4, transport__kind="inproc",
+                              export__enabled=False), say=lambda s: None)
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    fed2, fedavg = run("fed2"), run("fedavg")
+    for a, b in zip(fed2, fedavg):
+        assert (a["test_accuracy"], a["test_loss"]) == (b["test_accuracy"], b["test_loss"])
+    strategy = make_strategy(_config(run__strategy="fed2"))
+    state = ServerState(0, {}, {"name": "cnn", "fed2_groups": 10, **FASHION})
+    assert {p.objective for p in strategy.configure_train(1, state, ["a"])} == {"train"}
+    with pytest.raises(ConfigError, match="fed2.pairing is one of all, holders"):
+        _config(run__strategy="fed2", fed2__pairing="some")

@@ -5,11 +5,17 @@ The clients train the Fed2 structure (:mod:`edge_client.methods.fed2_model`: fro
 feeding only the logits of its classes) with ``fed2_train``, which also reports
 the label histogram they trained on. Aggregation:
 
-- shared layers (below ``fed2_from``) by FedAvg, weighted by sample counts;
-- group ``g``'s rows in every grouped layer weighted by each client's samples of
-  ``g``'s classes; a client with none of them does not contribute to ``g`` (its
-  copy only learned to suppress those classes), and a group no client trained on
-  keeps its previous value.
+- ``fed2.pairing = "all"`` (the default): every group by FedAvg over all the
+  round's clients, sample-weighted. With the allocation fixed by the run, group
+  ``g`` of every client is paired with the same classes, so this is the paper's
+  feature paired averaging; the devices report nothing beyond FedAvg's.
+- ``fed2.pairing = "holders"``: shared layers (below ``fed2_from``) by FedAvg;
+  group ``g``'s rows weighted by each client's samples of ``g``'s classes, a client
+  with none of them skipped (its copy only learned to push those classes down), a
+  group no client holds keeping its previous value. The devices report their
+  label histograms (``fed2_train``). Under label skew this diverges: a group's
+  logits are then pushed down only by the classes that share a client with its own,
+  so they grow on every other class's images (docs/fed2.md measures it).
 
 The allocation of classes to groups is fixed by the run (``fed2.allocation``, or
 class ``c`` to group ``c mod G``) and written into the model spec, so pairing is by
@@ -36,7 +42,9 @@ from edge_client.registry import build_model
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["Fed2", "Fed2Section", "group_weights"]
+__all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS"]
+
+PAIRINGS = ("all", "holders")
 
 
 @dataclass(frozen=True)
@@ -44,19 +52,24 @@ class Fed2Section:
     """``[fed2]``: Fed2's class-to-group allocation (run.strategy = "fed2"); docs/fed2.md."""
 
     allocation: list[int] = field(default_factory=list)   # group of each class; empty: class c to group c mod G
+    pairing: str = "all"            # "all": each group over every client; "holders": over its classes' holders
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),
-                 "fed2.allocation lists a group index (>= 0) for every class, e.g. [0, 0, 1, 1, 2, ...]")]
+                 "fed2.allocation lists a group index (>= 0) for every class, e.g. [0, 0, 1, 1, 2, ...]"),
+                (self.pairing in PAIRINGS, f"fed2.pairing is one of {', '.join(PAIRINGS)}")]
 
 
 class Fed2(FedAvg):
     name = "fed2"
-    objective = "fed2_train"
 
-    def __init__(self, train: dict[str, Any], allocation: list[int] | None = None) -> None:
+    def __init__(self, train: dict[str, Any], allocation: list[int] | None = None, pairing: str = "all") -> None:
         super().__init__(train)
+        if pairing not in PAIRINGS:
+            raise ValueError(f"fed2.pairing is one of {', '.join(PAIRINGS)}, got {pairing!r}")
         self.allocation = list(allocation or [])
+        self.pairing = pairing
+        self.objective = "fed2_train" if pairing == "holders" else "train"   # only holders need the histograms
         self.num_classes = 0    # of the model the current round trains: set when its tasks are planned
 
     @classmethod
@@ -69,7 +82,7 @@ class Fed2(FedAvg):
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ConfigError(f"fed2 needs the Fed2 structure: model.fed2_groups >= 1 (leave it unset for 10), "
                               f"got {groups!r}")
-        return cls(dataclasses.asdict(config.train), config.fed2.allocation)
+        return cls(dataclasses.asdict(config.train), config.fed2.allocation, config.fed2.pairing)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The configured model with ``fed2.allocation`` in it, so every party decouples the same classes."""
@@ -85,7 +98,7 @@ class Fed2(FedAvg):
 
     def check_result(self, plan: TaskPlan, result: ClientResult) -> str | None:
         """A training result must carry its label histogram: one whole count per class, summing to its samples."""
-        if plan.objective != self.objective:
+        if plan.objective != "fed2_train":
             return None
         counts = _counts(result.metrics)
         if counts is None or len(counts) != self.num_classes:
@@ -98,7 +111,9 @@ class Fed2(FedAvg):
         return None
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
-        """Shared rows by sample count, group rows by the client's samples of the group's classes."""
+        """Shared rows by sample count, group rows by the client's samples of the group's classes (holders)."""
+        if self.pairing == "all":
+            return super().aggregate_train(round, state, results)
         owners = _row_groups(json.dumps(state.spec, sort_keys=True))
         allocation = _allocation(json.dumps(state.spec, sort_keys=True))
         total = RowWeightedSum.reduce(
