@@ -370,7 +370,7 @@ class Coordinator:
         digest = self._broadcast(book, shared) if shared else ""
         for plan in plans:
             task_id = uuid.uuid4().hex[:16]
-            body = TaskBody(objective=plan.objective, model=self.state.spec, up=tuple(plan.up), hyper=plan.hyper,
+            body = TaskBody(objective=plan.objective, model=self.state.spec if plan.model is None else plan.model, up=tuple(plan.up), hyper=plan.hyper,
                             upload=self.downlink.upload(plan), codec=self.downlink.spec, broadcast=digest or None,
                             seed=self.config.run.seed, timeout=c.round_timeout, resend_every=c.resend_every,
                             deadline=time.time() + c.round_timeout)

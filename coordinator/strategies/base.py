@@ -61,6 +61,9 @@ class TaskPlan:
     # The upload codec for this task instead of the run's ``codec.up``: statistics that
     # must arrive exactly (e.g. "fp64" for SphereFed's FFC sums). None: ``codec.up``.
     codec: str | None = None
+    # The network this client builds for the task when it is not the global one (FedMA's clients
+    # hold their own widths in the middle of a pass). None: the state's spec.
+    model: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
