@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from edge_client import models
-from edge_client.methods import dfl, fed2, sphere
+from edge_client.methods import dfl, fed2, fedma, sphere
 from edge_client.methods.dfl_model import two_branch
 from edge_client.models import ModelFactory
 from edge_client.objectives import OBJECTIVES as PLAIN_OBJECTIVES
@@ -62,6 +62,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fed2", f"{_STRATEGIES}.fed2:Fed2", objectives=fed2.OBJECTIVES,
            sections={"fed2": f"{_STRATEGIES}.fed2:Fed2Section"},
            defaults={"model.fed2_groups": 10}),
+    Method("fedma", f"{_STRATEGIES}.fedma:FedMA", objectives=fedma.OBJECTIVES,
+           sections={"fedma": f"{_STRATEGIES}.fedma:FedmaSection"},
+           model_options={"norm": "none"}),
 )}
 
 OBJECTIVES: dict[str, Objective] = {**PLAIN_OBJECTIVES,

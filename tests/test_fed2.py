@@ -154,7 +154,7 @@ def test_row_weighted_sums_reduce_in_any_grouping():
 
 
 @pytest.mark.parametrize("metrics, message", [
-    ({}, "reports its samples of each of the 10 classes"),
+    ({}, "must report its samples of each of the 10 classes"),
     ({f"class_count/{c}": 1.0 for c in range(9)}, "each of the 10 classes"),
     ({**{f"class_count/{c}": 1.0 for c in range(10)}, "class_count/x": 1.0}, "each of the 10 classes"),
     ({**{f"class_count/{c}": 0.0 for c in range(9)}, "class_count/9": -10.0}, "whole numbers >= 0"),

@@ -42,7 +42,7 @@ from edge_client.registry import build_model
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS"]
+__all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS", "histogram_problem", "label_histogram"]
 
 PAIRINGS = ("all", "holders")
 
@@ -100,15 +100,7 @@ class Fed2(FedAvg):
         """A training result must carry its label histogram: one whole count per class, summing to its samples."""
         if plan.objective != "fed2_train":
             return None
-        counts = _counts(result.metrics)
-        if counts is None or len(counts) != self.num_classes:
-            return (f"a fed2 result reports its samples of each of the {self.num_classes} classes as metrics "
-                    f"{CLASS_COUNT}0, {CLASS_COUNT}1, ...")
-        whole = bool((counts >= 0).all()) and bool((counts == counts.round()).all())
-        if not whole or int(counts.sum()) != result.num_samples:
-            return (f"a fed2 result's class counts must be whole numbers >= 0 that add up to its "
-                    f"{result.num_samples} samples, got {counts.tolist()}")
-        return None
+        return histogram_problem(result, self.num_classes)
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
         """Shared rows by sample count, group rows by the client's samples of the group's classes (holders)."""
@@ -136,6 +128,28 @@ def group_weights(tensors: dict[str, torch.Tensor], num_samples: int, counts: to
     return {k: per_group[owners[k]] if k in owners else torch.full((v.shape[0],), float(num_samples),
                                                                      dtype=torch.float64)
             for k, v in tensors.items()}
+
+
+def histogram_problem(result: ClientResult, num_classes: int) -> str | None:
+    """Why a result's label histogram cannot be used, or None: one whole count >= 0 per class, adding up
+    to its samples (what Fed2's holders pairing and FedMA's classifier weigh by)."""
+    counts = _counts(result.metrics)
+    if counts is None or len(counts) != num_classes:
+        return (f"the result must report its samples of each of the {num_classes} classes as metrics "
+                f"{CLASS_COUNT}0, {CLASS_COUNT}1, ...")
+    whole = bool((counts >= 0).all()) and bool((counts == counts.round()).all())
+    if not whole or int(counts.sum()) != result.num_samples:
+        return (f"the result's class counts must be whole numbers >= 0 that add up to its "
+                f"{result.num_samples} samples, got {counts.tolist()}")
+    return None
+
+
+def label_histogram(result: ClientResult) -> torch.Tensor:
+    """The class counts of a result :func:`histogram_problem` accepted."""
+    counts = _counts(result.metrics)
+    if counts is None:
+        raise ValueError(f"result of {result.client_id} has no label histogram")
+    return counts
 
 
 def _counts(metrics: dict[str, Any]) -> torch.Tensor | None:

@@ -1,0 +1,145 @@
+"""FedMA on the device: train, then freeze the matched layers and retrain the rest, phase after phase.
+
+A FedMA pass has one phase per weight layer (:mod:`coordinator.strategies.fedma`).
+In phase 1 the device trains its whole network (the global model, cut to its own
+width by the coordinator) and sends layer 1. In phase ``l > 1`` the task brings the
+matched global layer ``l - 1`` and this device's assignment of its neurons to the
+global ones; the device puts the global layer in place of its own, moves the inputs
+of its layer ``l`` to the global neurons (:func:`reindex_next_layer`: the function it
+computes does not change), freezes layers ``1 .. l - 1`` and retrains the layers
+above; then it sends layer ``l``. The last phase is the classifier's, sent with the
+device's label histogram (the coordinator averages each class's row by it).
+
+Between phases the device's own network lives in ``STATE_DIR/fedma_state.safetensors``
+(pass, phase and widths in its metadata), written atomically after every phase. A
+phase asked again (the coordinator resumed after a crash) sends what the saved
+state holds without training again, so a resumed run gets the same layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from edge_client.methods.fed2 import class_counts
+from edge_client.methods.fedma_layers import FedMAError, reindex_next_layer, weight_layers
+from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
+from edge_client.wire.files import write_tensors_atomic
+
+__all__ = ["STATE_FILE", "FedmaHyper", "fedma_train", "OBJECTIVES"]
+
+STATE_FILE = "fedma_state.safetensors"
+
+
+@dataclass(frozen=True)
+class FedmaHyper:
+    """The ``fedma`` part of a task: which pass and phase, and the assignment of the layer below."""
+
+    pass_index: int
+    layer: int                                  # 1-based weight layer this phase sends; the last is the classifier
+    assignment: tuple[int, ...] = ()            # phase > 1: global index of each of this device's layer l-1 neurons
+
+    @classmethod
+    def from_dict(cls, hyper: Mapping[str, Any]) -> "FedmaHyper":
+        try:
+            pass_index, layer = int(hyper["pass"]), int(hyper["layer"])
+            assignment = tuple(int(i) for i in hyper.get("assignment", ()))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ObjectiveError(f"a fedma task needs fedma.pass, fedma.layer and (after phase 1) "
+                                 f"fedma.assignment as integers: {exc}") from None
+        if pass_index < 0 or layer < 1 or (layer > 1 and not assignment):
+            raise ObjectiveError(f"invalid fedma phase {dict(hyper)!r}")
+        return cls(pass_index, layer, assignment)
+
+
+def _load_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except (OSError, SafetensorError) as exc:
+        raise ObjectiveError(f"this device's FedMA state {path} cannot be read ({exc}); it cannot go on with "
+                             "this pass and will join the next one") from None
+
+
+def _save_state(path: Path, model: nn.Module, h: FedmaHyper) -> None:
+    write_tensors_atomic(path, {k: v for k, v in model.state_dict().items() if v.is_floating_point()},
+                         {"pass": str(h.pass_index), "layer": str(h.layer)})
+
+
+def _continue_pass(model: nn.Module, h: FedmaHyper, saved: dict[str, torch.Tensor], layers: list[str]) -> None:
+    """Load the saved network into ``model`` around the global layer ``l - 1`` the task brought,
+    with layer ``l``'s inputs moved to the global neurons."""
+    below, layer = layers[h.layer - 2], layers[h.layer - 1]
+    current = model.state_dict()
+    global_width = current[f"{below}.weight"].shape[0]
+    own_width = saved[f"{below}.weight"].shape[0]
+    if len(h.assignment) != own_width:
+        raise ObjectiveError(f"the assignment has {len(h.assignment)} entries for this device's {own_width} "
+                             f"neurons of {below}")
+    per_channel = _per_channel_of(saved, below, layer)
+    try:
+        moved = reindex_next_layer(saved[f"{layer}.weight"], torch.tensor(h.assignment), global_width, per_channel)
+    except FedMAError as exc:
+        raise ObjectiveError(f"cannot re-index {layer}: {exc}") from None
+    state = {k: v for k, v in saved.items() if not k.startswith(f"{below}.")}   # the global layer stays
+    state[f"{layer}.weight"] = moved
+    for name, value in state.items():
+        if name in current and tuple(current[name].shape) != tuple(value.shape):
+            raise ObjectiveError(f"this device's saved {name} has shape {tuple(value.shape)}, the phase's network "
+                                 f"{tuple(current[name].shape)}")
+    model.load_state_dict(state, strict=False)
+
+
+def _per_channel_of(saved: Mapping[str, torch.Tensor], below: str, layer: str) -> int:
+    width, inputs = saved[f"{below}.weight"].shape[0], saved[f"{layer}.weight"].shape[1]
+    if inputs % width:
+        raise ObjectiveError(f"saved {layer} reads {inputs} inputs, not a multiple of {below}'s {width} neurons")
+    return inputs // width
+
+
+def fedma_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
+    """One FedMA phase on this device; the client then sends layer ``fedma.layer`` of ``model``."""
+    h = FedmaHyper.from_dict(hyper.get("fedma", {}))
+    if ctx.state_dir is None:
+        raise ObjectiveError("FedMA keeps each device's network between phases: start the client with a "
+                             "state directory (fedge-client run --state-dir DIR)")
+    path = Path(ctx.state_dir) / STATE_FILE
+    layers = weight_layers(model)
+    if h.layer > len(layers):
+        raise ObjectiveError(f"fedma.layer {h.layer}: this network has {len(layers)} weight layers")
+    frozen = {f"{name}.{p}" for name in layers[:h.layer - 1] for p in ("weight", "bias")}
+    if h.layer > 1:
+        saved, meta = _load_state(path) if path.exists() else ({}, {})
+        at = (int(meta.get("pass", -1)), int(meta.get("layer", -1)))
+        if at == (h.pass_index, h.layer):       # asked again after a coordinator restart: the same answer
+            model.load_state_dict(saved, strict=False)
+            return _output(model, data, {"fedma_repeated": 1.0})
+        if at != (h.pass_index, h.layer - 1):
+            raise ObjectiveError(f"this device's FedMA state is at pass {at[0]} phase {at[1]}, the task asks for "
+                                 f"phase {h.layer} of pass {h.pass_index}; it joins the next pass")
+        _continue_pass(model, h, saved, layers)
+    params = dict(model.named_parameters())
+    try:
+        for name in frozen:
+            params[name].requires_grad_(False)
+        out = train(model, data, hyper.get("train", {}), ctx)
+    finally:
+        for p in params.values():   # the network may be cached and reused by the next task
+            p.requires_grad_(True)
+    _save_state(path, model, h)
+    return _output(model, data, out.metrics, out.num_samples)
+
+
+def _output(model: nn.Module, data: LocalData, metrics: Mapping[str, float], num_samples: int | None = None
+            ) -> ObjectiveOutput:
+    counts = class_counts(data.y, int(model.classifier.out_features))
+    return ObjectiveOutput(len(data) if num_samples is None else num_samples, {**metrics, **counts})
+
+
+OBJECTIVES: dict[str, Objective] = {"fedma_train": fedma_train}
