@@ -118,3 +118,17 @@ def test_the_strategy_alone_gets_a_network_without_normalization():
     assert state.extra["first_widths"] == state.spec["widths"]
     torch.manual_seed(0)
     assert len(weight_layers(build_model(state.spec))) == 9
+
+
+def test_a_pass_samples_its_clients_once_and_keeps_them_for_every_phase(tmp_path):
+    out = tmp_path / "run"
+    run_federated(_config(run__strategy="fedma", run__rounds=6, run__out=str(out), model__name="mlp",
+                          model__hidden=[16], data__eval="digits", clients__expected=5, clients__spawn=5,
+                          clients__per_round=2, transport__kind="inproc", export__enabled=False),
+                  say=lambda s: None)
+    rows = _rows(out)
+    assert [r["fedma_clients"] for r in rows[1:]] == [2] * 6
+    per_round = [sorted(r["bytes_per_client"]) for r in rows[1:]]
+    assert all(len(p) == 2 for p in per_round)
+    assert per_round[0] == per_round[1] and per_round[2] == per_round[3] and per_round[4] == per_round[5]
+    assert len({tuple(p) for p in per_round}) > 1     # and the next pass draws again

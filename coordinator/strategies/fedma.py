@@ -4,7 +4,8 @@ One engine round is one **phase**; a **pass** has one phase per weight layer
 (``cnn``: 4, ``vgg9``: 9, ``mlp``: hidden layers + 1), so ``run.rounds`` is a whole
 number of passes (the paper's FedMA with communication repeats the pass).
 
-- Phase 1: every online client gets the global model (cut to its own width with its
+- Phase 1: ``clients.per_round`` of the online clients, sampled afresh for each pass
+  (all of them with 0), get the global model (cut to its own width with its
   assignments of the last pass, once it has them), trains it for ``train.epochs``
   and sends layer 1.
 - Phase ``l`` (a hidden layer): the coordinator matched layer ``l - 1`` in the
@@ -36,6 +37,7 @@ import dataclasses
 import functools
 import json
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,10 +81,11 @@ class FedmaSection:
 class FedMA(Strategy):
     name = "fedma"
 
-    def __init__(self, train: dict[str, Any], settings: FedmaSection, *, seed: int) -> None:
+    def __init__(self, train: dict[str, Any], settings: FedmaSection, *, seed: int, per_pass: int = 0) -> None:
         self.train = dict(train)
         self.settings = settings
         self.seed = seed
+        self.per_pass = per_pass      # clients sampled for a pass; 0: every online client
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "FedMA":
@@ -99,7 +102,8 @@ class FedMA(Strategy):
         if config.run.rounds % phases:
             raise ConfigError(f"with fedma a round is one phase and a pass has {phases} ({model['name']}'s weight "
                               f"layers): set run.rounds to a multiple of {phases} (e.g. {phases * 2} for two passes)")
-        return cls(dataclasses.asdict(config.train), config.fedma, seed=config.run.seed)
+        return cls(dataclasses.asdict(config.train), config.fedma, seed=config.run.seed,
+                   per_pass=config.clients.per_round)
 
     # -- shape of the pass ------------------------------------------------------
     def initialize(self, spec: dict[str, Any], params: dict[str, torch.Tensor]) -> ServerState:
@@ -110,7 +114,7 @@ class FedMA(Strategy):
                            extra={"first_widths": widths, "assignments": {}, "current": {}, "members": []})
 
     def selects_all(self, phase: str) -> bool:
-        return True    # matching needs every client of the pass
+        return True    # the strategy picks a pass's clients itself: every phase of a pass needs the same ones
 
     def _phase(self, round: int, spec: dict[str, Any]) -> tuple[int, int, int]:
         """(pass, layer, layers per pass) of ``round`` (1-based)."""
@@ -122,7 +126,11 @@ class FedMA(Strategy):
         pass_index, layer, count = self._phase(round, state.spec)
         names = weight_layers(_model(json.dumps(state.spec, sort_keys=True)))
         current, extra = state.extra["current"], state.extra
-        members = clients if layer == 1 else [c for c in clients if c in extra["members"]]
+        if layer == 1:
+            k = min(self.per_pass or len(clients), len(clients))
+            members = sorted(random.Random(f"{self.seed}/{pass_index}").sample(sorted(clients), k))
+        else:
+            members = [c for c in clients if c in extra["members"]]
         matched = _matched_widths(state, names)
         up = [f"{names[layer - 1]}.weight", f"{names[layer - 1]}.bias"]
         plans = []
