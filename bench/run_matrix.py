@@ -149,7 +149,8 @@ def expand(matrix: Matrix, seeds: list[int], rounds: int | None, only: list[str]
     """Every combination of one entry per axis and one seed, in file order.
 
     An entry with ``only_with = "AXIS=LABEL"`` joins only the combinations with that
-    label on that axis (e.g. a layer choice that exists for one model only).
+    label on that axis (e.g. a layer choice that exists for one model only). An entry's
+    own ``run.rounds`` replaces the base's (FedMA counts phases), unless ``rounds`` is given.
     """
     runs = []
     axes = list(matrix.axes)
@@ -164,7 +165,8 @@ def expand(matrix: Matrix, seeds: list[int], rounds: int | None, only: list[str]
         for (label, partial, _, _), axis in zip(combo, matrix.axes):
             overrides += _flatten(partial, f"axes.{axis} {label!r}")
         why = "; ".join(reason for _, _, reason, _ in combo if reason)
-        r = rounds if rounds is not None else matrix.full_rounds
+        own = [partial["run"]["rounds"] for _, partial, _, _ in combo if "rounds" in partial.get("run", {})]
+        r = rounds if rounds is not None else int(own[-1]) if own else matrix.full_rounds
         for seed in seeds:
             run = Run(labels, seed, r, tuple(overrides), why)
             if not only or any(s in f"{run.group}/s{seed}" for s in only):

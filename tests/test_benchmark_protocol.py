@@ -46,9 +46,11 @@ def test_an_entry_only_with_another_axis_label_joins_only_those_cells(tmp_path):
                     '[[axes.model]]\nlabel = "cnn"\nmodel.name = "cnn"\n'
                     '[[axes.model]]\nlabel = "vgg9"\nmodel.name = "vgg9"\n'
                     '[[axes.method]]\nlabel = "plain"\n'
-                    '[[axes.method]]\nlabel = "from3"\nonly_with = "model=cnn"\nmodel.fed2_from = 3\n')
+                    '[[axes.method]]\nlabel = "from3"\nonly_with = "model=cnn"\nmodel.fed2_from = 3\n'
+                    'run.rounds = 12\n')
     runs = expand(load_matrix(path), [0], None, [])
     assert [run.group for run in runs] == ["cnn/plain", "cnn/from3", "vgg9/plain"]
+    assert [run.rounds for run in runs] == [5, 12, 5]          # an entry's own rounds (FedMA counts phases)
     assert ("model", "fed2_from", 3) in runs[1].overrides and all(k != "only_with" for _, k, _ in runs[1].overrides)
     path.write_text(path.read_text().replace('"model=cnn"', '"model=resnet"'))
     with pytest.raises(Exception, match="only_with must be AXIS=LABEL of another axis"):
