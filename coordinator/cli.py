@@ -1,4 +1,5 @@
-"""``fedge-coordinator``: run federated training (``run``) or the whole pipeline (``demo``)."""
+"""``fedge-coordinator``: run federated training (``run``), the whole pipeline (``demo``), or measure where
+Fed2's groups should start (``fed2-depth``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key, type, help)
 _FLAGS: dict[str, tuple[str, str, type, str]] = {
-    "--strategy": ("run", "strategy", str, "the method: fedavg, fedprox, spherefed, dfl (docs/methods.md)"),
+    "--strategy": ("run", "strategy", str, "the method: fedavg, fedprox, spherefed, dfl, fed2, fedma (docs/methods.md)"),
     "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9"),
     "--rounds": ("run", "rounds", int, "number of federated rounds"),
     "--clients": ("clients", "expected", int, "how many clients the run waits for before round 1"),
