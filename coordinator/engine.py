@@ -123,6 +123,9 @@ class Coordinator:
         self.model, self.shapes = self._network()
         self.downlink = Downlink(config, run_id)
         self._broadcast_digest = ""                   # the model message last published
+        self._broadcast_payload = b""                 # ... and its bytes, published again after a reconnect
+        self._status_payload = b""                    # the run status last announced (retained), likewise
+        self._was_connected = True
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, PresenceBody] = {}
         self.sent_tasks: set[str] = set()
@@ -149,6 +152,7 @@ class Coordinator:
                 self.on_progress(now)
                 shown = now
             self.watchdog()
+            self._after_reconnect()
             self._complete_rows()   # an earlier round's evaluation may have finished meanwhile
             incoming = self.transport.get(min(0.2, max(0.0, until - time.monotonic())))
             if incoming is None:
@@ -314,6 +318,7 @@ class Coordinator:
         payload = encode("status", run_id=self.run_id, round=current,
                          task_id="", sender="coordinator", body=StatusBody(state).to_body())
         self._publish(self.topics.coordinator_status, payload, retain=True)
+        self._status_payload = payload
 
     # -- rounds ---------------------------------------------------------------
     def wait_for_clients(self, count: int, timeout: float) -> None:
@@ -355,14 +360,36 @@ class Coordinator:
         return keep
 
     def _broadcast(self, book: _Round, tensors: dict[str, torch.Tensor]) -> str:
-        """Publish the exchange's shared tensors once (retained) unless already there; return their hash."""
+        """Publish the exchange's shared tensors (retained) unless already there; return their hash.
+
+        A retry publishes it again even when unchanged: a broker that restarted without
+        persistence has lost the retained copy, and devices waiting for it would never get it.
+        """
         payload, digest = self.downlink.broadcast(book.round, tensors)
-        if digest != self._broadcast_digest:
+        if digest != self._broadcast_digest or book.attempt > 0:
             sent = self._publish(self.topics.model, payload, retain=True)
             book.bytes_down += sent
             book.bytes_broadcast += sent
             self._broadcast_digest = digest if sent else ""
+            self._broadcast_payload = payload if sent else b""
         return digest
+
+    def _after_reconnect(self) -> None:
+        """Publish the retained run status and model broadcast again once the broker is back.
+
+        A broker restarted without persistence (or before its autosave) has forgotten both:
+        devices would park every task for want of a running status, or wait for a broadcast
+        that never comes.
+        """
+        inner = getattr(self.transport, "inner", self.transport)
+        connected = bool(getattr(inner, "connected", True))
+        if connected and not self._was_connected:
+            log.warning("reconnected to the broker: publishing the run status and the model broadcast again")
+            if self._status_payload:
+                self._publish(self.topics.coordinator_status, self._status_payload, retain=True)
+            if self._broadcast_payload:
+                self._publish(self.topics.model, self._broadcast_payload, retain=True)
+        self._was_connected = connected
 
     def _send_tasks(self, book: _Round, plans: list[TaskPlan]) -> None:
         c = self.config.clients

@@ -29,9 +29,10 @@ def mosquitto_binary() -> str | None:
 class LocalMosquitto:
     """Mosquitto on 127.0.0.1 on a free port, with its own config file and log."""
 
-    def __init__(self, *, workdir: Path | None = None, extra_config: str = "") -> None:
+    def __init__(self, *, workdir: Path | None = None, extra_config: str = "", persistence: bool = False) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedge-mosquitto-"))
         self.extra_config = extra_config
+        self.persistence = persistence   # retained messages and sessions saved in workdir (on exit, autosave 1 s)
         self.port = 0
         self._proc: subprocess.Popen | None = None
         self._log = None
@@ -40,19 +41,23 @@ class LocalMosquitto:
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 10.0) -> str:
+    def start(self, timeout: float = 10.0, *, same_port: bool = False) -> str:
+        """Start the broker on a free port (``same_port``: the port of its last start, to play a restart)."""
         binary = mosquitto_binary()
         if binary is None:
             raise BrokerError("mosquitto is not installed: apt-get install mosquitto")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        if not (same_port and self.port):
+            self.port = free_port()
         conf = self.workdir / "mosquitto.conf"
-        lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true", "persistence false",
+        saved = ["persistence true", f"persistence_location {self.workdir}/", "autosave_interval 1"]
+        lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true",
+                 *(saved if self.persistence else ["persistence false"]),
                  "max_queued_messages 100000", "log_dest stderr", "log_type error", "log_type warning"]
         if os.geteuid() == 0:
             lines.append("user root")   # otherwise it drops to 'mosquitto', which may not read our files
         conf.write_text("\n".join(lines) + "\n" + self.extra_config, encoding="utf-8")
-        self._log = open(self.workdir / "mosquitto.log", "wb")
+        self._log = open(self.workdir / "mosquitto.log", "ab")
         self._proc = subprocess.Popen([binary, "-c", str(conf)], stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout

@@ -41,6 +41,7 @@ from profiling.units import human_bytes
 __all__ = ["BroadcastCache", "ClientSettings", "EdgeClient", "ModelCache", "presence_payload"]
 
 log = logging.getLogger("fedge.client")
+BROADCAST_PATIENCE = 0.5   # share of a task's timeout spent waiting for its model broadcast
 # One line per task, on connecting and at a run's end: what a person at the device sees without -v.
 activity = logging.getLogger("fedge.client.activity")
 
@@ -378,11 +379,16 @@ class EdgeClient:
             self.transport.unsubscribe(self.topics.model, parts=True)
 
     def _give_up_waiting(self) -> None:
-        """A task whose broadcast never came is answered with an error at its timeout."""
+        """A task whose broadcast never came is answered with an error at half its timeout.
+
+        The coordinator's attempt ends at the full timeout: an error sent then would count
+        as late, while one sent halfway counts as failed and lets the coordinator retry,
+        which publishes the broadcast again.
+        """
         if self._waiting is None:
             return
         task, profiler, since = self._waiting
-        if time.monotonic() - since > task.timeout:
+        if time.monotonic() - since > BROADCAST_PATIENCE * task.timeout:
             self._stop_waiting()
             self._on_task(task, profiler, wait=False)
 
@@ -479,7 +485,7 @@ class EdgeClient:
         if task.broadcast is not None:
             shared = self._broadcasts.get(task.broadcast)
             if shared is None:
-                raise ProtocolError(f"the model broadcast {task.broadcast[:16]}... did not arrive within the task's "
+                raise ProtocolError(f"the model broadcast {task.broadcast[:16]}... did not arrive within half the task's "
                                     "timeout; check that this device may read the coordinator's model topic")
             wire, codec = shared
             tensors.update(decode_download(wire, codec, shapes))

@@ -1,0 +1,71 @@
+"""A broker that restarts at the moment of the model broadcast, with and without persistence.
+
+Without persistence the restarted broker has forgotten the retained broadcast and run
+status; the coordinator publishes both again once it is reconnected (and on a retry),
+so the devices get the model and the round completes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from coordinator import engine
+from coordinator.config import load_config
+from coordinator.mosquitto import LocalMosquitto
+from coordinator.run import run_federated
+
+
+@pytest.mark.parametrize("persistence", [False, True], ids=["no-persistence", "persistence"])
+def test_a_broker_restart_at_the_broadcast_loses_no_round(tmp_path, monkeypatch, persistence):
+    broker = LocalMosquitto(workdir=tmp_path / "broker", persistence=persistence)
+    broker.start()
+    restarts: list[int] = []
+    original = engine.Coordinator._broadcast
+
+    def broadcast_then_restart(self, book, tensors):
+        digest = original(self, book, tensors)
+        if book.round == 2 and not restarts:     # the model is at the broker, the tasks not yet out
+            restarts.append(book.round)
+            _wait_until_retained(broker.port, self.topics.model)
+            broker.stop()
+            broker.start(same_port=True)
+        return digest
+
+    monkeypatch.setattr(engine.Coordinator, "_broadcast", broadcast_then_restart)
+    out = tmp_path / "run"
+    overrides = {"run.rounds": 3, "run.out": str(out), "model.name": "cnn", "data.eval": "digits",
+                 "clients.expected": 2, "clients.spawn": 2, "clients.round_timeout": 30.0,
+                 "clients.presence_timeout": 60.0, "transport.broker": broker.url, "export.enabled": False}
+    config = load_config(None, [(*k.split(".", 1), v) for k, v in overrides.items()])
+    try:
+        result = run_federated(config, say=lambda s: None)
+    finally:
+        broker.stop()
+    assert restarts == [2]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["returned"] == 2 for r in rows[1:])
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.2
+    assert result.summary["final_accuracy"] == rows[-1]["test_accuracy"]
+
+
+def _wait_until_retained(port: int, topic: str, timeout: float = 10.0) -> None:
+    """Block until the broker holds a retained message on ``topic`` (its first chunk, if chunked)."""
+    got = threading.Event()
+    probe = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"probe-{uuid.uuid4().hex[:8]}")
+    probe.on_message = lambda client, userdata, message: got.set() if message.retain else None
+    probe.connect("127.0.0.1", port)
+    probe.subscribe(f"{topic}/#")
+    probe.subscribe(topic)
+    probe.loop_start()
+    try:
+        assert got.wait(timeout), "the broadcast never reached the broker"
+    finally:
+        probe.loop_stop()
+        probe.disconnect()
