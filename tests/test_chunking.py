@@ -1,13 +1,16 @@
-"""Chunking: reassembly out of order, duplicates, losses, tampering, bounds, retained chunked messages."""
+"""Chunking: reassembly out of order, duplicates, losses, tampering, bounds and caps, retained chunked messages,
+and a cost per chunk that stays flat however many incomplete messages are held."""
 
 from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
-from edge_client.wire.chunking import HEADER_BYTES, ChunkingTransport, Reassembler, parse_chunk, split
+from edge_client.wire.chunking import (DEFAULT_PARTIAL_BYTES, DEFAULT_PARTIAL_MESSAGES, HEADER_BYTES, Assembled,
+                                       ChunkingTransport, Reassembler, parse_chunk, split)
 from edge_client.wire.transport import InprocHub, MessageTooLarge
 
 
@@ -161,3 +164,114 @@ def test_a_retained_chunk_on_the_wrong_part_topic_is_refused():
     raw.publish("p/model/1", chunks[0])          # chunk 0 posing as part 1
     item = sub.get(1.0)
     assert item is not None and "arrived on p/model/1" in item.error and not item.payload
+
+
+def test_total_memory_cap_evicts_the_oldest_across_senders_and_counts_evictions():
+    r = Reassembler(max_message_bytes=20_000, total_bytes=50_000)
+    messages = {s: split(os.urandom(15_000), 4096) for s in "abcde"}
+    out = []
+    for s, chunks in messages.items():           # 3 of 4 chunks (about 12 KB) from each of five senders
+        out += _feed_all(r, s, chunks[:-1])
+        assert r.held <= 50_000
+    assert [o.sender for o in out] == ["a"] and "exceed 50000 bytes in total" in out[0].error
+    assert r.evicted == 1 and r.partial_messages == 4
+    late = _feed_all(r, "a", messages["a"][-1:])     # a late chunk of an evicted message: ignored quietly
+    assert late == [Assembled("a", wire_bytes=len(messages["a"][-1]))]
+    dropped, done = _feed_all(r, "e", messages["e"][-1:])    # e's last chunk needs room: b, now the oldest, goes
+    assert dropped.sender == "b" and "in total" in dropped.error and done.payload and r.evicted == 2
+
+
+def test_count_cap_evicts_the_oldest_incomplete_messages():
+    r = Reassembler(max_message_bytes=1 << 20, max_partial_messages=3)
+    messages = [split(os.urandom(5_000), 2048) for _ in range(5)]
+    out = []
+    for i, chunks in enumerate(messages):
+        out += r.feed(f"s{i}", chunks[0])
+    assert [o.sender for o in out] == ["s0", "s1"] and all("more than 3 incomplete messages" in o.error for o in out)
+    assert r.partial_messages == 3 and r.evicted == 2
+    for i in (2, 3, 4):
+        assert _feed_all(r, f"s{i}", messages[i][1:])[-1].payload
+    assert r.partial_messages == 0 and r.held == 0
+
+
+def test_empty_first_chunks_cannot_pile_up():
+    r = Reassembler(max_message_bytes=1 << 20, max_partial_messages=100)
+    for _ in range(1000):      # header only: no data, so only the count cap stops them
+        r.feed("flood", split(os.urandom(10_000), 1024)[0][:HEADER_BYTES])
+    assert r.partial_messages == 100 and r.evicted == 900 and r.held == 0
+
+
+def test_a_message_larger_than_the_byte_bounds_is_refused_without_evicting_others():
+    r = Reassembler(max_message_bytes=100_000, per_sender_bytes=30_000, total_bytes=40_000)
+    small = split(os.urandom(10_000), 4096)
+    assert _feed_all(r, "a", small[:-1]) == []
+    big = split(os.urandom(35_000), 4096)
+    (refused,) = r.feed("b", big[0])
+    assert "cannot be reassembled" in refused.error and "raise" in refused.error
+    assert r.evicted == 0 and _feed_all(r, "b", big[1:]) == [Assembled("b", wire_bytes=len(c)) for c in big[1:]]
+    assert _feed_all(r, "a", small[-1:])[0].payload
+
+
+def test_every_fed_byte_is_reported_exactly_once():
+    clock = Clock()
+    r = Reassembler(max_message_bytes=30_000, per_sender_bytes=25_000, total_bytes=40_000,
+                    max_partial_messages=4, timeout=10, clock=clock)
+    rng = random.Random(1)
+    fed, reported = 0, 0
+    chunks = [(f"s{rng.randrange(3)}", c) for _ in range(12) for c in split(os.urandom(rng.randrange(1, 28_000)), 3000)]
+    chunks += rng.sample(chunks, 10)
+    rng.shuffle(chunks)
+    for sender, c in chunks:
+        fed += len(c)
+        reported += sum(o.wire_bytes for o in r.feed(sender, c))
+    clock.now = 11
+    reported += sum(o.wire_bytes for o in r.expire())
+    assert reported == fed and r.held == 0 and r.partial_messages == 0
+
+
+def test_transport_caps_partial_memory_by_default_and_on_request():
+    hub = InprocHub()
+    t = ChunkingTransport(hub.connect("a"), max_decoded_bytes=1 << 20)
+    assert t.reassembler.total_bytes == DEFAULT_PARTIAL_BYTES
+    assert t.reassembler.max_partial_messages == DEFAULT_PARTIAL_MESSAGES
+    big = ChunkingTransport(hub.connect("b"), max_decoded_bytes=DEFAULT_PARTIAL_BYTES * 2)
+    assert big.reassembler.total_bytes == DEFAULT_PARTIAL_BYTES * 2     # the largest message must still fit
+    small = ChunkingTransport(hub.connect("c"), max_message_bytes=4096, max_decoded_bytes=20_000,
+                              max_partial_bytes=30_000, max_partial_messages=2)
+    assert small.reassembler.total_bytes == 30_000 and small.reassembler.max_partial_messages == 2
+    with pytest.raises(ValueError, match="raise max_partial_bytes"):
+        ChunkingTransport(hub.connect("d"), max_decoded_bytes=1 << 20, max_partial_bytes=1 << 19)
+    small.subscribe("t/+")
+    raw = hub.connect("raw")
+    for i in range(3):
+        raw.publish(f"t/{i}", split(os.urandom(10_000), 4096)[0])
+    item = small.get(1.0)
+    assert item is not None and item.topic == "t/0" and "more than 2 incomplete messages" in item.error
+    assert small.reassembler.evicted == 1
+
+
+def _per_chunk_seconds(held: int, probes: int = 400) -> float:
+    """Best-of-five time per chunk fed (and one expiry pass) while ``held`` messages stay incomplete."""
+    r = Reassembler(max_message_bytes=1 << 20, total_bytes=1 << 34, max_partial_messages=held + 10 * probes)
+    payload = os.urandom(3000)
+    first = split(payload, 2048)[0]
+    for i in range(held):                # same data, new message id each time: no split per message
+        head = bytearray(first)
+        head[8:24] = i.to_bytes(16, "little")
+        r.feed(f"s{i % 100}", bytes(head))
+    best = float("inf")
+    for _ in range(5):
+        messages = [split(payload, 2048) for _ in range(probes)]
+        start = time.perf_counter()
+        for i, (a, b) in enumerate(messages):
+            r.feed(f"s{i % 100}", a)
+            r.feed(f"s{i % 100}", b)
+        r.expire()
+        best = min(best, (time.perf_counter() - start) / (2 * probes))
+    assert r.partial_messages == held
+    return best
+
+
+def test_cost_per_chunk_does_not_grow_with_the_incomplete_messages_held():
+    few, many = _per_chunk_seconds(100), _per_chunk_seconds(30_000)
+    assert many < 3 * few, f"{many * 1e6:.1f} us per chunk with 30000 held vs {few * 1e6:.1f} us with 100"
