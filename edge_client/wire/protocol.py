@@ -153,6 +153,18 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    """JSON numbers such as 1e999 parse to infinity; a message may carry only finite ones."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is not finite")
+    return value
+
+
+def _loads(text: bytes | str) -> Any:
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
 def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError("payload is not bytes")
@@ -164,9 +176,9 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
     if n > _MAX_HEADER_BYTES or 8 + n > len(payload):
         raise ProtocolError(f"envelope header length {n} does not fit a {len(payload)}-byte message")
     try:
-        st_header = json.loads(bytes(payload[8:8 + n]), parse_constant=_refuse_constant)
-        meta = json.loads(st_header.pop("__metadata__")["fedge"], parse_constant=_refuse_constant)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        st_header = _loads(bytes(payload[8:8 + n]))
+        meta = _loads(st_header.pop("__metadata__")["fedge"])
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:   # deep nesting: recursion
         raise ProtocolError(f"not a fedge envelope ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict):
         raise ProtocolError("envelope header is not a JSON object")
@@ -174,13 +186,14 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
     for name, info in st_header.items():
         try:
             tag, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-            numel = math.prod(int(s) for s in shape)
-            ok = (tag in _DTYPE_BYTES and all(isinstance(s, int) and s >= 0 for s in shape)
-                  and 0 <= start <= end <= data_len and end - start == numel * _DTYPE_BYTES[tag])
+            ok = (tag in _DTYPE_BYTES and isinstance(shape, list)
+                  and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+                  and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= data_len
+                  and end - start == math.prod(shape) * _DTYPE_BYTES[tag])
         except (KeyError, TypeError, ValueError):
             ok = False
-        if not ok:
-            raise ProtocolError(f"tensor {name!r} has an invalid entry {info!r}")
+        if not ok:   # the sender's entry is shortened: it may be megabytes long
+            raise ProtocolError(f"tensor {str(name)[:80]!r} has an invalid entry {repr(info)[:200]}")
     return meta, st_header
 
 
