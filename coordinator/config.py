@@ -22,7 +22,7 @@ from coordinator.methods import method_sections, requirements
 from coordinator.selection import SELECTIONS
 from edge_client.wire.chunking import MIN_MESSAGE_BYTES
 from edge_client.wire.codec import CodecError, parse_codec
-from edge_client.wire.transport import BrokerUrlError, parse_broker_url
+from edge_client.wire.transport import BrokerUrlError, parse_broker_address
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,7 +76,7 @@ class TrainSection:
 @dataclass(frozen=True)
 class TransportSection:
     kind: str = "mqtt"              # mqtt | inproc
-    broker: str = ""                # mqtt://HOST:PORT; empty: start the embedded broker
+    broker: str = ""                # mqtt://HOST:PORT or mqtts://HOST:PORT (TLS); empty: the embedded broker
     protocol: str = "auto"          # 5 | 3.1.1 | auto
     prefix: str = "fedge"
     username: str = ""
@@ -84,6 +84,14 @@ class TransportSection:
     max_message_bytes: int = 256 * 1024          # largest publish; longer messages go in chunks (broker limit)
     max_decoded_bytes: int = 64 * 1024 * 1024    # largest whole message accepted (reassembled, decompressed)
     chunking: bool = True                        # off: a message over max_message_bytes is an error
+    # TLS, with an mqtts:// broker: the CA that signed the broker's certificate (empty: the system's CAs),
+    # and a client certificate and key for brokers that require one.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    # A directory written by `fedge-coordinator provision`: spawned clients log in with its device bundles
+    # (one user each), as a broker with use_username_as_clientid requires.
+    provision_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,15 @@ class SimSection:
 
 
 @dataclass(frozen=True)
+class AggregateSection:
+    """How results are combined when some clients may be wrong or hostile (coordinator/aggregation.py)."""
+
+    rule: str = "mean"              # mean | median | trimmed_mean | clipped_mean
+    trim: float = 0.1               # trimmed_mean: fraction of the values dropped at each end
+    norm_bound: float = 0.0         # reject updates above this multiple of the round's median norm; 0: off
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
@@ -136,6 +153,7 @@ class RunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     export: ExportSection = field(default_factory=ExportSection)
     sim: SimSection = field(default_factory=SimSection)
+    aggregate: AggregateSection = field(default_factory=AggregateSection)
     # The methods' own sections (name -> dataclass), read as attributes: ``config.dfl.diversity``.
     methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
     # "section.key" the user set (file or flags): a method's defaults never override these.
@@ -156,6 +174,10 @@ class RunConfig:
             (self.train.lr > 0 and self.train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
             (0.0 <= self.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),
             (self.eval.every >= 1 and self.eval.finetune_epochs >= 0, "eval.every must be >= 1, eval.finetune_epochs >= 0"),
+            (self.aggregate.rule in ("mean", "median", "trimmed_mean", "clipped_mean"),
+             "aggregate.rule is one of mean, median, trimmed_mean, clipped_mean"),
+            (0 <= self.aggregate.trim < 0.5 and self.aggregate.norm_bound >= 0,
+             "aggregate.trim must be in [0, 0.5) and aggregate.norm_bound >= 0 (0 turns the bound off)"),
             (not self.eval.personalized or self.data.local_test_fraction > 0 or self.clients.spawn == 0,
              "eval.personalized needs data.local_test_fraction > 0 for spawned clients"),
             (c.expected >= 1, "clients.expected must be at least 1"),
@@ -168,7 +190,7 @@ class RunConfig:
             (t.kind in ("mqtt", "inproc"), "transport.kind must be mqtt or inproc"),
             (t.kind == "mqtt" or c.spawn > 0, "the inproc transport needs spawned clients (--spawn-clients N)"),
             (t.protocol in ("auto", "5", "3.1.1"), "transport.protocol must be auto, 5 or 3.1.1"),
-            (not t.broker or _broker_url_problem(t.broker) == "", f"transport.broker: {_broker_url_problem(t.broker)}"),
+            (_broker_problem(t) == "", _broker_problem(t)),
             (t.max_message_bytes >= MIN_MESSAGE_BYTES, f"transport.max_message_bytes must be at least "
                                                        f"{MIN_MESSAGE_BYTES}"),
             (t.max_decoded_bytes >= MIN_MESSAGE_BYTES, f"transport.max_decoded_bytes must be at least "
@@ -209,11 +231,33 @@ class RunConfig:
         return self.clients.min_results or self.selected_per_round
 
 
-def _broker_url_problem(url: str) -> str:
-    try:
-        parse_broker_url(url)
-    except BrokerUrlError as exc:
-        return str(exc)
+def _broker_problem(t: TransportSection) -> str:
+    """What is wrong with the broker URL and its TLS and provisioning files ("" when nothing): checked before
+    the run directory exists, so a typo costs no cleanup and no retry loop."""
+    if t.broker:
+        try:
+            tls = parse_broker_address(t.broker).tls
+        except BrokerUrlError as exc:
+            return f"transport.broker: {exc}"
+    else:
+        tls = False
+    tls_keys = [f"transport.{key}" for key in ("ca_file", "cert_file", "key_file") if getattr(t, key)]
+    if tls_keys and not tls:
+        return (f"{', '.join(tls_keys)} need a TLS broker: set transport.broker = \"mqtts://HOST:8883\" "
+                "(the embedded broker and mqtt:// URLs do not use TLS)")
+    if t.key_file and not t.cert_file:
+        return "transport.key_file needs transport.cert_file (the client certificate it belongs to)"
+    for key in ("ca_file", "cert_file", "key_file"):
+        path = getattr(t, key)
+        if path and not Path(path).is_file():
+            return f"transport.{key}: {path} does not exist; give the path of a PEM file"
+    if t.provision_dir:
+        if not t.broker:
+            return ("transport.provision_dir needs transport.broker (the provisioned broker); the embedded broker "
+                    "makes its own credentials")
+        if not (Path(t.provision_dir) / "devices").is_dir():
+            return (f"transport.provision_dir: {t.provision_dir} has no devices/ directory; give the --out "
+                    "directory of fedge-coordinator provision")
     return ""
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from coordinator.aggregation import norm_bound_keep, update_norms
 from coordinator.checkpoint import save_checkpoint
 from coordinator.config import RunConfig
 from coordinator.downlink import Downlink, shared_tensors
@@ -439,6 +440,17 @@ class Coordinator:
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
                        "check the clients' logs, raise clients.round_timeout or lower clients.min_results")
 
+    def _norm_bound(self, results: list[ClientResult]) -> tuple[list[ClientResult], list[str]]:
+        """The results whose update norm is within ``aggregate.norm_bound`` x the round's median, and the
+        ids of the others (rejected before aggregation, and logged)."""
+        norms = update_norms([r.tensors for r in results], self.state.params)
+        keep = norm_bound_keep(norms, self.config.aggregate.norm_bound)
+        dropped = [r.client_id for r, ok in zip(results, keep) if not ok]
+        if dropped:
+            log.warning("round %d: rejected %d update(s) above %.3g x the median norm: %s", self.state.round + 1,
+                        len(dropped), self.config.aggregate.norm_bound, ", ".join(dropped))
+        return [r for r, ok in zip(results, keep) if ok], dropped
+
     def evaluates(self, round: int) -> bool:
         """Whether ``round`` ends with a test-set evaluation: every ``eval.every`` rounds and in the last."""
         return round % self.config.eval.every == 0 or round == self.config.run.rounds
@@ -463,6 +475,9 @@ class Coordinator:
             results = [book.results[k] for k in sorted(book.results)]   # fixed order: reproducible sums
             for key, value in totals.items():
                 counts[key] += value
+            if phase == "train" and self.config.aggregate.norm_bound > 0:
+                results, dropped = self._norm_bound(results)
+                row.update({"norm_rejected": len(dropped), "norm_rejected_clients": dropped})
             if phase == "train":
                 n = sum(r.num_samples for r in results)
                 slowest = max(book.profiles.items(), key=lambda kv: kv[1].get("seconds") or 0, default=(None, {}))

@@ -14,6 +14,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from coordinator.aggregation import Aggregator
 from coordinator.errors import ConfigError
 from coordinator.strategies.base import PersonalizedEval, Strategy
 from edge_client.registry import METHODS, Method
@@ -73,6 +74,13 @@ def requirements(strategy: str, model: Mapping[str, Any], explicit: frozenset[st
 def make_strategy(config: RunConfig) -> Strategy:
     """The configured strategy, with the optional personalized evaluation from ``[eval]``."""
     strategy = resolve(method(config.run.strategy).strategy).from_config(config)
+    a = config.aggregate
+    if (a.rule != "mean" or a.norm_bound > 0) and not strategy.robust:
+        raise ConfigError(f"aggregate.rule = {a.rule!r} and aggregate.norm_bound apply to strategies that average "
+                          f"updates (fedavg, fedprox, spherefed, fed2 with pairing all); {config.run.strategy!r} "
+                          "combines results its own way: leave them at mean and 0")
+    if strategy.robust:
+        strategy.aggregator = Aggregator(a.rule, a.trim)
     if config.eval.personalized:
         strategy.personalized = PersonalizedEval(every=config.eval.every, finetune_epochs=config.eval.finetune_epochs,
                                                  train=dataclasses.asdict(config.train))

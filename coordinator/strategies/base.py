@@ -183,6 +183,9 @@ class Strategy:
 
     name = "base"
     personalized: PersonalizedEval | None = None
+    # Whether the strategy averages what clients send as updates of what it sent, so that
+    # aggregate.rule and aggregate.norm_bound apply (coordinator/aggregation.py).
+    robust = False
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The network every party builds, from the configured one (``[model]`` plus the data's

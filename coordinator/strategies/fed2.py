@@ -70,6 +70,7 @@ class Fed2(FedAvg):
         self.allocation = list(allocation or [])
         self.pairing = pairing
         self.objective = "fed2_train" if pairing == "holders" else "train"   # only holders need the histograms
+        self.robust = pairing == "all"   # holders weighs rows its own way
         self.num_classes = 0    # of the model the current round trains: set when its tasks are planned
 
     @classmethod

@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
+from coordinator.aggregation import Aggregator
+from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
@@ -31,6 +32,8 @@ class FedProxSection:
 class FedAvg(Strategy):
     name = "fedavg"
     objective = "train"     # the device objective its training tasks run
+    robust = True           # takes aggregate.rule and aggregate.norm_bound
+    aggregator = Aggregator()
 
     def __init__(self, train: dict[str, Any]) -> None:
         self.train = dict(train)
@@ -48,9 +51,10 @@ class FedAvg(Strategy):
                 for c in clients]
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
-        """Sample-weighted mean of the returned models, in the order given (the engine sorts)."""
-        total = WeightedSum.reduce(WeightedSum.of(r.tensors, r.num_samples) for r in results)
-        return dataclasses.replace(state, round=round, params={**state.params, **total.mean()})
+        """The returned models combined by ``aggregate.rule`` (FedAvg's sample-weighted mean by default),
+        in the order given (the engine sorts)."""
+        combined = self.aggregator.combine([(r.tensors, r.num_samples) for r in results], state.params)
+        return dataclasses.replace(state, round=round, params={**state.params, **combined})
 
 
 class FedProx(FedAvg):

@@ -1,0 +1,80 @@
+"""Robust aggregation: the rules against hand-computed values, and 2 hostile clients of 10 on real digits."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.aggregation import Aggregator, norm_bound_keep, update_norms
+from coordinator.config import ConfigError, load_config
+from coordinator.methods import make_strategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from poisoning import HOSTILE, run  # noqa: E402
+
+REFERENCE = {"w": torch.zeros(2)}
+
+
+def _results(*rows: list[float], weights: list[float] | None = None):
+    return [({"w": torch.tensor(r)}, w) for r, w in zip(rows, weights or [1.0] * len(rows))]
+
+
+def test_each_rule_against_hand_computed_values():
+    results = _results([1.0, -1.0], [2.0, 0.0], [3.0, 1.0], [100.0, -50.0], weights=[1, 1, 2, 1])
+    mean = Aggregator("mean").combine(results, REFERENCE)["w"]
+    torch.testing.assert_close(mean, torch.tensor([(1 + 2 + 6 + 100) / 5, (-1 + 0 + 2 - 50) / 5]))
+    median = Aggregator("median").combine(results, REFERENCE)["w"]
+    torch.testing.assert_close(median, torch.tensor([2.5, -0.5]))          # middle two of four, averaged
+    trimmed = Aggregator("trimmed_mean", trim=0.25).combine(results, REFERENCE)["w"]
+    torch.testing.assert_close(trimmed, torch.tensor([2.5, -0.5]))         # one dropped at each end
+    # clipped: norms 1.414, 2, 3.162, 111.8; the median (torch: the lower middle) is 2.0
+    clipped = Aggregator("clipped_mean").combine(results, REFERENCE)["w"]
+    big = torch.tensor([100.0, -50.0]) * 2.0 / torch.tensor([100.0, -50.0]).norm()
+    third = torch.tensor([3.0, 1.0]) * 2.0 / torch.tensor([3.0, 1.0]).norm()
+    expected = (torch.tensor([1.0, -1.0]) + torch.tensor([2.0, 0.0]) + 2 * third + big) / 5
+    torch.testing.assert_close(clipped, expected)
+
+
+def test_rules_work_on_updates_not_on_where_the_model_is():
+    reference = {"w": torch.tensor([10.0, 10.0])}
+    results = [({"w": reference["w"] + d}, 1.0) for d in (torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.0]),
+                                                             torch.tensor([0.0, 30.0]))]
+    torch.testing.assert_close(Aggregator("median").combine(results, reference)["w"], torch.tensor([10.0, 10.0]))
+    norms = update_norms([t for t, _ in results], reference)
+    assert norms == pytest.approx([1.0, 1.0, 30.0])
+    assert norm_bound_keep(norms, 3.0) == [True, True, False]
+    assert norm_bound_keep(norms + [float("nan")], 3.0)[-1] is False
+    assert norm_bound_keep(norms, 0.0) == [True, True, True]
+
+
+def test_rules_that_do_not_apply_are_refused():
+    with pytest.raises(ConfigError, match="aggregate.rule is one of"):
+        load_config(None, [("aggregate", "rule", "mode")])
+    with pytest.raises(ConfigError, match="combines results its own way"):
+        make_strategy(load_config(None, [("run", "strategy", "dfl"), ("aggregate", "rule", "median")]))
+    with pytest.raises(ConfigError, match="combines results its own way"):
+        make_strategy(load_config(None, [("run", "strategy", "fed2"), ("fed2", "pairing", "holders"),
+                                         ("aggregate", "norm_bound", 3.0)]))
+    assert make_strategy(load_config(None, [("run", "strategy", "fedprox"),
+                                            ("aggregate", "rule", "trimmed_mean")])).aggregator.rule == "trimmed_mean"
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> float:
+    return run(tmp_path_factory.mktemp("clean"), factor=1.0, defence={}, rounds=6, seed=0)["accuracy"]
+
+
+@pytest.mark.parametrize("factor", [20.0, -4.0], ids=["scaled", "sign-flipped"])
+def test_two_hostile_clients_wreck_the_mean_and_not_the_robust_rules(factor, clean, tmp_path):
+    """Real training on digits, 10 clients, 2 of them sending ``factor`` x their update
+    (``python bench/poisoning.py`` measures every rule, 3 seeds, against the 2-point goal)."""
+    assert clean > 0.9
+    assert run(tmp_path / "mean", factor=factor, defence={}, rounds=6, seed=0)["accuracy"] < 0.3
+    for name, defence in (("median", {"rule": "median"}), ("trimmed", {"rule": "trimmed_mean", "trim": 0.2}),
+                          ("clipped", {"rule": "clipped_mean"})):
+        assert run(tmp_path / name, factor=factor, defence=defence, rounds=6, seed=0)["accuracy"] > 0.8, name
+    bounded = run(tmp_path / "bound", factor=factor, defence={"norm_bound": 3.0}, rounds=6, seed=0)
+    assert bounded["norm_rejected"] == 6 * len(HOSTILE) and bounded["accuracy"] > 0.8
