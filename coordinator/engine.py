@@ -34,6 +34,7 @@ from coordinator.downlink import Downlink, shared_tensors
 from coordinator.profiles import ProfileStore
 from coordinator.selection import DeadlineFilter, RoundTimes
 from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
+from coordinator.throttle import ThrottledLog
 from coordinator.diagnostics import divergence_metrics
 from edge_client.models import state_shapes
 from edge_client.registry import build_model
@@ -127,6 +128,7 @@ class Coordinator:
         self._broadcast_payload = b""                 # ... and its bytes, published again after a reconnect
         self._status_payload = b""                    # the run status last announced (retained), likewise
         self._was_connected = True
+        self._warn = ThrottledLog(log)                # bad messages: a few lines each, then counts
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, PresenceBody] = {}
         self.sent_tasks: set[str] = set()
@@ -154,6 +156,7 @@ class Coordinator:
                 shown = now
             self.watchdog()
             self._after_reconnect()
+            self._warn.flush()
             self._complete_rows()   # an earlier round's evaluation may have finished meanwhile
             incoming = self.transport.get(min(0.2, max(0.0, until - time.monotonic())))
             if incoming is None:
@@ -170,7 +173,7 @@ class Coordinator:
                 elif incoming.payload:
                     self._on_result(client_id, incoming.payload)
             elif incoming.error:
-                log.warning("lost a message on %s: %s", incoming.topic, incoming.error)
+                self._warn.warning("lost a message on %s: %s", incoming.topic, incoming.error)
             elif kind == "presence" and incoming.payload:
                 self._on_presence(client_id, incoming.payload)
 
@@ -198,14 +201,14 @@ class Coordinator:
         try:
             msg = decode(payload, max_bytes=1024 * 1024)
         except ProtocolError as exc:
-            log.warning("ignored presence of %s: %s", client_id, exc)
+            self._warn.warning("ignored presence of %s: %s", client_id, exc)
             return
         if msg.sender != client_id or msg.kind != "presence":
             return
         try:
             body = PresenceBody.from_body(msg.body)
         except ProtocolError as exc:
-            log.warning("ignored presence of %s: %s", client_id, exc)
+            self._warn.warning("ignored presence of %s: %s", client_id, exc)
             return
         if body.state == "online":
             if client_id not in self.online:
@@ -221,7 +224,7 @@ class Coordinator:
 
     def _count(self, what: str, client_id: str, reason: str) -> None:
         self._round.counts[what] += 1
-        log.warning("%s result from %s: %s", what, client_id, reason)
+        self._warn.warning("%s result from %s: %s", what, client_id, reason)
 
     def _status(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:
         payload = encode("status", run_id=self.run_id, round=self._round.round, task_id=task_id,
