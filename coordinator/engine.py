@@ -585,5 +585,11 @@ class Coordinator:
     def checkpoint(self, state: ServerState | None = None) -> Path:
         """Save ``state`` (the current one by default) as the checkpoint of its round."""
         info = {"run_id": self.run_id, "strategy": self.strategy.name}
-        return save_checkpoint(self.out / "checkpoints", self.state if state is None else state, info,
-                               keep_all=self.config.checkpoint.keep == "all")
+        state = self.state if state is None else state
+        try:
+            return save_checkpoint(self.out / "checkpoints", state, info,
+                                   keep_all=self.config.checkpoint.keep == "all")
+        except OSError as exc:
+            raise RunError(f"could not write the checkpoint of round {state.round} in {self.out / 'checkpoints'} "
+                           f"({exc.strerror or exc}); the checkpoints before it are intact: free space and run "
+                           "again with --resume") from None

@@ -32,11 +32,15 @@ def write_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:   # a full disk or an interruption: the old file stays, no partial one beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_tensors_atomic(path: Path, tensors: Mapping[str, torch.Tensor],
