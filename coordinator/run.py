@@ -105,7 +105,8 @@ def _open_transport(config: RunConfig, run_id: str,
         say(f"started the embedded MQTT broker at {url} (MQTT {protocol}, generated credentials)")
     try:
         settings = BrokerSettings(url=url, username=username, password=password, protocol=protocol,
-                                  max_message_bytes=t.max_message_bytes)
+                                  max_message_bytes=t.max_message_bytes, ca_file=t.ca_file or None,
+                                  cert_file=t.cert_file or None, key_file=t.key_file or None)
         transport = MqttTransport(settings, f"fedge-coordinator-{run_id}").connect()
         try:
             yield transport, {"url": url, "username": username, "password": password,

@@ -8,7 +8,9 @@ same code whichever is used. They never look inside a payload.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import ssl
 import threading
 import time
 import uuid
@@ -24,8 +26,11 @@ from paho.mqtt.properties import Properties
 __all__ = [
     "TransportError",
     "MessageTooLarge",
+    "TlsError",
     "BrokerSettings",
     "BrokerUrlError",
+    "BrokerAddress",
+    "parse_broker_address",
     "parse_broker_url",
     "Will",
     "Incoming",
@@ -47,9 +52,19 @@ class MessageTooLarge(TransportError):
     """A message over our size limit (with chunking off) or over the broker's maximum packet size."""
 
 
+class TlsError(TransportError):
+    """TLS cannot work as configured (missing file, unknown CA, wrong host name): no retry can fix it."""
+
+
 @dataclass(frozen=True)
 class BrokerSettings:
-    """Where the broker is and how to talk to it."""
+    """Where the broker is and how to talk to it.
+
+    An ``mqtts://`` URL turns TLS on. The broker's certificate is checked against
+    ``ca_file`` (or the PEM text ``ca_data``, as a device bundle carries it inline), or
+    against the system's CAs when neither is given; ``cert_file`` and ``key_file`` add
+    a client certificate for brokers that ask for one.
+    """
 
     url: str = "mqtt://127.0.0.1:1883"
     username: str | None = None
@@ -59,34 +74,129 @@ class BrokerSettings:
     session_expiry: int = 7 * 24 * 3600
     connect_timeout: float = 15.0
     max_message_bytes: int = 64 * 1024 * 1024
+    ca_file: str | None = None
+    ca_data: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
 
     def __post_init__(self) -> None:
-        parse_broker_url(self.url)   # a malformed URL is a configuration error now, not a retry loop later
+        # A malformed URL or contradictory TLS options are configuration errors now, not a retry loop later.
+        address = parse_broker_address(self.url)
+        given = [name for name in ("ca_file", "ca_data", "cert_file", "key_file") if getattr(self, name)]
+        if given and not address.tls:
+            options = ", ".join(name.replace("_data", "_file") for name in given)
+            raise BrokerUrlError(f"{options} given but broker URL {self.url!r} is plain MQTT: use "
+                                 f"mqtts://{address.host}:PORT (the broker's TLS listener, usually 8883)")
+        if self.ca_file and self.ca_data:
+            raise TlsError("give the CA certificate either as a file or inline, not both")
+        if self.key_file and not self.cert_file:
+            raise TlsError("a client key (key_file, --key-file) needs its certificate (cert_file, --cert-file)")
 
     def host_port(self) -> tuple[str, int]:
         return parse_broker_url(self.url)
+
+    @property
+    def tls(self) -> bool:
+        return parse_broker_address(self.url).tls
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context for an ``mqtts://`` broker (None for ``mqtt://``); TlsError naming the file to fix.
+
+        Built here rather than by paho's ``tls_set``, which takes neither inline CA text nor
+        a minimum version: this context refuses anything older than TLS 1.2, requires a
+        certificate from the broker and checks it names the host of the URL.
+        """
+        if not self.tls:
+            return None
+        for option, path in (("CA file", self.ca_file), ("client certificate", self.cert_file),
+                             ("client key", self.key_file)):
+            if path and not os.path.isfile(path):
+                raise TlsError(f"{option} {path} does not exist: give the path of a PEM file")
+        # PROTOCOL_TLS_CLIENT requires the broker's certificate and checks its host name. With a CA given,
+        # only that CA is trusted: a public CA's certificate for some other host must not pass.
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            if self.ca_file or self.ca_data:
+                context.load_verify_locations(cafile=self.ca_file or None, cadata=self.ca_data or None)
+            else:
+                context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+        except (ssl.SSLError, ValueError) as exc:
+            where = f"CA file {self.ca_file}" if self.ca_file else "the inline CA certificate (ca_cert)"
+            raise TlsError(f"{where} is not a PEM certificate ({exc}): give the CA's .crt/.pem file") from None
+        except OSError as exc:
+            raise TlsError(f"cannot read CA file {self.ca_file}: {exc.strerror}") from None
+        if self.cert_file:
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file or None)
+            except (ssl.SSLError, ValueError) as exc:
+                raise TlsError(f"client certificate {self.cert_file} and key {self.key_file or '(in the same file)'}"
+                               f" do not load ({exc}): give a PEM certificate and its unencrypted key") from None
+            except OSError as exc:
+                raise TlsError(f"cannot read client certificate or key: {exc}") from None
+        return context
 
 
 class BrokerUrlError(TransportError, ValueError):
     """A broker URL fedge cannot use; no retry can fix it."""
 
 
-def parse_broker_url(url: str) -> tuple[str, int]:
-    """(host, port) of ``mqtt://HOST[:PORT]`` (port 1883 when omitted); BrokerUrlError saying why otherwise."""
+@dataclass(frozen=True)
+class BrokerAddress:
+    """A parsed broker URL: ``tls`` for ``mqtts://``."""
+
+    host: str
+    port: int
+    tls: bool
+
+
+_DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+
+
+def parse_broker_address(url: str) -> BrokerAddress:
+    """Host, port and TLS of ``mqtt://HOST[:PORT]`` (1883) or ``mqtts://HOST[:PORT]`` (8883); BrokerUrlError
+    saying why otherwise."""
     hint = f"broker URL {url!r} must look like mqtt://HOST:PORT (e.g. mqtt://127.0.0.1:1883)"
     if not isinstance(url, str) or "://" not in url:
         raise BrokerUrlError(f"{hint}: the mqtt:// scheme is missing")
     parsed = urlparse(url)
-    if parsed.scheme != "mqtt":
-        raise BrokerUrlError(f"{hint}: fedge speaks plain MQTT (mqtt://), not {parsed.scheme}://")
+    if parsed.scheme not in _DEFAULT_PORTS:
+        raise BrokerUrlError(f"{hint}: fedge speaks MQTT (mqtt://) or MQTT over TLS (mqtts://, e.g. "
+                             f"mqtts://broker.lan:8883), not {parsed.scheme}://")
     try:
-        port = parsed.port or 1883
+        port = parsed.port or _DEFAULT_PORTS[parsed.scheme]
     except ValueError:
         raise BrokerUrlError(f"{hint}: the port is not a number in 1..65535") from None
     if not parsed.hostname or parsed.path not in ("", "/") or parsed.query or parsed.username or parsed.password:
         raise BrokerUrlError(f"{hint}: give only a host and a port (credentials go in --username and "
                              "the FEDGE_MQTT_PASSWORD variable)")
-    return parsed.hostname, port
+    return BrokerAddress(parsed.hostname, port, parsed.scheme == "mqtts")
+
+
+def parse_broker_url(url: str) -> tuple[str, int]:
+    """(host, port) of a broker URL (see :func:`parse_broker_address`)."""
+    address = parse_broker_address(url)
+    return address.host, address.port
+
+
+def _tls_failure(exc: ssl.SSLError, settings: BrokerSettings, host: str, port: int) -> str | None:
+    """What to fix for a handshake failure no retry can cure; None for a transient one (connection cut)."""
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)):
+        return None
+    ca = (f"the CA in {settings.ca_file}" if settings.ca_file else
+          "the bundle's CA (ca_cert)" if settings.ca_data else "the system's CAs")
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        if exc.verify_code in (62, 64) or "match" in str(exc.verify_message).lower():   # host name or IP mismatch
+            return (f"TLS: the broker's certificate at {host}:{port} does not name {host!r} "
+                    f"({exc.verify_message}): connect with the host name or IP the certificate was made for, "
+                    f"or re-provision the broker's certificate for {host}")
+        return (f"TLS: the broker's certificate at {host}:{port} is not signed by {ca} ({exc.verify_message}): "
+                "give the deployment's CA certificate (--ca-file, transport.ca_file, or the device's bundle)")
+    reason = getattr(exc, "reason", "") or str(exc)
+    if reason == "WRONG_VERSION_NUMBER":
+        return (f"TLS: {host}:{port} does not speak TLS: use mqtt:// for a plain listener, or the port of the "
+                "broker's TLS listener (usually 8883)")
+    return f"TLS handshake with {host}:{port} failed ({reason}): check the CA, client certificate and TLS version"
 
 
 @dataclass(frozen=True)
@@ -193,11 +303,13 @@ class MqttTransport(Transport):
         # No lock: paho calls on_publish holding its own lock, which publish() takes too.
         self._publishing: dict[int, str] = {}
         self._refused_early: dict[int, object] = {}
+        self._ssl_context: ssl.SSLContext | None = None
 
     # -- connection -------------------------------------------------------------
     def connect(self) -> "MqttTransport":
         """Connect, trying MQTT 5 then 3.1.1 when the protocol is ``auto``."""
         candidates = ["5", "3.1.1"] if self.settings.protocol == "auto" else [self.settings.protocol]
+        self._ssl_context = self.settings.ssl_context()   # TlsError now for a missing or bad file
         reasons = []
         for protocol in candidates:
             # Some 3.1.1-only brokers never answer a v5 CONNECT that carries credentials,
@@ -207,6 +319,8 @@ class MqttTransport(Transport):
             try:
                 self._connect_with(protocol, timeout)
                 return self
+            except TlsError:
+                raise   # the other protocol version would fail the same handshake
             except TransportError as exc:
                 reasons.append(f"MQTT {protocol}: {exc}")
         raise TransportError(f"could not connect to {self.settings.url} as {self.client_id!r} ("
@@ -230,6 +344,8 @@ class MqttTransport(Transport):
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
         client.on_publish = self._on_publish
+        if self._ssl_context is not None:
+            client.tls_set_context(self._ssl_context)
         props = None
         if v5:
             props = Properties(PacketTypes.CONNECT)
@@ -241,6 +357,12 @@ class MqttTransport(Transport):
         try:
             client.connect(host, port, keepalive=self.settings.keepalive,
                            clean_start=False if v5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY, properties=props)
+        except ssl.SSLError as exc:
+            self._client = None
+            fix = _tls_failure(exc, self.settings, host, port)
+            if fix is not None:
+                raise TlsError(fix) from None
+            raise TransportError(f"{host}:{port} closed the TLS handshake ({exc})") from None
         except OSError as exc:
             self._client = None
             raise TransportError(f"{host}:{port} unreachable ({exc})") from None
