@@ -58,7 +58,63 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=None, help="run directory (default runs/RUN_ID)")
     demo.add_argument("-v", "--verbose", action="store_true", help="log client and round events to the terminal")
     _add_fed2_depth(sub)
+    _add_provision(sub)
     return parser
+
+
+def _add_provision(sub) -> None:  # sub: the parser's subparsers
+    prov = sub.add_parser(
+        "provision", help="make a TLS broker's certificates, users, ACL and one bundle per device",
+        description="Write a deployment into --out: a CA (unless --ca-cert/--ca-key are given), the broker's "
+                    "certificate for --broker-host, a password for the coordinator and each device, the "
+                    "Mosquitto configuration with its password file and ACL, the coordinator's [transport] "
+                    "section, and one bundle per device (devices/ID.toml) for fedge-client run --bundle. "
+                    "Passwords are never printed. docs/deploy.md walks through it.")
+    who = prov.add_mutually_exclusive_group(required=True)
+    who.add_argument("--devices", type=int, metavar="N", help="N devices named device-001, device-002, ...")
+    who.add_argument("--names", type=Path, metavar="FILE", help="device ids, one a line ('#' comments)")
+    who.add_argument("--rotate", metavar="ID",
+                     help="give device ID (or coordinator) a new password in an existing --out directory")
+    prov.add_argument("--out", type=Path, required=True, help="directory to write (new or empty; 0700)")
+    prov.add_argument("--broker-host", action="append", default=[], metavar="HOST",
+                      help="the broker's host name or IP as devices reach it; repeat for more names (all go into "
+                           "the certificate, the first into the bundles)")
+    prov.add_argument("--port", type=int, default=8883, help="the broker's TLS port (default 8883)")
+    prov.add_argument("--prefix", default="fedge", help="topic prefix of the ACL and the bundles (default fedge)")
+    prov.add_argument("--ca-cert", type=Path, default=None, help="an existing CA certificate (PEM) to sign with")
+    prov.add_argument("--ca-key", type=Path, default=None, help="the existing CA's key (PEM, unencrypted)")
+    prov.add_argument("--broker-dir", default="/etc/mosquitto/fedge",
+                      help="where the broker's files will be installed; fedge.conf names them there "
+                           "(default /etc/mosquitto/fedge)")
+    prov.add_argument("--listen", default="", metavar="ADDRESS",
+                      help="address the TLS listener binds (default: all interfaces)")
+
+
+def _provision(args: argparse.Namespace) -> int:
+    from coordinator.provision import ProvisionError, device_ids, provision, read_names, rotate_password
+
+    try:
+        if args.rotate:
+            target = rotate_password(args.out, args.rotate)
+            print(f"new password for {args.rotate} written to {target} and {args.out / 'broker' / 'fedge.passwd'}")
+            print("next: install the password file on the broker, reload Mosquitto, then deliver "
+                  f"{target.name} (docs/deploy.md#rotating-a-password)")
+            return 0
+        ids = read_names(args.names) if args.names is not None else device_ids(args.devices)
+        done = provision(args.out, hosts=args.broker_host, devices=ids, port=args.port, prefix=args.prefix,
+                         ca_cert=args.ca_cert, ca_key=args.ca_key, broker_dir=args.broker_dir, listen=args.listen)
+    except ProvisionError as exc:
+        print(f"fedge-coordinator provision: {exc}", file=sys.stderr)
+        return 2
+    out = done.out_dir
+    print(f"provisioned {len(done.bundles)} devices and the coordinator in {out}")
+    print(f"  CA:          {out / 'ca.crt'}" + (f" (key {out / 'ca.key'}: keep it offline)" if done.ca_created else ""))
+    print(f"  broker:      {out / 'broker'}/ (fedge.conf, fedge.acl, fedge.passwd, server.crt, server.key, ca.crt)"
+          f" -> install into {args.broker_dir}/")
+    print(f"  coordinator: {done.coordinator_config} (password in {done.coordinator_password})")
+    print(f"  devices:     {out / 'devices'}/ID.toml, one bundle per device (mode 0600)")
+    print("next: docs/deploy.md#provisioning")
+    return 0
 
 
 def _add_fed2_depth(sub) -> None:  # sub: the parser's subparsers
@@ -180,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "fed2-depth":
         return _fed2_depth(args)
+    if args.command == "provision":
+        return _provision(args)
     from rich.console import Console
     from rich.logging import RichHandler
     from rich.markup import escape

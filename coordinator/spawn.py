@@ -4,6 +4,11 @@ Each spawned process gets one torch thread (by default) so several clients on on
 machine do not oversubscribe its cores, writes its log to ``OUT/logs``, and exits
 by itself when the run finishes or when the coordinator process disappears.
 
+Against an external broker, processes log in with the coordinator's user name and password,
+unless ``transport.provision_dir`` names a directory from ``fedge-coordinator provision``: then
+client i runs with the i-th device bundle there (its own client id, user name and password),
+as a broker with ``use_username_as_clientid`` requires, and is named after that device.
+
 In-process clients share one arrangement of the train split (each client's data is a
 view of it) and run their tasks on ``sim.workers`` workers (coordinator/simulation.py),
 or, with ``sim.workers = -1``, each on a thread of its own, as separate devices would.
@@ -19,14 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.config import RunConfig
+from coordinator.errors import ConfigError
 from coordinator.simulation import ClientPool, worker_count
+from edge_client.bundle import BundleError, read_bundle
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import Dataset, arrange_clients
 from edge_client.objectives import holdout_seed, local_data_view
 from edge_client.wire.protocol import Topics
 from edge_client.wire.transport import InprocHub
 
-__all__ = ["SpawnedClients", "spawn_processes", "spawn_threads", "sim_client_id"]
+__all__ = ["SpawnedClients", "spawn_processes", "spawn_threads", "sim_client_id", "device_bundles"]
 
 
 def sim_client_id(index: int) -> str:
@@ -65,18 +72,51 @@ class SpawnedClients:
             thread.join(timeout=timeout)
 
 
+def device_bundles(provision_dir: str | Path, count: int) -> list[tuple[str, Path]]:
+    """(client id, bundle path) of the first ``count`` devices of a provisioning directory, in id order."""
+    paths = sorted((Path(provision_dir) / "devices").glob("*.toml"))
+    if len(paths) < count:
+        raise ConfigError(f"transport.provision_dir {provision_dir} has {len(paths)} device bundles but "
+                          f"{count} clients are to be spawned: provision at least {count} devices "
+                          f"(fedge-coordinator provision --devices {count}) or spawn fewer")
+    found = []
+    for path in paths[:count]:
+        try:
+            found.append((read_bundle(path).client_id, path))
+        except BundleError as exc:
+            raise ConfigError(f"transport.provision_dir: {exc}") from None
+    return found
+
+
+def _tls_options(config: RunConfig, *, with_ca: bool) -> list[str]:
+    t = config.transport
+    pairs = [("--ca-file", t.ca_file if with_ca else ""), ("--cert-file", t.cert_file), ("--key-file", t.key_file)]
+    return [item for flag, value in pairs if value for item in (flag, value)]
+
+
 def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol: str, username: str | None,
                     password: str | None, out_dir: Path) -> SpawnedClients:
-    """Start ``count`` client processes on partitions 0..count-1 of the evaluation data spec."""
+    """Start ``count`` client processes on partitions 0..count-1 of the evaluation data spec.
+
+    With ``transport.provision_dir`` each logs in with a device bundle of its own (the bundle's
+    CA, user and password; ``broker_url``, the coordinator's, replaces the bundle's URL so a
+    simulation on the broker's machine may use another of the names in its certificate).
+    """
     spawned = SpawnedClients()
+    bundles = device_bundles(config.transport.provision_dir, count) if config.transport.provision_dir else None
     env = dict(os.environ)
-    if password is not None:
+    if password is not None and bundles is None:
         env["FEDGE_MQTT_PASSWORD"] = password
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        cid = sim_client_id(i)
-        cmd = [sys.executable, "-m", "edge_client.cli", "run", "--broker", broker_url, "--client-id", cid,
+        if bundles is not None:
+            cid, bundle = bundles[i]
+            login = ["--bundle", str(bundle), *_tls_options(config, with_ca=False)]
+        else:
+            cid = sim_client_id(i)
+            login = [*(["--username", username] if username else []), *_tls_options(config, with_ca=True)]
+        cmd = [sys.executable, "-m", "edge_client.cli", "run", "--broker", broker_url, "--client-id", cid, *login,
                "--data", config.data.eval, "--partition", config.data.partition, "--partition-index", str(i),
                "--num-partitions", str(count), "--seed", str(config.run.seed),
                "--local-test-fraction", str(config.data.local_test_fraction),
@@ -86,8 +126,6 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
                "--max-decoded-bytes", str(config.transport.max_decoded_bytes),
                *([] if config.transport.chunking else ["--no-chunking"]),
                "--exit-after-run", "--parent-pid", str(os.getpid())]
-        if username:
-            cmd += ["--username", username]
         log = out_dir / "logs" / f"{cid}.log"
         with open(log, "ab") as fh:
             spawned.processes.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,

@@ -13,6 +13,7 @@ from pathlib import Path
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("fedge.client")
+_DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,10 +24,21 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="connect to the broker and serve tasks until stopped",
                          description="Connect to the MQTT broker, announce this device, and run the training "
                                      "tasks the coordinator sends, sending back only what each task asks for.")
-    run.add_argument("--broker", default=os.environ.get("FEDGE_BROKER", "mqtt://127.0.0.1:1883"),
-                     help="broker URL mqtt://HOST:PORT (default: $FEDGE_BROKER or mqtt://127.0.0.1:1883)")
-    run.add_argument("--client-id", required=True,
-                     help="unique id of this device (letters, digits, '_', '.', '-'); also its MQTT client id")
+    run.add_argument("--bundle", type=Path, default=None,
+                     help="device bundle from fedge-coordinator provision (broker, client id, user name, password, "
+                          "CA); the options below override what it says")
+    run.add_argument("--broker", default=None,
+                     help="broker URL mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS (default: the bundle's, else "
+                          f"$FEDGE_BROKER, else {_DEFAULT_BROKER})")
+    run.add_argument("--ca-file", default=None,
+                     help="with mqtts://: PEM file of the CA that signed the broker's certificate (default: the "
+                          "bundle's CA, else the system's CAs)")
+    run.add_argument("--cert-file", default=None,
+                     help="with mqtts://: PEM client certificate, for a broker that requires one")
+    run.add_argument("--key-file", default=None, help="with mqtts://: the client certificate's PEM key")
+    run.add_argument("--client-id", default=None,
+                     help="unique id of this device (letters, digits, '_', '.', '-'); also its MQTT client id "
+                          "(required unless the bundle gives it)")
     run.add_argument("--data", required=True,
                      help="this device's data: digits, fashion-mnist[:DIR] or npz:PATH (its train split is used)")
     run.add_argument("--partition", default=None,
@@ -39,10 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hold out this share of the local data for personalized evaluation (default 0)")
     run.add_argument("--state-dir", type=Path, default=Path(os.environ.get("FEDGE_STATE_DIR", "fedge-state")),
                      help="directory kept across restarts (profile history, local state); default ./fedge-state")
-    run.add_argument("--prefix", default="fedge", help="MQTT topic prefix shared with the coordinator")
-    run.add_argument("--username", default=os.environ.get("FEDGE_MQTT_USERNAME"),
-                     help="broker user name (default $FEDGE_MQTT_USERNAME); the password is read from "
-                          "$FEDGE_MQTT_PASSWORD, never from the command line")
+    run.add_argument("--prefix", default=None,
+                     help="MQTT topic prefix shared with the coordinator (default: the bundle's, else fedge)")
+    run.add_argument("--username", default=None,
+                     help="broker user name (default: the bundle's, else $FEDGE_MQTT_USERNAME); the password "
+                          "comes from the bundle or $FEDGE_MQTT_PASSWORD, never from the command line")
     run.add_argument("--mqtt-protocol", choices=("auto", "5", "3.1.1"), default="auto",
                      help="MQTT version; auto tries 5, then 3.1.1 (default auto)")
     run.add_argument("--torch-threads", type=int, default=0,
@@ -115,8 +128,12 @@ class _Stop:
 
 
 def _connect(transport, stop: _Stop) -> bool:   # transport: MqttTransport
-    """Connect, retrying with backoff until it works or a stop signal comes; return whether connected."""
-    from edge_client.wire.transport import TransportError
+    """Connect, retrying with backoff until it works or a stop signal comes; return whether connected.
+
+    A TLS failure (unknown CA, wrong host name) is raised at once: the same certificate fails the
+    same way on every retry.
+    """
+    from edge_client.wire.transport import TlsError, TransportError
 
     delay = 1.0
     while not stop.is_set():
@@ -125,6 +142,8 @@ def _connect(transport, stop: _Stop) -> bool:   # transport: MqttTransport
             logging.getLogger("fedge.client.activity").info(
                 "connected to %s as %s (MQTT %s)", transport.settings.url, transport.client_id, transport.protocol)
             return True
+        except TlsError:
+            raise
         except TransportError as exc:
             log.warning("%s; retrying in %.0f s", exc, delay)
             stop.wait(delay)
@@ -132,14 +151,41 @@ def _connect(transport, stop: _Stop) -> bool:   # transport: MqttTransport
     return False
 
 
+def _broker_settings(args: argparse.Namespace):  # -> BrokerSettings
+    """Broker settings from the command line over the bundle over the environment; fills in ``args.client_id``
+    and ``args.prefix`` from the bundle where the command line left them out.
+
+    The bundle comes before the environment: a device provisioned with a bundle must not pick up
+    another user's leftovers from an old client.env.
+    """
+    from edge_client.bundle import read_bundle
+    from edge_client.wire.transport import BrokerSettings
+
+    bundle = read_bundle(args.bundle) if args.bundle is not None else None
+    if bundle is not None:
+        args.client_id = args.client_id or bundle.client_id
+        args.prefix = args.prefix or bundle.prefix
+    args.prefix = args.prefix or "fedge"
+    env = os.environ
+    url = args.broker or (bundle.broker if bundle else None) or env.get("FEDGE_BROKER") or _DEFAULT_BROKER
+    username = args.username or (bundle.username if bundle else None) or env.get("FEDGE_MQTT_USERNAME")
+    password = (bundle.password if bundle else None) or env.get("FEDGE_MQTT_PASSWORD")
+    # The bundle's CA serves its TLS broker; a --broker mqtt:// override or a --ca-file replaces it.
+    ca_data = bundle.ca_cert if bundle and bundle.ca_cert and not args.ca_file and url.startswith("mqtts:") else None
+    return BrokerSettings(url=url, username=username, password=password, protocol=args.mqtt_protocol,
+                          max_message_bytes=args.max_message_bytes, ca_file=args.ca_file, ca_data=ca_data,
+                          cert_file=args.cert_file, key_file=args.key_file)
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         import torch
 
+        from edge_client.bundle import BundleError
         from edge_client.client import ClientSettings, EdgeClient
         from edge_client.data import DataError
         from edge_client.wire.protocol import Topics, valid_client_id
-        from edge_client.wire.transport import BrokerSettings, BrokerUrlError, MqttTransport, parse_broker_url
+        from edge_client.wire.transport import BrokerSettings, MqttTransport, TlsError, TransportError
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in _CLIENT_EXTRA:
             raise
@@ -147,10 +193,14 @@ def _run(args: argparse.Namespace) -> int:
               "(on a device install the pinned torch first, as docs/deploy.md shows)", file=sys.stderr)
         return 2
 
-    try:   # a URL no retry can fix is a configuration error, said at once
-        parse_broker_url(args.broker)
-    except BrokerUrlError as exc:
+    try:   # a URL, bundle or TLS file no retry can fix is a configuration error, said at once
+        broker = _broker_settings(args)
+        broker.ssl_context()
+    except (BundleError, TransportError) as exc:
         print(f"fedge-client: {exc}", file=sys.stderr)
+        return 2
+    if not args.client_id:
+        print("fedge-client: give --client-id ID (or --bundle PATH, which names it)", file=sys.stderr)
         return 2
     if not valid_client_id(args.client_id):
         print(f"fedge-client: bad --client-id {args.client_id!r}: use 1-64 letters, digits, '_', '.', '-'",
@@ -167,15 +217,19 @@ def _run(args: argparse.Namespace) -> int:
                               max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
                               chunking=args.chunking, exit_after_run=args.exit_after_run,
                               parent_pid=args.parent_pid)
-    broker = BrokerSettings(url=args.broker, username=args.username, password=os.environ.get("FEDGE_MQTT_PASSWORD"),
-                            protocol=args.mqtt_protocol, max_message_bytes=args.max_message_bytes)
     offline = EdgeClient.will(settings)
     transport = MqttTransport(broker, args.client_id, will=offline)
     stop = _Stop()
     stop.install()
-    if not _connect(transport, stop):
+    try:
+        connected = _connect(transport, stop)
+    except TlsError as exc:
         stop.uninstall()
-        print(f"fedge-client: stopped before connecting to {args.broker}", file=sys.stderr)
+        print(f"fedge-client: {exc}", file=sys.stderr)
+        return 2
+    if not connected:
+        stop.uninstall()
+        print(f"fedge-client: stopped before connecting to {broker.url}", file=sys.stderr)
         return 0
     try:
         EdgeClient(settings, transport, data).run(stop)

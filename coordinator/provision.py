@@ -1,0 +1,340 @@
+"""Provision a TLS Mosquitto deployment: CA, broker certificate, users, ACL, and one bundle per device.
+
+``fedge-coordinator provision`` writes everything a deployment needs into one
+directory, so no secret is ever typed or pasted:
+
+- ``ca.crt`` (and ``ca.key`` when the CA is made here): the certificate authority.
+- ``broker/``: the broker's certificate and key for its host name or IP, the password
+  file (Mosquitto 2's PBKDF2-SHA512 format), the ACL and ``fedge.conf``, a TLS listener
+  with ``allow_anonymous false`` and ``use_username_as_clientid true``.
+- ``coordinator/``: ``coordinator.toml`` (the ``[transport]`` section to run with) and
+  ``password``.
+- ``devices/ID.toml``: one bundle per device (:mod:`edge_client.bundle`).
+
+Keys, passwords and bundles are written with mode 0600 and never logged or printed.
+Certificates are made with the ``openssl`` command, which every Linux that runs
+Mosquitto has, rather than a Python dependency.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_client.bundle import Bundle, BundleError, bundle_toml, read_bundle
+from edge_client.wire.protocol import ProtocolError, Topics, valid_client_id
+
+__all__ = ["ProvisionError", "Provisioned", "provision", "rotate_password", "device_ids", "read_names",
+           "password_line", "COORDINATOR_USER"]
+
+COORDINATOR_USER = "coordinator"
+CA_DAYS = 3650
+SERVER_DAYS = 825
+# Mosquitto 2's default iteration count. The passwords are 192 random bits, which no amount of
+# key stretching would make stronger, and every login costs the broker these iterations.
+PBKDF2_ITERATIONS = 101
+
+
+class ProvisionError(RuntimeError):
+    """Provisioning cannot go on; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """Where things were written (no secrets)."""
+
+    out_dir: Path
+    broker_conf: Path
+    coordinator_config: Path
+    coordinator_password: Path
+    bundles: dict[str, Path]
+    ca_created: bool
+
+
+def device_ids(count: int) -> list[str]:
+    if count < 1:
+        raise ProvisionError("--devices must be at least 1")
+    return [f"device-{i:03d}" for i in range(1, count + 1)]
+
+
+def read_names(path: Path) -> list[str]:
+    """Device ids from a file, one a line; blank lines and ``#`` comments are skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ProvisionError(f"cannot read --names {path}: {exc.strerror}") from None
+    return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+
+
+def _check_ids(ids: list[str]) -> None:
+    bad = [i for i in ids if not valid_client_id(i)]
+    if bad:
+        raise ProvisionError(f"bad device ids {bad}: use 1-64 letters, digits, '_', '.', '-' (each is a client id, "
+                             "an MQTT user name and a topic level)")
+    if COORDINATOR_USER in ids:
+        raise ProvisionError(f"{COORDINATOR_USER!r} is the coordinator's user name: rename that device")
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ProvisionError(f"device ids must be unique; repeated: {', '.join(duplicates)}")
+    if not ids:
+        raise ProvisionError("no device ids: the --names file is empty")
+
+
+def password_line(username: str, password: str, *, salt: bytes | None = None) -> str:
+    """A Mosquitto 2 password-file line (``$7$``: PBKDF2-SHA512), made here so no password is ever put on
+    a command line (``mosquitto_passwd -b``), where other users could read it in the process list."""
+    salt = salt if salt is not None else secrets.token_bytes(12)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, PBKDF2_ITERATIONS)
+    return (f"{username}:$7${PBKDF2_ITERATIONS}${base64.b64encode(salt).decode()}$"
+            f"{base64.b64encode(digest).decode()}")
+
+
+def _new_password() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    """Write ``text`` to ``path`` with ``mode`` from the first byte (replacing it atomically when it exists)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _openssl(*args: str, stdin: str | None = None) -> str:
+    binary = shutil.which("openssl")
+    if binary is None:
+        raise ProvisionError("the openssl command is not installed: apt-get install openssl")
+    done = subprocess.run([binary, *args], input=stdin, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise ProvisionError(f"openssl {args[0]} failed: {tail}")
+    return done.stdout
+
+
+def _new_key(path: Path) -> None:
+    """A P-256 private key, written 0600 by us (openssl's own -out would leave the mode to the umask)."""
+    _write(path, _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"), 0o600)
+
+
+def _make_ca(ca_crt: Path, ca_key: Path) -> None:
+    _new_key(ca_key)
+    pem = _openssl("req", "-x509", "-new", "-key", str(ca_key), "-sha256", "-days", str(CA_DAYS),
+                   "-subj", "/CN=fedge deployment CA", "-addext", "basicConstraints=critical,CA:TRUE",
+                   "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _write(ca_crt, pem, 0o644)
+
+
+def _check_ca(ca_crt: Path, ca_key: Path) -> None:
+    """A given CA certificate and key must belong together, or every device would refuse the broker later."""
+    for what, path in (("--ca-cert", ca_crt), ("--ca-key", ca_key)):
+        if not path.is_file():
+            raise ProvisionError(f"{what} {path} does not exist")
+    cert_pub = _openssl("x509", "-in", str(ca_crt), "-noout", "-pubkey")
+    key_pub = _openssl("pkey", "-in", str(ca_key), "-pubout")
+    if cert_pub.strip() != key_pub.strip():
+        raise ProvisionError(f"--ca-key {ca_key} is not the key of --ca-cert {ca_crt}: give the pair that belongs "
+                             "together")
+
+
+def _subject_alt_names(hosts: list[str]) -> str:
+    names = []
+    for host in hosts:
+        try:
+            names.append(f"IP:{ipaddress.ip_address(host)}")
+        except ValueError:
+            names.append(f"DNS:{host}")
+    return ",".join(names)
+
+
+def _make_server_cert(hosts: list[str], ca_crt: Path, ca_key: Path, crt: Path, key: Path) -> None:
+    """The broker's certificate, naming every host devices use in their URL (subjectAltName)."""
+    _new_key(key)
+    csr = _openssl("req", "-new", "-key", str(key), "-subj", f"/CN={hosts[0]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        ext = Path(tmp) / "ext.cnf"
+        ext.write_text(f"subjectAltName={_subject_alt_names(hosts)}\nbasicConstraints=critical,CA:FALSE\n"
+                       "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
+        pem = _openssl("x509", "-req", "-CA", str(ca_crt), "-CAkey", str(ca_key), "-set_serial",
+                       str(secrets.randbits(63)), "-days", str(SERVER_DAYS), "-sha256", "-extfile", str(ext),
+                       stdin=csr)
+    _write(crt, pem, 0o644)
+
+
+def _acl(prefix: str) -> str:
+    p = prefix
+    return f"""# Mosquitto ACL written by fedge-coordinator provision for the topic prefix "{p}".
+# The coordinator reads and writes everything under the prefix.
+user {COORDINATOR_USER}
+topic readwrite {p}/#
+
+# "pattern" lines apply to every user; %u is the user name, which use_username_as_clientid
+# makes the client id too, so a device cannot pose as another. A device writes only its own
+# presence and results, reads its own tasks, status and presence (to see the broker passes it
+# on), and reads what the coordinator publishes for all (run status, model broadcast). It
+# cannot write its tasks or anything of the coordinator's, nor touch other devices' topics.
+# The "/#" also covers the topic itself, and the parts of a chunked retained message.
+pattern readwrite {p}/clients/%u/presence/#
+pattern write {p}/clients/%u/result/#
+pattern read {p}/clients/%u/task/#
+pattern read {p}/clients/%u/status/#
+pattern read {p}/coordinator/#
+"""
+
+
+def _mosquitto_conf(port: int, listen: str, broker_dir: str) -> str:
+    d = broker_dir.rstrip("/")
+    bind = f" {listen}" if listen else ""
+    return f"""# Mosquitto 2.x configuration written by fedge-coordinator provision.
+# Install as /etc/mosquitto/conf.d/fedge.conf with the other files of this directory in {d}/
+# (docs/deploy.md shows the commands). The stock /etc/mosquitto/mosquitto.conf sets
+# pid_file, persistence_location and log_dest.
+
+# Keep sessions and queued messages across broker restarts (fedge uses persistent sessions).
+persistence true
+
+# Every client must log in; passwords (PBKDF2-SHA512) in password_file, topic rights in acl_file.
+allow_anonymous false
+password_file {d}/fedge.passwd
+acl_file {d}/fedge.acl
+
+# One TLS listener; its options follow this line. Devices check that the certificate names
+# the host in their broker URL and was signed by the CA in their bundle.
+listener {port}{bind}
+cafile {d}/ca.crt
+certfile {d}/server.crt
+keyfile {d}/server.key
+tls_version tlsv1.2
+
+# The broker replaces a client's id with its user name: the ACL's %u confines each device,
+# and no client can knock another off by reusing its id.
+use_username_as_clientid true
+
+# Mosquitto's default of 1000 silently drops QoS 1 messages for a slow subscriber; results
+# travel in many chunks, so keep a wide margin. Cap memory with max_queued_bytes if needed.
+max_queued_messages 100000
+max_inflight_messages 100
+"""
+
+
+def _coordinator_toml(url: str, prefix: str, out_dir: Path) -> str:
+    return f"""# fedge coordinator settings for the broker provisioned in {out_dir}.
+# Run with:  export FEDGE_MQTT_PASSWORD="$(cat {out_dir / 'coordinator' / 'password'})"
+#            fedge-coordinator run --config {out_dir / 'coordinator' / 'coordinator.toml'} ...
+# or copy this section into your own config file.
+[transport]
+broker = "{url}"
+prefix = "{prefix}"
+username = "{COORDINATOR_USER}"
+password_env = "FEDGE_MQTT_PASSWORD"
+ca_file = "{out_dir / 'ca.crt'}"
+# Spawned simulation clients (--spawn-clients N) log in with the device bundles of this directory.
+provision_dir = "{out_dir}"
+"""
+
+
+def _bundle_comment(device: str) -> str:
+    return (f"fedge device bundle for {device}: broker, identity, password and CA of one device.\n"
+            "It holds a password: keep it mode 0600 and readable only by the user that runs fedge-client.\n"
+            "Use: fedge-client run --bundle THIS_FILE --data SPEC (docs/deploy.md)")
+
+
+def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int = 8883, prefix: str = "fedge",
+              ca_cert: Path | None = None, ca_key: Path | None = None, broker_dir: str = "/etc/mosquitto/fedge",
+              listen: str = "") -> Provisioned:
+    """Write a whole deployment into ``out_dir`` (which must not exist or be empty); see the module docstring.
+
+    ``hosts``: the broker's host names or IPs, all named in its certificate; the first goes into
+    the bundles' URL. ``broker_dir``: where the broker's files will be installed, which
+    ``fedge.conf`` refers to. ``listen``: the address the listener binds (empty: all).
+    """
+    out_dir = Path(out_dir).resolve()
+    _check_ids(devices)
+    if not hosts or not all(hosts):
+        raise ProvisionError("give the broker's host name or IP with --broker-host (as devices will reach it)")
+    if not 1 <= port <= 65535:
+        raise ProvisionError(f"--port {port} is not in 1..65535")
+    if (ca_cert is None) != (ca_key is None):
+        raise ProvisionError("give both --ca-cert and --ca-key, or neither (a new CA is made)")
+    try:
+        Topics(prefix)
+    except ProtocolError as exc:
+        raise ProvisionError(str(exc)) from None
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ProvisionError(f"{out_dir} is not empty: give a new --out directory (to change one device's "
+                             "password there, use --rotate ID)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(out_dir, 0o700)   # it holds every secret of the deployment
+    broker = out_dir / "broker"
+    if ca_cert is None:
+        _make_ca(out_dir / "ca.crt", out_dir / "ca.key")
+        ca_crt_path, ca_key_path = out_dir / "ca.crt", out_dir / "ca.key"
+    else:
+        _check_ca(Path(ca_cert), Path(ca_key))   # type: ignore[arg-type]
+        _write(out_dir / "ca.crt", Path(ca_cert).read_text(encoding="utf-8"), 0o644)
+        ca_crt_path, ca_key_path = out_dir / "ca.crt", Path(ca_key)   # type: ignore[arg-type]
+    ca_pem = ca_crt_path.read_text(encoding="utf-8")
+    _write(broker / "ca.crt", ca_pem, 0o644)
+    _make_server_cert(hosts, ca_crt_path, ca_key_path, broker / "server.crt", broker / "server.key")
+
+    host = hosts[0]
+    url = f"mqtts://{f'[{host}]' if ':' in host else host}:{port}"
+    passwords = {COORDINATOR_USER: _new_password(), **{d: _new_password() for d in devices}}
+    _write(broker / "fedge.passwd", "".join(password_line(u, pw) + "\n" for u, pw in passwords.items()), 0o600)
+    _write(broker / "fedge.acl", _acl(prefix), 0o644)
+    _write(broker / "fedge.conf", _mosquitto_conf(port, listen, broker_dir), 0o644)
+    coordinator = out_dir / "coordinator"
+    _write(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
+    _write(coordinator / "coordinator.toml", _coordinator_toml(url, prefix, out_dir), 0o644)
+    bundles = {}
+    for device in devices:
+        path = out_dir / "devices" / f"{device}.toml"
+        bundle = Bundle(broker=url, client_id=device, username=device, password=passwords[device], prefix=prefix,
+                        ca_cert=ca_pem)
+        _write(path, bundle_toml(bundle, comment=_bundle_comment(device)), 0o600)
+        bundles[device] = path
+    return Provisioned(out_dir, broker / "fedge.conf", coordinator / "coordinator.toml", coordinator / "password",
+                       bundles, ca_created=ca_cert is None)
+
+
+def rotate_password(out_dir: Path, user: str) -> Path:
+    """Give ``user`` (a device, or ``coordinator``) a new password in the provisioning directory: its line in
+    ``broker/fedge.passwd`` and its bundle (or ``coordinator/password``). Returns the file to deliver."""
+    out_dir = Path(out_dir).resolve()
+    passwd = out_dir / "broker" / "fedge.passwd"
+    if not passwd.is_file():
+        raise ProvisionError(f"{passwd} does not exist: give the --out directory of an earlier provision")
+    lines = passwd.read_text(encoding="utf-8").splitlines()
+    users = [line.split(":", 1)[0] for line in lines]
+    if user not in users:
+        raise ProvisionError(f"no user {user!r} in {passwd}; users: {', '.join(users)}")
+    password = _new_password()
+    if user == COORDINATOR_USER:
+        target = out_dir / "coordinator" / "password"
+        _write(target, password + "\n", 0o600)
+    else:
+        target = out_dir / "devices" / f"{user}.toml"
+        try:
+            old = read_bundle(target)
+        except BundleError as exc:
+            raise ProvisionError(str(exc)) from None
+        fresh = Bundle(broker=old.broker, client_id=old.client_id, username=old.username, password=password,
+                       prefix=old.prefix, ca_cert=old.ca_cert)
+        _write(target, bundle_toml(fresh, comment=_bundle_comment(user)), 0o600)
+    lines[users.index(user)] = password_line(user, password)
+    _write(passwd, "\n".join(lines) + "\n", 0o600)
+    return target

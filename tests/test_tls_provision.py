@@ -1,0 +1,318 @@
+"""A provisioned deployment on a real Mosquitto over TLS: who may log in, who may touch which topics,
+what a device with the wrong CA or host name is told, and a whole run with device bundles.
+
+The broker runs the configuration ``fedge-coordinator provision`` wrote, on a free loopback
+port, plus three lines for a test machine: logs on stderr, and ``user root`` when the tests
+run as root (Mosquitto would otherwise drop to the user ``mosquitto``, which cannot read
+pytest's private temporary directories).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.broker import free_port
+from coordinator.cli import main as coordinator_main
+from coordinator.config import ConfigError, load_config
+from coordinator.mosquitto import mosquitto_binary
+from coordinator.provision import COORDINATOR_USER, password_line, provision, rotate_password
+from coordinator.run import run_federated
+from edge_client.bundle import read_bundle
+from edge_client.wire.transport import (BrokerSettings, BrokerUrlError, MqttTransport, TlsError, TransportError,
+                                        parse_broker_address)
+
+PREFIX = "fedge"
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("FEDGE_")} | {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+class ProvisionedBroker:
+    """A provisioning directory and a Mosquitto started from its fedge.conf, stopped by PID."""
+
+    def __init__(self, root: Path, devices: int = 3) -> None:
+        self.port = free_port()
+        self.out = root / "deploy"
+        self.done = provision(self.out, hosts=["127.0.0.1"], devices=[f"device-{i:03d}" for i in range(1, devices + 1)],
+                              port=self.port, prefix=PREFIX, broker_dir=str(root / "deploy" / "broker"),
+                              listen="127.0.0.1")
+        self.url = f"mqtts://127.0.0.1:{self.port}"
+        self.ca = str(self.out / "ca.crt")
+        self.workdir = root
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        conf = self.workdir / "mosquitto-test.conf"
+        extra = "log_dest stderr\nlog_type error\nlog_type warning\n" + ("user root\n" if os.geteuid() == 0 else "")
+        conf.write_text(self.done.broker_conf.read_text() + extra)
+        self.log = open(self.workdir / "mosquitto.log", "wb")
+        self.proc = subprocess.Popen([mosquitto_binary(), "-c", str(conf)], cwd=self.workdir, stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail("mosquitto did not start: " + (self.workdir / "mosquitto.log").read_text())
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.log.close()
+
+    def password(self, user: str) -> str:
+        if user == COORDINATOR_USER:
+            return (self.out / "coordinator" / "password").read_text().strip()
+        return read_bundle(self.out / "devices" / f"{user}.toml").password
+
+    def transport(self, user: str, *, password: str | None = None, protocol: str = "5") -> MqttTransport:
+        settings = BrokerSettings(url=self.url, username=user, password=password or self.password(user),
+                                  protocol=protocol, ca_file=self.ca, connect_timeout=5)
+        return MqttTransport(settings, user).connect()
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedBroker:
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    deployment = ProvisionedBroker(tmp_path_factory.mktemp("tls"))
+    deployment.start()
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> ProvisionedBroker:
+    """A deployment of its own, for tests that leave sessions behind: with use_username_as_clientid the
+    broker keeps each user's persistent session (subscriptions included) for that user's next login."""
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    deployment = ProvisionedBroker(tmp_path)
+    deployment.start()
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("data") / "tiny.npz"
+    np.savez(path, x=np.zeros((8, 1, 8, 8), np.float32), y=np.arange(8) % 2)
+    return f"npz:{path}"
+
+
+def _drain(transport: MqttTransport, seconds: float) -> list[str]:
+    topics, deadline = [], time.monotonic() + seconds
+    while (msg := transport.get(max(0.0, deadline - time.monotonic()))) is not None:
+        topics.append(msg.topic)
+    return topics
+
+
+# -- files ---------------------------------------------------------------------------------------------
+
+def test_secrets_are_0600_and_the_broker_files_are_consistent(broker):
+    out = broker.out
+    for secret in [out / "ca.key", out / "broker" / "server.key", out / "broker" / "fedge.passwd",
+                   out / "coordinator" / "password", *sorted((out / "devices").glob("*.toml"))]:
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600, secret
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    conf = (out / "broker" / "fedge.conf").read_text()
+    for line in ("allow_anonymous false", "use_username_as_clientid true", "max_queued_messages 100000",
+                 f"listener {broker.port} 127.0.0.1", "tls_version tlsv1.2"):
+        assert line in conf
+    bundle = read_bundle(out / "devices" / "device-002.toml")
+    assert (bundle.broker, bundle.client_id, bundle.username, bundle.prefix) == (
+        broker.url, "device-002", "device-002", PREFIX)
+    assert bundle.ca_cert == (out / "ca.crt").read_text() and len(bundle.password) >= 24
+    users = [line.split(":")[0] for line in (out / "broker" / "fedge.passwd").read_text().splitlines()]
+    assert users == [COORDINATOR_USER, "device-001", "device-002", "device-003"]
+    snippet = load_config(out / "coordinator" / "coordinator.toml").transport
+    assert (snippet.broker, snippet.username, snippet.ca_file) == (broker.url, COORDINATOR_USER, broker.ca)
+
+
+def test_the_password_file_line_is_mosquittos_pbkdf2_format():
+    line = password_line("alice", "secret", salt=bytes(range(12)))
+    assert line.startswith("alice:$7$101$AAECAwQFBgcICQoL$") and len(line.split("$")[-1]) == 88
+
+
+def test_provision_refuses_a_used_directory_and_bad_names(tmp_path, capsys):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    assert coordinator_main(["provision", "--devices", "1", "--broker-host", "h", "--out", str(tmp_path / "used")]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    names = tmp_path / "names.txt"
+    names.write_text("pi-01\n# a comment\npi 02\n")
+    assert coordinator_main(["provision", "--names", str(names), "--broker-host", "h", "--out", str(tmp_path / "n")]) == 2
+    assert "bad device ids ['pi 02']" in capsys.readouterr().err
+
+
+# -- who may log in, who may touch what ----------------------------------------------------------------
+
+def test_anonymous_and_wrong_password_logins_are_refused(broker):
+    for settings in (BrokerSettings(url=broker.url, ca_file=broker.ca, protocol="5", connect_timeout=5),
+                     BrokerSettings(url=broker.url, ca_file=broker.ca, username="device-001", password="wrong",
+                                    protocol="3.1.1", connect_timeout=5)):
+        with pytest.raises(TransportError) as refused:
+            MqttTransport(settings, "device-001").connect()
+        assert not isinstance(refused.value, TlsError)
+        assert "refused" in str(refused.value)
+
+
+def test_a_device_reaches_only_its_own_topics(own_broker):
+    broker = own_broker
+    coordinator = broker.transport(COORDINATOR_USER)
+    one, two = broker.transport("device-001"), broker.transport("device-002")
+    try:
+        coordinator.subscribe(f"{PREFIX}/#")
+        one.subscribe(f"{PREFIX}/clients/device-002/#")   # another device's tasks
+        one.subscribe(f"{PREFIX}/clients/device-001/task")
+        two.subscribe(f"{PREFIX}/clients/device-002/task")
+        time.sleep(0.5)
+        coordinator.publish(f"{PREFIX}/clients/device-002/task", b"for two")
+        coordinator.publish(f"{PREFIX}/clients/device-001/task", b"for one")
+        forbidden = [f"{PREFIX}/clients/device-002/result", f"{PREFIX}/clients/device-002/presence",
+                     f"{PREFIX}/clients/device-001/task", f"{PREFIX}/clients/device-001/status",
+                     f"{PREFIX}/coordinator/status", f"{PREFIX}/coordinator/model"]
+        for topic in forbidden:
+            one.publish(topic, b"forged")
+        one.publish(f"{PREFIX}/clients/device-001/result", b"mine")
+        got_one, got_two, got_coordinator = _drain(one, 1.5), _drain(two, 0.2), _drain(coordinator, 0.2)
+        assert got_one == [f"{PREFIX}/clients/device-001/task"]
+        assert got_two == [f"{PREFIX}/clients/device-002/task"]
+        from_one = [t for t in got_coordinator if t not in (f"{PREFIX}/clients/device-002/task",
+                                                            f"{PREFIX}/clients/device-001/task")]
+        assert from_one == [f"{PREFIX}/clients/device-001/result"]
+        assert one.denied == set(forbidden)   # MQTT 5: each refused publish got PUBACK 135
+    finally:
+        for t in (coordinator, one, two):
+            t.close()
+
+
+# -- TLS failures are one line, at once --------------------------------------------------------------
+
+def _client_once(broker: ProvisionedBroker, data: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    bundle = broker.out / "devices" / "device-003.toml"
+    cmd = [sys.executable, "-m", "edge_client.cli", "run", "--bundle", str(bundle), "--data", data,
+           "--state-dir", str(tmp_path / "state"), "--torch-threads", "1", *extra]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=60)
+
+
+def test_a_client_with_another_ca_stops_with_one_line(broker, tiny_data, tmp_path):
+    other = provision(tmp_path / "other", hosts=["127.0.0.1"], devices=["x"], port=broker.port)
+    started = time.monotonic()
+    done = _client_once(broker, tiny_data, tmp_path, "--ca-file", str(other.out_dir / "ca.crt"))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not signed by the CA in" in lines[0] and "--ca-file" in lines[0], done.stderr
+    assert time.monotonic() - started < 30   # no retry loop
+
+
+def test_a_wrong_host_name_and_a_missing_ca_file_are_one_line(broker, tiny_data, tmp_path):
+    done = _client_once(broker, tiny_data, tmp_path, "--broker", f"mqtts://localhost:{broker.port}")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "does not name 'localhost'" in lines[0], done.stderr
+    done = _client_once(broker, tiny_data, tmp_path, "--ca-file", str(tmp_path / "missing.crt"))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"fedge-client: CA file {tmp_path / 'missing.crt'} does not exist: give the path of a PEM file"]
+
+
+def test_tls_and_plain_urls_are_parsed_by_one_parser():
+    assert parse_broker_address("mqtts://broker.lan").port == 8883 and parse_broker_address("mqtts://h:1").tls
+    assert not parse_broker_address("mqtt://h").tls
+    with pytest.raises(BrokerUrlError, match="plain MQTT: use mqtts://h:PORT"):
+        BrokerSettings(url="mqtt://h:1883", ca_file="ca.crt")
+    with pytest.raises(ConfigError, match="transport.ca_file need a TLS broker"):
+        load_config(None, [("transport", "broker", "mqtt://h:1883"), ("transport", "ca_file", "ca.crt")])
+
+
+def test_the_coordinator_names_an_unknown_ca_in_one_line(broker, tmp_path, capsys):
+    other = provision(tmp_path / "other", hosts=["127.0.0.1"], devices=["x"], port=broker.port)
+    out = tmp_path / "run"
+    code = coordinator_main(["run", "--broker", broker.url, "--set", f"transport.ca_file={other.out_dir / 'ca.crt'}",
+                             "--set", "transport.username=coordinator", "--out", str(out)])
+    assert code == 2
+    assert "is not signed by the CA in" in capsys.readouterr().out
+
+
+# -- runs over TLS with bundles --------------------------------------------------------------------------
+
+def _device(broker: ProvisionedBroker, device: str, index: int, tmp_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "edge_client.cli", "run", "--bundle", str(broker.out / "devices" / f"{device}.toml"),
+           "--data", "digits", "--partition", "iid", "--partition-index", str(index), "--num-partitions", "2",
+           "--state-dir", str(tmp_path / device), "--torch-threads", "1", "--exit-after-run"]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _run_config(broker: ProvisionedBroker, out: Path, **sets):
+    base = {"run__rounds": 2, "run__out": str(out), "model__name": "cnn", "data__eval": "digits",
+            "clients__expected": 2, "clients__round_timeout": 60.0, "clients__presence_timeout": 60.0,
+            "transport__broker": broker.url, "transport__username": COORDINATOR_USER,
+            "transport__ca_file": broker.ca, "transport__prefix": PREFIX, "export__enabled": False}
+    base.update(sets)
+    return load_config(None, [(*key.split("__", 1), value) for key, value in base.items()])
+
+
+def test_a_run_over_tls_with_two_device_bundles(broker, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDGE_MQTT_PASSWORD", broker.password(COORDINATOR_USER))
+    devices = [_device(broker, f"device-00{i + 1}", i, tmp_path) for i in range(2)]
+    try:
+        result = run_federated(_run_config(broker, tmp_path / "run"), say=lambda s: None)
+        for proc in devices:
+            _, err = proc.communicate(timeout=30)
+            assert proc.returncode == 0, err
+    finally:
+        for proc in devices:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert all((r["selected"], r["returned"], r["rejected"]) == (2, 2, 0) for r in rows[1:])
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.2
+    assert sorted(p.stem for p in (result.out_dir / "clients").glob("*.json")) == ["device-001", "device-002"]
+
+
+def test_spawned_clients_log_in_with_the_provisioned_bundles(broker, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDGE_MQTT_PASSWORD", broker.password(COORDINATOR_USER))
+    config = _run_config(broker, tmp_path / "run", run__rounds=1, model__name="mlp", clients__spawn=2,
+                         transport__provision_dir=str(broker.out))
+    result = run_federated(config, say=lambda s: None)
+    assert result.summary["rounds"] == 1
+    assert sorted(p.stem for p in (result.out_dir / "clients").glob("*.json")) == ["device-001", "device-002"]
+    with pytest.raises(ConfigError, match="has 3 device bundles but 4 clients"):
+        run_federated(_run_config(broker, tmp_path / "more", clients__spawn=4, clients__expected=4,
+                                  transport__provision_dir=str(broker.out)), say=lambda s: None)
+
+
+def test_a_rotated_password_locks_out_the_old_one(tmp_path):
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed")
+    deployment = ProvisionedBroker(tmp_path, devices=1)
+    old = deployment.password("device-001")
+    rotate_password(deployment.out, "device-001")
+    assert deployment.password("device-001") != old
+    assert stat.S_IMODE((deployment.out / "devices" / "device-001.toml").stat().st_mode) == 0o600
+    deployment.start()
+    try:
+        deployment.transport("device-001").close()
+        with pytest.raises(TransportError, match="refused"):
+            deployment.transport("device-001", password=old)
+    finally:
+        deployment.stop()
