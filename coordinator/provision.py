@@ -193,6 +193,12 @@ pattern write {p}/clients/%u/result/#
 pattern read {p}/clients/%u/task/#
 pattern read {p}/clients/%u/status/#
 pattern read {p}/coordinator/#
+
+# Optional: a read-only user for watching a run with mosquitto_sub without taking over the
+# coordinator's or a device's client id. Uncomment, then add its password with
+# sudo mosquitto_passwd /etc/mosquitto/fedge/fedge.passwd monitor
+#user monitor
+#topic read {p}/#
 """
 
 
