@@ -26,7 +26,7 @@ _FLAGS: dict[str, tuple[str, str, type, str]] = {
                     "attribute:color|rotate:DOMAINS[+LABEL_SPEC]"),
     "--transport": ("transport", "kind", str, "mqtt (default) or inproc (clients as threads, no broker)"),
     "--broker": ("transport", "broker", str,
-                 "broker URL mqtt://HOST:PORT; omitted: start the embedded broker on 127.0.0.1"),
+                 "broker URL mqtt://HOST:PORT or mqtts://HOST[:PORT] (TLS); omitted: start the embedded broker on 127.0.0.1"),
     "--spawn-clients": ("clients", "spawn", int,
                         "start N local fedge-client processes on partitions 0..N-1 (threads with inproc)"),
     "--seed": ("run", "seed", int, "seed for model init, sampling, partitions and local shuffling"),
