@@ -34,7 +34,7 @@ from coordinator.downlink import Downlink, shared_tensors
 from coordinator.profiles import ProfileStore
 from coordinator.selection import DeadlineFilter, RoundTimes
 from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
-from coordinator.throttle import ThrottledLog
+from edge_client.wire.throttle import ThrottledLog
 from coordinator.diagnostics import divergence_metrics
 from edge_client.models import state_shapes
 from edge_client.registry import build_model
@@ -129,6 +129,7 @@ class Coordinator:
         self._status_payload = b""                    # the run status last announced (retained), likewise
         self._was_connected = True
         self._warn = ThrottledLog(log)                # bad messages: a few lines each, then counts
+        self._dropped_seen: dict[str, int] = {}       # the receive queue's drops already in a row
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, PresenceBody] = {}
         self.sent_tasks: set[str] = set()
@@ -454,6 +455,14 @@ class Coordinator:
                         len(dropped), self.config.aggregate.norm_bound, ", ".join(dropped))
         return [r for r, ok in zip(results, keep) if ok], dropped
 
+    def _inbox_drops(self) -> dict[str, int]:
+        """Messages the receive queue dropped since the last round's row, by reason."""
+        inner = getattr(self.transport, "inner", self.transport)
+        now = dict(getattr(inner, "dropped_by", {}))
+        since = {k: v - self._dropped_seen.get(k, 0) for k, v in now.items() if v > self._dropped_seen.get(k, 0)}
+        self._dropped_seen = now
+        return since
+
     def evaluates(self, round: int) -> bool:
         """Whether ``round`` ends with a test-set evaluation: every ``eval.every`` rounds and in the last."""
         return round % self.config.eval.every == 0 or round == self.config.run.rounds
@@ -505,6 +514,9 @@ class Coordinator:
             self._network()   # the strategy may have changed the network: the next phase checks against it
             row.update(phase_metrics)
         row.update(counts)
+        dropped = self._inbox_drops()
+        if dropped:
+            row["inbox_dropped"] = dropped
         row["bytes_per_client"] = {k: self._client_bytes[k] for k in sorted(self._client_bytes)}
         row["seconds"] = time.monotonic() - started
         return row

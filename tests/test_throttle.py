@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from coordinator.throttle import ThrottledLog
+from edge_client.wire.throttle import ThrottledLog
 
 
 def test_a_flood_of_one_kind_gives_a_few_lines_and_one_count(caplog):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import ssl
 import threading
 import time
 import uuid
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -22,6 +22,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+
+from edge_client.wire.throttle import ThrottledLog
 
 __all__ = [
     "TransportError",
@@ -245,6 +247,12 @@ class Transport:
     def close(self) -> None:
         raise NotImplementedError
 
+    @property
+    def dropped_by(self) -> dict[str, int]:
+        """Messages received but dropped before anyone read them, by reason (a full or flooded inbox)."""
+        inbox = getattr(self, "_inbox", None)
+        return dict(inbox.dropped_by) if inbox is not None else {}
+
     def __enter__(self) -> "Transport":
         return self
 
@@ -253,24 +261,73 @@ class Transport:
 
 
 class _Inbox:
-    """Bounded queue shared by both transports; a full inbox drops and says so."""
+    """What arrived and is not read yet: one queue per topic, served in turn, bounded in total and per topic.
 
-    def __init__(self, maxsize: int) -> None:
-        self._queue: queue.Queue[Incoming] = queue.Queue(maxsize)
-        self.dropped = 0
+    A device flooding its own topic (or a broken one resending in a loop) must not
+    crowd out everyone else: a topic may hold at most ``share`` of the inbox's messages
+    and bytes, beyond which its newest messages are dropped, and :meth:`get` takes one
+    message from each topic in turn, so the others' results are read at their own pace
+    however much one topic holds. Drops are counted by reason (:attr:`dropped_by`) and
+    their warnings throttled.
+    """
+
+    def __init__(self, maxsize: int, max_bytes: int = 256 * 1024 * 1024, share: float = 0.25) -> None:
+        self.maxsize, self.max_bytes = maxsize, max_bytes
+        self.topic_messages = max(1, int(maxsize * share))
+        self.topic_bytes = max(1, int(max_bytes * share))
+        self._queues: OrderedDict[str, deque[Incoming]] = OrderedDict()   # topics in serving order
+        self._bytes: dict[str, int] = {}
+        self._count = self._total_bytes = 0
+        self._ready = threading.Condition()
+        self.dropped_by: Counter[str] = Counter()
+        self._warn = ThrottledLog(log)
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.dropped_by.values())
 
     def put(self, item: Incoming) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.dropped += 1
-            log.warning("inbox full: dropped a message on %s (%d dropped so far)", item.topic, self.dropped)
+        size = len(item.payload)
+        with self._ready:
+            queue_ = self._queues.get(item.topic)
+            held = len(queue_) if queue_ is not None else 0
+            if held >= self.topic_messages or self._bytes.get(item.topic, 0) + size > self.topic_bytes:
+                reason = "one topic over its share of the inbox"
+            elif self._count >= self.maxsize or self._total_bytes + size > self.max_bytes:
+                reason = "inbox full"
+            else:
+                if queue_ is None:
+                    queue_ = self._queues[item.topic] = deque()
+                queue_.append(item)
+                self._bytes[item.topic] = self._bytes.get(item.topic, 0) + size
+                self._count += 1
+                self._total_bytes += size
+                self._ready.notify()
+                return
+            self.dropped_by[reason] += 1
+        self._warn.warning("dropped a message on %s: %s", item.topic, reason)
 
     def get(self, timeout: float) -> Incoming | None:
-        try:
-            return self._queue.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            return None
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._ready:
+            while not self._queues:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._warn.flush()
+                    return None
+                self._ready.wait(remaining)
+            topic, queue_ = next(iter(self._queues.items()))
+            item = queue_.popleft()
+            if queue_:
+                self._queues.move_to_end(topic)     # the next topic's turn
+            else:
+                del self._queues[topic]
+                self._bytes.pop(topic, None)
+            if topic in self._bytes:
+                self._bytes[topic] -= len(item.payload)
+            self._count -= 1
+            self._total_bytes -= len(item.payload)
+            return item
 
 
 class MqttTransport(Transport):
