@@ -45,9 +45,11 @@ import shutil
 import socket
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -89,6 +91,8 @@ class BrokerEndpoint:
     password: str | None = field(repr=False)
     protocol: str = "3.1.1"
     """MQTT protocol version the broker speaks ("3.1.1" or "5")."""
+    devices: dict[str, str] = field(default_factory=dict, repr=False)
+    """Device id -> password: each device's own login, confined to its own topics."""
 
     @property
     def url(self) -> str:
@@ -205,6 +209,8 @@ class EmbeddedBroker:
         host: str = "127.0.0.1",
         port: int = 0,
         workdir: Path | None = None,
+        devices: Sequence[str] = (),
+        prefix: str = "fedge",
     ) -> None:
         """Configure, but do not start, the broker.
 
@@ -214,6 +220,11 @@ class EmbeddedBroker:
             port: TCP port; 0 picks a free one at :meth:`start`.
             workdir: where to write the password file.  If None a private
                 temporary directory is created and removed by :meth:`stop`.
+            devices: device ids that get a login of their own (user = id), allowed
+                to publish only on ``PREFIX/clients/ID/...`` and to subscribe only
+                there and to the coordinator's topics, as the shipped Mosquitto ACL
+                allows; without devices, every client shares the generated login.
+            prefix: the topic prefix those rules are written for.
         """
         if not _is_loopback(host):
             raise ValueError(
@@ -225,6 +236,10 @@ class EmbeddedBroker:
         self._host = host
         self._port = port
         self._workdir = Path(workdir) if workdir is not None else None
+        self._devices = list(devices)
+        self._prefix = prefix
+        self._device_passwords: dict[str, str] = {}
+        self._coordinator_user = ""
 
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -270,8 +285,10 @@ class EmbeddedBroker:
 
             username = "fedge-" + secrets.token_hex(4)
             password = secrets.token_urlsafe(32)
+            self._device_passwords = {d: secrets.token_urlsafe(32) for d in self._devices}
+            self._coordinator_user = username
             try:
-                self._write_password_file(username, password)
+                self._write_password_file({username: password, **self._device_passwords})
             except BaseException:
                 self._remove_files()
                 raise
@@ -294,6 +311,7 @@ class EmbeddedBroker:
                         username=username,
                         password=password,
                         protocol="3.1.1",
+                        devices=dict(self._device_passwords),
                     )
                     log.debug("embedded MQTT broker listening on %s", self._endpoint.url)
                     return self._endpoint
@@ -371,10 +389,28 @@ class EmbeddedBroker:
                 "amqtt.plugins.authentication.FileAuthPlugin": {
                     "password_file": str(self._password_file),
                 },
+                **({"amqtt.plugins.topic_checking.TopicAccessControlListPlugin": self._acl()}
+                   if self._device_passwords else {}),
             },
         }
 
-    def _write_password_file(self, username: str, password: str) -> None:
+    def _acl(self) -> dict[str, Any]:
+        """Topic rules by user: the coordinator anywhere, each device on its own topics only.
+
+        Without them any spawned client could answer for another or forge its errors;
+        the rules are by user name, which the password proves (a client id proves nothing).
+        """
+        own = {d: f"{self._prefix}/clients/{d}/#" for d in self._device_passwords}
+        # amqtt 0.12's plugin Config names the subscribe rules `acl` (and warns that the name is
+        # deprecated in favour of a `subscribe-acl` its Config does not accept yet).
+        warnings.filterwarnings("ignore", message="The 'acl' option is deprecated", category=DeprecationWarning)
+        return {
+            "publish_acl": {self._coordinator_user: ["#"], **{d: [topic] for d, topic in own.items()}},
+            "acl": {self._coordinator_user: ["#"],
+                    **{d: [topic, f"{self._prefix}/coordinator/#"] for d, topic in own.items()}},
+        }
+
+    def _write_password_file(self, logins: dict[str, str]) -> None:
         if self._workdir is not None:
             self._workdir.mkdir(parents=True, exist_ok=True)
             directory = self._workdir
@@ -386,7 +422,7 @@ class EmbeddedBroker:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         self._password_file = path
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(f"{username}:{_hash_password(password)}\n")
+            fh.writelines(f"{user}:{_hash_password(secret)}\n" for user, secret in logins.items())
 
     def _remove_files(self) -> None:
         if self._password_file is not None:

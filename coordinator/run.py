@@ -24,7 +24,7 @@ import torch
 from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
-from coordinator.spawn import SpawnedClients, spawn_processes, spawn_threads
+from coordinator.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
 from coordinator.methods import make_strategy
 from coordinator.strategies.base import ServerState, Strategy
 from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
@@ -99,7 +99,8 @@ def _open_transport(config: RunConfig, run_id: str,
     else:
         from coordinator.broker import EmbeddedBroker
 
-        broker = EmbeddedBroker()
+        spawned = [sim_client_id(i) for i in range(config.clients.spawn)]   # each its own login and topics
+        broker = EmbeddedBroker(devices=spawned, prefix=t.prefix)
         endpoint = broker.start()
         url, username, password, protocol = endpoint.url, endpoint.username, endpoint.password, endpoint.protocol
         say(f"started the embedded MQTT broker at {url} (MQTT {protocol}, generated credentials)")
@@ -110,7 +111,8 @@ def _open_transport(config: RunConfig, run_id: str,
         transport = MqttTransport(settings, f"fedge-coordinator-{run_id}").connect()
         try:
             yield transport, {"url": url, "username": username, "password": password,
-                              "protocol": transport.protocol or protocol}
+                              "protocol": transport.protocol or protocol,
+                              "devices": endpoint.devices if broker is not None else {}}
         finally:
             transport.close()
     finally:
@@ -218,7 +220,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
                 spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out)
             elif spawn:
                 spawned = spawn_processes(config, spawn, broker_url=reach["url"], protocol=reach["protocol"],
-                                          username=reach["username"], password=reach["password"], out_dir=out)
+                                          username=reach["username"], password=reach["password"], out_dir=out,
+                                          device_logins=reach["devices"])
 
             def watchdog() -> None:
                 failures = spawned.failures()

@@ -95,12 +95,15 @@ def _tls_options(config: RunConfig, *, with_ca: bool) -> list[str]:
 
 
 def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol: str, username: str | None,
-                    password: str | None, out_dir: Path) -> SpawnedClients:
+                    password: str | None, out_dir: Path,
+                    device_logins: dict[str, str] | None = None) -> SpawnedClients:
     """Start ``count`` client processes on partitions 0..count-1 of the evaluation data spec.
 
     With ``transport.provision_dir`` each logs in with a device bundle of its own (the bundle's
     CA, user and password; ``broker_url``, the coordinator's, replaces the bundle's URL so a
     simulation on the broker's machine may use another of the names in its certificate).
+    With ``device_logins`` (client id -> password, from the embedded broker) each logs in as
+    itself, confined to its own topics; otherwise all share the coordinator's ``username``.
     """
     spawned = SpawnedClients()
     bundles = device_bundles(config.transport.provision_dir, count) if config.transport.provision_dir else None
@@ -116,6 +119,10 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
         else:
             cid = sim_client_id(i)
             login = [*(["--username", username] if username else []), *_tls_options(config, with_ca=True)]
+        own_env = env
+        if bundles is None and device_logins and cid in device_logins:
+            login = ["--username", cid, *_tls_options(config, with_ca=True)]
+            own_env = {**env, "FEDGE_MQTT_PASSWORD": device_logins[cid]}
         cmd = [sys.executable, "-m", "edge_client.cli", "run", "--broker", broker_url, "--client-id", cid, *login,
                "--data", config.data.eval, "--partition", config.data.partition, "--partition-index", str(i),
                "--num-partitions", str(count), "--seed", str(config.run.seed),
@@ -128,7 +135,7 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
                "--exit-after-run", "--parent-pid", str(os.getpid())]
         log = out_dir / "logs" / f"{cid}.log"
         with open(log, "ab") as fh:
-            spawned.processes.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+            spawned.processes.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=own_env,
                                                       stdin=subprocess.DEVNULL))
         spawned.logs.append(log)
     return spawned

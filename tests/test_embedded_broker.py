@@ -409,3 +409,40 @@ def test_stop_with_connected_clients_is_prompt(tmp_path: Path) -> None:
         assert peer.disconnected.wait(WAIT)  # the client notices the broker went away
     finally:
         peer.close()
+
+
+def _login(endpoint: BrokerEndpoint, user: str, password: str, inbox: "queue.Queue[tuple[str, bytes]]") -> mqtt.Client:
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{user}-{uuid.uuid4().hex[:6]}",
+                         protocol=mqtt.MQTTv311)
+    client.username_pw_set(user, password)
+    client.on_message = lambda c, u, m: inbox.put((m.topic, m.payload))
+    client.connect(endpoint.host, endpoint.port)
+    client.loop_start()
+    return client
+
+
+def test_each_spawned_device_may_use_only_its_own_topics(tmp_path: Path) -> None:
+    with EmbeddedBroker(workdir=tmp_path, devices=["sim-000", "sim-001"], prefix="p") as broker:
+        ep = broker.endpoint
+        assert ep is not None and set(ep.devices) == {"sim-000", "sim-001"} and "devices" not in repr(ep)
+        seen: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        stolen: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        coordinator = _login(ep, ep.username, ep.password, seen)
+        device = _login(ep, "sim-000", ep.devices["sim-000"], stolen)
+        try:
+            coordinator.subscribe("p/clients/+/result", qos=1)
+            device.subscribe("p/clients/sim-001/task", qos=1)     # another device's tasks: granted, never delivered
+            device.subscribe("p/clients/sim-000/task", qos=1)
+            time.sleep(0.5)
+            device.publish("p/clients/sim-001/result", b"forged", qos=1).wait_for_publish(5)
+            device.publish("p/clients/sim-000/result", b"mine", qos=1).wait_for_publish(5)
+            coordinator.publish("p/clients/sim-001/task", b"for 1", qos=1).wait_for_publish(5)
+            coordinator.publish("p/clients/sim-000/task", b"for 0", qos=1).wait_for_publish(5)
+            assert seen.get(timeout=5) == ("p/clients/sim-000/result", b"mine")
+            assert stolen.get(timeout=5) == ("p/clients/sim-000/task", b"for 0")
+            time.sleep(0.5)
+            assert seen.empty() and stolen.empty()              # the forged result and the other's task: nowhere
+        finally:
+            for client in (coordinator, device):
+                client.loop_stop()
+                client.disconnect()
