@@ -130,6 +130,7 @@ class Coordinator:
         self._was_connected = True
         self._warn = ThrottledLog(log)                # bad messages: a few lines each, then counts
         self._dropped_seen: dict[str, int] = {}       # the receive queue's drops already in a row
+        self._failures: dict[str, str] = {}           # client -> why it could not run its task, this round
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, PresenceBody] = {}
         self.sent_tasks: set[str] = set()
@@ -225,6 +226,8 @@ class Coordinator:
 
     def _count(self, what: str, client_id: str, reason: str) -> None:
         self._round.counts[what] += 1
+        if what == "failed":
+            self._failures[client_id] = reason
         self._warn.warning("%s result from %s: %s", what, client_id, reason)
 
     def _status(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:
@@ -441,8 +444,10 @@ class Coordinator:
                 return book, totals
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying with a fresh sample",
                         round, phase, attempt + 1, len(book.results), len(book.plans), c.required_results)
+        said = "; ".join(f"{cid}: {why}" for cid, why in sorted(self._failures.items())[:3])
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
-                       "check the clients' logs, raise clients.round_timeout or lower clients.min_results")
+                       + (f"the clients said: {said}" if said else
+                          "check the clients' logs, raise clients.round_timeout or lower clients.min_results"))
 
     def _norm_bound(self, results: list[ClientResult]) -> tuple[list[ClientResult], list[str]]:
         """The results whose update norm is within ``aggregate.norm_bound`` x the round's median, and the
@@ -478,6 +483,7 @@ class Coordinator:
         """Run one round's phases (training, then any the strategy adds) and return its metrics row,
         without the test-set evaluation; ``seconds`` is the phases' wall time."""
         started = time.monotonic()
+        self._failures = {}
         row: dict[str, Any] = {"round": round}
         counts: dict[str, int] = dict.fromkeys((*COUNTERS, "bytes_down", "bytes_up", "bytes_broadcast"), 0)
         self._client_bytes = {}

@@ -518,6 +518,11 @@ class EdgeClient:
         if now >= p.next_send_at:
             try:
                 self.transport.publish(self.topics.client(self.settings.client_id, "result"), p.payload)
+            except MessageTooLarge as exc:   # the broker's limit, learned too late: say so instead of the result
+                log.error("could not send result of %s: %s", p.task_id, exc)
+                p.payload = encode("result", run_id=p.run_id, round=p.round, task_id=p.task_id,
+                                   sender=self.settings.client_id, body=ResultBody(error=str(exc)).to_body())
+                return
             except TransportError as exc:
                 log.warning("could not send result of %s: %s", p.task_id, exc)
                 self._pending = None

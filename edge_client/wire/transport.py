@@ -359,6 +359,10 @@ class MqttTransport(Transport):
         # PUBLISH packet id -> topic until its PUBACK, and refusals whose PUBACK beat publish() returning.
         # No lock: paho calls on_publish holding its own lock, which publish() takes too.
         self._publishing: dict[int, str] = {}
+        self._sizes: dict[int, int] = {}             # in-flight publish -> its packet size
+        self._connected_at = 0.0
+        self._oversize_strikes: dict[int, int] = {}  # packet size -> disconnects right after sending it
+        self._too_large: int | None = None           # smallest packet the broker was seen to refuse
         self._refused_early: dict[int, object] = {}
         self._ssl_context: ssl.SSLContext | None = None
 
@@ -440,6 +444,7 @@ class MqttTransport(Transport):
             self._refused = f"broker refused the connection: {reason}"
             return
         self._broker_max = getattr(properties, "MaximumPacketSize", None)
+        self._connected_at = time.monotonic()
         with self._lock:
             filters = list(self._filters)
         for f in filters:
@@ -454,7 +459,34 @@ class MqttTransport(Transport):
             self._refused = f"connection closed before CONNACK ({reason})"
         self._connected.clear()
         if getattr(reason, "value", 0) != 0:
+            self._check_oversize(client)
             log.info("disconnected from broker (%s); reconnecting with backoff", reason)
+
+    def _check_oversize(self, client: mqtt.Client) -> None:
+        """A broker over whose packet limit a publish goes closes the connection, and paho sends the
+        message again after every reconnect, for ever. MQTT 5 brokers announce the limit (checked in
+        :meth:`publish`); MQTT 3.1.1 ones do not. So: the same large packet in flight when the broker
+        hangs up right after connecting, twice, is taken as over the limit; it is dropped from paho's
+        queue, and :meth:`publish` refuses packets of that size from then on with an error naming the fix.
+        """
+        with self._lock:
+            sizes = dict(self._sizes)
+        if not sizes or time.monotonic() - self._connected_at > 2.0:
+            return
+        largest = max(sizes.values())
+        strikes = self._oversize_strikes[largest] = self._oversize_strikes.get(largest, 0) + 1
+        if strikes < 2:
+            return
+        self._too_large = largest if self._too_large is None else min(self._too_large, largest)
+        with client._out_message_mutex:   # paho keeps in-flight messages here; no public way to drop one
+            for mid in [m for m, size in sizes.items() if size >= self._too_large]:
+                client._out_messages.pop(mid, None)
+                with self._lock:
+                    self._sizes.pop(mid, None)
+                    self._publishing.pop(mid, None)
+        log.error("the broker closes the connection whenever a %d-byte packet is sent: it is over the broker's "
+                  "packet limit (max_packet_size); lower max_message_bytes so such messages are chunked",
+                  self._too_large)
 
     def _subscribe_with(self, client: mqtt.Client, topic_filter: str) -> None:
         _, mid = client.subscribe(topic_filter, qos=1)
@@ -474,6 +506,8 @@ class MqttTransport(Transport):
     def _on_publish(self, client: mqtt.Client, userdata: object, mid: int, reason: object,
                     properties: object) -> None:
         topic = self._publishing.pop(mid, None)
+        with self._lock:
+            self._sizes.pop(mid, None)
         if getattr(reason, "is_failure", False):   # MQTT 5 says so; 3.1.1 brokers drop it silently
             if topic is None:
                 self._refused_early[mid] = reason
@@ -523,9 +557,17 @@ class MqttTransport(Transport):
                                   f"packet size of {self._broker_max} bytes; set max_message_bytes "
                                   f"(transport.max_message_bytes, --max-message-bytes) to at most "
                                   f"{self._broker_max - len(topic.encode()) - 16} so larger messages are chunked")
+        if self._too_large is not None and packet >= self._too_large:
+            raise MessageTooLarge(f"a {len(payload)}-byte message to {topic} is over the broker's packet limit: "
+                                  f"it closed the connection each time a {self._too_large}-byte packet was sent "
+                                  f"(MQTT 3.1.1 does not announce the limit); set max_message_bytes "
+                                  f"(transport.max_message_bytes, --max-message-bytes) below "
+                                  f"{self._too_large - len(topic.encode()) - 16} so larger messages are chunked")
         info = self._client.publish(topic, payload, qos=1, retain=retain)
         if info.rc == mqtt.MQTT_ERR_SUCCESS:
             self._publishing[info.mid] = topic
+            with self._lock:
+                self._sizes[info.mid] = packet
             if info.mid in self._refused_early:   # its PUBACK came first
                 self._publishing.pop(info.mid, None)
                 self._denied(topic, "write", self._refused_early.pop(info.mid))
