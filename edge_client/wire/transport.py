@@ -445,6 +445,8 @@ class MqttTransport(Transport):
             return
         self._broker_max = getattr(properties, "MaximumPacketSize", None)
         self._connected_at = time.monotonic()
+        if self._too_large is not None:
+            self._drop_oversize(client)
         with self._lock:
             filters = list(self._filters)
         for f in filters:
@@ -462,6 +464,20 @@ class MqttTransport(Transport):
             self._check_oversize(client)
             log.info("disconnected from broker (%s); reconnecting with backoff", reason)
 
+    def _drop_oversize(self, client: mqtt.Client) -> None:
+        """Take the in-flight messages over the learned limit out of paho's queue before it resends them.
+
+        Called on connect: paho resends its queue right after this callback returns, and
+        the queue must not change while it does (so not from the disconnect callback)."""
+        with self._lock:
+            doomed = [mid for mid, size in self._sizes.items() if size >= (self._too_large or 0)]
+            for mid in doomed:
+                self._sizes.pop(mid, None)
+                self._publishing.pop(mid, None)
+        with client._out_message_mutex:   # paho keeps in-flight messages here; no public way to drop one
+            for mid in doomed:
+                client._out_messages.pop(mid, None)
+
     def _check_oversize(self, client: mqtt.Client) -> None:
         """A broker over whose packet limit a publish goes closes the connection, and paho sends the
         message again after every reconnect, for ever. MQTT 5 brokers announce the limit (checked in
@@ -478,12 +494,6 @@ class MqttTransport(Transport):
         if strikes < 2:
             return
         self._too_large = largest if self._too_large is None else min(self._too_large, largest)
-        with client._out_message_mutex:   # paho keeps in-flight messages here; no public way to drop one
-            for mid in [m for m, size in sizes.items() if size >= self._too_large]:
-                client._out_messages.pop(mid, None)
-                with self._lock:
-                    self._sizes.pop(mid, None)
-                    self._publishing.pop(mid, None)
         log.error("the broker closes the connection whenever a %d-byte packet is sent: it is over the broker's "
                   "packet limit (max_packet_size); lower max_message_bytes so such messages are chunked",
                   self._too_large)
@@ -561,8 +571,8 @@ class MqttTransport(Transport):
             raise MessageTooLarge(f"a {len(payload)}-byte message to {topic} is over the broker's packet limit: "
                                   f"it closed the connection each time a {self._too_large}-byte packet was sent "
                                   f"(MQTT 3.1.1 does not announce the limit); set max_message_bytes "
-                                  f"(transport.max_message_bytes, --max-message-bytes) below "
-                                  f"{self._too_large - len(topic.encode()) - 16} so larger messages are chunked")
+                                  f"(transport.max_message_bytes, --max-message-bytes) to the broker's limit "
+                                  f"(Mosquitto's max_packet_size) or lower, so larger messages are chunked")
         info = self._client.publish(topic, payload, qos=1, retain=retain)
         if info.rc == mqtt.MQTT_ERR_SUCCESS:
             self._publishing[info.mid] = topic
