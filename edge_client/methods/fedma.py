@@ -10,14 +10,18 @@ computes does not change), freezes layers ``1 .. l - 1`` and retrains the layers
 above; then it sends layer ``l``. The last phase is the classifier's, sent with the
 device's label histogram (the coordinator averages each class's row by it).
 
-Between phases the device's own network lives in ``STATE_DIR/fedma_state.safetensors``
-(pass, phase and widths in its metadata), written atomically after every phase. A
-phase asked again (the coordinator resumed after a crash) sends what the saved
-state holds without training again, so a resumed run gets the same layer.
+Between phases the device's own network lives in ``STATE_DIR/fedma/pPASS-lPHASE.safetensors``,
+one file per phase of the current pass, written atomically after each (older passes'
+files are removed when a pass starts). A coordinator resumed after a crash restarts
+from its last checkpoint, which may lie two phases behind what the devices did (its
+evaluation and checkpoint trail the training by a round): a phase asked again is
+answered from its saved file without training, so the resumed run gets the same layers.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +36,9 @@ from edge_client.methods.fedma_layers import FedMAError, reindex_next_layer, wei
 from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
 from edge_client.wire.files import write_tensors_atomic
 
-__all__ = ["STATE_FILE", "FedmaHyper", "fedma_train", "OBJECTIVES"]
+__all__ = ["STATE_DIR", "FedmaHyper", "fedma_train", "OBJECTIVES", "phase_file"]
 
-STATE_FILE = "fedma_state.safetensors"
+STATE_DIR = "fedma"     # under the device's state directory: one file per phase of the current pass
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,31 @@ def _load_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                              "this pass and will join the next one") from None
 
 
-def _save_state(path: Path, model: nn.Module, h: FedmaHyper) -> None:
+def phase_file(state_dir: Path, pass_index: int, layer: int) -> Path:
+    """Where the device's network after phase ``layer`` of pass ``pass_index`` is kept."""
+    return Path(state_dir) / STATE_DIR / f"p{pass_index}-l{layer}.safetensors"
+
+
+def _forget_other_passes(state_dir: Path, pass_index: int, *, keep_same_pass: bool = True) -> None:
+    """Phase 1 starts a chain afresh: earlier passes' files (and a stale chain of this pass) go."""
+    for old in (Path(state_dir) / STATE_DIR).glob("p*-l*.safetensors"):
+        if not (keep_same_pass and old.name.startswith(f"p{pass_index}-")):
+            old.unlink(missing_ok=True)
+
+
+def _fingerprint(model: nn.Module, hyper: Mapping[str, Any], names: list[str]) -> str:
+    """What the task brought (its hyperparameters and the received layers): a saved phase answers a
+    repeated task only if it was computed from the same, not from another run's task."""
+    digest = hashlib.sha256(json.dumps(hyper, sort_keys=True, default=str).encode())
+    for name in names:
+        for p in ("weight", "bias"):
+            digest.update(model.get_submodule(name).get_parameter(p).detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _save_state(path: Path, model: nn.Module, h: FedmaHyper, task: str) -> None:
     write_tensors_atomic(path, {k: v for k, v in model.state_dict().items() if v.is_floating_point()},
-                         {"pass": str(h.pass_index), "layer": str(h.layer)})
+                         {"pass": str(h.pass_index), "layer": str(h.layer), "task": task})
 
 
 def _continue_pass(model: nn.Module, h: FedmaHyper, saved: dict[str, torch.Tensor], layers: list[str]) -> None:
@@ -109,20 +135,25 @@ def fedma_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx
     if ctx.state_dir is None:
         raise ObjectiveError("FedMA keeps each device's network between phases: start the client with a "
                              "state directory (fedge-client run --state-dir DIR)")
-    path = Path(ctx.state_dir) / STATE_FILE
+    path = phase_file(ctx.state_dir, h.pass_index, h.layer)
     layers = weight_layers(model)
     if h.layer > len(layers):
         raise ObjectiveError(f"fedma.layer {h.layer}: this network has {len(layers)} weight layers")
     frozen = {f"{name}.{p}" for name in layers[:h.layer - 1] for p in ("weight", "bias")}
-    if h.layer > 1:
-        saved, meta = _load_state(path) if path.exists() else ({}, {})
-        at = (int(meta.get("pass", -1)), int(meta.get("layer", -1)))
-        if at == (h.pass_index, h.layer):       # asked again after a coordinator restart: the same answer
+    received = _fingerprint(model, hyper, layers[: h.layer - 1][-1:] if h.layer > 1 else layers)
+    if path.exists():                            # asked again after a coordinator restart: the same answer
+        saved, meta = _load_state(path)
+        if meta.get("task") == received:
             model.load_state_dict(saved, strict=False)
             return _output(model, data, {"fedma_repeated": 1.0})
-        if at != (h.pass_index, h.layer - 1):
-            raise ObjectiveError(f"this device's FedMA state is at pass {at[0]} phase {at[1]}, the task asks for "
-                                 f"phase {h.layer} of pass {h.pass_index}; it joins the next pass")
+    if h.layer == 1:
+        _forget_other_passes(ctx.state_dir, h.pass_index, keep_same_pass=False)
+    else:
+        before = phase_file(ctx.state_dir, h.pass_index, h.layer - 1)
+        if not before.exists():
+            raise ObjectiveError(f"this device has no FedMA state of phase {h.layer - 1} of pass {h.pass_index} "
+                                 f"(it missed a phase); it joins the next pass")
+        saved, _ = _load_state(before)
         _continue_pass(model, h, saved, layers)
     params = dict(model.named_parameters())
     try:
@@ -132,7 +163,7 @@ def fedma_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx
     finally:
         for p in params.values():   # the network may be cached and reused by the next task
             p.requires_grad_(True)
-    _save_state(path, model, h)
+    _save_state(path, model, h, received)
     return _output(model, data, out.metrics, out.num_samples)
 
 
