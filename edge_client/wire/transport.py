@@ -595,8 +595,17 @@ class MqttTransport(Transport):
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def close(self) -> None:
-        """Disconnect cleanly (no last will); the broker keeps our session."""
+    def close(self, flush_timeout: float = 5.0) -> None:
+        """Disconnect cleanly (no last will); the broker keeps our session.
+
+        Publishes still in flight (a coordinator's last "finished" status, a device's
+        offline presence) get up to ``flush_timeout`` seconds to be acknowledged first:
+        paho drops what it has not sent when it disconnects, and devices waiting for
+        that status would never leave.
+        """
+        deadline = time.monotonic() + flush_timeout
+        while self._publishing and self._connected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
         client, self._client = self._client, None
         if client is not None:
             client.disconnect()
