@@ -97,12 +97,7 @@ class WeightedSum:
 
     @staticmethod
     def reduce(parts: Iterable["WeightedSum"]) -> "WeightedSum":
-        total: WeightedSum | None = None
-        for part in parts:
-            total = part if total is None else total + part
-        if total is None:
-            raise AggregationError("nothing to aggregate")
-        return total
+        return _sum(parts)
 
 
 @dataclass(frozen=True)
@@ -141,12 +136,17 @@ class RowWeightedSum:
 
     @staticmethod
     def reduce(parts: Iterable["RowWeightedSum"]) -> "RowWeightedSum":
-        total: RowWeightedSum | None = None
-        for part in parts:
-            total = part if total is None else total + part
-        if total is None:
-            raise AggregationError("nothing to aggregate")
-        return total
+        return _sum(parts)
+
+
+def _sum(parts: Iterable[Any]) -> Any:
+    """Partial aggregates added up in the order given (any grouping gives the same answer)."""
+    total = None
+    for part in parts:
+        total = part if total is None else total + part
+    if total is None:
+        raise AggregationError("nothing to aggregate")
+    return total
 
 
 def _rows(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
