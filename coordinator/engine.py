@@ -403,6 +403,7 @@ class Coordinator:
         c = self.config.clients
         shared = shared_tensors(plans) if self.config.codec.broadcast else {}
         digest = self._broadcast(book, shared) if shared else ""
+        self.transport.prefer(self.topics.client(plan.client_id, "result") for plan in plans)
         for plan in plans:
             task_id = uuid.uuid4().hex[:16]
             body = TaskBody(objective=plan.objective, model=self.state.spec if plan.model is None else plan.model, up=tuple(plan.up), hyper=plan.hyper,

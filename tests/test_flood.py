@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import threading
-import time
-import uuid
+import sys
+from pathlib import Path
 
-import paho.mqtt.client as mqtt
-import psutil
-from paho.mqtt.enums import CallbackAPIVersion
-
-from coordinator.config import load_config
-from coordinator.run import run_federated
 from edge_client.wire.transport import Incoming, _Inbox
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from flood import flooded_run  # noqa: E402
 
 
 def test_the_inbox_serves_topics_in_turn_and_caps_each_topics_share():
@@ -34,49 +29,35 @@ def test_the_inbox_serves_topics_in_turn_and_caps_each_topics_share():
     assert big.get(0.0).topic == "t/1" and big.get(0.0).topic == "t/2" and big.get(0.0) is None
 
 
-def _run(tmp_path, name, mosquitto, prefix, flood: bool) -> tuple[list[dict], float]:
-    out = tmp_path / name
-    sets = {"run.rounds": 6, "run.out": str(out), "model.name": "cnn", "data.eval": "digits",
-            "clients.expected": 3, "clients.spawn": 3, "clients.min_results": 2, "clients.round_timeout": 30.0,
-            "clients.presence_timeout": 60.0, "transport.broker": mosquitto, "transport.prefix": prefix,
-            "export.enabled": False}
-    config = load_config(None, [(*k.split(".", 1), v) for k, v in sets.items()])
-    me, peak, stop = psutil.Process(), [0], threading.Event()
+def test_a_topic_publishing_faster_than_its_rate_is_cut_off_and_refills_with_time():
+    inbox = _Inbox(maxsize=10_000, rate=10.0, burst=5)
+    for i in range(20):                        # all at one instant: the burst passes, the rest is dropped
+        inbox.put(Incoming("fedge/clients/flood/result", b"x", received_at=100.0))
+    inbox.put(Incoming("fedge/clients/calm/result", b"y", received_at=100.0))
+    assert inbox.dropped_by == {"one topic over its rate limit": 15}
+    inbox.put(Incoming("fedge/clients/flood/result", b"x", received_at=100.05))   # half a token back
+    inbox.put(Incoming("fedge/clients/flood/result", b"x", received_at=100.2))    # two tokens back
+    assert inbox.dropped_by == {"one topic over its rate limit": 16}
+    topics = [inbox.get(0.0).topic for _ in range(7)]
+    assert topics.count("fedge/clients/flood/result") == 6 and inbox.get(0.0) is None
 
-    def watch() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], me.memory_info().rss)
-            time.sleep(0.02)
 
-    def flooder() -> None:   # full speed on one device's result topic: garbage, truncated and oversized
-        host, port = mosquitto.removeprefix("mqtt://").split(":")
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"flood-{uuid.uuid4().hex[:8]}")
-        client.connect(host, int(port))
-        client.loop_start()
-        while not (out / "metrics.jsonl").exists() and not stop.is_set():
-            time.sleep(0.01)
-        for i in range(50_000):
-            client.publish(f"{prefix}/clients/sim-002/result", bytes([i % 251]) * (1 + i % 700), qos=0)
-        client.loop_stop()
-        client.disconnect()
-
-    threads = [threading.Thread(target=watch, daemon=True)]
-    if flood:
-        threads.append(threading.Thread(target=flooder, daemon=True))
-    for t in threads:
-        t.start()
-    try:
-        run_federated(config, say=lambda s: None)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], peak[0] / 2**20
+def test_the_selected_clients_results_are_read_first():
+    inbox = _Inbox(maxsize=100)
+    for topic in ("t/idle/presence", "t/b/result", "t/idle/presence", "t/a/result", "t/b/result"):
+        inbox.put(Incoming(topic, b"."))
+    inbox.prefer(["t/a/result", "t/b/result"])
+    order = [inbox.get(0.0).topic for _ in range(5)]
+    assert order == ["t/b/result", "t/a/result", "t/b/result", "t/idle/presence", "t/idle/presence"]
+    inbox.prefer([])
+    inbox.put(Incoming("t/idle/presence", b"."))
+    inbox.put(Incoming("t/a/result", b"."))
+    assert inbox.get(0.0).topic == "t/idle/presence"
 
 
 def test_a_flood_on_one_devices_topic_leaves_the_others_results_and_the_memory_alone(tmp_path, mosquitto, prefix):
-    calm, calm_mb = _run(tmp_path, "calm", mosquitto, prefix + "-calm", flood=False)
-    flooded, flooded_mb = _run(tmp_path, "flooded", mosquitto, prefix, flood=True)
+    _, calm_mb = flooded_run(tmp_path / "calm", mosquitto, prefix + "-calm", messages=0)
+    flooded, flooded_mb = flooded_run(tmp_path / "flooded", mosquitto, prefix, messages=50_000)
     assert [r["round"] for r in flooded] == list(range(7))
     for row in flooded[1:]:
         assert row["returned"] >= 2        # sim-000 and sim-001 always count

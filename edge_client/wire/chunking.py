@@ -36,7 +36,7 @@ import os
 import struct
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -457,6 +457,9 @@ class ChunkingTransport(Transport):
                 self._accept(item)
             elif time.monotonic() >= deadline:
                 return None
+
+    def prefer(self, topics: Iterable[str]) -> None:
+        self.inner.prefer(topics)
 
     def close(self) -> None:
         self.inner.close()
