@@ -126,11 +126,19 @@ def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: s
             "--set", "train.epochs=2", *extra]
 
 
-def test_resume_after_kill_matches_uninterrupted_run(tmp_path, mosquitto, prefix, kill_after_checkpoint):
-    rounds = 4
-    ref = subprocess.run(_coordinator_cmd(tmp_path / "ref", mosquitto, prefix + "-ref", rounds),
+@pytest.fixture(scope="module")
+def uninterrupted_rows(tmp_path_factory, mosquitto) -> list[dict]:
+    """The rows of the 4-round run the kill-and-resume tests must reproduce."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ref = subprocess.run(_coordinator_cmd(out / "run", mosquitto, f"ref-{time.monotonic_ns()}", 4),
                          capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stdout + ref.stderr
+    return read_metrics(out / "run")
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path, mosquitto, prefix, kill_after_checkpoint,
+                                                    uninterrupted_rows):
+    rounds = 4
 
     out = tmp_path / "resumed"
     proc = subprocess.Popen(_coordinator_cmd(out, mosquitto, prefix, rounds), stdout=subprocess.DEVNULL,
@@ -145,7 +153,55 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path, mosquitto, prefix
     assert "resuming run" in resumed.stdout
     session = json.loads((out / "summary.json").read_text())["this_session"]
     assert session["resumed_after_round"] == max(done_before) and session["rounds"] == rounds - max(done_before)
-    a, b = read_metrics(tmp_path / "ref"), read_metrics(out)
+    a, b = uninterrupted_rows, read_metrics(out)
+    assert [r["round"] for r in b] == list(range(rounds + 1))
+    for ra, rb in zip(a, b):
+        assert rb["test_accuracy"] == pytest.approx(ra["test_accuracy"], abs=1e-3)
+        assert rb["test_loss"] == pytest.approx(ra["test_loss"], abs=1e-3)
+
+
+# The coordinator as its CLI runs it, except that aggregating round 3 first leaves a mark and
+# waits, so the test can kill it in the middle of aggregation.
+_SLOW_AGGREGATION = """
+import pathlib, sys, time
+from coordinator.strategies.fedavg import FedAvg
+mark = pathlib.Path(sys.argv.pop(1))
+original = FedAvg.aggregate_train
+def aggregate_train(self, round, state, results):
+    if round == 3:
+        mark.write_text(str(len(results)))
+        time.sleep(120)
+    return original(self, round, state, results)
+FedAvg.aggregate_train = aggregate_train
+from coordinator.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_coordinator_killed_during_aggregation_resumes_to_the_same_rows(tmp_path, mosquitto, prefix,
+                                                                       uninterrupted_rows):
+    rounds = 4
+
+    out, mark = tmp_path / "killed", tmp_path / "aggregating"
+    cmd = _coordinator_cmd(out, mosquitto, prefix, rounds)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_AGGREGATION, str(mark), *cmd[3:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while not mark.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the coordinator never aggregated round 3"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children()
+    proc.kill()
+    proc.wait()
+    psutil.wait_procs(children, timeout=30)
+    assert mark.read_text() == "3"                      # every result of round 3 was in
+    assert [r["round"] for r in read_metrics(out)] == [0, 1, 2]
+    assert not (out / "checkpoints" / "round_0003.safetensors").exists()
+
+    resumed = subprocess.run(_coordinator_cmd(out, mosquitto, prefix, rounds, "--resume"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a, b = uninterrupted_rows, read_metrics(out)
     assert [r["round"] for r in b] == list(range(rounds + 1))
     for ra, rb in zip(a, b):
         assert rb["test_accuracy"] == pytest.approx(ra["test_accuracy"], abs=1e-3)
