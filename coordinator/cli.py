@@ -31,6 +31,8 @@ _FLAGS: dict[str, tuple[str, str, type, str]] = {
                         "start N local fedge-client processes on partitions 0..N-1 (threads with inproc)"),
     "--seed": ("run", "seed", int, "seed for model init, sampling, partitions and local shuffling"),
     "--out": ("run", "out", str, "run directory (default runs/RUN_ID)"),
+    "--device": ("eval", "device", str,
+                 "where the coordinator evaluates on its test split: auto (CUDA when torch sees it), cpu, cuda"),
 }
 
 

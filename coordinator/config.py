@@ -20,6 +20,7 @@ from typing import Any
 from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
 from coordinator.selection import SELECTIONS
+from edge_client.device import DeviceError, resolve_device
 from edge_client.wire.chunking import MIN_MESSAGE_BYTES
 from edge_client.wire.codec import CodecError, parse_codec
 from edge_client.wire.transport import BrokerUrlError, parse_broker_address
@@ -110,6 +111,7 @@ class EvalSection:
     personalized: bool = False      # also ask clients for accuracy on their local test split
     every: int = 1                  # both evaluations every this many rounds, and always in the last round
     finetune_epochs: int = 0        # local fine-tuning epochs before the personalized evaluation (0: none)
+    device: str = "auto"            # torch device of the test-set evaluation: auto (CUDA if torch sees it), cpu, cuda
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,10 @@ class RunConfig:
             if not ok:
                 raise ConfigError(message)
         self._check_codecs()
+        try:
+            resolve_device(self.eval.device)
+        except DeviceError as exc:
+            raise ConfigError(f"eval.device: {exc}") from None
         if self.selected_per_round < self.required_results:
             raise ConfigError(f"clients.min_results={c.min_results} exceeds the {self.selected_per_round} "
                               f"clients selected per round")

@@ -36,6 +36,7 @@ from coordinator.selection import DeadlineFilter, RoundTimes
 from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
 from edge_client.wire.throttle import ThrottledLog
 from coordinator.diagnostics import divergence_metrics
+from edge_client.device import resolve_device
 from edge_client.models import state_shapes
 from edge_client.registry import build_model
 from edge_client.wire.protocol import (Message, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody, Topics,
@@ -118,6 +119,7 @@ class Coordinator:
         self.strategy = strategy
         self.state = state
         self.eval_data = eval_data
+        self.eval_device = resolve_device(config.eval.device)   # where the test-set evaluation runs
         # What a person watching wants between rounds: who is online while waiting, results coming in.
         self.on_progress = on_progress or (lambda info: None)
         self.topics = Topics(config.transport.prefix)
@@ -576,19 +578,29 @@ class Coordinator:
                 self._trained.clear()   # a later round's row must not be written before this one's
                 raise
 
-    def _evaluate_in_background(self, state: ServerState) -> Future[dict[str, Any]]:
-        """The strategy's evaluation of ``state`` (a snapshot) on a new thread, with the thread's own network."""
+    def _evaluation(self, state: ServerState) -> Callable[[], dict[str, Any]]:
+        """The strategy's evaluation of ``state`` (a snapshot), on the evaluation network and device."""
         key = json.dumps(state.spec, sort_keys=True)
         if key != self._eval_model_key:   # built here: building draws from the run's random stream
             with torch.random.fork_rng(devices=[]):
-                self._eval_model, self._eval_model_key = build_model(state.spec), key
+                self._eval_model, self._eval_model_key = build_model(state.spec).to(self.eval_device), key
+        if self.eval_data.x.device != self.eval_device:   # moved once, not per evaluation
+            self.eval_data = EvalData(self.eval_data.x.to(self.eval_device), self.eval_data.y.to(self.eval_device))
         model, data = self._eval_model, self.eval_data
+
+        def work() -> dict[str, Any]:
+            model.load_state_dict(state.params, strict=False)
+            return self.strategy.evaluate(state, model, data.x, data.y)
+        return work
+
+    def _evaluate_in_background(self, state: ServerState) -> Future[dict[str, Any]]:
+        """The strategy's evaluation of ``state`` (a snapshot) on a new thread, with the thread's own network."""
+        evaluation = self._evaluation(state)
         future: Future[dict[str, Any]] = Future()
 
         def work() -> None:
             try:
-                model.load_state_dict(state.params, strict=False)
-                future.set_result(self.strategy.evaluate(state, model, data.x, data.y))
+                future.set_result(evaluation())
             except BaseException as exc:   # handed to the run's thread, which raises it
                 future.set_exception(exc)
 
@@ -596,10 +608,9 @@ class Coordinator:
         return future
 
     def evaluate(self) -> dict[str, Any]:
-        """The strategy's evaluation of the current global state on the coordinator's test split."""
-        self._network()
-        self.model.load_state_dict(self.state.params, strict=False)
-        return self.strategy.evaluate(self.state, self.model, self.eval_data.x, self.eval_data.y)
+        """The strategy's evaluation of the current global state on the coordinator's test split, here and now
+        (never while a background evaluation runs: they share the evaluation network)."""
+        return self._evaluation(self.state)()
 
     def checkpoint(self, state: ServerState | None = None) -> Path:
         """Save ``state`` (the current one by default) as the checkpoint of its round."""

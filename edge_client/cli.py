@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "comes from the bundle or $FEDGE_MQTT_PASSWORD, never from the command line")
     run.add_argument("--mqtt-protocol", choices=("auto", "5", "3.1.1"), default="auto",
                      help="MQTT version; auto tries 5, then 3.1.1 (default auto)")
+    run.add_argument("--device", default=os.environ.get("FEDGE_DEVICE", "auto"), metavar="auto|cpu|cuda|mps",
+                     help="where to train: auto (default, or $FEDGE_DEVICE) takes the CUDA GPU when torch sees one "
+                          "(a Jetson with NVIDIA's torch wheel), else the CPU; cuda or cuda:N insists on the GPU. "
+                          "What goes on the wire is the same whatever the device")
     run.add_argument("--torch-threads", type=int, default=0,
                      help="torch CPU threads (0: torch's default); 1 when several clients share a machine")
     run.add_argument("--max-message-bytes", type=int, default=256 * 1024,
@@ -206,6 +210,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedge-client: bad --client-id {args.client_id!r}: use 1-64 letters, digits, '_', '.', '-'",
               file=sys.stderr)
         return 2
+    from edge_client.device import DeviceError, resolve_device
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as exc:
+        print(f"fedge-client: {exc}", file=sys.stderr)
+        return 2
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     try:
@@ -216,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
     settings = ClientSettings(client_id=args.client_id, topics=Topics(args.prefix), state_dir=args.state_dir,
                               max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
                               chunking=args.chunking, exit_after_run=args.exit_after_run,
-                              parent_pid=args.parent_pid)
+                              parent_pid=args.parent_pid, device=str(device))
     offline = EdgeClient.will(settings)
     transport = MqttTransport(broker, args.client_id, will=offline)
     stop = _Stop()

@@ -27,6 +27,7 @@ from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
 from edge_client.wire.codec import CodecSpec
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.registry import OBJECTIVES, build_model
+from edge_client.device import GpuMeter
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext, shuffle_seed, warm_up
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, Message,
                                        ModelBody, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody,
@@ -57,6 +58,7 @@ class ClientSettings:
     exit_after_run: bool = False     # leave once a run we took part in finishes
     parent_pid: int | None = None    # leave when this process is gone (spawned simulations)
     presence_echo_timeout: float = 10.0   # our own presence must come back from the broker within this
+    device: str = "cpu"              # torch device the model and data live on (edge_client.device.resolve_device)
 
 
 def _task_line(msg: Message, task: TaskBody | None, answer: ResultBody, wire_bytes: int) -> str:
@@ -72,6 +74,12 @@ def _task_line(msg: Message, task: TaskBody | None, answer: ResultBody, wire_byt
     return f"round {msg.round}: {objective} on {answer.num_samples} samples{took}, {human_bytes(wire_bytes)} up{figure}"
 
 
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy for the wire, whatever device the tensor lives on."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
 def presence_payload(client_id: str, body: PresenceBody) -> bytes:
     return encode("presence", run_id="", round=0, task_id="", sender=client_id, body=body.to_body())
 
@@ -83,8 +91,9 @@ class ModelCache:
     a cached network (simulated clients share one per worker).
     """
 
-    def __init__(self, keep: int = 1) -> None:
+    def __init__(self, keep: int = 1, device: torch.device | str = "cpu") -> None:
         self.keep = keep
+        self.device = torch.device(device)
         self._models: OrderedDict[str, nn.Module] = OrderedDict()
 
     def get(self, spec: Any) -> nn.Module:
@@ -93,7 +102,7 @@ class ModelCache:
         if model is None:
             while len(self._models) >= self.keep:
                 self._models.popitem(last=False)
-            model = build_model(spec)
+            model = build_model(spec).to(self.device)
         self._models[key] = model
         return model
 
@@ -172,9 +181,11 @@ class EdgeClient:
         self.settings = settings
         self.transport = ChunkingTransport(transport, max_message_bytes=settings.max_message_bytes,
                                            max_decoded_bytes=settings.max_decoded_bytes, chunking=settings.chunking)
-        self.data = data
+        self.device = torch.device(settings.device)
+        self.data = data.to(self.device)
         self.topics = settings.topics
-        self._models = models if models is not None else ModelCache()
+        self._models = models if models is not None else ModelCache(device=self.device)
+        self._gpu = GpuMeter(self.device)
         self._pending: _Pending | None = None
         self._done: dict[str, bytes | None] = {}   # task id -> result payload for re-sends; None once acknowledged
         self._latest_round: dict[str, int] = {}    # run id -> newest round the coordinator announced
@@ -228,7 +239,7 @@ class EdgeClient:
             num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0, device=device_facts()))
         self._echo_due = time.monotonic() + self.settings.presence_echo_timeout
         self.transport.announce(self.topics.client(cid, "presence"), self._presence)
-        activity.info("client %s online with %d samples", cid, len(self.data))
+        activity.info("client %s online with %d samples, training on %s", cid, len(self.data), self.device)
 
     def step(self, timeout: float) -> bool:
         """Handle the next incoming message (waiting up to ``timeout`` s for one), then what is due
@@ -409,6 +420,7 @@ class EdgeClient:
         profiler = Profiler() if profiler is None else profiler
         if wait and self._needs_broadcast(task, profiler):
             return
+        self._gpu.start()
         try:
             if task.body is None:
                 raise ProtocolError(task.problem)
@@ -421,7 +433,7 @@ class EdgeClient:
             tensors, answer = {}, ResultBody(error=f"{type(exc).__name__}: {exc}")
         # Encoding and publishing come after the profile is sealed into the result, so
         # their times travel with the next result, as `previous_send`.
-        answer = replace(answer, profile={**profiler.summary(), **self._previous_send})
+        answer = replace(answer, profile={**profiler.summary(), **self._gpu.summary(), **self._previous_send})
         with profiler.phase("encode"):
             payload = self._result_payload(msg, answer, tensors)
         self._done = {msg.task_id: payload}
@@ -461,18 +473,18 @@ class EdgeClient:
             model.load_state_dict(received, strict=False)
         ctx = TaskContext(seed=shuffle_seed(task.seed, msg.round, self.settings.client_id),
                           round=msg.round, client_id=self.settings.client_id, state_dir=self.settings.state_dir,
-                          profiler=profiler)
+                          profiler=profiler, device=self.device)
         with profiler.phase("train"):
             output = objective(model, self.data, task.hyper, ctx)
         if output.tensors is not None:
             if sorted(output.tensors) != sorted(up):
                 raise ProtocolError(f"objective produced {sorted(output.tensors)[:5]}, the task asked for {up[:5]}")
-            tensors, raw_only = output.tensors, True
+            tensors, raw_only = {name: _on_cpu(t) for name, t in output.tensors.items()}, True
         elif not set(up) <= known:
             raise ProtocolError(f"the task asks for parameters this model does not have: {sorted(set(up) - known)[:5]}")
         else:
             state = model.state_dict()
-            tensors, raw_only = {name: state[name].detach().clone() for name in up}, False
+            tensors, raw_only = {name: _on_cpu(state[name]) for name in up}, False
         with profiler.phase("codec"):
             wire, delta = encode_upload(tensors, received, task.upload, self._residuals, msg.run_id,
                                         raw_only=raw_only, generator=torch.Generator().manual_seed(ctx.seed))

@@ -50,6 +50,13 @@ class LocalData:
     def num_test(self) -> int:
         return 0 if self.y_test is None else int(self.y_test.shape[0])
 
+    def to(self, device: torch.device) -> "LocalData":
+        """The same data on ``device`` (itself on the CPU: no copy), moved once, not per batch."""
+        if self.x.device == device:
+            return self
+        move = [None if t is None else t.to(device) for t in (self.x, self.y, self.x_test, self.y_test)]
+        return LocalData(*move)
+
 
 def local_data(x: np.ndarray, y: np.ndarray, test_fraction: float, *, seed: int, client_id: str) -> LocalData:
     """A device's LocalData from numpy arrays, holding out ``test_fraction`` for local evaluation."""
@@ -85,6 +92,7 @@ class TaskContext:
     client_id: str
     state_dir: Path | None     # survives restarts: local state a method keeps on the device
     profiler: Profiler
+    device: torch.device = torch.device("cpu")   # where the model and data live; new tensors go there too
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ def minibatches(data: LocalData, batch_size: int, epochs: int, gen: torch.Genera
         order = torch.randperm(len(data), generator=gen)
         for start in range(0, len(data), batch_size):
             profiler.begin_step()
-            idx = order[start:start + batch_size]
+            idx = order[start:start + batch_size].to(data.x.device)
             xb, yb = data.x[idx], data.y[idx]
             profiler.lap("data")
             yield xb, yb

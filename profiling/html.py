@@ -188,10 +188,14 @@ def plot_memory(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
         return None
     fig, ax = _figure("Peak memory per device", "", "MB")
     x = range(len(measured))
-    ax.bar([i - 0.2 for i in x], [s.peak_rss_bytes / _MB for s in measured], width=0.4,  # type: ignore[operator]
-           label="peak RSS")
-    ax.bar([i + 0.2 for i in x], [(s.peak_uss_bytes or 0) / _MB for s in measured], width=0.4,
-           label="peak USS (0: not measured)")
+    bars: list[tuple[str, list[float]]] = [
+        ("peak RSS", [s.peak_rss_bytes / _MB for s in measured]),  # type: ignore[operator]
+        ("peak USS (0: not measured)", [(s.peak_uss_bytes or 0) / _MB for s in measured])]
+    if any(s.gpu_peak_bytes is not None for s in measured):   # beside RSS, only where a device trained on a GPU
+        bars.append(("peak GPU memory (0: trains on the CPU)", [(s.gpu_peak_bytes or 0) / _MB for s in measured]))
+    width = 0.8 / len(bars)
+    for k, (label, heights) in enumerate(bars):
+        ax.bar([i + (k - (len(bars) - 1) / 2) * width for i in x], heights, width=width, label=label)
     ax.set_xticks(list(x), [s.client_id for s in measured], rotation=30 if len(measured) > 6 else 0)
     _legend_below(fig, ax)
     return fig
@@ -207,7 +211,8 @@ PLOTS: tuple[tuple[str, str, Callable[[RunRecords, list[DeviceStats]], Figure | 
      plot_round_times),
     ("phases", "Mean seconds per task in each phase: receive (waiting on the device), decode, the four parts of "
                "each training step, the rest of training, encode and publish.", plot_breakdown),
-    ("memory", "Largest resident (RSS) and unique (USS) memory of each device's client process.", plot_memory),
+    ("memory", "Largest resident (RSS) and unique (USS) memory of each device's client process, and the GPU "
+               "memory torch allocated where a device trained on its GPU.", plot_memory),
 )
 
 

@@ -114,14 +114,18 @@ def resources_table(stats: list[DeviceStats]) -> TableData:
     A table of its own so that both fit an 80-column terminal.
     """
     ranks = straggler_ranks(stats)
+    gpu = any(s.gpu_peak_bytes is not None for s in stats)   # GPU columns only where a device trained on one
     table = TableData("Device resources (step times are medians over tasks; memory and temperature the peak)",
-                      ("device", "step p50 ms", "step p95 ms", "samples/s", "peak RSS", "peak USS", "CPU %",
-                       "temp °C", "throttled"), frozenset({"device", "throttled"}))
+                      ("device", "trains on", "step p50 ms", "step p95 ms", "samples/s", "peak RSS", "peak USS",
+                       *(("GPU mem", "GPU °C") if gpu else ()), "CPU %", "temp °C", "throttled"),
+                      frozenset({"device", "trains on", "throttled"}))
     for s in _by_rank(stats, ranks):
         table.add_row(
-            s.client_id, milliseconds(s.step_p50), milliseconds(s.step_p95), number(s.samples_per_second, ".0f"),
-            human_bytes(s.peak_rss_bytes), human_bytes(s.peak_uss_bytes), number(s.cpu_percent, ".0f"),
-            number(s.temperature_c), ABSENT if s.throttled is None else (", ".join(s.throttled) or "no"))
+            s.client_id, s.train_device or ABSENT, milliseconds(s.step_p50), milliseconds(s.step_p95),
+            number(s.samples_per_second, ".0f"), human_bytes(s.peak_rss_bytes), human_bytes(s.peak_uss_bytes),
+            *((human_bytes(s.gpu_peak_bytes), number(s.gpu_temperature_c)) if gpu else ()),
+            number(s.cpu_percent, ".0f"), number(s.temperature_c),
+            ABSENT if s.throttled is None else (", ".join(s.throttled) or "no"))
     return table
 
 

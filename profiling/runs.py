@@ -248,6 +248,9 @@ class DeviceStats:
     cpu_percent: float | None
     temperature_c: float | None
     throttled: list[str] | None            # flags seen since boot in any task; None: no vcgencmd
+    train_device: str | None = None        # torch device(s) the tasks ran on ("cpu", "cuda:0"); None: not said
+    gpu_peak_bytes: int | None = None      # largest GPU memory torch allocated in a task (CUDA only)
+    gpu_temperature_c: float | None = None  # hottest GPU-therm reading (Jetson only)
 
 
 def _values(tasks: Iterable[TaskRecord], key: str) -> list[Any]:
@@ -300,6 +303,9 @@ def device_stats(device: Device, tasks: list[TaskRecord] | None = None) -> Devic
         peak_rss_bytes=max(rss) if rss else None, peak_uss_bytes=max(uss) if uss else None,
         cpu_percent=_median(_values(tasks, "cpu_percent")), temperature_c=max(temps) if temps else None,
         throttled=sorted({f for t in throttled for f in t.get("since_boot", [])}) if throttled else None,
+        train_device=", ".join(sorted(set(_values(tasks, "device")))) or None,
+        gpu_peak_bytes=max(_values(tasks, "gpu_peak_bytes"), default=None),
+        gpu_temperature_c=max(_values(tasks, "gpu_temperature_c"), default=None),
     )
 
 

@@ -17,7 +17,7 @@ __all__ = ["clean_profile", "NUMBER_FIELDS", "COUNT_FIELDS"]
 NUMBER_FIELDS = ("seconds", "step_p50", "step_p95", "step_max", "samples_per_second", "cpu_percent",
                  "temperature_c")
 # counts and byte sizes: non-negative integers
-COUNT_FIELDS = ("steps", "samples", "peak_rss_bytes", "peak_uss_bytes")
+COUNT_FIELDS = ("steps", "samples", "peak_rss_bytes", "peak_uss_bytes", "gpu_peak_bytes")
 _PHASE_MAPS = ("phases", "train_phases")
 _MAX_NAMES = 32
 _MAX_TEXT = 64
@@ -74,6 +74,7 @@ def clean_profile(raw: Any) -> dict[str, Any]:
         return {}
     checks = {**{key: _number for key in NUMBER_FIELDS}, **{key: _count for key in COUNT_FIELDS},
               "temperature_c": lambda v: _number(v, signed=True), "temperature_sensor": _text,
+              "device": _text, "gpu_temperature_c": lambda v: _number(v, signed=True),
               "throttled": _throttled, "previous_send": _previous_send}
     out: dict[str, Any] = {key: check(raw[key]) for key, check in checks.items() if key in raw}
     for key in _PHASE_MAPS:

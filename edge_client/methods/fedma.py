@@ -89,7 +89,7 @@ def _fingerprint(model: nn.Module, hyper: Mapping[str, Any], names: list[str]) -
     digest = hashlib.sha256(json.dumps(hyper, sort_keys=True, default=str).encode())
     for name in names:
         for p in ("weight", "bias"):
-            digest.update(model.get_submodule(name).get_parameter(p).detach().contiguous().numpy().tobytes())
+            digest.update(model.get_submodule(name).get_parameter(p).detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

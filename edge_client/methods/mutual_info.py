@@ -68,7 +68,7 @@ def jsd_mutual_information(critic: PairCritic, a: torch.Tensor, b: torch.Tensor,
         raise ValueError(f"pairs need as many a's as b's, got {len(a)} and {len(b)}")
     if len(a) < 2:
         return a.new_zeros(())
-    shuffled = b[torch.randperm(len(b), generator=generator)]
+    shuffled = b[torch.randperm(len(b), generator=generator).to(b.device)]
     joint = critic(a, b)
     marginal = critic(a, shuffled)
     return (_LOG2 - F.softplus(-joint)).mean() - (F.softplus(marginal) - _LOG2).mean()

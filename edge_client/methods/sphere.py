@@ -79,18 +79,20 @@ def sphere_loss(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _features(model: nn.Module, x: torch.Tensor, batch_size: int) -> Iterable[tuple[slice, torch.Tensor]]:
-    """Unit features in float64, batch by batch, with the extractor in eval mode."""
+    """Unit features in float64 on the CPU (where statistics and classifiers live, whatever device the
+    model is on), batch by batch, with the extractor in eval mode."""
     model.eval()
     for start in range(0, len(x), batch_size):
         h = model.features(x[start:start + batch_size]).flatten(1)
-        yield slice(start, start + batch_size), F.normalize(h.to(torch.float64), dim=1)
+        yield slice(start, start + batch_size), F.normalize(h.to(torch.float64), dim=1).cpu()
 
 
 def sphere_accuracies(model: nn.Module, x: torch.Tensor, y: torch.Tensor, classifiers: Sequence[torch.Tensor],
                       batch_size: int = 1024) -> list[float]:
     """Accuracy on (x, y) of each ``[C, d]`` classifier on the model's unit features (one pass)."""
     correct = [0] * len(classifiers)
-    weights = [w.to(torch.float64) for w in classifiers]
+    weights = [w.to(torch.float64).cpu() for w in classifiers]
+    y = y.cpu()
     for rows, z in _features(model, x, batch_size):
         for i, w in enumerate(weights):
             correct[i] += int(((z @ w.t()).argmax(1) == y[rows]).sum())
@@ -239,6 +241,7 @@ def feature_stats(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classe
                   batch_size: int = 256) -> FfcStats:
     """G, B and n over (x, y) with the model's extractor (eval mode), accumulated in float64."""
     head = sphere_head(model)
+    y = y.cpu()
     total = FfcStats.zeros(head.in_features, num_classes)
     gram, cross = total.gram, total.cross
     for rows, z in _features(model, x, batch_size):

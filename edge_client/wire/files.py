@@ -48,7 +48,7 @@ def write_tensors_atomic(path: Path, tensors: Mapping[str, torch.Tensor],
     """Tensors as one safetensors file, atomically; returns the file's SHA-256."""
     from safetensors.torch import save as save_safetensors   # here, not above: see the module docstring
 
-    data = save_safetensors({k: v.detach().contiguous() for k, v in tensors.items()},
+    data = save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                             metadata=dict(metadata) if metadata else None)
     write_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
