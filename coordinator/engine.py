@@ -33,7 +33,7 @@ from coordinator.config import RunConfig
 from coordinator.downlink import Downlink, shared_tensors
 from coordinator.profiles import ProfileStore
 from coordinator.selection import DeadlineFilter, RoundTimes
-from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
+from coordinator.strategies.base import AggregationError, ClientResult, ServerState, Strategy, TaskPlan
 from edge_client.wire.throttle import ThrottledLog
 from coordinator.diagnostics import divergence_metrics
 from edge_client.device import resolve_device
@@ -68,8 +68,11 @@ class _Round:
 
     round: int
     attempt: int
+    phase: str = "train"
+    streaming: bool = False        # results are folded into ``partial`` on arrival and their tensors dropped
+    partial: Any = None            # the strategy's partial aggregate of the results so far (streaming only)
     plans: dict[str, TaskPlan] = field(default_factory=dict)       # task id -> plan
-    results: dict[str, ClientResult] = field(default_factory=dict)  # client id -> result
+    results: dict[str, ClientResult] = field(default_factory=dict)  # client id -> result (no tensors if streaming)
     failed: set[str] = field(default_factory=set)    # clients that answered with an error
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)               # left out by deadline selection
@@ -283,6 +286,8 @@ class Coordinator:
             if body is None:
                 raise ProtocolError(problem)
             result = self._accept(plan, msg, body)
+            if book.streaming:
+                result = self._fold(book, result)
         except ProtocolError as exc:
             what = "failed" if body is not None and body.error is not None else "rejected"
             self._count(what, client_id, str(exc))
@@ -311,6 +316,20 @@ class Coordinator:
         if problem:
             raise ProtocolError(problem)
         return result
+
+    def _streams(self, phase: str) -> bool:
+        """Whether a phase's results are folded in as they arrive: where the strategy can, and nothing
+        needs every client's tensors at the end (the norm bound's median, the divergence diagnostics)."""
+        return (self.strategy.streams(phase) and self.config.aggregate.norm_bound == 0
+                and not (phase == "train" and self.config.run.diagnostics))
+
+    def _fold(self, book: _Round, result: ClientResult) -> ClientResult:
+        """Fold ``result`` into the round's partial aggregate; what is kept of it has no tensors."""
+        try:
+            book.partial = self.strategy.fold(book.phase, book.partial, result)
+        except AggregationError as exc:
+            raise ProtocolError(f"cannot aggregate this result: {exc}") from None
+        return dataclasses.replace(result, tensors={})
 
     def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> int:
         """Publish (in chunks if needed) and return the bytes sent; a message too large ends the run."""
@@ -426,7 +445,7 @@ class Coordinator:
         c = self.config
         totals = dict(self._round.counts, bytes_down=0, bytes_up=self._round.bytes_up, bytes_broadcast=0)
         for attempt in range(c.clients.max_attempts):
-            book = self._round = _Round(round=round, attempt=attempt)
+            book = self._round = _Round(round=round, attempt=attempt, phase=phase, streaming=self._streams(phase))
             self.announce("running", round)
             clients = sorted(self.online) if self.strategy.selects_all(phase) else self._sample(round, attempt)
             self._send_tasks(book, self.strategy.configure(phase, round, self.state, clients))
@@ -519,7 +538,7 @@ class Coordinator:
             else:
                 row.update({f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results),
                             f"{phase}_bytes_down": totals["bytes_down"], f"{phase}_bytes_up": totals["bytes_up"]})
-            self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results)
+            self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results, book.partial)
             self._network()   # the strategy may have changed the network: the next phase checks against it
             row.update(phase_metrics)
         row.update(counts)

@@ -213,10 +213,29 @@ class Strategy:
             return self.configure_evaluate(round, state, clients)
         raise NotImplementedError(f"{self.name} has no phase {phase!r}")
 
-    def aggregate(self, phase: str, round: int, state: ServerState,
-                  results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
-        """New state plus any metrics the phase adds to the round's row."""
+    def streams(self, phase: str) -> bool:
+        """Whether this phase's results can be folded into a partial aggregate as they arrive
+        (:meth:`fold`), so the engine drops each result's tensors at once and a round's memory
+        is that of one model, however many clients answer. Methods that need every result at
+        once (FedMA's matching, coordinate-wise medians) keep the default, False."""
+        return False
+
+    def fold(self, phase: str, partial: Any, result: ClientResult) -> Any:
+        """``partial`` (None for the first result) with ``result`` folded in; only where :meth:`streams`.
+
+        The fold must be an associative reduce, so that arrival order changes the aggregate only
+        by floating-point rounding (float64 sums: far below float32's resolution)."""
+        raise NotImplementedError(f"{self.name} does not stream its {phase!r} results")
+
+    def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
+                  partial: Any = None) -> tuple[ServerState, dict[str, Any]]:
+        """New state plus any metrics the phase adds to the round's row.
+
+        With ``partial`` (a streamed phase) the results' tensors are already folded into it and
+        ``results`` carry only their client ids, sample counts and metrics."""
         if phase == "train":
+            if partial is not None:
+                return self.aggregate_train(round, state, results, partial), {}
             return self.aggregate_train(round, state, results), {}
         if phase == "evaluate":
             return state, summarize_personalized(results)

@@ -133,10 +133,10 @@ class DFL(Strategy):
                                   down={**invariant, **peers}, up=up))
         return plans
 
-    def aggregate(self, phase: str, round: int, state: ServerState,
-                  results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
+    def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
+                  partial: Any = None) -> tuple[ServerState, dict[str, Any]]:
         if phase != "train":
-            return super().aggregate(phase, round, state, results)
+            return super().aggregate(phase, round, state, results, partial)
         return self.aggregate_train(round, state, results), _train_metrics(results)
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from coordinator.errors import ConfigError
-from coordinator.strategies.base import ClientResult, RowWeightedSum, ServerState, TaskPlan
+from coordinator.strategies.base import ClientResult, RowWeightedSum, ServerState, TaskPlan, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
 from edge_client.methods.fed2 import CLASS_COUNT
 from edge_client.methods.fed2_model import row_groups
@@ -103,10 +103,14 @@ class Fed2(FedAvg):
             return None
         return histogram_problem(result, self.num_classes)
 
-    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
+    def streams(self, phase: str) -> bool:
+        return self.pairing == "all" and super().streams(phase)
+
+    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult],
+                        partial: WeightedSum | None = None) -> ServerState:
         """Shared rows by sample count, group rows by the client's samples of the group's classes (holders)."""
         if self.pairing == "all":
-            return super().aggregate_train(round, state, results)
+            return super().aggregate_train(round, state, results, partial)
         owners = _row_groups(json.dumps(state.spec, sort_keys=True))
         allocation = _allocation(json.dumps(state.spec, sort_keys=True))
         total = RowWeightedSum.reduce(

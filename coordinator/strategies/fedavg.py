@@ -7,11 +7,12 @@ only adds the proximal weight ``mu`` to the clients' local objective.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator.aggregation import Aggregator
-from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
+from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
@@ -50,10 +51,24 @@ class FedAvg(Strategy):
         return [TaskPlan(client_id=c, objective=self.objective, hyper=self.hyper(), down=state.params, up=names)
                 for c in clients]
 
-    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
+    def streams(self, phase: str) -> bool:
+        """The mean streams; so does a subclass whose ``aggregate_train`` takes the partial (one written
+        without it gets every result, as before)."""
+        return (phase == "train" and self.aggregator.streams
+                and "partial" in inspect.signature(self.aggregate_train).parameters)
+
+    def fold(self, phase: str, partial: WeightedSum | None, result: ClientResult) -> WeightedSum:
+        part = WeightedSum.of(result.tensors, result.num_samples)
+        return part if partial is None else partial + part
+
+    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult],
+                        partial: WeightedSum | None = None) -> ServerState:
         """The returned models combined by ``aggregate.rule`` (FedAvg's sample-weighted mean by default),
-        in the order given (the engine sorts)."""
-        combined = self.aggregator.combine([(r.tensors, r.num_samples) for r in results], state.params)
+        in the order given (the engine sorts), or the mean of the results the engine streamed in."""
+        if partial is not None:
+            combined = partial.mean()
+        else:
+            combined = self.aggregator.combine([(r.tensors, r.num_samples) for r in results], state.params)
         return dataclasses.replace(state, round=round, params={**state.params, **combined})
 
 

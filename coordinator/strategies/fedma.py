@@ -186,10 +186,10 @@ class FedMA(Strategy):
             return None
         return histogram_problem(result, int(plan.expect["classifier.weight"][0]))
 
-    def aggregate(self, phase: str, round: int, state: ServerState,
-                  results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
+    def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
+                  partial: Any = None) -> tuple[ServerState, dict[str, Any]]:
         if phase != "train":
-            return super().aggregate(phase, round, state, results)
+            return super().aggregate(phase, round, state, results, partial)
         pass_index, layer, count = self._phase(round, state.spec)
         names = weight_layers(_model(json.dumps(state.spec, sort_keys=True)))
         name = names[layer - 1]

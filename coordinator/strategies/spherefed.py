@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from coordinator.errors import ConfigError
-from coordinator.strategies.base import ClientResult, ServerState, TaskPlan, summarize_personalized
+from coordinator.strategies.base import ClientResult, ServerState, TaskPlan, WeightedSum, summarize_personalized
 from coordinator.strategies.fedavg import FedProx
 from edge_client.methods.sphere import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
                                         sphere_head, wire_numbers, wire_shapes)
@@ -138,11 +138,11 @@ class SphereFed(FedProx):
                          expect=wire_shapes(dim, classes), codec=WIRE_CODECS[self.ffc.dtype]) for c in clients]
 
     # -- aggregation ------------------------------------------------------------
-    def aggregate(self, phase: str, round: int, state: ServerState,
-                  results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
+    def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
+                  partial: Any = None) -> tuple[ServerState, dict[str, Any]]:
         if phase == "ffc":
             return self.aggregate_ffc(round, state, results)
-        new, metrics = super().aggregate(phase, round, state, results)
+        new, metrics = super().aggregate(phase, round, state, results, partial)
         if phase == "train":
             metrics = {**metrics, "classifier_bytes_saved": self.classifier_bytes_saved(state, len(results))}
         return new, metrics
@@ -153,9 +153,10 @@ class SphereFed(FedProx):
         nbytes = 4 * state.params[CLASSIFIER].numel()
         return nbytes * ((1 if self.broadcast else returned) + returned)
 
-    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
+    def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult],
+                        partial: WeightedSum | None = None) -> ServerState:
         """FedAvg of the extractors; the classifier is the fixed one again, the one clients trained against."""
-        new = super().aggregate_train(round, state, results)
+        new = super().aggregate_train(round, state, results, partial)
         return dataclasses.replace(new, params={**new.params, CLASSIFIER: self.fixed(state)})
 
     def aggregate_ffc(self, round: int, state: ServerState,
