@@ -47,10 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
                                        "append them to the device's profile history (--state-dir/profile.jsonl).")
     infer.add_argument("model", type=Path, metavar="MODEL.onnx", help="the ONNX model file")
     infer.add_argument("--data", default=None, metavar="SPEC",
-                       help="npz:PATH with real samples (array x_test or x); default: seeded random input")
+                       help="npz:PATH with real samples (array x_test or x; with labels y_test or y the model's "
+                            "accuracy on them is reported too); default: seeded random input")
     infer.add_argument("--runs", type=int, default=200, help="timed runs per batch size (default 200)")
     infer.add_argument("--warmup", type=int, default=20, help="untimed runs first (default 20)")
     infer.add_argument("--batch", type=int, default=32, help="the larger batch size (default 32)")
+    infer.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda", "tensorrt"),
+                       help="ONNX Runtime execution provider: cpu (a Raspberry Pi), cuda or tensorrt (a Jetson with "
+                            "NVIDIA's onnxruntime-gpu); auto (default) takes the first of tensorrt, cuda, cpu that "
+                            "this onnxruntime offers, and the report says which ran")
     infer.add_argument("--threads", type=int, default=1,
                        help="ONNX Runtime intra-op threads (default 1; 0: one per core)")
     infer.add_argument("--state-dir", type=Path, default=Path(os.environ.get("FEDGE_STATE_DIR", "fedge-state")),
@@ -92,7 +97,7 @@ def _infer(args: argparse.Namespace) -> int:
     from profiling.infer import InferSettings, benchmark, format_result
 
     settings = InferSettings(runs=args.runs, warmup=args.warmup, batch=args.batch, threads=args.threads,
-                             data=args.data)
+                             data=args.data, provider=args.provider)
     record = benchmark(args.model, settings, state_dir=None if args.no_record else args.state_dir)
     print(format_result(record))
     return 0

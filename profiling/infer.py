@@ -8,7 +8,13 @@ the device's profile history as an ``infer`` line.
 
 Only the input's shape matters for latency, so the default input is seeded random
 data; ``--data npz:PATH`` uses real samples (array ``x_test``, else ``x``; uint8
-images are scaled to [0, 1], a missing channel axis is added).
+images are scaled to [0, 1], a missing channel axis is added), and when the file
+also holds their labels (``y_test`` or ``y``) the model's top-1 accuracy on them.
+
+``--provider`` picks ONNX Runtime's execution provider: the CPU on a Raspberry Pi,
+CUDA or TensorRT on a Jetson with NVIDIA's onnxruntime-gpu build; ``auto`` takes the
+first of TensorRT, CUDA and CPU that the installed onnxruntime offers. The report
+names the provider the session really ran on.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from profiling.errors import ProfileError
 from profiling.history import append_history
 from profiling.profiler import peak_rss_since_reset, percentile, reset_peak_rss
 
-__all__ = ["InferError", "InferSettings", "benchmark", "format_result"]
+__all__ = ["InferError", "InferSettings", "PROVIDERS", "benchmark", "choose_provider", "format_result"]
+
+# --provider names and the ONNX Runtime execution providers they stand for, in auto's order of preference
+PROVIDERS = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
 
 # ONNX tensor element types this benchmark can feed
 _DTYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -49,29 +58,46 @@ class InferSettings:
     threads: int = 1                # ONNX Runtime intra-op threads; 1 on a shared small device
     data: str | None = None         # None: seeded random input; "npz:PATH": real samples
     seed: int = 0
+    provider: str = "auto"          # auto | cpu | cuda | tensorrt (PROVIDERS)
 
 
-def _session(model: Path, threads: int) -> ort.InferenceSession:
+def choose_provider(name: str, available: list[str]) -> str:
+    """The ONNX Runtime provider for ``--provider name``, given the installed build's ``available`` ones."""
+    if name == "auto":
+        return next(p for p in PROVIDERS.values() if p in available or p == PROVIDERS["cpu"])
+    if name not in PROVIDERS:
+        raise InferError(f"unknown provider {name!r}; choose auto, {', '.join(PROVIDERS)}")
+    wanted = PROVIDERS[name]
+    if wanted not in available:
+        offered = ", ".join(k for k, v in PROVIDERS.items() if v in available) or "none"
+        raise InferError(f"this onnxruntime ({ort.__version__}) has no {wanted} (it offers: {offered}); on a Jetson "
+                         "install NVIDIA's onnxruntime-gpu build for its JetPack release, or use --provider cpu")
+    return wanted
+
+
+def _session(model: Path, threads: int, provider: str) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # the CPU after an accelerator: operators the accelerator lacks still run
+    providers = [provider] + ([PROVIDERS["cpu"]] if provider != PROVIDERS["cpu"] else [])
     try:
-        return ort.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(model), sess_options=options, providers=providers)
     except Exception as exc:   # onnxruntime raises its own exception types for unreadable models
         raise InferError(f"ONNX Runtime cannot load {model}: {exc}; check that it is an ONNX file "
                          "(a model exported with external data needs its .data file next to it)") from None
 
 
-def _samples(settings: InferSettings, shape: list[Any], dtype: type) -> np.ndarray:
-    """Samples without the batch axis, shaped like the model's input."""
+def _samples(settings: InferSettings, shape: list[Any], dtype: type) -> tuple[np.ndarray, np.ndarray | None]:
+    """Samples shaped like the model's input (first axis: the samples), and their labels if the file has them."""
     sample_shape = shape[1:]
     if settings.data is None:
         if not all(isinstance(d, int) and d > 0 for d in sample_shape):
             raise InferError(f"the model's input {shape} has dynamic dimensions besides the batch; "
                              "pass --data npz:PATH with real samples")
         rng = np.random.default_rng(settings.seed)
-        return rng.standard_normal((64, *sample_shape)).astype(dtype)
+        return rng.standard_normal((64, *sample_shape)).astype(dtype), None
     kind, _, path = settings.data.partition(":")
     if kind != "npz" or not path:
         raise InferError(f"--data must be npz:PATH, got {settings.data!r}")
@@ -81,6 +107,8 @@ def _samples(settings: InferSettings, shape: list[Any], dtype: type) -> np.ndarr
             if key not in archive.files:
                 raise InferError(f"{path} has no array x or x_test (it has {archive.files})")
             x = archive[key]
+            label_key = {"x_test": "y_test", "x": "y"}[key]
+            y = archive[label_key] if label_key in archive.files else None
     except (OSError, ValueError) as exc:
         raise InferError(f"cannot read {path}: {exc}") from None
     if x.dtype == np.uint8 and dtype != np.uint8:
@@ -90,7 +118,25 @@ def _samples(settings: InferSettings, shape: list[Any], dtype: type) -> np.ndarr
     fixed = [(i, d) for i, d in enumerate(sample_shape) if isinstance(d, int)]
     if x.ndim != len(shape) or any(x.shape[i + 1] != d for i, d in fixed) or len(x) == 0:
         raise InferError(f"samples in {path} are {list(x.shape[1:])}, the model takes {sample_shape}")
-    return x.astype(dtype)
+    if y is not None and (y.ndim != 1 or len(y) != len(x) or y.dtype.kind not in "iu"):
+        raise InferError(f"the labels in {path} must be integers, one per sample ({len(x)}); got {y.dtype} "
+                         f"{list(y.shape)}")
+    return x.astype(dtype), y
+
+
+def _accuracy(session: ort.InferenceSession, name: str, x: np.ndarray, y: np.ndarray, batch: int,
+              fixed_batch: int | None) -> float:
+    """Top-1 accuracy of the first output on (x, y), in batches the model accepts."""
+    size = fixed_batch or batch
+    correct = 0
+    for start in range(0, len(x), size):
+        chunk = x[start:start + size]
+        n = len(chunk)
+        if fixed_batch and n < fixed_batch:   # a fixed batch axis: pad the last chunk, score only its samples
+            chunk = chunk[np.arange(fixed_batch) % n]
+        scores = session.run(None, {name: chunk})[0][:n]
+        correct += int((scores.reshape(n, -1).argmax(1) == y[start:start + n]).sum())
+    return correct / len(x)
 
 
 def _time_runs(session: ort.InferenceSession, name: str, batch: np.ndarray, settings: InferSettings,
@@ -118,7 +164,8 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
     process = psutil.Process()
     rss_before = process.memory_info().rss
     reset_peak_rss()
-    session = _session(model, settings.threads)
+    provider = choose_provider(settings.provider, ort.get_available_providers())
+    session = _session(model, settings.threads, provider)
     rss_loaded = process.memory_info().rss
     inputs = session.get_inputs()
     if len(inputs) != 1:
@@ -128,7 +175,7 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
     if dtype is None:
         raise InferError(f"input {spec.name!r} is {spec.type}; supported: {', '.join(_DTYPES)}")
     shape = list(spec.shape)
-    samples = _samples(settings, shape, dtype)
+    samples, labels = _samples(settings, shape, dtype)
     batch_dim = shape[0] if shape else None
     results, skipped, peak = [], [], rss_loaded
     for size in dict.fromkeys((1, settings.batch)):
@@ -146,11 +193,16 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
         "model_sha256": hashlib.sha256(model.read_bytes()).hexdigest(),
         "input": {"name": spec.name, "type": spec.type, "shape": [d if isinstance(d, int) else str(d) for d in shape]},
         "data": settings.data or "random", "threads": settings.threads, "onnxruntime": ort.__version__,
+        "provider": session.get_providers()[0], "provider_asked": settings.provider,
         "results": results, "skipped": skipped,
         "session_rss_bytes": rss_loaded - rss_before,
         "peak_rss_bytes": max(peak, peak_rss_since_reset() or 0),
         "device": device_facts(),
     }
+    if labels is not None:
+        record["accuracy"] = _accuracy(session, spec.name, samples, labels, settings.batch,
+                                       batch_dim if isinstance(batch_dim, int) else None)
+        record["accuracy_samples"] = len(labels)
     if state_dir is not None:
         record["history"] = str(append_history(state_dir, "infer", record))
     return record
@@ -162,7 +214,8 @@ def format_result(record: dict[str, Any]) -> str:
 
     i = record["input"]
     lines = [f"{record['model_name']} ({human_bytes(record['model_bytes'])}, sha256 {record['model_sha256'][:12]}), "
-             f"ONNX Runtime {record['onnxruntime']}, {record['threads']} intra-op thread(s)",
+             f"ONNX Runtime {record['onnxruntime']} on {record.get('provider', PROVIDERS['cpu'])}"
+             f"{' (auto)' if record.get('provider_asked') == 'auto' else ''}, {record['threads']} intra-op thread(s)",
              f"input {i['name']!r} {i['type']} {i['shape']}, data {record['data']}",
              f"{'batch':>6} {'runs':>6} {'p50 ms':>9} {'p95 ms':>9} {'p99 ms':>9} {'samples/s':>11}"]
     for r in record["results"]:
@@ -170,6 +223,9 @@ def format_result(record: dict[str, Any]) -> str:
                      f"{r['p99'] * 1e3:>9.3f} {r['samples_per_second']:>11.0f}")
     for s in record["skipped"]:
         lines.append(f"batch {s['batch']} skipped: {s['reason']}")
+    if "accuracy" in record:
+        lines.append(f"accuracy {100 * record['accuracy']:.2f}% on the {record['accuracy_samples']} labelled samples "
+                     f"of {record['data']}")
     lines.append(f"peak RSS {human_bytes(record['peak_rss_bytes'])} "
                  f"(loading the model added {human_bytes(record['session_rss_bytes'])})")
     if record.get("history"):

@@ -189,15 +189,19 @@ def tasks_table(device: Device) -> TableData:
 
 def inference_table(device: Device) -> TableData:
     table = TableData(f"Inference benchmarks (ONNX Runtime) of {device.client_id}",
-                      ("when", "model", "batch", "runs", "p50 ms", "p95 ms", "p99 ms", "samples/s", "peak RSS"),
-                      frozenset({"when", "model"}))
+                      ("when", "model", "provider", "batch", "runs", "p50 ms", "p95 ms", "p99 ms", "samples/s",
+                       "accuracy", "peak RSS"), frozenset({"when", "model", "provider"}))
     for line in device.inference:
         for result in line.get("results") or []:
             if not isinstance(result, dict):
                 continue
-            table.add_row(_when(line.get("time")), str(line.get("model_name", ABSENT)), str(result.get("batch")),
-                          str(result.get("runs")), milliseconds(result.get("p50")), milliseconds(result.get("p95")),
-                          milliseconds(result.get("p99")), number(result.get("samples_per_second"), ".0f"),
+            provider = str(line.get("provider", "CPUExecutionProvider")).removesuffix("ExecutionProvider")
+            accuracy = line.get("accuracy")
+            table.add_row(_when(line.get("time")), str(line.get("model_name", ABSENT)), provider,
+                          str(result.get("batch")), str(result.get("runs")), milliseconds(result.get("p50")),
+                          milliseconds(result.get("p95")), milliseconds(result.get("p99")),
+                          number(result.get("samples_per_second"), ".0f"),
+                          number(100 * accuracy, ".2f") if isinstance(accuracy, (int, float)) else ABSENT,
                           human_bytes(line.get("peak_rss_bytes")))
     return table
 
