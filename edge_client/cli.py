@@ -80,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_data(args: argparse.Namespace):  # -> LocalData
-    from edge_client.data import client_split, load_dataset
+    from edge_client.data import load_client_split, load_dataset
     from edge_client.objectives import local_data
 
-    dataset = load_dataset(args.data)
-    if args.partition:
-        x, y = client_split(dataset, args.partition, args.partition_index, args.num_partitions, args.seed)
+    if args.partition:   # a simulated device: only its partition's rows are kept
+        x, y = load_client_split(args.data, args.partition, args.partition_index, args.num_partitions, args.seed)
     else:
+        dataset = load_dataset(args.data)
         x, y = dataset.x_train, dataset.y_train
     return local_data(x, y, args.local_test_fraction, seed=args.seed, client_id=args.client_id)
 

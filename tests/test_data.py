@@ -14,6 +14,7 @@ from edge_client.data import (
     DataError,
     Dataset,
     client_split,
+    load_client_split,
     describe_partitions,
     load_dataset,
     partition_indices,
@@ -160,7 +161,8 @@ def test_fake_fashion_mnist_loads(tmp_path: Path) -> None:
         ({"t10k_images_idx3_ubyte": (2049, np.zeros((10, 28, 28)))}, "wrong IDX magic 2049, expected 2051"),
         ({"train_images_idx3_ubyte": gzip.compress(b"\x00\x00\x08\x03" + b"\x00" * 20)}, "truncated or corrupt"),
         ({"train_images_idx3_ubyte": gzip.compress(b"\x00\x00\x08")}, "truncated IDX header"),
-        ({"train_images_idx3_ubyte": gzip.compress(bytes(range(256)) * 8)[:-20]}, "cannot read"),
+        ({"train_images_idx3_ubyte": gzip.compress(b"\x00\x00\x08\x03" + b"".join(d.to_bytes(4, "big") for d in (30, 28, 28))
+                                                   + bytes(range(256)) * 92)[:-20]}, "cannot read"),
         ({"train_labels_idx1_ubyte": (2049, np.arange(29) % 10)}, "30 images but .* 29 labels"),
         ({"t10k_labels_idx1_ubyte": (2049, np.arange(10) + 1)}, "label 10 out of range 0..9"),
         ({"t10k_labels_idx1_ubyte": None}, "missing t10k-labels-idx1-ubyte.gz"),
@@ -372,3 +374,29 @@ def test_describe_partitions(digits: Dataset) -> None:
         assert d["size"] == len(p) == sum(d["classes"].values())
         assert all(isinstance(k, int) and isinstance(v, int) and v > 0 for k, v in d["classes"].items())
     assert sum(d["size"] for d in info) == len(digits.y_train)
+
+
+def test_a_simulated_clients_rows_load_alone_and_equal_the_whole_datasets(fmnist: Dataset) -> None:
+    import subprocess
+    import sys
+
+    for spec in ("iid", "dirichlet:0.1", "shards:2"):
+        for index in (0, 9):
+            x, y = load_client_split("fashion-mnist", spec, index, 10, 3)
+            want_x, want_y = client_split(fmnist, spec, index, 10, 3)
+            assert x.dtype == np.float32 and np.array_equal(x, want_x) and np.array_equal(y, want_y)
+    with pytest.raises(DataError, match="partition index 10 out of range"):
+        load_client_split("fashion-mnist", "iid", 10, 10, 0)
+    # what a spawned client's process peaks at, loading one of 100 partitions: below the 219 MB of the
+    # whole dataset in float32 that the old path held
+    code = ("from edge_client.data import load_client_split; "
+            "load_client_split('fashion-mnist', 'dirichlet:0.1', 3, 100, 0); "
+            "print(next(int(l.split()[1]) // 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')))")
+    peak_mb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 timeout=120).stdout)
+    code_all = code.replace("load_client_split('fashion-mnist', 'dirichlet:0.1', 3, 100, 0)",
+                            "from edge_client.data import load_dataset, client_split; "
+                            "client_split(load_dataset('fashion-mnist'), 'dirichlet:0.1', 3, 100, 0)")
+    whole_mb = int(subprocess.run([sys.executable, "-c", code_all], capture_output=True, text=True, check=True,
+                                  timeout=120).stdout)
+    assert peak_mb < whole_mb - 100, (peak_mb, whole_mb)
