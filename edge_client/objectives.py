@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_client.data import ClientRows, holdout_split
+from edge_client.optim import DeviceSGD
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
@@ -127,14 +128,17 @@ class TrainHyper:
 
 
 def warm_up() -> None:
-    """Pay torch's one-time lazy imports before the first task, not inside it.
+    """Pay one-time costs before the first task, not inside it.
 
-    Creating the first optimizer imports ``torch._dynamo``: 1.25 s on a 2-core x86
-    server, several seconds on a Raspberry Pi. Inside the first task it shows up as
-    a slow first round (profile phase ``train``, outside the steps) and makes every
-    device look like a straggler to deadline-aware selection.
+    A first task slower than the rest shows up as a slow first round and makes every
+    device look like a straggler to deadline-aware selection. Training uses
+    :class:`~edge_client.optim.DeviceSGD`, whose first step costs milliseconds (the
+    ``torch.optim.Optimizer`` it replaces imported ``torch._dynamo``: 1.25 s on a 2-core
+    x86 server, several seconds on a Raspberry Pi, and 72 MB); one step here keeps it so.
     """
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    weight = torch.zeros(1, requires_grad=True)
+    weight.grad = torch.ones(1)
+    DeviceSGD([weight], lr=0.1, momentum=0.9).step()
 
 
 def shuffle_seed(seed: int, round: int, client_id: str) -> int:
@@ -158,7 +162,7 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
         raise ObjectiveError("this device has no training samples")
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if h.mu > 0 else []
-    opt = torch.optim.SGD(params, lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
+    opt = DeviceSGD(params, lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
     profiler = ctx.profiler
     gen = torch.Generator().manual_seed(ctx.seed)
     torch.manual_seed(ctx.seed)
@@ -170,7 +174,7 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
         if anchor:
             objective = loss + 0.5 * h.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
         profiler.lap("forward")
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         objective.backward()
         if h.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, h.max_grad_norm)
