@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 import psutil
 
+from bench_io import RESULTS, write_result
 from coordinator.config import load_config
 from coordinator.mosquitto import LocalMosquitto
 from coordinator.run import run_federated
 from edge_client.data import FASHION_MNIST_DIR, _fashion_mnist_raw
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MB = 2**20
 PHASES = ("start-up", "idle", "receive + decode", "train", "encode + send")
 # profile phases laid back from a task's end, last first, and the reported phase each belongs to
@@ -198,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"samples": args.samples, "rounds": args.rounds, "model": "cnn", "codec_up": "topk:0.1+int8+zstd",
               "sample_every_seconds": args.every, "baselines": baselines, "device": device,
               "goal_rss_mb": goal, "goal_met": device["peak_rss_mb"] <= goal}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {args.out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -24,11 +24,11 @@ import paho.mqtt.client as mqtt
 import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 
+from bench_io import RESULTS, write_result
 from coordinator.config import load_config
 from coordinator.mosquitto import LocalMosquitto
 from coordinator.run import run_federated
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FLOODED = "sim-002"
 
 
@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak RSS: {calm_mb:.0f} MB undisturbed, {flooded_mb:.0f} MB flooded")
     result = {"messages": args.messages, "flooded_device": FLOODED, "rows": rows[1:],
               "peak_rss_mb": {"undisturbed": calm_mb, "flooded": flooded_mb}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {args.out}")
+    write_result(args.out, result)
     return 0
 
 

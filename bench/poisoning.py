@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench_io import RESULTS, write_result
 from coordinator.config import load_config
 from coordinator.run import run_federated
 from edge_client import registry
 from edge_client.objectives import LocalData, ObjectiveOutput, TaskContext, train
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ATTACKS = {"clean": 1.0, "scaled x20": 20.0, "sign-flipped x-4": -4.0}
 DEFENCES = {"mean": {}, "median": {"rule": "median"}, "trimmed_mean": {"rule": "trimmed_mean", "trim": 0.2},
             "clipped_mean": {"rule": "clipped_mean"}, "mean + norm bound 3": {"norm_bound": 3.0}}
@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"data": "digits", "clients": 10, "hostile": list(HOSTILE), "rounds": args.rounds, "seeds": seeds,
               "attacks": ATTACKS, "defences": DEFENCES, "test_accuracy": table,
               "seconds": time.monotonic() - started}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {args.out}")
+    write_result(args.out, result)
     return 0
 
 
