@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install system-deps bench clean
+.PHONY: demo test install system-deps bench clean check-wheels
 
 $(BIN)/.fedge-installed: pyproject.toml
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { [ "$$(id -u)" = 0 ] && \
@@ -43,6 +43,12 @@ test: install system-deps
 
 bench: install
 	$(BIN)/python bench/fedavg_fashion.py
+
+# Which wheels the package index has for the device side (extras client and infer) on
+# 64-bit and 32-bit ARM; needs the network, installs nothing, keeps no wheel.
+check-wheels:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) tools/check_wheels.py \
+	  --torch-version $(TORCH_VERSION) --json bench/results/arm_wheels.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
