@@ -1,0 +1,1290 @@
+"""A fleet on one coordinator: what N devices cost the coordinator and the broker.
+
+The coordinator is the real one (``coordinator.run.run_federated`` in a child process:
+FedAvg, ``cnn`` on Fashion-MNIST, 1.69 MB of float32 parameters) and the broker is a
+Mosquitto of its own, started fresh for every cell so that its memory is the cell's.
+The devices are stand-ins that do not train but otherwise play the protocol as a
+device does: each has its own MQTT connection and client id (MQTT 5, persistent
+session, last will, QoS 1), subscribes to the real topics, announces itself online,
+waits for the coordinator's running status, decodes and checks each task, fetches the
+round's model broadcast over MQTT itself (subscribe, reassemble the chunks, check the
+SHA-256 the task names, unsubscribe), waits a think time drawn from ``--think`` in place
+of training, then answers with the real result encoding: the task's upload codec
+through ``encode_upload`` (differences from what was sent down), the envelope, chunks
+through ``ChunkingTransport``, re-sent every ``resend_every`` seconds until the
+coordinator's acknowledgement arrives. Devices import torch because the wire code works
+on tensors, not to train.
+
+Why devices are cheap enough to run 250 or more per process:
+
+* **One selector per process, not a paho network thread per device.** ``loop_start``
+  gives every client a thread that wakes on its own select() at least once a second
+  and a socket pair to be woken by (3 file descriptors per client). Measured here with
+  250 idle connections in one process: 251 threads, 757 file descriptors, 1.15 % of a
+  core, +8.3 MB; one selector thread driving the same 250 clients through paho's
+  external-loop calls (``loop_read``, ``loop_write``, ``loop_misc``): 2 threads, 258
+  descriptors, 0.05 % of a core, +1.0 MB. With 250 threads all woken by a burst of
+  tasks they also fight over the GIL, while the selector only touches sockets that are
+  ready. Everything of a device process runs on that one thread (network, decoding,
+  timers, encoding), so paho is never called from two threads.
+* **Shared tensors.** A device's update is the tensors the task sent down plus a fixed
+  perturbation: a direction drawn once per process times a factor drawn once per
+  device, so a device holds a float, not a model. A model broadcast that one device of
+  the process has decoded is not decoded again by the others (the SHA-256 the task names
+  proves the bytes are the same); each device still receives and reassembles it.
+* **No error feedback** (``codec.error_feedback = false`` in the coordinator's
+  configuration, which the tasks pass on): its residuals are model-sized state per
+  device, and they do not change what goes on the wire.
+
+Definitions (also written into the JSON):
+
+* **round overhead** = the coordinator's ``seconds`` for the round (its ``metrics.jsonl``
+  row: run status, selection, broadcast, tasks, waiting for results, aggregation) minus
+  the longest think time among the devices that got a task in that round (their own
+  records). It is the time the round took beyond what its slowest device's work forced:
+  task and model delivery, decoding and encoding on the devices, the upload, the
+  coordinator's decoding, folding and acknowledgements.
+* **coordinator CPU s/round**: the coordinator process's CPU time (all threads) during
+  ``Coordinator.train_round``, which the child wraps in a timer and nothing else.
+* **peak RSS**: the highest resident set size seen by sampling the coordinator and the
+  Mosquitto processes with psutil every 0.2 s, over the whole cell and during the rounds
+  only (from the start of round 1 to the end of the last, which leaves out the
+  coordinator's data loading and its test-set evaluations).
+* **messages and MB per round**: every MQTT publish the devices sent or were delivered
+  (tasks, model chunks, acknowledgements, run status, result chunks, re-sends), counted
+  at the devices by the coordinator's round they fell in; their payload bytes. The
+  coordinator's own ``bytes_down + bytes_up`` (model broadcast once, tasks, results)
+  is reported beside it.
+* **lost, late, rejected, dropped**: selected minus returned, and the ``late``,
+  ``rejected`` and ``inbox_dropped`` counts of the coordinator's rows, summed over rounds.
+
+This machine runs the coordinator, Mosquitto and every device process on the same cores,
+so device work (model fetch, encoding) competes with the coordinator for CPU; the devices'
+CPU seconds per round are reported so that share is visible.
+
+    python bench/fleet.py [--fleet 10,100,300,1000] [--per-round tenth,all] [--codec-up fp32]
+        [--rounds 3] [--processes 4] [--think lognormal:2:0.5] [--skip-existing]
+    python bench/fleet.py --table        # the table of bench/results/fleet.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import math
+import os
+import platform
+import random
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from bench_io import RESULTS, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = RESULTS / "fleet.json"
+DEFAULT_PLOT = ROOT / "docs" / "images" / "fleet.png"
+PREFIX = "fleet"
+SAMPLE_EVERY = 0.2          # seconds between psutil samples of the coordinator, broker and devices
+TRAIN_IMAGES = 60_000       # Fashion-MNIST's train split, shared out as each device's num_samples
+DEFINITIONS = {
+    "overhead_s": "metrics.jsonl 'seconds' of the round minus the longest think time among the devices that got "
+                  "a task in that round: what the round took beyond its slowest device's work",
+    "coordinator_cpu_s_per_round": "CPU seconds of the coordinator process (all threads) inside "
+                                   "Coordinator.train_round, mean over rounds",
+    "peak_rss_mb": "highest RSS seen by psutil sampling every 0.2 s over the whole cell (MB = 2**20 bytes); "
+                   "'_rounds': only between the start of round 1 and the end of the last round, which leaves out "
+                   "the coordinator's start (data loading) and its test-set evaluations of rounds 0 and the last",
+    "messages_per_round": "MQTT publishes the devices sent plus those delivered to them, counted at the devices "
+                          "per coordinator round, mean over rounds",
+    "mb_per_round": "payload bytes of those messages / 1e6, mean over rounds",
+    "coordinator_mb_per_round": "metrics.jsonl bytes_down + bytes_up / 1e6, mean over rounds",
+    "lost": "sum over rounds of selected - returned",
+    "late, rejected, duplicates, failed": "metrics.jsonl counters summed over rounds",
+    "inbox_dropped": "messages the coordinator's receive queue dropped, summed over rounds",
+    "device_cpu_s_per_round": "CPU seconds of all device processes between the start and end of each round "
+                              "(psutil samples), mean over rounds",
+}
+
+
+# ----------------------------------------------------------------------------- think time
+
+@dataclass(frozen=True)
+class Think:
+    """A think-time distribution in seconds: ``lognormal:MEDIAN:SIGMA``, ``uniform:A:B`` or ``fixed:S``.
+
+    Lognormal is the default because device round times are skewed: most devices are close
+    to the median and a few are much slower, and the slowest one sets the round's length.
+    """
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Think:
+        kind, _, rest = text.partition(":")
+        try:
+            values = [float(v) for v in rest.split(":")] if rest else []
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--think {text!r}: the parameters must be numbers") from None
+        wanted = {"lognormal": 2, "uniform": 2, "fixed": 1}
+        if kind not in wanted or len(values) != wanted[kind]:
+            raise argparse.ArgumentTypeError(f"--think {text!r}: use lognormal:MEDIAN:SIGMA, uniform:A:B or fixed:S")
+        if any(v < 0 for v in values) or (kind == "lognormal" and values[0] <= 0) or \
+                (kind == "uniform" and values[1] < values[0]):
+            raise argparse.ArgumentTypeError(f"--think {text!r}: seconds must be >= 0 (median > 0, A <= B)")
+        return cls(kind, *values)
+
+    @property
+    def text(self) -> str:
+        return f"{self.kind}:{self.a:g}" + (f":{self.b:g}" if self.kind != "fixed" else "")
+
+    def draw(self, rng: random.Random) -> float:
+        if self.kind == "lognormal":
+            return rng.lognormvariate(math.log(self.a), self.b)
+        if self.kind == "uniform":
+            return rng.uniform(self.a, self.b)
+        return self.a
+
+
+def raise_open_files(needed: int) -> int:
+    """Raise this process's soft limit on open files (children, Mosquitto among them, inherit it).
+
+    Mosquitto needs one descriptor per connection and a device process one per device; a
+    common soft limit of 1024 would stop a 1000-device fleet at the broker.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = max(soft, needed) if hard == resource.RLIM_INFINITY else min(hard, max(soft, needed, 65536))
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        raise SystemExit(f"this fleet needs {needed} open files but the hard limit is {hard}: raise it (ulimit -Hn)")
+    return target
+
+
+# ----------------------------------------------------------------------------- the device processes
+
+class NetLoop:
+    """One selector driving every paho client of the process through paho's external-loop calls."""
+
+    def __init__(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.clients: list[Any] = []
+
+    def attach(self, client: Any) -> None:
+        client.on_socket_open = self._opened
+        client.on_socket_close = self._closed
+        client.on_socket_register_write = self._want_write
+        client.on_socket_unregister_write = self._written
+        self.clients.append(client)
+
+    def _opened(self, client: Any, userdata: Any, sock: Any) -> None:
+        self.selector.register(sock, selectors.EVENT_READ, client)
+
+    def _closed(self, client: Any, userdata: Any, sock: Any) -> None:
+        try:
+            self.selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _want_write(self, client: Any, userdata: Any, sock: Any) -> None:
+        try:
+            self.selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, client)
+        except (KeyError, ValueError):
+            pass
+
+    def _written(self, client: Any, userdata: Any, sock: Any) -> None:
+        try:
+            self.selector.modify(sock, selectors.EVENT_READ, client)
+        except (KeyError, ValueError):
+            pass
+
+    def poll(self, timeout: float) -> None:
+        for key, events in self.selector.select(max(0.0, timeout)):
+            client = key.data
+            if events & selectors.EVENT_READ:
+                client.loop_read()
+            if events & selectors.EVENT_WRITE and client.socket() is not None:
+                client.loop_write()
+
+    def misc(self) -> None:
+        """Keepalive pings and their timeouts, once a second for every client."""
+        for client in self.clients:
+            client.loop_misc()
+
+    def busy(self) -> bool:
+        """Something is still to be written (used to flush before leaving)."""
+        return any(c.want_write() for c in self.clients if c.socket() is not None)
+
+
+@dataclass
+class TaskRecord:
+    """What one device saw of one task (wall-clock times, time.time())."""
+
+    device: str
+    round: int
+    task_id: str
+    received: float                 # the task reached the device's loop
+    ready: float | None = None      # the model broadcast is there: thinking starts
+    think: float | None = None
+    answered: float | None = None   # the result was first published
+    encode_s: float | None = None
+    result_bytes: int = 0           # one send of the result, chunk headers included
+    chunks: int = 0
+    resends: int = 0
+    acked: float | None = None
+    ack: str | None = None          # ack | rejected
+    error: str | None = None
+
+
+@dataclass
+class Pending:
+    task_id: str
+    run_id: str
+    round: int
+    payload: bytes
+    give_up_at: float
+    resend_every: float
+    record: TaskRecord
+
+
+class Fleet:
+    """The devices of one process and what they share: the network loop, timers, caches and counters."""
+
+    def __init__(self, broker: str, ids: list[str], think: Think, seed: int, samples: int) -> None:
+        import torch
+
+        from edge_client.wire.transport import parse_broker_url
+        from profiling.device import device_facts
+
+        torch.set_num_threads(1)
+        self.host, self.port = parse_broker_url(broker)
+        self.think = think
+        self.seed = seed
+        self.loop = NetLoop()
+        self.timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.facts = device_facts()
+        self.broadcasts: dict[str, tuple[dict[str, Any], Any]] = {}    # digest -> (wire tensors, codec), newest 2
+        self.decoded: dict[tuple[str, str], dict[str, Any]] = {}         # (digest, spec) -> float32 tensors
+        self.shapes: dict[str, dict[str, tuple[int, ...]]] = {}          # model spec (JSON) -> shapes
+        self.directions: dict[str, dict[str, Any]] = {}                  # model spec (JSON) -> perturbation
+        self.round = 0                                                   # the coordinator's round, for counting
+        self.traffic: dict[int, list[int]] = {}                          # round -> [msgs in, bytes in, out, out]
+        self.counts = {"connects": 0, "disconnects": 0, "lost_messages": 0, "undecodable": 0, "dropped_tasks": 0}
+        self.dirty: set[Device] = set()
+        self.link_class = _device_link_class()
+        self.devices = [Device(self, cid, samples) for cid in ids]
+
+    def schedule(self, delay: float, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self.timers, (time.monotonic() + delay, self._seq, action))
+
+    def count(self, direction: int, size: int) -> None:
+        slot = self.traffic.setdefault(self.round, [0, 0, 0, 0])
+        slot[2 * direction] += 1
+        slot[2 * direction + 1] += size
+
+    def model_shapes(self, spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        from edge_client.models import state_shapes
+        from edge_client.registry import build_model
+
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self.shapes:
+            self.shapes[key] = state_shapes(build_model(spec))
+        return self.shapes[key]
+
+    def direction(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The process's perturbation direction for a model: small, seeded, computed once."""
+        import torch
+
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self.directions:
+            generator = torch.Generator().manual_seed(self.seed)
+            self.directions[key] = {name: 1e-3 * torch.randn(shape, generator=generator)
+                                    for name, shape in sorted(self.model_shapes(spec).items())}
+        return self.directions[key]
+
+    def add_broadcast(self, digest: str, wire: dict[str, Any], codec: Any) -> None:
+        self.broadcasts[digest] = (wire, codec)
+        while len(self.broadcasts) > 2:
+            gone = next(iter(self.broadcasts))
+            del self.broadcasts[gone]
+            self.decoded = {k: v for k, v in self.decoded.items() if k[0] != gone}
+
+    def received(self, digest: str | None, spec: dict[str, Any]) -> dict[str, Any]:
+        """The float32 tensors of a broadcast, decoded once per process."""
+        from edge_client.wire.updates import decode_download
+
+        if digest is None:
+            return {}
+        key = (digest, json.dumps(spec, sort_keys=True))
+        if key not in self.decoded:
+            wire, codec = self.broadcasts[digest]
+            self.decoded[key] = decode_download(wire, codec, self.model_shapes(spec))
+        return self.decoded[key]
+
+    def run(self, stop: Callable[[], bool]) -> None:
+        """Connect every device, then serve until all have seen their run finish (or ``stop()``)."""
+        for device in self.devices:
+            device.connect()
+        last_misc = 0.0
+        while not stop() and not all(d.finished for d in self.devices):
+            now = time.monotonic()
+            wait = min(0.5, self.timers[0][0] - now) if self.timers else 0.5
+            self.loop.poll(wait)
+            while self.dirty:
+                device = self.dirty.pop()
+                device.drain()
+            now = time.monotonic()
+            while self.timers and self.timers[0][0] <= now:
+                _, _, action = heapq.heappop(self.timers)
+                action()
+            if now - last_misc >= 1.0:
+                last_misc = now
+                self.loop.misc()
+
+    def leave(self) -> None:
+        """Every device says it is offline and disconnects, after what it sent is acknowledged."""
+        for device in self.devices:
+            device.leave()
+        deadline = time.monotonic() + 10.0
+        while self.loop.busy() and time.monotonic() < deadline:
+            self.loop.poll(0.05)
+        for device in self.devices:
+            device.link.close()
+        deadline = time.monotonic() + 2.0
+        while any(c.socket() is not None for c in self.loop.clients) and time.monotonic() < deadline:
+            self.loop.poll(0.05)
+
+
+def _device_link_class() -> type:
+    """The Transport a stand-in device talks through (defined late: it subclasses fedge's Transport)."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    from edge_client.wire.transport import Incoming, Transport, TransportError, Will
+
+    class DeviceLink(Transport):
+        """One device's MQTT connection, driven by the process's :class:`NetLoop`.
+
+        Session settings are a device's (MQTT 5, ``clean_start=False``, 7-day session
+        expiry, keepalive 30 s, QoS 1, retained last will; subscriptions and the online
+        presence sent again on every connect). ``get`` never waits: the process's loop
+        calls it only when something arrived.
+        """
+
+        def __init__(self, fleet: Fleet, client_id: str, will: Will, on_arrival: Callable[[], None]) -> None:
+            self.fleet = fleet
+            self.client_id = client_id
+            self.inbox: deque[Incoming] = deque()
+            self.filters: list[str] = []
+            self.birth: tuple[str, bytes] | None = None
+            self.connected = False
+            self.on_arrival = on_arrival
+            self.backoff = 1.0
+            client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+            client.will_set(will.topic, will.payload, qos=1, retain=will.retain)
+            client.on_connect = self._on_connect
+            client.on_disconnect = self._on_disconnect
+            client.on_message = self._on_message
+            fleet.loop.attach(client)
+            self.client = client
+
+        def connect(self) -> None:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = 7 * 24 * 3600
+            try:
+                self.client.connect(self.fleet.host, self.fleet.port, keepalive=30, clean_start=False,
+                                    properties=props)
+            except OSError:
+                self.fleet.schedule(self.backoff, self.connect)
+                self.backoff = min(30.0, self.backoff * 2)
+
+        def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+            if getattr(reason, "is_failure", False):
+                return
+            self.connected, self.backoff = True, 1.0
+            self.fleet.counts["connects"] += 1
+            for topic_filter in self.filters:
+                client.subscribe(topic_filter, qos=1)
+            if self.birth is not None:
+                self.publish(*self.birth, retain=True)
+
+        def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+            was, self.connected = self.connected, False
+            if was and getattr(reason, "value", 0) != 0:
+                self.fleet.counts["disconnects"] += 1
+                self.fleet.schedule(self.backoff, self._reconnect)
+
+        def _reconnect(self) -> None:
+            try:
+                self.client.reconnect()
+            except OSError:
+                self.backoff = min(30.0, self.backoff * 2)
+                self.fleet.schedule(self.backoff, self._reconnect)
+
+        def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+            payload = bytes(msg.payload)
+            self.fleet.count(0, len(payload))
+            self.inbox.append(Incoming(msg.topic, payload))
+            self.on_arrival()
+
+        def subscribe(self, topic_filter: str) -> None:
+            if topic_filter not in self.filters:
+                self.filters.append(topic_filter)
+            if self.connected:
+                self.client.subscribe(topic_filter, qos=1)
+
+        def unsubscribe(self, topic_filter: str) -> None:
+            if topic_filter in self.filters:
+                self.filters.remove(topic_filter)
+            if self.connected:
+                self.client.unsubscribe(topic_filter)
+
+        def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+            info = self.client.publish(topic, payload, qos=1, retain=retain)
+            if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN, mqtt.MQTT_ERR_QUEUE_SIZE):
+                raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+            self.fleet.count(1, len(payload))
+
+        def announce(self, topic: str, payload: bytes) -> None:
+            self.birth = (topic, payload)
+            if self.connected:
+                self.publish(topic, payload, retain=True)
+
+        def get(self, timeout: float) -> Incoming | None:
+            return self.inbox.popleft() if self.inbox else None
+
+        def close(self) -> None:
+            if self.client.socket() is not None:
+                self.client.disconnect()
+
+    return DeviceLink
+
+
+class Device:
+    """One stand-in device: the client's protocol (edge_client/client.py) with a think time for training."""
+
+    def __init__(self, fleet: Fleet, client_id: str, samples: int) -> None:
+        from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
+        from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, PresenceBody, Topics
+        from edge_client.wire.transport import Will
+        from edge_client.wire.updates import ResidualStore
+
+        self.fleet = fleet
+        self.id = client_id
+        self.topics = Topics(PREFIX)
+        self.samples = samples
+        rng = random.Random(f"{fleet.seed}/{client_id}")
+        self.scale = rng.uniform(0.5, 1.5)        # this device's fixed perturbation: scale x the process's direction
+        self.loss = rng.uniform(0.3, 0.9)
+        self.rng = random.Random(f"{fleet.seed}/{client_id}/think")
+        self.max_decoded = DEFAULT_MAX_MESSAGE_BYTES
+        will = Will(self.topics.client(client_id, "presence"), self._presence(PresenceBody("offline")))
+        self.link = fleet.link_class(fleet, client_id, will, lambda: fleet.dirty.add(self))
+        self.transport = ChunkingTransport(self.link, max_message_bytes=DEFAULT_PACKET_BYTES,
+                                           max_decoded_bytes=self.max_decoded)
+        self.residuals = ResidualStore(None)
+        self.running_run: str | None = None
+        self.latest_round: dict[str, int] = {}
+        self.runs_seen: set[str] = set()
+        self.parked: list[Any] = []
+        self.held: deque[str] = deque(maxlen=2)      # model broadcasts this device received
+        self.waiting: tuple[Any, Any, TaskRecord] | None = None
+        self.pending: Pending | None = None
+        self.done: dict[str, bytes | None] = {}
+        self.finished = False
+        self.records: list[TaskRecord] = []
+
+    def _presence(self, body: Any) -> bytes:
+        from edge_client.wire.protocol import encode
+
+        return encode("presence", run_id="", round=0, task_id="", sender=self.id, body=body.to_body())
+
+    def connect(self) -> None:
+        from edge_client.wire.protocol import PresenceBody
+
+        for kind in ("task", "status", "presence"):
+            self.transport.subscribe(self.topics.client(self.id, kind))
+        self.transport.subscribe(self.topics.coordinator_status)
+        online = PresenceBody("online", num_samples=self.samples, input_shape=(1, 28, 28), num_classes=10,
+                              device=self.fleet.facts)
+        self.transport.announce(self.topics.client(self.id, "presence"), self._presence(online))
+        self.link.connect()
+
+    def leave(self) -> None:
+        from edge_client.wire.protocol import PresenceBody
+
+        if self.link.connected:
+            self.transport.publish(self.topics.client(self.id, "presence"), self._presence(PresenceBody("offline")),
+                                   retain=True)
+
+    # -- incoming -----------------------------------------------------------------
+    def drain(self) -> None:
+        while (item := self.transport.get(0.0)) is not None:
+            if item.error:
+                self.fleet.counts["lost_messages"] += 1
+            elif item.payload:
+                self.handle(item.topic, item.payload)
+
+    def handle(self, topic: str, payload: bytes) -> None:
+        from edge_client.wire.protocol import ProtocolError, decode
+
+        if topic == self.topics.client(self.id, "presence"):
+            return
+        if topic == self.topics.model:
+            self.on_model(payload)
+            return
+        try:
+            msg = decode(payload, max_bytes=self.max_decoded)
+        except ProtocolError:
+            self.fleet.counts["undecodable"] += 1
+            return
+        if msg.kind == "status" and topic == self.topics.coordinator_status:
+            self.on_run_status(msg)
+        elif msg.kind == "task" and topic == self.topics.client(self.id, "task"):
+            self.take(msg)
+        elif msg.kind == "status":
+            self.on_ack(msg)
+
+    def on_run_status(self, msg: Any) -> None:
+        from edge_client.wire.protocol import ProtocolError, StatusBody
+
+        try:
+            status = StatusBody.from_body(msg.body)
+        except ProtocolError:
+            self.fleet.counts["undecodable"] += 1
+            return
+        if status.state == "running":
+            self.running_run = msg.run_id
+            self.runs_seen.add(msg.run_id)
+            self.latest_round[msg.run_id] = max(self.latest_round.get(msg.run_id, 0), msg.round)
+            if self.fleet.round >= 0:
+                self.fleet.round = max(self.fleet.round, msg.round)
+        elif status.state == "finished":
+            self.running_run = "" if self.running_run in (None, msg.run_id) else self.running_run
+            if msg.run_id in self.runs_seen:
+                self.pending = None
+                self.finished = True
+                self.fleet.round = -1   # what follows (leaving) is counted apart from the rounds
+        parked, self.parked = self.parked, []
+        for task_msg in parked:
+            self.take(task_msg)
+
+    def take(self, msg: Any) -> None:
+        """A task of the coordinator's running run starts; one before any run status waits for it."""
+        if self.running_run is None:
+            self.parked = [*self.parked[-7:], msg]
+            return
+        if msg.run_id != self.running_run:
+            self.fleet.counts["dropped_tasks"] += 1
+            return
+        self.on_task(msg)
+
+    def on_task(self, msg: Any) -> None:
+        from edge_client.wire.protocol import ProtocolError, TaskBody
+
+        self.runs_seen.add(msg.run_id)
+        if msg.task_id in self.done:   # the same task again: the stored result, unless acknowledged
+            if self.done[msg.task_id] is not None and self.pending is not None:
+                self.pending.record.resends += 1
+                self._publish_result(self.pending)
+            return
+        if msg.round < self.latest_round.get(msg.run_id, 0):
+            return
+        self.latest_round[msg.run_id] = msg.round
+        record = TaskRecord(self.id, msg.round, msg.task_id, received=time.time())
+        self.records.append(record)
+        try:
+            task = TaskBody.from_body(msg.body)
+        except ProtocolError as exc:
+            record.error = str(exc)
+            return
+        if task.broadcast is not None and task.broadcast not in self.held:
+            if self.waiting is None:
+                self.transport.subscribe(self.topics.model, parts=True)
+            self.waiting = (msg, task, record)
+            self.fleet.schedule(0.5 * task.timeout, lambda: self._give_up_waiting(record))
+            return
+        self.think(msg, task, record)
+
+    def on_model(self, payload: bytes) -> None:
+        from edge_client.wire.protocol import ModelBody, ProtocolError, decode
+
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest not in self.fleet.broadcasts:   # decoded once per process: same hash, same bytes
+            try:
+                msg = decode(payload, max_bytes=self.max_decoded)
+                body = ModelBody.from_body(msg.body) if msg.kind == "model" else None
+            except ProtocolError:
+                self.fleet.counts["undecodable"] += 1
+                return
+            if body is None:
+                return
+            self.fleet.add_broadcast(digest, msg.tensors, body.codec)
+        self.held.append(digest)
+        waiting = self.waiting
+        if waiting is not None and waiting[1].broadcast == digest:
+            self._stop_waiting()
+            self.think(*waiting)
+
+    def _stop_waiting(self) -> None:
+        if self.waiting is not None:
+            self.waiting = None
+            self.transport.unsubscribe(self.topics.model, parts=True)
+
+    def _give_up_waiting(self, record: TaskRecord) -> None:
+        if self.waiting is not None and self.waiting[2] is record:
+            msg, task, _ = self.waiting
+            self._stop_waiting()
+            record.error = "the model broadcast did not arrive within half the task's timeout"
+            self.answer(msg, task, record)
+
+    def think(self, msg: Any, task: Any, record: TaskRecord) -> None:
+        record.ready = time.time()
+        record.think = self.fleet.think.draw(self.rng)
+        self.fleet.schedule(record.think, lambda: self.answer(msg, task, record))
+
+    # -- outgoing -----------------------------------------------------------------
+    def answer(self, msg: Any, task: Any, record: TaskRecord) -> None:
+        """Encode the stored update with the task's upload codec and send it, as a trained device would."""
+        import torch
+
+        from edge_client.wire.protocol import ProtocolError, ResultBody, encode
+        from edge_client.wire.updates import encode_upload
+
+        started = time.perf_counter()
+        try:
+            if record.error is not None:
+                raise ProtocolError(record.error)
+            received = dict(self.fleet.received(task.broadcast, task.model))
+            if msg.tensors:
+                from edge_client.wire.updates import decode_download
+                received.update(decode_download(msg.tensors, task.codec, self.fleet.model_shapes(task.model)))
+            missing = sorted(set(task.up) - set(received))
+            if missing:
+                raise ProtocolError(f"this stand-in only answers with tensors it was sent; missing {missing[:3]}")
+            direction = self.fleet.direction(task.model)
+            update = {name: received[name] + self.scale * direction[name] for name in task.up}
+            wire, delta = encode_upload(update, received, task.upload, self.residuals, msg.run_id,
+                                        generator=torch.Generator().manual_seed(task.seed))
+            profile = {"seconds": time.time() - record.received,
+                       "phases": {"fetch_model": (record.ready or record.received) - record.received,
+                                  "train": record.think or 0.0}}
+            body = ResultBody(num_samples=self.samples, metrics={"train_loss": self.loss}, codec=task.upload.codec,
+                              delta=tuple(delta), profile=profile)
+            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
+                             body=body.to_body(), tensors=wire, compression=task.upload.codec)
+            self.transport.check_size(payload)
+        except Exception as exc:   # like a device: a task that cannot run is answered with its error
+            record.error = record.error or f"{type(exc).__name__}: {exc}"
+            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
+                             body=ResultBody(error=record.error).to_body())
+        record.encode_s = time.perf_counter() - started
+        self.done = {msg.task_id: payload}
+        self.pending = Pending(msg.task_id, msg.run_id, msg.round, payload,
+                               give_up_at=time.monotonic() + task.timeout,
+                               resend_every=max(0.5, task.resend_every), record=record)
+        record.answered = time.time()
+        self._publish_result(self.pending)
+        self._schedule_resend(self.pending)
+
+    def _publish_result(self, pending: Pending) -> None:
+        from edge_client.wire.chunking import HEADER_BYTES
+
+        pending.record.result_bytes = self.transport.publish(self.topics.client(self.id, "result"), pending.payload)
+        size, limit = len(pending.payload), self.transport.max_message_bytes
+        pending.record.chunks = 1 if size <= limit else -(-size // (limit - HEADER_BYTES))
+
+    def _schedule_resend(self, pending: Pending) -> None:
+        def due() -> None:
+            if self.pending is not pending:
+                return
+            if time.monotonic() > pending.give_up_at or pending.round < self.latest_round.get(pending.run_id, 0):
+                self.pending = None
+                return
+            pending.record.resends += 1
+            self._publish_result(pending)
+            self._schedule_resend(pending)
+        self.fleet.schedule(pending.resend_every, due)
+
+    def on_ack(self, msg: Any) -> None:
+        from edge_client.wire.protocol import ProtocolError, StatusBody
+
+        try:
+            status = StatusBody.from_body(msg.body)
+        except ProtocolError:
+            self.fleet.counts["undecodable"] += 1
+            return
+        pending = self.pending
+        if pending is not None and status.task_id == pending.task_id:
+            pending.record.acked = time.time()
+            pending.record.ack = status.state
+            self.pending = None
+            self.done[status.task_id] = None
+
+
+def devices_child(spec_path: Path) -> int:
+    """A device process: serve the fleet slice in ``spec_path`` until the run finishes, then write records."""
+    spec = json.loads(spec_path.read_text())
+    raise_open_files(len(spec["ids"]) + 64)
+    stopping = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("now", True))
+    started = time.time()
+    fleet = Fleet(spec["broker"], spec["ids"], Think.parse(spec["think"]), spec["seed"], spec["samples"])
+    try:
+        fleet.run(lambda: stopping["now"])
+    finally:
+        fleet.leave()
+        out = {"ids": len(spec["ids"]), "started": started, "ended": time.time(),
+               "finished": sum(d.finished for d in fleet.devices), "counts": fleet.counts,
+               "traffic": {str(k): v for k, v in sorted(fleet.traffic.items())},
+               "cpu_s": time.process_time(), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "tasks": [asdict(r) for d in fleet.devices for r in d.records]}
+        Path(spec["records"]).write_text(json.dumps(out))
+    return 0
+
+
+# ----------------------------------------------------------------------------- the coordinator process
+
+def coordinator_child(spec_path: Path) -> int:
+    """The real coordinator (``run_federated``), with ``Coordinator.train_round`` wrapped in a timer."""
+    import psutil
+
+    from coordinator.config import load_config
+    from coordinator.engine import Coordinator
+    from coordinator.run import run_federated
+
+    spec = json.loads(spec_path.read_text())
+    timing, status = Path(spec["timing"]), Path(spec["status"])
+    if spec.get("torch_threads"):   # a measured variant (--coordinator-torch-threads); normally left alone
+        import torch
+
+        torch.set_num_threads(spec["torch_threads"])
+    me = psutil.Process()
+    original = Coordinator.train_round
+
+    def timed(self: Coordinator, round: int) -> dict[str, Any]:
+        mark = {"round": round, "wall_start": time.time(), "cpu_start": time.process_time(),
+                "rss_start_mb": me.memory_info().rss / 2**20}
+        row = original(self, round)
+        mark.update(wall_end=time.time(), cpu_end=time.process_time(), rss_end_mb=me.memory_info().rss / 2**20,
+                    seconds=row["seconds"])
+        with timing.open("a") as fh:
+            fh.write(json.dumps(mark) + "\n")
+        return row
+
+    Coordinator.train_round = timed   # type: ignore[method-assign]
+    shown = {"at": 0.0, "key": None}
+
+    def on_progress(info: dict[str, Any]) -> None:
+        """A one-line status for the parent to print: clients online, or results of the round so far."""
+        if info.get("kind") == "waiting":
+            line = {"kind": "waiting", "online": len(info["online"]), "needed": info["needed"]}
+        elif info.get("kind") == "exchange":
+            line = {"kind": "exchange", "round": info["round"], "attempt": info["attempt"],
+                    "results": info["results"], "selected": info["selected"]}
+        else:
+            return
+        now = time.monotonic()
+        key = (line["kind"], line.get("round"), line.get("attempt"))
+        if key != shown["key"] or now - shown["at"] > 1.0:
+            shown.update(at=now, key=key)
+            status.write_text(json.dumps({**line, "wall": time.time()}))
+
+    config = load_config(None, [tuple(k.split(".", 1)) + (v,) for k, v in spec["overrides"].items()])
+    run_federated(config, say=lambda s: print(s, flush=True), on_progress=on_progress)
+    return 0
+
+
+# ----------------------------------------------------------------------------- one cell
+
+@dataclass(frozen=True)
+class Cell:
+    fleet: int
+    per_round: int
+    codec: str
+    threads: int = 0          # the coordinator's torch threads; 0: torch's default, as the coordinator runs
+
+    @property
+    def key(self) -> str:
+        return f"{self.fleet}/{self.per_round}/{self.codec}" + (f"/threads={self.threads}" if self.threads else "")
+
+    @classmethod
+    def of(cls, result: dict[str, Any]) -> Cell:
+        """The cell a result in the JSON belongs to."""
+        return cls(result["fleet"], result["per_round"], result["codec_up"], result.get("coordinator_torch_threads", 0))
+
+
+class Sampler:
+    """psutil readings of named processes every :data:`SAMPLE_EVERY` seconds: peak RSS and CPU over time."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, Any] = {}
+        self.peak: dict[str, float] = {}
+        self.series: dict[str, list[tuple[float, float, float]]] = {}   # name -> (wall, rss MB, cpu s)
+
+    def watch(self, name: str, pid: int) -> None:
+        import psutil
+
+        self.procs[name] = psutil.Process(pid)
+        self.series[name] = []
+
+    def sample(self) -> None:
+        import psutil
+
+        now = time.time()
+        for name, proc in self.procs.items():
+            try:
+                rss = proc.memory_info().rss / 2**20
+                cpu = sum(proc.cpu_times()[:2])
+            except psutil.Error:
+                continue
+            self.peak[name] = max(self.peak.get(name, 0.0), rss)
+            self.series[name].append((now, rss, cpu))
+
+    def at(self, name: str, wall: float, column: int) -> float | None:
+        """The reading of ``name`` nearest before ``wall`` (column 1: RSS MB, 2: CPU s)."""
+        before = [s for s in self.series.get(name, []) if s[0] <= wall]
+        if before:
+            return before[-1][column]
+        return self.series[name][0][column] if self.series.get(name) else None
+
+    def peak_between(self, name: str, start: float, end: float) -> float | None:
+        """The highest RSS (MB) of ``name`` sampled between two wall times."""
+        inside = [s[1] for s in self.series.get(name, []) if start <= s[0] <= end]
+        return max(inside) if inside else None
+
+    def after(self, name: str, wall: float, column: int) -> float | None:
+        later = [s for s in self.series.get(name, []) if s[0] >= wall]
+        if later:
+            return later[0][column]
+        return self.series[name][-1][column] if self.series.get(name) else None
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
+    """Broker, coordinator and device processes for one (N, per round, codec); their measurements."""
+    from coordinator.mosquitto import LocalMosquitto
+
+    n, tag = cell.fleet, f"[N={cell.fleet} per round={cell.per_round} {cell.codec}" + \
+        (f" coordinator torch threads={cell.threads}]" if cell.threads else "]")
+    processes = max(1, min(args.processes, n))
+    raise_open_files(n + 256)
+    work = Path(tempfile.mkdtemp(prefix="fedge-fleet-"))
+    began = time.time()
+    # Mosquitto's listener takes any number of connections (max_connections -1, its default, said
+    # explicitly); the open-file limit raised above is what it inherits.
+    broker = LocalMosquitto(workdir=work / "mosquitto", extra_config="max_connections -1\n")
+    url = broker.start()
+    sampler = Sampler()
+    sampler.watch("broker", broker._proc.pid)   # the broker this cell started: sampled and stopped by PID
+    children: list[subprocess.Popen] = []
+    ids = [f"dev-{i:04d}" for i in range(n)]
+    overrides = {
+        "run.strategy": "fedavg", "run.rounds": args.rounds, "run.seed": args.seed, "run.out": str(work / "run"),
+        "model.name": "cnn", "data.eval": "fashion-mnist", "clients.expected": n, "clients.per_round": cell.per_round,
+        "clients.round_timeout": args.round_timeout, "clients.presence_timeout": args.presence_timeout,
+        "eval.every": args.rounds, "export.enabled": False, "checkpoint.keep": "last",
+        "transport.broker": url, "transport.prefix": PREFIX, "codec.up": cell.codec, "codec.error_feedback": False,
+    }
+    coord_spec = {"overrides": overrides, "timing": str(work / "timing.jsonl"), "status": str(work / "status.json"),
+                  "torch_threads": cell.threads}
+    (work / "coordinator.json").write_text(json.dumps(coord_spec))
+    log = (work / "coordinator.out").open("w")
+    failure = ""
+    try:
+        coordinator = subprocess.Popen([sys.executable, __file__, "--coordinator-child", str(work / "coordinator.json")],
+                                       cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        children.append(coordinator)
+        sampler.watch("coordinator", coordinator.pid)
+        for p in range(processes):
+            part = ids[p::processes]
+            spec = {"broker": url, "ids": part, "think": args.think.text, "seed": args.seed,
+                    "samples": max(1, TRAIN_IMAGES // n), "records": str(work / f"devices-{p}.json")}
+            (work / f"devices-{p}.spec.json").write_text(json.dumps(spec))
+            child = subprocess.Popen([sys.executable, __file__, "--devices-child", str(work / f"devices-{p}.spec.json")],
+                                     cwd=ROOT, stdout=(work / f"devices-{p}.out").open("w"), stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+            children.append(child)
+            sampler.watch(f"devices-{p}", child.pid)
+        _say(f"{tag} broker {url}, coordinator pid {coordinator.pid}, {processes} device processes")
+        deadline = time.monotonic() + args.cell_timeout
+        last_line, last_kind, shown_at, status_path = "", None, 0.0, work / "status.json"
+        while coordinator.poll() is None:
+            sampler.sample()
+            if time.monotonic() > deadline:
+                failure = f"stopped after --cell-timeout {args.cell_timeout:.0f} s; the rounds finished by then are kept"
+                break
+            dead = [c for c in children[1:] if c.poll() not in (None, 0)]   # 0: it saw the run finish
+            if dead:
+                failure = f"a device process failed (exit {dead[0].returncode})"
+                break
+            try:
+                status = json.loads(status_path.read_text())
+            except (OSError, ValueError):
+                status = None
+            if status is not None:
+                line = (f"{tag} waiting: {status['online']}/{status['needed']} online" if status["kind"] == "waiting"
+                        else f"{tag} round {status['round']} (attempt {status['attempt']}): "
+                             f"{status['results']}/{status['selected']} results")
+                kind = (status["kind"], status.get("round"), status.get("attempt"))
+                if line != last_line and (kind != last_kind or time.monotonic() - shown_at >= 2.0):
+                    _say(line)
+                    last_line, last_kind, shown_at = line, kind, time.monotonic()
+            time.sleep(SAMPLE_EVERY)
+        if failure:
+            coordinator.terminate()
+        coordinator.wait(60)
+        if coordinator.returncode != 0 and not failure:
+            failure = f"the coordinator exited with {coordinator.returncode}"
+        stop_at = time.monotonic() + (0 if failure else 60)
+        for child in children[1:]:   # they leave when the run is announced finished
+            while child.poll() is None and time.monotonic() < stop_at:
+                sampler.sample()
+                time.sleep(SAMPLE_EVERY)
+            if child.poll() is None:
+                child.terminate()
+                child.wait(30)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        log.close()
+        broker_log = (work / "mosquitto" / "mosquitto.log")
+        broker.stop()
+    result = summarize(cell, args, work, sampler, processes, time.time() - began)
+    warnings = broker_log.read_text(errors="replace").strip().splitlines() if broker_log.exists() else []
+    result["broker_log_lines"] = len(warnings)
+    result["broker_log_tail"] = warnings[-5:]
+    result["coordinator_warnings"] = coordinator_warnings(work / "run" / "coordinator.log")
+    if failure:
+        result["failure"] = failure
+        result["coordinator_log_tail"] = (work / "coordinator.out").read_text(errors="replace")[-3000:]
+        _say(f"{tag} FAILED: {failure}; files kept in {work}")
+    else:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def coordinator_warnings(path: Path, keep: int = 8) -> dict[str, Any]:
+    """How many WARNING and ERROR lines the coordinator logged, and the first few of them."""
+    if not path.exists():
+        return {"count": 0, "first": []}
+    lines = [line for line in path.read_text(errors="replace").splitlines() if " WARNING " in line or " ERROR " in line]
+    return {"count": len(lines), "first": [line[:300] for line in lines[:keep]]}
+
+
+def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler, processes: int,
+              wall: float) -> dict[str, Any]:
+    """One cell's figures from the coordinator's rows and timing, the devices' records and the samples."""
+    def read_lines(path: Path) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    rows = {r["round"]: r for r in read_lines(work / "run" / "metrics.jsonl")}
+    timing = {t["round"]: t for t in read_lines(work / "timing.jsonl")}
+    device_files = [json.loads(p.read_text()) for p in sorted(work.glob("devices-*.json")) if not p.name.endswith(
+        ".spec.json")]
+    tasks = [t for d in device_files for t in d["tasks"]]
+    traffic: dict[int, list[int]] = {}
+    for d in device_files:
+        for r, counts in d["traffic"].items():
+            slot = traffic.setdefault(int(r), [0, 0, 0, 0])
+            for i, v in enumerate(counts):
+                slot[i] += v
+    devices = [name for name in sampler.series if name.startswith("devices-")]
+    per_round = []
+    for r in range(1, args.rounds + 1):
+        row, mark = rows.get(r), timing.get(r)
+        if row is None or mark is None:
+            continue
+        mine = [t for t in tasks if t["round"] == r]
+        thinks = [t["think"] for t in mine if t["think"] is not None]
+        slowest = max(thinks) if thinks else 0.0
+        acked = [t["acked"] - t["answered"] for t in mine if t["acked"] and t["answered"]]
+        fetch = [t["ready"] - t["received"] for t in mine if t["ready"]]
+        answered = [t["answered"] for t in mine if t["answered"]]
+        device_cpu = [(sampler.after(name, mark["wall_end"], 2) or 0.0) - (sampler.at(name, mark["wall_start"], 2) or 0.0)
+                      for name in devices]
+        m_in, b_in, m_out, b_out = traffic.get(r, [0, 0, 0, 0])
+        per_round.append({
+            "round": r, "seconds": row["seconds"], "slowest_think_s": slowest,
+            "overhead_s": row["seconds"] - slowest,
+            "selected": row.get("selected"), "returned": row.get("returned"), "attempts": row.get("attempts"),
+            "late": row.get("late", 0), "rejected": row.get("rejected", 0), "duplicates": row.get("duplicates", 0),
+            "failed": row.get("failed", 0), "inbox_dropped": sum((row.get("inbox_dropped") or {}).values()),
+            "coordinator_cpu_s": mark["cpu_end"] - mark["cpu_start"],
+            "coordinator_rss_mb_end": mark["rss_end_mb"],
+            "device_cpu_s": sum(device_cpu),
+            "tasks_delivered_s": max(t["received"] for t in mine) - mark["wall_start"] if mine else None,
+            "model_fetch_s_max": max(fetch) if fetch else None,
+            "ack_s_median": sorted(acked)[len(acked) // 2] if acked else None,
+            "ack_s_max": max(acked) if acked else None,
+            "tail_s": mark["wall_end"] - max(answered) if answered else None,
+            "device_messages_in": m_in, "device_bytes_in": b_in, "device_messages_out": m_out, "device_bytes_out": b_out,
+            "coordinator_bytes_down": row.get("bytes_down", 0), "coordinator_bytes_up": row.get("bytes_up", 0),
+            "resends": sum(t["resends"] for t in mine),
+            "unacked": sum(1 for t in mine if t["ack"] is None),
+        })
+    first = timing.get(1)
+    last = timing.get(max(timing)) if timing else None
+    window = (first["wall_start"], last["wall_end"]) if first and last else None   # rounds, without evaluations
+    total = lambda key: sum(p[key] for p in per_round)   # noqa: E731
+    return {
+        "fleet": cell.fleet, "per_round": cell.per_round, "codec_up": cell.codec, "rounds": args.rounds,
+        "coordinator_torch_threads": cell.threads,
+        "processes": processes, "think": args.think.text, "complete": len(per_round) == args.rounds,
+        "overhead_s": _mean([p["overhead_s"] for p in per_round]),
+        "overhead_s_max": max((p["overhead_s"] for p in per_round), default=None),
+        "seconds_per_round": _mean([p["seconds"] for p in per_round]),
+        "coordinator_cpu_s_per_round": _mean([p["coordinator_cpu_s"] for p in per_round]),
+        "coordinator_peak_rss_mb": sampler.peak.get("coordinator"),
+        "coordinator_peak_rss_mb_rounds": sampler.peak_between("coordinator", *window) if window else None,
+        "coordinator_rss_mb_before_round_1": first["rss_start_mb"] if first else None,
+        "broker_peak_rss_mb": sampler.peak.get("broker"),
+        "broker_peak_rss_mb_rounds": sampler.peak_between("broker", *window) if window else None,
+        "broker_rss_mb_before_round_1": sampler.at("broker", first["wall_start"], 1) if first else None,
+        "broker_cpu_s_per_round": _mean([(sampler.after("broker", timing[p["round"]]["wall_end"], 2) or 0.0)
+                                         - (sampler.at("broker", timing[p["round"]]["wall_start"], 2) or 0.0)
+                                         for p in per_round]),
+        "device_cpu_s_per_round": _mean([p["device_cpu_s"] for p in per_round]),
+        "device_process_peak_rss_mb": max((sampler.peak.get(name, 0.0) for name in devices), default=None),
+        "messages_per_round": _mean([p["device_messages_in"] + p["device_messages_out"] for p in per_round]),
+        "mb_per_round": _mean([(p["device_bytes_in"] + p["device_bytes_out"]) / 1e6 for p in per_round]),
+        "coordinator_mb_per_round": _mean([(p["coordinator_bytes_down"] + p["coordinator_bytes_up"]) / 1e6
+                                           for p in per_round]),
+        "selected": total("selected") if per_round else 0, "returned": total("returned") if per_round else 0,
+        "lost": sum((p["selected"] or 0) - (p["returned"] or 0) for p in per_round),
+        "late": total("late") if per_round else 0, "rejected": total("rejected") if per_round else 0,
+        "duplicates": total("duplicates") if per_round else 0, "failed": total("failed") if per_round else 0,
+        "inbox_dropped": total("inbox_dropped") if per_round else 0,
+        "resends": total("resends") if per_round else 0, "unacked": total("unacked") if per_round else 0,
+        "device_counts": {k: sum(d["counts"][k] for d in device_files) for k in
+                          (device_files[0]["counts"] if device_files else {})},
+        "startup_s": first["wall_start"] - min(d["started"] for d in device_files) if first and device_files else None,
+        "cell_wall_s": wall,
+        "per_round_detail": per_round,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+
+def table(cells: list[dict[str, Any]]) -> str:
+    """The measured table in Markdown, one line per cell."""
+    head = ("| N | per round | codec up | overhead s (mean; max) | coordinator CPU s/round "
+            "| coordinator peak RSS MB (rounds; run) | broker RSS MB (before round 1; peak) | messages/round "
+            "| MB/round (devices; coordinator) | lost / late / rejected / dropped |")
+    lines = [head, "|" + "---|" * 10]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
+    for c in sorted(cells, key=lambda c: Cell.of(c).key):
+        lost = f"{c['lost']} / {c['late']} / {c['rejected']} / {c['inbox_dropped']}"
+        mark = "" if c.get("complete") and not c.get("failure") else " (incomplete)"
+        if c.get("coordinator_torch_threads"):
+            mark += f", coordinator on {c['coordinator_torch_threads']} torch thread(s)"
+        lines.append(f"| {c['fleet']} | {c['per_round']} | `{c['codec_up']}`{mark} | "
+                     f"{fmt(c['overhead_s'], '.2f')}; {fmt(c['overhead_s_max'], '.2f')} | "
+                     f"{fmt(c['coordinator_cpu_s_per_round'], '.2f')} | "
+                     f"{fmt(c.get('coordinator_peak_rss_mb_rounds'), '.0f')}; {fmt(c['coordinator_peak_rss_mb'], '.0f')} | "
+                     f"{fmt(c.get('broker_rss_mb_before_round_1'), '.0f')}; {fmt(c['broker_peak_rss_mb'], '.0f')} | "
+                     f"{fmt(c['messages_per_round'], ',.0f')} | "
+                     f"{fmt(c['mb_per_round'], ',.1f')}; {fmt(c['coordinator_mb_per_round'], ',.1f')} | {lost} |")
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict[str, Any]], path: Path) -> None:
+    """Overhead, coordinator memory and broker memory against N, one line per (per round, codec);
+    complete cells with the coordinator as it runs only (the others are in the table, marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        if c.get("complete") and not c.get("failure") and c.get("overhead_s") is not None \
+                and not c.get("coordinator_torch_threads"):
+            share = "all" if c["per_round"] == c["fleet"] else "N/10"
+            groups.setdefault((share, c["codec_up"]), []).append(c)
+    panels = (("overhead_s", "round overhead: round time - slowest think", "seconds (log)"),
+              ("coordinator_peak_rss_mb_rounds", "coordinator peak RSS during the rounds", "MB"),
+              ("broker_peak_rss_mb", "Mosquitto peak RSS", "MB"))
+    for (share, codec), group in sorted(groups.items()):
+        group.sort(key=lambda c: c["fleet"])
+        xs = [c["fleet"] for c in group]
+        style = {"marker": "o" if codec == "fp32" else "s", "linestyle": "-" if share == "all" else "--"}
+        for ax, (key, _, _) in zip(axes, panels):
+            ax.plot(xs, [c.get(key) for c in group], label=f"{share} per round, {codec}", **style)
+    for ax, (key, title, unit) in zip(axes, panels):
+        ax.set_xscale("log")
+        fleets = sorted({c["fleet"] for group in groups.values() for c in group})
+        ax.set_xticks(fleets, [str(n) for n in fleets])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        if key == "overhead_s":
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel("devices in the fleet (N)")
+        ax.set_ylabel(unit)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _mosquitto_version() -> str | None:
+    from coordinator.mosquitto import mosquitto_binary
+
+    binary = mosquitto_binary()
+    if binary is None:
+        return None
+    try:
+        out = subprocess.run([binary, "-h"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/fleet.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__)
+    parser.add_argument("--fleet", default="10,100,300,1000",
+                        help="fleet sizes N to measure, comma-separated (default 10,100,300,1000)")
+    parser.add_argument("--per-round", default="tenth,all",
+                        help="clients per round for each N: 'tenth' (N/10, at least 1), 'all' (N), or numbers; "
+                             "comma-separated (default tenth,all)")
+    parser.add_argument("--codec-up", default="fp32",
+                        help="upload codecs (codec.up), comma-separated; default fp32, what the protocol sends by "
+                             "default. E.g. fp32,topk:0.1+int8+zstd")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per cell (default 3)")
+    parser.add_argument("--processes", type=int, default=4,
+                        help="device processes per cell; the devices are spread over them (default 4)")
+    parser.add_argument("--think", type=Think.parse, default=Think.parse("lognormal:2:0.5"),
+                        help="think time in place of training, in seconds: lognormal:MEDIAN:SIGMA, uniform:A:B or "
+                             "fixed:S, drawn per device and task (default lognormal:2:0.5)")
+    parser.add_argument("--round-timeout", type=float, default=600.0,
+                        help="clients.round_timeout, seconds (default 600: generous, so that slowness shows as "
+                             "overhead rather than as retries)")
+    parser.add_argument("--presence-timeout", type=float, default=600.0,
+                        help="clients.presence_timeout: how long the coordinator waits for the fleet to come online")
+    parser.add_argument("--cell-timeout", type=float, default=3600.0,
+                        help="stop a cell (coordinator and devices) after this many seconds and keep the rounds it "
+                             "finished, marked incomplete (default 3600)")
+    parser.add_argument("--coordinator-torch-threads", type=int, default=0, metavar="N",
+                        help="run the coordinator with torch.set_num_threads(N), a variant kept apart in the JSON "
+                             "and the table (default 0: torch's default, as the coordinator runs)")
+    parser.add_argument("--seed", type=int, default=0, help="run.seed, think times and perturbations (default 0)")
+    parser.add_argument("--skip-cell", action="append", default=[], metavar="N/PER_ROUND/CODEC",
+                        help="leave out one cell, e.g. 1000/1000/fp32 (repeatable)")
+    parser.add_argument("--skip-existing", action="store_true",
+                        help="keep the finished cells (N, per round, codec) already in --out and run only the others")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help=f"PNG figure (default {DEFAULT_PLOT})")
+    parser.add_argument("--table", action="store_true", help="print the table of --out and exit (runs nothing)")
+    parser.add_argument("--coordinator-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--devices-child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.processes < 1:
+        parser.error("--rounds and --processes must be at least 1")
+    return args
+
+
+def cells_of(args: argparse.Namespace) -> list[Cell]:
+    cells = []
+    for n in (int(v) for v in args.fleet.split(",") if v.strip()):
+        shares = []
+        for share in args.per_round.split(","):
+            share = share.strip()
+            k = max(1, n // 10) if share == "tenth" else n if share == "all" else int(share)
+            if 1 <= k <= n and k not in shares:
+                shares.append(k)
+        for k in shares:
+            for codec in (c.strip() for c in args.codec_up.split(",") if c.strip()):
+                cell = Cell(n, k, codec, args.coordinator_torch_threads)
+                if cell.key not in args.skip_cell:
+                    cells.append(cell)
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.coordinator_child:
+        return coordinator_child(args.coordinator_child)
+    if args.devices_child:
+        return devices_child(args.devices_child)
+    if args.table:
+        print(table(json.loads(args.out.read_text())["cells"]))
+        return 0
+    # Cells of other (N, per round, codec) already in --out stay; a cell run again replaces its line.
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results = list(previous.get("cells", []))
+    finished = {Cell.of(c).key for c in results if c.get("complete") and not c.get("failure")}
+    todo = [c for c in cells_of(args) if not (args.skip_existing and c.key in finished)]
+    _say(f"{len(todo)} cells to run" + (f", {len(results)} in {args.out} already" if results else ""))
+    started = time.time()
+    for i, cell in enumerate(todo, 1):
+        _say(f"cell {i}/{len(todo)}: N={cell.fleet}, {cell.per_round} per round, codec up {cell.codec}")
+        result = run_cell(cell, args)
+        results = [c for c in results if Cell.of(c).key != cell.key] + [result]
+        _say(f"  overhead {result['overhead_s'] if result['overhead_s'] is None else round(result['overhead_s'], 2)} s"
+             f" per round, coordinator CPU {result['coordinator_cpu_s_per_round'] or 0:.2f} s/round, peak RSS "
+             f"coordinator {result['coordinator_peak_rss_mb'] or 0:.0f} MB, broker {result['broker_peak_rss_mb'] or 0:.0f}"
+             f" MB; lost {result['lost']}, late {result['late']}; cell took {result['cell_wall_s']:.0f} s")
+        report = {
+            "machine": {"python": platform.python_version(), "arch": platform.machine(), "cpus": os.cpu_count(),
+                        "mosquitto": _mosquitto_version()},
+            "model": "cnn on Fashion-MNIST 28x28 (1.69 MB of float32 parameters), FedAvg, codec.down fp32 with the "
+                     "model broadcast, codec.error_feedback false",
+            "definitions": DEFINITIONS,
+            "sweep_seconds_this_invocation": time.time() - started,
+            "cells": sorted(results, key=lambda c: (c["fleet"], c["per_round"], c["codec_up"],
+                                                    c.get("coordinator_torch_threads", 0))),
+        }
+        write_result(args.out, report)
+        plot(report["cells"], args.plot)
+    if not todo and results:
+        plot(results, args.plot)
+    if results:
+        print(table(results))
+        print(f"figure: {args.plot}")
+    return 0
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM ends the sweep through run_cell's cleanup: its children and broker are stopped by PID."""
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stop)
+    sys.exit(main())
