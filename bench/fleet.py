@@ -85,7 +85,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,6 +112,8 @@ DEFINITIONS = {
     "lost": "sum over rounds of selected - returned",
     "late, rejected, duplicates, failed": "metrics.jsonl counters summed over rounds",
     "inbox_dropped": "messages the coordinator's receive queue dropped, summed over rounds",
+    "coordinator_torch_threads": "0: the coordinator as it runs (torch's default threads); N: a variant measured "
+                                 "with torch.set_num_threads(N) in the coordinator process",
     "device_cpu_s_per_round": "CPU seconds of all device processes between the start and end of each round "
                               "(psutil samples), mean over rounds",
 }
@@ -250,6 +252,8 @@ class TaskRecord:
 
 @dataclass
 class Pending:
+    """A result sent and not acknowledged yet: re-sent every ``resend_every`` s until then, as a device does."""
+
     task_id: str
     run_id: str
     round: int
@@ -356,7 +360,7 @@ class Fleet:
                 self.loop.misc()
 
     def leave(self) -> None:
-        """Every device says it is offline and disconnects, after what it sent is acknowledged."""
+        """Every device says it is offline and disconnects once that is written (at most 10 s)."""
         for device in self.devices:
             device.leave()
         deadline = time.monotonic() + 10.0
@@ -1099,7 +1103,8 @@ def table(cells: list[dict[str, Any]]) -> str:
             "| MB/round (devices; coordinator) | lost / late / rejected / dropped |")
     lines = [head, "|" + "---|" * 10]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
-    for c in sorted(cells, key=lambda c: Cell.of(c).key):
+    for c in sorted(cells, key=lambda c: (c["fleet"], c["per_round"], c["codec_up"],
+                                          c.get("coordinator_torch_threads", 0))):
         lost = f"{c['lost']} / {c['late']} / {c['rejected']} / {c['inbox_dropped']}"
         mark = "" if c.get("complete") and not c.get("failure") else " (incomplete)"
         if c.get("coordinator_torch_threads"):
@@ -1132,7 +1137,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
             groups.setdefault((share, c["codec_up"]), []).append(c)
     panels = (("overhead_s", "round overhead: round time - slowest think", "seconds (log)"),
               ("coordinator_peak_rss_mb_rounds", "coordinator peak RSS during the rounds", "MB"),
-              ("broker_peak_rss_mb", "Mosquitto peak RSS", "MB"))
+              ("broker_peak_rss_mb", "Mosquitto peak RSS", "MB (log)"))
     for (share, codec), group in sorted(groups.items()):
         group.sort(key=lambda c: c["fleet"])
         xs = [c["fleet"] for c in group]
@@ -1144,10 +1149,11 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
         fleets = sorted({c["fleet"] for group in groups.values() for c in group})
         ax.set_xticks(fleets, [str(n) for n in fleets])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        if key == "overhead_s":
+        if key in ("overhead_s", "broker_peak_rss_mb"):   # both span two orders of magnitude
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 3.0)))
             ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         else:
             ax.set_ylim(bottom=0)
         ax.set_xlabel("devices in the fleet (N)")
@@ -1266,7 +1272,6 @@ def main(argv: list[str] | None = None) -> int:
             "model": "cnn on Fashion-MNIST 28x28 (1.69 MB of float32 parameters), FedAvg, codec.down fp32 with the "
                      "model broadcast, codec.error_feedback false",
             "definitions": DEFINITIONS,
-            "sweep_seconds_this_invocation": time.time() - started,
             "cells": sorted(results, key=lambda c: (c["fleet"], c["per_round"], c["codec_up"],
                                                     c.get("coordinator_torch_threads", 0))),
         }
@@ -1277,6 +1282,8 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         print(table(results))
         print(f"figure: {args.plot}")
+    if todo:
+        _say(f"{len(todo)} cells in {time.time() - started:.0f} s")
     return 0
 
 
