@@ -85,6 +85,10 @@ class TransportSection:
     max_message_bytes: int = 256 * 1024          # largest publish; longer messages go in chunks (broker limit)
     max_decoded_bytes: int = 64 * 1024 * 1024    # largest whole message accepted (reassembled, decompressed)
     chunking: bool = True                        # off: a message over max_message_bytes is an error
+    # Chunk data the coordinator holds for results still arriving, all clients together; past it the
+    # oldest incomplete ones are dropped (and re-sent by their devices). 0: the larger of 64 MiB,
+    # max_decoded_bytes and clients per round x the float32 model, so a round's results all fit.
+    max_partial_bytes: int = 0
     # TLS, with an mqtts:// broker: the CA that signed the broker's certificate (empty: the system's CAs),
     # and a client certificate and key for brokers that require one.
     ca_file: str = ""
@@ -197,6 +201,9 @@ class RunConfig:
                                                        f"{MIN_MESSAGE_BYTES}"),
             (t.max_decoded_bytes >= MIN_MESSAGE_BYTES, f"transport.max_decoded_bytes must be at least "
                                                        f"{MIN_MESSAGE_BYTES}"),
+            (t.max_partial_bytes == 0 or t.max_partial_bytes >= t.max_decoded_bytes,
+             "transport.max_partial_bytes must be 0 (sized by the run) or at least transport.max_decoded_bytes, "
+             "or the largest accepted result could never be reassembled"),
             (self.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
             ("name" in self.model, "model.name is required"),
             *(check for section in self.methods.values() for check in section.checks(self)),

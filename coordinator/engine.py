@@ -18,8 +18,9 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from edge_client.models import state_shapes
 from edge_client.registry import build_model
 from edge_client.wire.protocol import (Message, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody, Topics,
                                        check_tensors, decode, encode)
-from edge_client.wire.chunking import ChunkingTransport
+from edge_client.wire.chunking import DEFAULT_PARTIAL_BYTES, ChunkingTransport
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
 from edge_client.wire.updates import decode_upload
 from profiling.schema import clean_profile
@@ -98,6 +99,25 @@ class _Trained:
     evaluation: Future[dict[str, Any]] | None = None      # None: no evaluation this round
 
 
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Run the block on one intra-op thread (this thread only; others keep their own count).
+
+    Checking and folding a result are many small element-wise ops: torch's thread pool makes
+    each cost 10 to 30 times more CPU on a busy 2-core coordinator (28.6 ms against 1.7 ms to
+    fold a 1.7 MB model) while devices, broker and the evaluation want the same cores.
+    """
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _snapshot(state: ServerState) -> ServerState:
     """A copy of ``state`` that nothing done in later rounds can change."""
     return dataclasses.replace(state, params={k: v.detach().clone() for k, v in state.params.items()},
@@ -113,21 +133,22 @@ class Coordinator:
         if not state.spec:
             raise ValueError("the server state has no model spec; build it with Strategy.initialize(spec, params)")
         self.config = config
-        t = config.transport
-        # Chunks what is over the broker's packet limit, reassembles what comes in chunks.
-        self.transport = ChunkingTransport(transport, max_message_bytes=t.max_message_bytes,
-                                           max_decoded_bytes=t.max_decoded_bytes, chunking=t.chunking)
         self.run_id = run_id
         self.out = out_dir
         self.strategy = strategy
         self.state = state
+        self._network_key = ""                        # the spec self.model was built from (JSON)
+        self.model, self.shapes = self._network()
+        t = config.transport
+        # Chunks what is over the broker's packet limit, reassembles what comes in chunks.
+        self.transport = ChunkingTransport(transport, max_message_bytes=t.max_message_bytes,
+                                           max_decoded_bytes=t.max_decoded_bytes, chunking=t.chunking,
+                                           max_partial_bytes=self.max_partial_bytes)
         self.eval_data = eval_data
         self.eval_device = resolve_device(config.eval.device)   # where the test-set evaluation runs
         # What a person watching wants between rounds: who is online while waiting, results coming in.
         self.on_progress = on_progress or (lambda info: None)
         self.topics = Topics(config.transport.prefix)
-        self._network_key = ""                        # the spec self.model was built from (JSON)
-        self.model, self.shapes = self._network()
         self.downlink = Downlink(config, run_id)
         self._broadcast_digest = ""                   # the model message last published
         self._broadcast_payload = b""                 # ... and its bytes, published again after a reconnect
@@ -151,6 +172,7 @@ class Coordinator:
         self._complete: Callable[[dict[str, Any], ServerState], None] = lambda row, state: None
         self._eval_model: nn.Module | None = None
         self._eval_model_key = ""
+        self._torch_threads = torch.get_num_threads()   # what the evaluation thread uses
 
     # -- messages -------------------------------------------------------------
     def _pump(self, until: float, done: Callable[[], bool],
@@ -178,7 +200,8 @@ class Coordinator:
                 if incoming.error:   # its chunks did not make a whole message
                     self._count("rejected", client_id, incoming.error)
                 elif incoming.payload:
-                    self._on_result(client_id, incoming.payload)
+                    with _one_torch_thread():
+                        self._on_result(client_id, incoming.payload)
             elif incoming.error:
                 self._warn.warning("lost a message on %s: %s", incoming.topic, incoming.error)
             elif kind == "presence" and incoming.payload:
@@ -200,6 +223,16 @@ class Coordinator:
     def fp32_model_bytes(self) -> int:
         """The whole exchanged model in float32: the reference traffic is measured against."""
         return 4 * sum(math.prod(s) for s in self.shapes.values())
+
+    @property
+    def max_partial_bytes(self) -> int:
+        """The bound on chunk data of incomplete results: ``transport.max_partial_bytes``, or one that
+        holds a whole round of float32 results (a fixed 64 MiB evicted results from 40 of them on, and
+        every eviction cost a device's re-send)."""
+        t = self.config.transport
+        if t.max_partial_bytes:
+            return t.max_partial_bytes
+        return max(DEFAULT_PARTIAL_BYTES, t.max_decoded_bytes, self.config.selected_per_round * self.fp32_model_bytes)
 
     def _add_bytes(self, client_id: str, direction: str, n: int) -> None:
         self._client_bytes.setdefault(client_id, {"down": 0, "up": 0})[direction] += n
@@ -618,6 +651,7 @@ class Coordinator:
         future: Future[dict[str, Any]] = Future()
 
         def work() -> None:
+            torch.set_num_threads(self._torch_threads)   # a new thread would take the default of the moment
             try:
                 future.set_result(evaluation())
             except BaseException as exc:   # handed to the run's thread, which raises it

@@ -285,3 +285,22 @@ def test_after_resume_a_result_of_the_interrupted_round_is_late_not_unexpected(t
     coord._on_result("a", before)
     coord._on_result("a", forged)
     assert coord._round.counts["late"] == 1 and coord._round.counts["unexpected"] == 1
+
+
+def test_the_coordinator_holds_a_whole_round_of_chunked_results(tmp_path):
+    """Results of a large round arrive together: the bound on incomplete chunked messages is sized to
+    hold all of them (clients per round x the float32 model), unless the config sets one."""
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=20_000, clients__per_round=20_000,
+                             transport__max_decoded_bytes=100_000)
+    per_model = coord.fp32_model_bytes
+    assert coord.max_partial_bytes == 20_000 * per_model > 64 * 1024 * 1024
+    assert coord.transport.reassembler.total_bytes == coord.max_partial_bytes
+    fixed = make_coordinator(tmp_path, hub, expected=2, transport__max_partial_bytes=300_000)
+    assert fixed.transport.reassembler.total_bytes == 300_000
+
+
+def test_a_partial_bound_below_the_largest_message_is_refused():
+    from coordinator.config import ConfigError
+    with pytest.raises(ConfigError, match="max_partial_bytes"):
+        load_config(None, [("transport", "max_partial_bytes", 1000)])

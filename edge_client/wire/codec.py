@@ -48,7 +48,7 @@ from edge_client.wire.compression import COMPRESSORS, CompressionError, check_av
 from edge_client.wire.errors import ProtocolError
 
 __all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_FORMATS", "encode_tensors", "decode_tensors",
-           "wire_bytes", "FP32"]
+           "wire_bytes", "all_finite", "FP32"]
 
 VALUE_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16, "bf16": torch.bfloat16,
                                          "int8": torch.int8}
@@ -56,6 +56,19 @@ _FP16_MAX = 65504.0
 _EXACT = ("fp32", "fp64")
 _INDEX_DTYPES = ((255, torch.uint8), (32767, torch.int16), (2**31 - 1, torch.int32))
 SEP = ":"
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, checked with numpy where it can be.
+
+    Every received tensor passes through here, so it must be cheap: torch's
+    ``isfinite(t).all()`` goes through its intra-op thread pool, which on a busy
+    2-core coordinator cost 2 to 11 ms per 1.7 MB model against numpy's 0.1 ms.
+    """
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
+        return bool(np.isfinite(tensor.detach().numpy()).all())
+    return bool(torch.isfinite(tensor).all())
 
 
 class CodecError(ProtocolError):
@@ -255,7 +268,7 @@ def _dense_values(wire: Mapping[str, torch.Tensor], key: str, scale_key: str, sp
     if spec.values != "int8":
         return t.to(spec.dtype)
     scale = _need(wire, scale_key, (torch.float32,), (channels,))
-    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+    if not all_finite(scale) or bool((scale < 0).any()):
         raise CodecError(f"wire tensor {scale_key!r} holds negative or non-finite scales")
     q = t.to(torch.float32)
     if channel is None:
@@ -327,7 +340,7 @@ def decode_tensors(wire: Mapping[str, torch.Tensor], spec: CodecSpec, shapes: Ma
             channel = positions // max(numel // max(channels, 1), 1)
             vals = _dense_values(wire, name + SEP + "val", name + SEP + "scale", spec, (k,), channel, channels)
             value = torch.zeros(numel, dtype=vals.dtype).index_put_((positions,), vals).reshape(shape)
-        if not bool(torch.isfinite(value).all()):
+        if not all_finite(value):
             raise CodecError(f"tensor {name!r} decodes to non-finite values")
         out[name] = value
     return out

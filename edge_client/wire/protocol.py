@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from edge_client.wire.codec import FP32, CodecError, CodecSpec, parse_codec
+from edge_client.wire.codec import FP32, CodecError, CodecSpec, all_finite, parse_codec
 from edge_client.wire.compression import CompressionError, decompress
 from edge_client.wire.errors import ProtocolError
 
@@ -229,7 +229,7 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     except Exception as exc:  # safetensors raises its own error type for corrupt buffers
         raise ProtocolError(f"tensor data is corrupt: {exc}") from None
     for name, tag_info in st_header.items():
-        if tag_info["dtype"] in _FLOAT_TAGS and not bool(torch.isfinite(tensors[name]).all()):
+        if tag_info["dtype"] in _FLOAT_TAGS and not all_finite(tensors[name]):
             raise ProtocolError(f"tensor {name!r} holds NaN or infinite values")
     return Message(kind=kind, run_id=meta["run_id"], round=meta["round"], task_id=meta["task_id"],
                    sender=meta["sender"], body=meta["body"], tensors=tensors, size=size)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from edge_client.wire.codec import CodecError, CodecSpec, decode_tensors, encode_tensors
+from edge_client.wire.codec import CodecError, CodecSpec, all_finite, decode_tensors, encode_tensors
 from edge_client.wire.files import write_tensors_atomic
 from edge_client.wire.protocol import UPDATES, ResultBody, UploadSettings
 
@@ -121,7 +121,7 @@ def decode_upload(wire: Mapping[str, torch.Tensor], body: ResultBody,
     values = decode_tensors(wire, body.codec, expected, sparse=body.delta)
     for name in body.delta:
         values[name] = sent[name].to(torch.float32) + values[name]
-        if not bool(torch.isfinite(values[name]).all()):
+        if not all_finite(values[name]):
             raise CodecError(f"tensor {name!r} is not finite after adding its difference")
     return values
 
