@@ -1,5 +1,5 @@
-"""``fedge-coordinator``: run federated training (``run``), the whole pipeline (``demo``), or measure where
-Fed2's groups should start (``fed2-depth``)."""
+"""``fedge-coordinator``: run federated training (``run``), the whole pipeline (``demo``), measure where
+Fed2's groups should start (``fed2-depth``), or take a share of a run's results (``worker``)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,58 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("-v", "--verbose", action="store_true", help="log client and round events to the terminal")
     _add_fed2_depth(sub)
     _add_provision(sub)
+    _add_worker(sub)
     return parser
+
+
+def _add_worker(sub) -> None:  # sub: the parser's subparsers
+    worker = sub.add_parser(
+        "worker", help="an aggregation worker: check and fold a share of the devices' results",
+        description="Subscribe to every device's result through an MQTT 5 shared subscription "
+                    "($share/GROUP/PREFIX/clients/+/result) and check and fold the results the broker hands this "
+                    "worker into a partial sum for the coordinator. Start it with the run's own config (the "
+                    "coordinator's workers.count says how many it waits for; transport.broker must be a broker both "
+                    "reach). Results must arrive unchunked: the devices' max_message_bytes above a result's size. "
+                    "See docs/scale.md.")
+    worker.add_argument("--config", type=Path, help="the run's TOML config file")
+    worker.add_argument("--broker", default=None, help="broker URL mqtt://HOST:PORT [transport.broker]")
+    worker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set workers.group=site-a (repeatable)")
+    worker.add_argument("--id", default=None, help="this worker's id (default worker-HOST-PID)")
+    worker.add_argument("--exit-after-run", action="store_true", help="exit once the coordinator says the run finished")
+    worker.add_argument("-v", "--verbose", action="store_true", help="log every claim and partial sum")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from coordinator.config import ConfigError, load_config, parse_override
+    from coordinator.worker import default_worker_id, serve_worker
+    from edge_client.wire.protocol import valid_client_id
+    from edge_client.wire.transport import TransportError
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        overrides = [parse_override(item) for item in args.set]
+        if args.broker:
+            overrides.append(("transport", "broker", args.broker))
+        config = load_config(args.config, overrides)
+        if not config.transport.broker:
+            raise ConfigError("a worker needs the broker the devices use: --broker mqtt://HOST:PORT or transport.broker")
+        worker_id = args.id or default_worker_id()
+        if not valid_client_id(worker_id):
+            raise ConfigError(f"--id {worker_id!r}: use up to 64 letters, digits, '.', '_' or '-'")
+        stats = serve_worker(config, worker_id, exit_after_run=args.exit_after_run, stop=stop)
+    except (ConfigError, TransportError) as exc:
+        print(f"fedge-coordinator worker: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print("worker done: " + ", ".join(f"{k} {v}" for k, v in stats.items()))
+    return 0
 
 
 def _add_provision(sub) -> None:  # sub: the parser's subparsers
@@ -240,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fed2_depth(args)
     if args.command == "provision":
         return _provision(args)
+    if args.command == "worker":
+        return _worker(args)
     from rich.console import Console
     from rich.logging import RichHandler
     from rich.markup import escape

@@ -147,6 +147,16 @@ class AggregateSection:
 
 
 @dataclass(frozen=True)
+class WorkersSection:
+    """Aggregation workers (``fedge-coordinator worker``): processes sharing the devices' results through
+    an MQTT 5 shared subscription, each checking and folding its share (docs/scale.md)."""
+
+    count: int = 0                  # workers the coordinator waits for before round 1; 0: it takes every result itself
+    group: str = "fedge-aggregators"   # the shared subscription's group name
+    flush_timeout: float = 30.0     # seconds to wait for the workers' partial sums once a round's results are in
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
@@ -160,6 +170,7 @@ class RunConfig:
     export: ExportSection = field(default_factory=ExportSection)
     sim: SimSection = field(default_factory=SimSection)
     aggregate: AggregateSection = field(default_factory=AggregateSection)
+    workers: WorkersSection = field(default_factory=WorkersSection)
     # The methods' own sections (name -> dataclass), read as attributes: ``config.dfl.diversity``.
     methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
     # "section.key" the user set (file or flags): a method's defaults never override these.
@@ -170,6 +181,26 @@ class RunConfig:
         if name in methods:
             return methods[name]
         raise AttributeError(f"{type(self).__name__} has no section {name!r}")
+
+    def _workers_checks(self) -> list[tuple[bool, str]]:
+        w = self.workers
+        if w.count == 0:
+            return [(w.flush_timeout > 0, "workers.flush_timeout must be > 0")]
+        need = "aggregation workers (workers.count > 0) need"
+        return [
+            (w.count >= 0, "workers.count must be >= 0"),
+            (w.flush_timeout > 0, "workers.flush_timeout must be > 0"),
+            (bool(w.group) and not any(ch in w.group for ch in "/+#"), "workers.group must be a name without / + #"),
+            (self.transport.kind == "mqtt" and bool(self.transport.broker),
+             f"{need} a broker they can reach too: set transport.broker (mqtt://HOST:PORT)"),
+            (self.run.strategy in ("fedavg", "fedprox"),
+             f"{need} a strategy whose every result folds into one weighted sum: fedavg or fedprox, "
+             f"not {self.run.strategy!r}"),
+            (self.aggregate.rule == "mean" and self.aggregate.norm_bound == 0,
+             f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need every result at once)"),
+            (not self.run.diagnostics, f"{need} run.diagnostics = false (it reads every result's tensors)"),
+            (self.codec.broadcast, f"{need} codec.broadcast = true: they read the model results are differences from"),
+        ]
 
     def validate(self) -> "RunConfig":
         c, r, t = self.clients, self.run, self.transport
@@ -205,6 +236,7 @@ class RunConfig:
              "transport.max_partial_bytes must be 0 (sized by the run) or at least transport.max_decoded_bytes, "
              "or the largest accepted result could never be reassembled"),
             (self.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
+            *self._workers_checks(),
             ("name" in self.model, "model.name is required"),
             *(check for section in self.methods.values() for check in section.checks(self)),
         ]

@@ -18,9 +18,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,17 +33,17 @@ from coordinator.config import RunConfig
 from coordinator.downlink import Downlink, shared_tensors
 from coordinator.profiles import ProfileStore
 from coordinator.selection import DeadlineFilter, RoundTimes
-from coordinator.strategies.base import AggregationError, ClientResult, ServerState, Strategy, TaskPlan
+from coordinator.intake import accept_result, one_torch_thread
+from coordinator.strategies.base import AggregationError, ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
 from edge_client.wire.throttle import ThrottledLog
 from coordinator.diagnostics import divergence_metrics
 from edge_client.device import resolve_device
 from edge_client.models import state_shapes
 from edge_client.registry import build_model
-from edge_client.wire.protocol import (Message, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody, Topics,
-                                       check_tensors, decode, encode)
+from edge_client.wire.protocol import (ManifestBody, Message, PartialBody, PresenceBody, ProtocolError, ResultBody,
+                                       StatusBody, TaskBody, Topics, check_tensors, decode, encode, valid_client_id)
 from edge_client.wire.chunking import DEFAULT_PARTIAL_BYTES, ChunkingTransport
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
-from edge_client.wire.updates import decode_upload
 from profiling.schema import clean_profile
 
 __all__ = ["RunError", "Coordinator", "EvalData"]
@@ -81,6 +80,11 @@ class _Round:
     bytes_down: int = 0
     bytes_up: int = 0
     bytes_broadcast: int = 0
+    # With aggregation workers: the exchange's id in their manifest, and the results a worker holds
+    # folded whose partial sum has not arrived (task id -> (worker, the result without tensors)).
+    manifest: ManifestBody | None = None
+    granted: dict[str, tuple[str, ClientResult]] = field(default_factory=dict)
+    worker_lost: int = 0
 
     @property
     def complete(self) -> bool:
@@ -88,6 +92,12 @@ class _Round:
 
         A rejected result does not count: the client may still send a good one."""
         return len(self.results.keys() | self.failed) >= len(self.plans)
+
+    @property
+    def answered(self) -> bool:
+        """Every client has answered, counting results an aggregation worker folded but has not sent yet."""
+        held = {result.client_id for _, result in self.granted.values()}
+        return len(self.results.keys() | self.failed | held) >= len(self.plans)
 
 
 @dataclass
@@ -97,25 +107,6 @@ class _Trained:
     row: dict[str, Any]
     state: ServerState                                      # snapshot: what is evaluated and checkpointed
     evaluation: Future[dict[str, Any]] | None = None      # None: no evaluation this round
-
-
-@contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Run the block on one intra-op thread (this thread only; others keep their own count).
-
-    Checking and folding a result are many small element-wise ops: torch's thread pool makes
-    each cost 10 to 30 times more CPU on a busy 2-core coordinator (28.6 ms against 1.7 ms to
-    fold a 1.7 MB model) while devices, broker and the evaluation want the same cores.
-    """
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _snapshot(state: ServerState) -> ServerState:
@@ -140,6 +131,11 @@ class Coordinator:
         self._network_key = ""                        # the spec self.model was built from (JSON)
         self.model, self.shapes = self._network()
         t = config.transport
+        if config.workers.count and self.fp32_model_bytes + 65536 > t.max_message_bytes:
+            log.warning("a float32 result (%d bytes) is over transport.max_message_bytes (%d): it would travel in "
+                        "chunks, which a shared subscription spreads over the aggregation workers; raise "
+                        "max_message_bytes (the devices' too) above it, or use a compact codec.up",
+                        self.fp32_model_bytes, t.max_message_bytes)
         # Chunks what is over the broker's packet limit, reassembles what comes in chunks.
         self.transport = ChunkingTransport(transport, max_message_bytes=t.max_message_bytes,
                                            max_decoded_bytes=t.max_decoded_bytes, chunking=t.chunking,
@@ -159,6 +155,7 @@ class Coordinator:
         self._failures: dict[str, str] = {}           # client -> why it could not run its task, this round
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, PresenceBody] = {}
+        self.workers_online: set[str] = set()         # aggregation workers (config.workers), by id
         self.sent_tasks: set[str] = set()
         self.started_after = state.round   # the last round done before this session (0: a new run)
         self.round_times = RoundTimes()
@@ -193,6 +190,9 @@ class Coordinator:
             client_id = self.topics.client_of(incoming.topic)
             kind = incoming.topic.rsplit("/", 1)[-1]
             if client_id is None:
+                worker = self.topics.worker_of(incoming.topic)
+                if worker is not None and self.config.workers.count:
+                    self._on_worker(worker, kind, incoming)
                 continue
             if kind == "result":
                 self._round.bytes_up += incoming.wire_bytes
@@ -200,7 +200,7 @@ class Coordinator:
                 if incoming.error:   # its chunks did not make a whole message
                     self._count("rejected", client_id, incoming.error)
                 elif incoming.payload:
-                    with _one_torch_thread():
+                    with one_torch_thread():
                         self._on_result(client_id, incoming.payload)
             elif incoming.error:
                 self._warn.warning("lost a message on %s: %s", incoming.topic, incoming.error)
@@ -274,15 +274,20 @@ class Coordinator:
         self._publish(self.topics.client(client_id, "status"), payload)
 
     def _on_result(self, client_id: str, payload: bytes) -> None:
-        book = self._round
         try:
             msg = decode(payload, max_bytes=self.config.transport.max_decoded_bytes)
         except ProtocolError as exc:
             self._count("rejected", client_id, str(exc))
             return
+        self._sort_result(client_id, msg)
+
+    def _sort_result(self, client_id: str, msg: Message, worker: str | None = None) -> bool:
+        """Count, acknowledge and keep (or fold) one result; True when it was kept. From a ``worker`` it is
+        a claim: the result without tensors, which the worker checked and holds until granted."""
+        book = self._round
         if msg.kind != "result" or msg.sender != client_id:
             self._count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
-            return
+            return False
         try:   # a body that does not parse is rejected below, once the result is sorted
             body: ResultBody | None = ResultBody.from_body(msg.body)
             problem = ""
@@ -297,7 +302,7 @@ class Coordinator:
         if msg.run_id != self.run_id or (plan is None and msg.task_id in self.sent_tasks):
             self._count("late", client_id, f"task {msg.task_id} of round {msg.round} is over")
             self._status(client_id, msg.task_id, "ack")
-            return
+            return False
         if (plan is None and self.started_after and msg.round <= self.started_after + 1
                 and msg.task_id not in self.sent_tasks):
             # A task of the round the coordinator was in when it stopped: expected after --resume, and late.
@@ -305,20 +310,22 @@ class Coordinator:
             log.info("late result from %s: task %s of round %d was given before this coordinator resumed",
                      client_id, msg.task_id, msg.round)
             self._status(client_id, msg.task_id, "ack")
-            return
+            return False
         if plan is None or plan.client_id != client_id:
             self._count("unexpected", client_id, f"task {msg.task_id} was not given to this client")
             self._status(client_id, msg.task_id, "rejected", "this coordinator did not give you that task")
-            return
-        if client_id in book.results:
+            return False
+        if client_id in book.results or msg.task_id in book.granted:
             book.counts["duplicates"] += 1
             self._status(client_id, msg.task_id, "ack")
-            return
+            return False
         book.profiles[client_id] = profile
         try:
             if body is None:
                 raise ProtocolError(problem)
-            result = self._accept(plan, msg, body)
+            if worker is not None:
+                return self._grant(book, worker, msg, body)
+            result = accept_result(plan, msg, body, self.shapes, self.downlink.upload_codec(plan), self.strategy)
             if book.streaming:
                 result = self._fold(book, result)
         except ProtocolError as exc:
@@ -327,9 +334,111 @@ class Coordinator:
             if what == "failed":   # the client said it cannot run the task: it will send nothing else
                 book.failed.add(client_id)
             self._status(client_id, msg.task_id, "rejected", str(exc))
-            return
+            return False
         book.results[client_id] = result
         self._status(client_id, msg.task_id, "ack")
+        return True
+
+    # -- aggregation workers ------------------------------------------------------
+    def _on_worker(self, worker: str, kind: str, incoming: Any) -> None:
+        """A message from an aggregation worker: its presence, a claim on a result it checked, or a partial sum."""
+        if incoming.error:
+            self._warn.warning("lost a message from worker %s: %s", worker, incoming.error)
+        elif kind == "presence" and incoming.payload:
+            try:
+                msg = decode(incoming.payload, max_bytes=1024 * 1024)
+                online = msg.sender == worker and PresenceBody.from_body(msg.body).state == "online"
+            except ProtocolError as exc:
+                self._warn.warning("ignored presence of worker %s: %s", worker, exc)
+                return
+            if online and worker not in self.workers_online:
+                log.info("aggregation worker %s online", worker)
+            elif not online and worker in self.workers_online:
+                log.warning("aggregation worker %s went offline", worker)
+            (self.workers_online.add if online else self.workers_online.discard)(worker)
+        elif kind == "claim" and incoming.payload:
+            self._on_claim(worker, incoming.payload)
+        elif kind == "partial" and incoming.payload:
+            with one_torch_thread():
+                self._on_partial(worker, incoming.payload)
+
+    def _on_claim(self, worker: str, payload: bytes) -> None:
+        """A worker checked a result and holds it: grant it (the worker folds it) or not (it drops it)."""
+        try:
+            msg = decode(payload, max_bytes=1024 * 1024)
+            if not valid_client_id(msg.sender):
+                raise ProtocolError(f"sender {msg.sender!r} is not a client id")
+        except ProtocolError as exc:
+            self._warn.warning("ignored a claim from worker %s: %s", worker, exc)
+            return
+        wire = msg.body.get("wire_bytes")
+        if isinstance(wire, int) and not isinstance(wire, bool) and wire > 0:   # the result's bytes, as it came
+            self._round.bytes_up += wire
+            self._add_bytes(msg.sender, "up", wire)
+        granted = self._sort_result(msg.sender, msg, worker)
+        payload = encode("status", run_id=self.run_id, round=self._round.round, task_id=msg.task_id,
+                         sender="coordinator", body=StatusBody("ack" if granted else "rejected", msg.task_id).to_body())
+        self._publish(self.topics.worker(worker, "status"), payload)
+
+    def _grant(self, book: _Round, worker: str, msg: Message, body: ResultBody) -> bool:
+        """Let ``worker`` fold the result it claims; its partial sum brings the tensors (:meth:`_on_partial`)."""
+        if body.error is not None:
+            raise ProtocolError(f"client could not run the task: {body.error}")
+        problem = msg.body.get("problem")
+        if isinstance(problem, str) and problem:   # the worker found the tensors unusable
+            raise ProtocolError(problem)
+        if msg.body.get("held") is not True:   # it could not read the result (no manifest yet): a re-send will come
+            return False
+        book.granted[msg.task_id] = (worker, ClientResult(msg.sender, body.num_samples, {}, dict(body.metrics)))
+        self._status(msg.sender, msg.task_id, "ack")
+        return True
+
+    def _on_partial(self, worker: str, payload: bytes) -> None:
+        """Merge a worker's partial sum after checking its receipts against what it was granted."""
+        book = self._round
+        try:
+            msg = decode(payload, max_bytes=self.config.transport.max_decoded_bytes)
+            if msg.kind != "partial" or msg.sender != worker:
+                raise ProtocolError(f"a {msg.kind} from {msg.sender} on worker {worker}'s partial topic")
+            body = PartialBody.from_body(msg.body)
+            if book.manifest is None or body.exchange != book.manifest.exchange:
+                raise ProtocolError(f"it is for exchange {body.exchange}, which is over")
+            if len(set(body.tasks)) != len(body.tasks) or any(book.granted.get(t, ("",))[0] != worker
+                                                               for t in body.tasks):
+                raise ProtocolError("its receipts name tasks that were not granted to it, or one twice")
+            results = [book.granted[t][1] for t in body.tasks]
+            weight = sum(r.num_samples for r in results)
+            if not math.isclose(body.weight, weight, rel_tol=1e-12):
+                raise ProtocolError(f"its weight {body.weight} is not the {weight} samples of its receipts")
+            check_tensors(msg.tensors, {k: self.shapes[k] for k in book.manifest.up}, torch.float64)
+            partial = WeightedSum(dict(msg.tensors), float(body.weight))
+            book.partial = partial if book.partial is None else book.partial + partial
+        except (ProtocolError, AggregationError) as exc:
+            self._warn.warning("ignored a partial sum from worker %s: %s", worker, exc)
+            return
+        for task_id, result in zip(body.tasks, results):
+            del book.granted[task_id]
+            book.results[result.client_id] = result
+
+    def _publish_manifest(self, book: _Round) -> None:
+        if book.manifest is not None:
+            self._publish(self.topics.manifest, encode("manifest", run_id=self.run_id, round=book.round, task_id="",
+                                                       sender="coordinator", body=book.manifest.to_body()), retain=True)
+
+    def _collect_partials(self, book: _Round) -> None:
+        """Ask the workers for what they folded and wait for it; results that never come are lost."""
+        if book.manifest is None or not book.granted:
+            return
+        book.manifest = dataclasses.replace(book.manifest, flush=True)
+        self._publish_manifest(book)
+        self._pump(time.monotonic() + self.config.workers.flush_timeout, lambda: not book.granted)
+        if book.granted:
+            held = sorted({worker for worker, _ in book.granted.values()})
+            log.warning("round %d: %d result(s) folded by worker(s) %s never arrived within workers.flush_timeout "
+                        "(%.0f s); the round goes on without them", book.round, len(book.granted), ", ".join(held),
+                        self.config.workers.flush_timeout)
+            book.worker_lost += len(book.granted)
+            book.granted.clear()
 
     def _store_profile(self, client_id: str, msg: Message, error: str | None, profile: dict[str, Any],
                        round_seconds: float, objective: str, *, late: bool) -> None:
@@ -337,18 +446,6 @@ class Coordinator:
                                round_seconds=round_seconds, late=late,
                                error=None if error is None else error[:500], profile=profile,
                                device=self._device(client_id))
-
-    def _accept(self, plan: TaskPlan, msg: Message, body: ResultBody) -> ClientResult:
-        if body.error is not None:
-            raise ProtocolError(f"client could not run the task: {body.error}")
-        expect = plan.expect if plan.expect is not None else {k: self.shapes[k] for k in plan.up}
-        tensors = decode_upload(msg.tensors, body, expect, plan.down)   # differences back to parameters
-        check_tensors(tensors, expect, self.downlink.upload_codec(plan).dtype)   # float64 for fp64 statistics
-        result = ClientResult(plan.client_id, body.num_samples, tensors, dict(body.metrics))
-        problem = self.strategy.check_result(plan, result)
-        if problem:
-            raise ProtocolError(problem)
-        return result
 
     def _streams(self, phase: str) -> bool:
         """Whether a phase's results are folded in as they arrive: where the strategy can, and nothing
@@ -385,10 +482,20 @@ class Coordinator:
     # -- rounds ---------------------------------------------------------------
     def wait_for_clients(self, count: int, timeout: float) -> None:
         """Block until ``count`` clients are online; raise RunError after ``timeout``."""
+        workers = self.config.workers.count
         self.transport.subscribe(self.topics.all_clients("presence"))
-        self.transport.subscribe(self.topics.all_clients("result"))
-        self._pump(time.monotonic() + timeout, lambda: len(self.online) >= count,
+        if workers:   # results go to the workers' shared subscription; claims and partial sums come here
+            for kind in ("presence", "claim", "partial"):
+                self.transport.subscribe(self.topics.all_workers(kind))
+        else:
+            self.transport.subscribe(self.topics.all_clients("result"))
+        self._pump(time.monotonic() + timeout,
+                   lambda: len(self.online) >= count and len(self.workers_online) >= workers,
                    lambda: {"kind": "waiting", "online": sorted(self.online), "needed": count})
+        if len(self.workers_online) < workers:
+            raise RunError(f"only {len(self.workers_online)} of {workers} aggregation workers came online within "
+                           f"{timeout:.0f} s: start them (fedge-coordinator worker --config ... on the same broker) "
+                           "or lower workers.count")
         if len(self.online) < count:
             raise RunError(f"only {len(self.online)} of {count} clients came online within {timeout:.0f} s "
                            f"({sorted(self.online)}); start more clients or lower clients.expected")
@@ -458,8 +565,13 @@ class Coordinator:
         shared = shared_tensors(plans) if self.config.codec.broadcast else {}
         digest = self._broadcast(book, shared) if shared else ""
         self.transport.prefer(self.topics.client(plan.client_id, "result") for plan in plans)
-        for plan in plans:
-            task_id = uuid.uuid4().hex[:16]
+        task_ids = [uuid.uuid4().hex[:16] for _ in plans]
+        if self.config.workers.count and plans:   # the workers learn the tasks before any result can come
+            book.manifest = ManifestBody(uuid.uuid4().hex[:16], book.phase, self.state.spec, tuple(plans[0].up),
+                                         self.downlink.upload_codec(plans[0]),
+                                         {t: p.client_id for t, p in zip(task_ids, plans)}, digest or None)
+            self._publish_manifest(book)
+        for task_id, plan in zip(task_ids, plans):
             body = TaskBody(objective=plan.objective, model=self.state.spec if plan.model is None else plan.model, up=tuple(plan.up), hyper=plan.hyper,
                             upload=self.downlink.upload(plan), codec=self.downlink.spec, broadcast=digest or None,
                             seed=self.config.run.seed, timeout=c.round_timeout, resend_every=c.resend_every,
@@ -483,17 +595,20 @@ class Coordinator:
             clients = sorted(self.online) if self.strategy.selects_all(phase) else self._sample(round, attempt)
             self._send_tasks(book, self.strategy.configure(phase, round, self.state, clients))
             started = time.monotonic()
-            self._pump(started + c.clients.round_timeout, lambda: book.complete,
+            self._pump(started + c.clients.round_timeout, lambda: book.answered,
                        lambda: {"kind": "exchange", "round": round, "phase": phase, "attempt": attempt + 1,
                                 "results": len(book.results), "selected": len(book.plans),
                                 "bytes_down": book.bytes_down, "bytes_up": book.bytes_up, "started": started,
                                 "timeout": c.clients.round_timeout})
+            self._collect_partials(book)
             self._note_missed(book)
             for key in COUNTERS:
                 totals[key] += book.counts[key]
             totals["bytes_down"] += book.bytes_down
             totals["bytes_up"] += book.bytes_up
             totals["bytes_broadcast"] += book.bytes_broadcast
+            if book.worker_lost:   # results acknowledged but lost with a worker's partial sum
+                totals["worker_lost"] = totals.get("worker_lost", 0) + book.worker_lost
             if book.results and len(book.results) >= min(c.required_results, len(book.plans)):
                 self._round = _Round(round=round, attempt=-1)   # collects strays until the next exchange
                 return book, totals
@@ -547,7 +662,7 @@ class Coordinator:
             book, totals = self._exchange(round, phase)
             results = [book.results[k] for k in sorted(book.results)]   # fixed order: reproducible sums
             for key, value in totals.items():
-                counts[key] += value
+                counts[key] = counts.get(key, 0) + value
             if phase == "train" and self.config.aggregate.norm_bound > 0:
                 results, dropped = self._norm_bound(results)
                 row.update({"norm_rejected": len(dropped), "norm_rejected_clients": dropped})

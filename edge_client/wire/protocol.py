@@ -9,7 +9,8 @@ Decoding parses and checks the header *before* any tensor is materialized, and
 nothing is ever unpickled.
 
 The body of each kind is a frozen dataclass here (:class:`PresenceBody`,
-:class:`TaskBody`, :class:`ResultBody`, :class:`StatusBody`, :class:`ModelBody`):
+:class:`TaskBody`, :class:`ResultBody`, :class:`StatusBody`, :class:`ModelBody`, and the aggregation
+workers' :class:`ManifestBody` and :class:`PartialBody`):
 ``to_body()`` gives the JSON object a message carries and ``from_body()`` parses one,
 checking every field's type and raising ProtocolError that names the field. Codec
 specs in a body are parsed there, once per message.
@@ -50,6 +51,8 @@ __all__ = [
     "ResultBody",
     "StatusBody",
     "ModelBody",
+    "ManifestBody",
+    "PartialBody",
     "encode",
     "decode",
     "check_tensors",
@@ -58,7 +61,8 @@ __all__ = [
 
 # 2: codecs and deltas in task/result bodies, the model broadcast, compression and chunks.
 PROTOCOL_VERSION = 2
-KINDS = ("presence", "task", "result", "status", "model")
+# manifest and partial pass between the coordinator and its aggregation workers, never a device.
+KINDS = ("presence", "task", "result", "status", "model", "manifest", "partial")
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # the largest (decompressed, reassembled) message decoded
 _MAX_HEADER_BYTES = 4 * 1024 * 1024
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -108,10 +112,33 @@ class Topics:
         """The round's model broadcast (retained), which tasks reference by its SHA-256."""
         return f"{self.prefix}/coordinator/model"
 
+    @property
+    def manifest(self) -> str:
+        """The current exchange's tasks for the aggregation workers (retained)."""
+        return f"{self.prefix}/coordinator/manifest"
+
+    def worker(self, worker_id: str, kind: str) -> str:
+        return f"{self.prefix}/workers/{worker_id}/{kind}"
+
+    def all_workers(self, kind: str) -> str:
+        return f"{self.prefix}/workers/+/{kind}"
+
+    def shared_results(self, group: str) -> str:
+        """Every device's results, shared among a group of subscribers (MQTT 5 shared subscription):
+        the broker hands each message to one member."""
+        return f"$share/{group}/{self.all_clients('result')}"
+
     def client_of(self, topic: str) -> str | None:
         """The client id a per-client topic belongs to, or None for any other topic."""
+        return self._owner(topic, "clients")
+
+    def worker_of(self, topic: str) -> str | None:
+        """The worker id a per-worker topic belongs to, or None for any other topic."""
+        return self._owner(topic, "workers")
+
+    def _owner(self, topic: str, level: str) -> str | None:
         parts = topic[len(self.prefix) + 1:].split("/") if topic.startswith(self.prefix + "/") else []
-        return parts[1] if len(parts) == 3 and parts[0] == "clients" else None
+        return parts[1] if len(parts) == 3 and parts[0] == level else None
 
 
 @dataclass(frozen=True)
@@ -494,3 +521,64 @@ class ModelBody:
 
     def to_body(self) -> dict[str, Any]:
         return {"codec": self.codec.text}
+
+
+@dataclass(frozen=True)
+class ManifestBody:
+    """A ``manifest`` body: what aggregation workers need to check and fold one exchange's results.
+
+    ``tasks`` maps each task id to its client; every task of the exchange sends back the
+    tensors ``up`` of the network ``model`` in ``codec``, as differences from the model
+    broadcast ``broadcast`` (its SHA-256). ``flush``: publish what you folded now.
+    """
+
+    exchange: str
+    phase: str
+    model: dict[str, Any]
+    up: tuple[str, ...]
+    codec: CodecSpec
+    tasks: dict[str, str]
+    broadcast: str | None = None
+    flush: bool = False
+
+    @classmethod
+    def from_body(cls, body: Any) -> ManifestBody:
+        f = _Fields("manifest", body)
+        return cls(exchange=f.get("exchange", "a string", _is_str), phase=f.get("phase", "a string", _is_str),
+                   model=f.get("model", "an object", _is_object),
+                   up=tuple(f.get("up", "a list of tensor names", _is_names)), codec=f.codec("codec"),
+                   tasks=f.get("tasks", "an object of task id -> client id",
+                               lambda v: isinstance(v, dict) and all(valid_client_id(c) for c in v.values())),
+                   broadcast=f.get("broadcast", "a SHA-256 in hex", lambda v: isinstance(v, str)
+                                   and bool(_SHA256_RE.fullmatch(v)), None),
+                   flush=f.get("flush", "true or false", lambda v: isinstance(v, bool), False))
+
+    def to_body(self) -> dict[str, Any]:
+        out = {"exchange": self.exchange, "phase": self.phase, "model": self.model, "up": list(self.up),
+               "codec": self.codec.text, "tasks": self.tasks, "flush": self.flush}
+        if self.broadcast is not None:
+            out["broadcast"] = self.broadcast
+        return out
+
+
+@dataclass(frozen=True)
+class PartialBody:
+    """A ``partial`` body: an aggregation worker's fold of some of an exchange's results.
+
+    The message's tensors are the weighted sums (float64); ``weight`` their total weight;
+    ``tasks`` the receipts: every task whose result is inside, each exactly once.
+    """
+
+    exchange: str
+    weight: float
+    tasks: tuple[str, ...]
+
+    @classmethod
+    def from_body(cls, body: Any) -> PartialBody:
+        f = _Fields("partial", body)
+        return cls(exchange=f.get("exchange", "a string", _is_str),
+                   weight=float(f.get("weight", "a positive number", lambda v: _is_number(v) and v > 0)),
+                   tasks=tuple(f.get("tasks", "a non-empty list of task ids", lambda v: _is_names(v) and len(v) > 0)))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"exchange": self.exchange, "weight": self.weight, "tasks": list(self.tasks)}
