@@ -90,11 +90,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench_io import RESULTS, write_result
+from edge_client.wire.chunking import DEFAULT_PACKET_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = RESULTS / "fleet.json"
 DEFAULT_PLOT = ROOT / "docs" / "images" / "fleet.png"
 PREFIX = "fleet"
+WORKERS_PACKET_BYTES = 8 * 1024 * 1024   # devices' and coordinator's max_message_bytes with aggregation workers
 SAMPLE_EVERY = 0.2          # seconds between psutil samples of the coordinator, broker and devices
 TRAIN_IMAGES = 60_000       # Fashion-MNIST's train split, shared out as each device's num_samples
 DEFINITIONS = {
@@ -114,6 +116,10 @@ DEFINITIONS = {
     "inbox_dropped": "messages the coordinator's receive queue dropped, summed over rounds",
     "coordinator_torch_threads": "0: the coordinator as it runs (torch's default threads); N: a variant measured "
                                  "with torch.set_num_threads(N) in the coordinator process",
+    "workers": "0: the coordinator takes every result itself; K: K aggregation worker processes share the results "
+               "(MQTT 5 shared subscription), check and fold them, and send the coordinator partial sums; results "
+               "unchunked (max_message_bytes 8 MiB on devices and coordinator)",
+    "workers_cpu_s_per_round": "CPU seconds of all worker processes between the start and end of each round",
     "device_cpu_s_per_round": "CPU seconds of all device processes between the start and end of each round "
                               "(psutil samples), mean over rounds",
 }
@@ -266,7 +272,8 @@ class Pending:
 class Fleet:
     """The devices of one process and what they share: the network loop, timers, caches and counters."""
 
-    def __init__(self, broker: str, ids: list[str], think: Think, seed: int, samples: int) -> None:
+    def __init__(self, broker: str, ids: list[str], think: Think, seed: int, samples: int,
+                 max_message_bytes: int = DEFAULT_PACKET_BYTES) -> None:
         import torch
 
         from edge_client.wire.transport import parse_broker_url
@@ -289,6 +296,7 @@ class Fleet:
         self.counts = {"connects": 0, "disconnects": 0, "lost_messages": 0, "undecodable": 0, "dropped_tasks": 0}
         self.dirty: set[Device] = set()
         self.link_class = _device_link_class()
+        self.max_message_bytes = max_message_bytes   # above a result's size with aggregation workers: unchunked
         self.devices = [Device(self, cid, samples) for cid in ids]
 
     def schedule(self, delay: float, action: Callable[[], None]) -> None:
@@ -484,7 +492,7 @@ class Device:
     """One stand-in device: the client's protocol (edge_client/client.py) with a think time for training."""
 
     def __init__(self, fleet: Fleet, client_id: str, samples: int) -> None:
-        from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
+        from edge_client.wire.chunking import ChunkingTransport
         from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, PresenceBody, Topics
         from edge_client.wire.transport import Will
         from edge_client.wire.updates import ResidualStore
@@ -500,7 +508,7 @@ class Device:
         self.max_decoded = DEFAULT_MAX_MESSAGE_BYTES
         will = Will(self.topics.client(client_id, "presence"), self._presence(PresenceBody("offline")))
         self.link = fleet.link_class(fleet, client_id, will, lambda: fleet.dirty.add(self))
-        self.transport = ChunkingTransport(self.link, max_message_bytes=DEFAULT_PACKET_BYTES,
+        self.transport = ChunkingTransport(self.link, max_message_bytes=fleet.max_message_bytes,
                                            max_decoded_bytes=self.max_decoded)
         self.residuals = ResidualStore(None)
         self.running_run: str | None = None
@@ -749,7 +757,8 @@ def devices_child(spec_path: Path) -> int:
     stopping = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("now", True))
     started = time.time()
-    fleet = Fleet(spec["broker"], spec["ids"], Think.parse(spec["think"]), spec["seed"], spec["samples"])
+    fleet = Fleet(spec["broker"], spec["ids"], Think.parse(spec["think"]), spec["seed"], spec["samples"],
+                  spec.get("max_message_bytes", DEFAULT_PACKET_BYTES))
     try:
         fleet.run(lambda: stopping["now"])
     finally:
@@ -823,15 +832,23 @@ class Cell:
     per_round: int
     codec: str
     threads: int = 0          # the coordinator's torch threads; 0: torch's default, as the coordinator runs
+    workers: int = 0          # aggregation workers (fedge-coordinator worker); 0: the coordinator takes every result
 
     @property
     def key(self) -> str:
-        return f"{self.fleet}/{self.per_round}/{self.codec}" + (f"/threads={self.threads}" if self.threads else "")
+        return (f"{self.fleet}/{self.per_round}/{self.codec}" + (f"/threads={self.threads}" if self.threads else "")
+                + (f"/workers={self.workers}" if self.workers else ""))
+
+    @property
+    def variant(self) -> bool:
+        """A measured variant, kept apart from the coordinator as it runs by default (table only, no plot)."""
+        return bool(self.threads or self.workers)
 
     @classmethod
     def of(cls, result: dict[str, Any]) -> Cell:
         """The cell a result in the JSON belongs to."""
-        return cls(result["fleet"], result["per_round"], result["codec_up"], result.get("coordinator_torch_threads", 0))
+        return cls(result["fleet"], result["per_round"], result["codec_up"], result.get("coordinator_torch_threads", 0),
+                   result.get("workers", 0))
 
 
 class Sampler:
@@ -888,12 +905,18 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _toml_value(value: Any) -> str:
+    """How ``--set`` reads a value: strings as typed, the rest as TOML (which JSON's scalars are)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
     """Broker, coordinator and device processes for one (N, per round, codec); their measurements."""
     from coordinator.mosquitto import LocalMosquitto
 
     n, tag = cell.fleet, f"[N={cell.fleet} per round={cell.per_round} {cell.codec}" + \
-        (f" coordinator torch threads={cell.threads}]" if cell.threads else "]")
+        (f" coordinator torch threads={cell.threads}" if cell.threads else "") + \
+        (f" {cell.workers} workers]" if cell.workers else "]")
     processes = max(1, min(args.processes, n))
     raise_open_files(n + 256)
     work = Path(tempfile.mkdtemp(prefix="fedge-fleet-"))
@@ -913,20 +936,31 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
         "eval.every": args.rounds, "export.enabled": False, "checkpoint.keep": "last",
         "transport.broker": url, "transport.prefix": PREFIX, "codec.up": cell.codec, "codec.error_feedback": False,
     }
+    if cell.workers:   # results must arrive whole: a shared subscription hands out each chunk on its own
+        overrides.update({"workers.count": cell.workers, "transport.max_message_bytes": WORKERS_PACKET_BYTES})
     coord_spec = {"overrides": overrides, "timing": str(work / "timing.jsonl"), "status": str(work / "status.json"),
                   "torch_threads": cell.threads}
     (work / "coordinator.json").write_text(json.dumps(coord_spec))
     log = (work / "coordinator.out").open("w")
     failure = ""
     try:
+        for i in range(cell.workers):   # before the coordinator, which waits for them
+            worker = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "worker", "--id", f"worker-{i}",
+                                       "--exit-after-run", *(a for k, v in overrides.items()
+                                                          for a in ("--set", f"{k}={_toml_value(v)}"))],
+                                      cwd=ROOT, stdout=(work / f"worker-{i}.out").open("w"), stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
+            children.append(worker)
+            sampler.watch(f"worker-{i}", worker.pid)
         coordinator = subprocess.Popen([sys.executable, __file__, "--coordinator-child", str(work / "coordinator.json")],
                                        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        children.append(coordinator)
+        children.insert(0, coordinator)   # children[0]: the coordinator; then workers and devices
         sampler.watch("coordinator", coordinator.pid)
         for p in range(processes):
             part = ids[p::processes]
             spec = {"broker": url, "ids": part, "think": args.think.text, "seed": args.seed,
-                    "samples": max(1, TRAIN_IMAGES // n), "records": str(work / f"devices-{p}.json")}
+                    "samples": max(1, TRAIN_IMAGES // n), "records": str(work / f"devices-{p}.json"),
+                    "max_message_bytes": WORKERS_PACKET_BYTES if cell.workers else DEFAULT_PACKET_BYTES}
             (work / f"devices-{p}.spec.json").write_text(json.dumps(spec))
             child = subprocess.Popen([sys.executable, __file__, "--devices-child", str(work / f"devices-{p}.spec.json")],
                                      cwd=ROOT, stdout=(work / f"devices-{p}.out").open("w"), stderr=subprocess.STDOUT,
@@ -1060,6 +1094,12 @@ def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler
     return {
         "fleet": cell.fleet, "per_round": cell.per_round, "codec_up": cell.codec, "rounds": args.rounds,
         "coordinator_torch_threads": cell.threads,
+        "workers": cell.workers,
+        "workers_cpu_s_per_round": _mean([sum((sampler.after(f"worker-{i}", timing[p["round"]]["wall_end"], 2) or 0.0)
+                                              - (sampler.at(f"worker-{i}", timing[p["round"]]["wall_start"], 2) or 0.0)
+                                              for i in range(cell.workers)) for p in per_round])
+        if cell.workers else None,
+        "worker_peak_rss_mb": max((sampler.peak.get(f"worker-{i}", 0.0) for i in range(cell.workers)), default=None),
         "processes": processes, "think": args.think.text, "complete": len(per_round) == args.rounds,
         "overhead_s": _mean([p["overhead_s"] for p in per_round]),
         "overhead_s_max": max((p["overhead_s"] for p in per_round), default=None),
@@ -1104,11 +1144,13 @@ def table(cells: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * 10]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
     for c in sorted(cells, key=lambda c: (c["fleet"], c["per_round"], c["codec_up"],
-                                          c.get("coordinator_torch_threads", 0))):
+                                          c.get("coordinator_torch_threads", 0), c.get("workers", 0))):
         lost = f"{c['lost']} / {c['late']} / {c['rejected']} / {c['inbox_dropped']}"
         mark = "" if c.get("complete") and not c.get("failure") else " (incomplete)"
         if c.get("coordinator_torch_threads"):
             mark += f", coordinator on {c['coordinator_torch_threads']} torch thread(s)"
+        if c.get("workers"):
+            mark += f", {c['workers']} aggregation worker(s) ({fmt(c.get('workers_cpu_s_per_round'), '.2f')} CPU s/round)"
         lines.append(f"| {c['fleet']} | {c['per_round']} | `{c['codec_up']}`{mark} | "
                      f"{fmt(c['overhead_s'], '.2f')}; {fmt(c['overhead_s_max'], '.2f')} | "
                      f"{fmt(c['coordinator_cpu_s_per_round'], '.2f')} | "
@@ -1132,7 +1174,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for c in cells:
         if c.get("complete") and not c.get("failure") and c.get("overhead_s") is not None \
-                and not c.get("coordinator_torch_threads"):
+                and not Cell.of(c).variant:
             share = "all" if c["per_round"] == c["fleet"] else "N/10"
             groups.setdefault((share, c["codec_up"]), []).append(c)
     panels = (("overhead_s", "round overhead: round time - slowest think", "seconds (log)"),
@@ -1209,6 +1251,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--coordinator-torch-threads", type=int, default=0, metavar="N",
                         help="run the coordinator with torch.set_num_threads(N), a variant kept apart in the JSON "
                              "and the table (default 0: torch's default, as the coordinator runs)")
+    parser.add_argument("--workers", type=lambda text: [int(v) for v in text.split(",") if v.strip()], default=[0],
+                        metavar="K[,K...]",
+                        help="aggregation worker processes (fedge-coordinator worker) per cell, comma-separated; "
+                             "each K > 0 is a variant kept apart in the JSON and the table, run with results "
+                             f"unchunked (max_message_bytes {WORKERS_PACKET_BYTES // 2**20} MiB). Default 0: the "
+                             "coordinator takes every result itself")
     parser.add_argument("--seed", type=int, default=0, help="run.seed, think times and perturbations (default 0)")
     parser.add_argument("--skip-cell", action="append", default=[], metavar="N/PER_ROUND/CODEC",
                         help="leave out one cell, e.g. 1000/1000/fp32 (repeatable)")
@@ -1236,9 +1284,10 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
                 shares.append(k)
         for k in shares:
             for codec in (c.strip() for c in args.codec_up.split(",") if c.strip()):
-                cell = Cell(n, k, codec, args.coordinator_torch_threads)
-                if cell.key not in args.skip_cell:
-                    cells.append(cell)
+                for workers in args.workers:
+                    cell = Cell(n, k, codec, args.coordinator_torch_threads, workers)
+                    if cell.key not in args.skip_cell:
+                        cells.append(cell)
     return cells
 
 
@@ -1273,7 +1322,7 @@ def main(argv: list[str] | None = None) -> int:
                      "model broadcast, codec.error_feedback false",
             "definitions": DEFINITIONS,
             "cells": sorted(results, key=lambda c: (c["fleet"], c["per_round"], c["codec_up"],
-                                                    c.get("coordinator_torch_threads", 0))),
+                                                    c.get("coordinator_torch_threads", 0), c.get("workers", 0))),
         }
         write_result(args.out, report)
         plot(report["cells"], args.plot)
