@@ -597,7 +597,7 @@ class Coordinator:
             started = time.monotonic()
             self._pump(started + c.clients.round_timeout, lambda: book.answered,
                        lambda: {"kind": "exchange", "round": round, "phase": phase, "attempt": attempt + 1,
-                                "results": len(book.results), "selected": len(book.plans),
+                                "results": len(book.results) + len(book.granted), "selected": len(book.plans),
                                 "bytes_down": book.bytes_down, "bytes_up": book.bytes_up, "started": started,
                                 "timeout": c.clients.round_timeout})
             self._collect_partials(book)
