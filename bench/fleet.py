@@ -926,7 +926,7 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
     broker = LocalMosquitto(workdir=work / "mosquitto", extra_config="max_connections -1\n")
     url = broker.start()
     sampler = Sampler()
-    sampler.watch("broker", broker._proc.pid)   # the broker this cell started: sampled and stopped by PID
+    sampler.watch("broker", broker.pid)   # the broker this cell started: sampled and stopped by PID
     children: list[subprocess.Popen] = []
     ids = [f"dev-{i:04d}" for i in range(n)]
     overrides = {

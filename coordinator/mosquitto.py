@@ -38,6 +38,11 @@ class LocalMosquitto:
         self._log = None
 
     @property
+    def pid(self) -> int | None:
+        """The broker process's id while it runs (to sample or signal exactly this broker)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 

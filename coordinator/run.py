@@ -183,7 +183,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
          on_round: Callable[[dict[str, Any]], None], strategy: Strategy,
          on_progress: Callable[[dict[str, Any]], None] | None) -> RunResult:
     started = time.monotonic()
-    dataset = load_dataset(config.data.eval)
+    dataset = load_dataset(config.data.eval, train=config.clients.spawn > 0)   # spawned clients' partitions need it
     # As the clients see their data: attribute skew can change the channels (docs/dfl.md).
     x_eval, y_eval = evaluation_split(dataset, config.data.partition)
     if resume:   # the network is the checkpoint's: a strategy may have changed it since round 1

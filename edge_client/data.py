@@ -72,6 +72,7 @@ class Dataset:
     x_test: np.ndarray  # float32 [M, C, H, W]
     y_test: np.ndarray  # int64 [M]
     num_classes: int
+    train_loaded: bool = True   # False: the train split was left out on purpose (load_dataset(train=False))
 
     def __post_init__(self) -> None:
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
@@ -81,7 +82,7 @@ class Dataset:
                 raise DataError(f"{self.name}: y_{split} must be int64 [N], got {y.dtype} {y.shape}")
             if len(x) != len(y):
                 raise DataError(f"{self.name}: {len(x)} {split} images but {len(y)} labels; counts must match")
-            if len(x) == 0:
+            if len(x) == 0 and (split == "test" or self.train_loaded):
                 raise DataError(f"{self.name}: empty {split} split; provide at least a few samples per class")
             if x.shape[2] != x.shape[3]:
                 raise DataError(f"{self.name}: images must be square, got {split} H x W = {x.shape[2]} x {x.shape[3]}")
@@ -94,24 +95,27 @@ class Dataset:
     @property
     def in_channels(self) -> int:
         """C, for sizing the first conv layer."""
-        return int(self.x_train.shape[1])
+        return int(self.x_test.shape[1])
 
     @property
     def image_size(self) -> int:
         """H (== W), for sizing the model."""
-        return int(self.x_train.shape[2])
+        return int(self.x_test.shape[2])
 
 
 # --------------------------------------------------------------------------- loading
 
 
-def load_dataset(spec: str) -> Dataset:
-    """Load a dataset from a spec: digits, fashion-mnist[:DIR] or npz:PATH."""
+def load_dataset(spec: str, *, train: bool = True) -> Dataset:
+    """Load a dataset from a spec: digits, fashion-mnist[:DIR] or npz:PATH.
+
+    ``train=False``: the train split may be left empty where that saves memory (Fashion-MNIST's
+    is 188 MB as float32), for a coordinator whose clients bring their own data."""
     kind, _, arg = spec.partition(":")
     if spec == "digits":
         return _load_digits()
     if kind == "fashion-mnist":
-        return _load_fashion_mnist(Path(arg) if arg else Path(FASHION_MNIST_DIR))
+        return _load_fashion_mnist(Path(arg) if arg else Path(FASHION_MNIST_DIR), train=train)
     if kind == "npz" and arg:
         return _load_npz(Path(arg))
     raise DataError(f"unknown dataset spec {spec!r}; valid: {DATASET_SPECS}")
@@ -208,12 +212,15 @@ def _normalize_fashion_mnist(images: np.ndarray) -> np.ndarray:
     return images[:, None] * scale - shift
 
 
-def _load_fashion_mnist(directory: Path) -> Dataset:
+def _load_fashion_mnist(directory: Path, *, train: bool = True) -> Dataset:
     splits = []
     for prefix in ("train", "t10k"):
+        if prefix == "train" and not train:
+            splits += [np.empty((0, 1, 28, 28), dtype=np.float32), np.empty(0, dtype=np.int64)]
+            continue
         images, labels = _fashion_mnist_raw(directory, prefix)
         splits += [_normalize_fashion_mnist(images), labels]
-    return Dataset("fashion-mnist", *splits, num_classes=10)
+    return Dataset("fashion-mnist", *splits, num_classes=10, train_loaded=train)
 
 
 def _npz_images(path: Path, key: str, x: np.ndarray) -> np.ndarray:

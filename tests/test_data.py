@@ -107,6 +107,15 @@ def test_fashion_mnist_shapes_and_normalization(fmnist: Dataset) -> None:
     assert np.isclose(fmnist.x_train.min(), -D.FASHION_MNIST_MEAN / D.FASHION_MNIST_STD, atol=1e-5)
 
 
+@needs_fmnist
+def test_a_coordinator_without_spawned_clients_loads_only_the_test_split(fmnist: Dataset) -> None:
+    """It evaluates on the test split; the 188 MB train split would only sit in its memory."""
+    test_only = D.load_dataset("fashion-mnist", train=False)
+    assert len(test_only.x_train) == 0 and not test_only.train_loaded
+    np.testing.assert_array_equal(test_only.x_test, fmnist.x_test)
+    assert (test_only.num_classes, test_only.in_channels, test_only.image_size) == (10, 1, 28)
+
+
 def _write_idx(path: Path, magic: int, arr: np.ndarray, gz: bool = False) -> None:
     header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
     body = header + np.ascontiguousarray(arr, dtype=np.uint8).tobytes()
