@@ -1,0 +1,138 @@
+"""FedMA against FedAvg (and FedAvg + PANs) at equal traffic and at equal rounds, from the fedma matrix's runs.
+
+FedMA's claim is communication efficiency: better accuracy than FedAvg at fewer bytes. For every
+FedMA run (one pass, three passes) this reads its final test accuracy, its total traffic (every
+round's ``bytes_down + bytes_up``) and its phases, and the same seed's FedAvg run at
+
+* **equal bytes**: FedAvg's test accuracy when its cumulative traffic reached FedMA's total,
+  interpolated linearly between FedAvg's evaluations (every 5 rounds, and round 0), with the
+  evaluations just before and just after that point: a learning curve is concave, so the
+  interpolation is about a lower bound and the evaluation after an upper one;
+* **equal rounds**: FedAvg's test accuracy after as many rounds as FedMA had phases, interpolated
+  the same way;
+* the bytes FedAvg needed to first reach FedMA's final accuracy (first evaluation at or above it).
+
+Where the matrix has the baseline's first rounds tested after every round (``fedavg-early``, same
+seed, same trajectory) and FedMA's traffic falls within them, those evaluations are read instead,
+so the bounds are one round apart.
+
+Prints a table and writes ``bench/results/fedma_compare.json``: per (alpha, model, method) the mean
+and population std over seeds, and every seed's figures.
+
+    python bench/fedma_compare.py [--results bench/results] [--baselines fedavg,fedavg+pan]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import mean, pstdev
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import RESULTS, write_result  # noqa: E402
+
+
+def _curve(rows: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(round, cumulative bytes, test accuracy) at each evaluated round."""
+    total, points = 0, []
+    for row in rows:
+        total += int(row.get("bytes_down", 0)) + int(row.get("bytes_up", 0))
+        if row.get("test_accuracy") is not None:
+            points.append((row["round"], total, row["test_accuracy"]))
+    r, b, a = (np.array(v, dtype=float) for v in zip(*points))
+    return r, b, a
+
+
+def compare(fedma: dict[str, Any], base: dict[str, Any], early: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One FedMA run against its seed's baseline run; ``early``: the same baseline's first rounds tested
+    after every round, read instead where FedMA's traffic falls within them."""
+    _, bytes_m, acc_m = _curve(fedma["rows"])
+    final, spent, phases = float(acc_m[-1]), float(bytes_m[-1]), int(fedma["rounds"])
+    full = _curve(base["rows"])
+    fine = _curve(early["rows"]) if early is not None else None
+    rounds_b, bytes_b, acc_b = fine if fine is not None and spent <= fine[1][-1] else full
+    # where the baseline first reaches FedMA's accuracy: in the finer curve when it gets there
+    rounds_r, bytes_r, acc_r = fine if fine is not None and (fine[2] >= final).any() else full
+    reached = np.flatnonzero(acc_r >= final)
+    before, after = np.flatnonzero(bytes_b <= spent)[-1], np.flatnonzero(bytes_b >= spent)
+    return {
+        "seed": fedma["seed"], "fedma_accuracy": final, "fedma_bytes": spent, "fedma_phases": phases,
+        "baseline_accuracy_at_equal_bytes": float(np.interp(spent, bytes_b, acc_b)),
+        "baseline_accuracy_before_equal_bytes": float(acc_b[before]),
+        "baseline_accuracy_after_equal_bytes": float(acc_b[after[0]]) if len(after) else None,
+        "baseline_accuracy_at_equal_rounds": float(np.interp(phases, rounds_b, acc_b)),
+        "baseline_final_accuracy": float(acc_b[-1]),
+        "baseline_bytes_to_fedma_accuracy": float(bytes_r[reached[0]]) if len(reached) else None,
+        "baseline_rounds_to_fedma_accuracy": int(rounds_r[reached[0]]) if len(reached) else None,
+        "widths": (fedma.get("summary") or {}).get("fedma_final_widths"),
+        "match_seconds": (fedma.get("summary") or {}).get("fedma_match_seconds"),
+    }
+
+
+def _stats(values: list[float | None]) -> dict[str, float] | None:
+    kept = [v for v in values if v is not None]
+    return {"mean": mean(kept), "std": pstdev(kept), "n": len(kept)} if kept else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the fedma/ run files are")
+    parser.add_argument("--baselines", default="fedavg,fedavg+pan",
+                        help="method labels to compare with, comma-separated (default fedavg,fedavg+pan)")
+    args = parser.parse_args(argv)
+    runs: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+    for path in sorted((args.results / "fedma").glob("*.json")):
+        record = json.loads(path.read_text())
+        alpha, model, method = record["group"].split("/")   # the matrix axes: alpha, model, method
+        runs[(alpha, model, method, record["seed"])] = record
+    out: list[dict[str, Any]] = []
+    print("| alpha | model | FedMA | vs | seeds | FedMA accuracy | its total MB | baseline at equal bytes "
+          "(evaluations before; after) | baseline at equal rounds | baseline MB to FedMA's accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (alpha, model, method, seed), record in sorted(runs.items()):
+        if not method.startswith("fedma") or seed != min(s for a, m, k, s in runs if (a, m, k) == (alpha, model, method)):
+            continue
+        for baseline in args.baselines.split(","):
+            pairs = [compare(runs[(alpha, model, method, s)], runs[(alpha, model, baseline, s)],
+                             runs.get((alpha, model, f"{baseline}-early", s)))
+                     for a, m, k, s in sorted(runs) if (a, m, k) == (alpha, model, method)
+                     and (alpha, model, baseline, s) in runs]
+            if not pairs:
+                continue
+            keys = ("fedma_accuracy", "fedma_bytes", "baseline_accuracy_at_equal_bytes",
+                    "baseline_accuracy_before_equal_bytes", "baseline_accuracy_after_equal_bytes",
+                    "baseline_accuracy_at_equal_rounds", "baseline_bytes_to_fedma_accuracy")
+            summary = {k: _stats([p[k] for p in pairs]) for k in keys}
+            out.append({"alpha": alpha, "model": model, "method": method, "baseline": baseline,
+                        "seeds": [p["seed"] for p in pairs], "summary": summary, "per_seed": pairs})
+            cell = lambda k, scale, fmt: ("-" if summary[k] is None else   # noqa: E731
+                                          f"{summary[k]['mean'] * scale:{fmt}} ± {summary[k]['std'] * scale:{fmt}}")
+            print(f"| {alpha} | {model} | {method} | {baseline} | {len(pairs)} | {cell('fedma_accuracy', 100, '.2f')} "
+                  f"| {cell('fedma_bytes', 1e-6, '.1f')} | {cell('baseline_accuracy_at_equal_bytes', 100, '.2f')} "
+                  f"({cell('baseline_accuracy_before_equal_bytes', 100, '.2f')}; "
+                  f"{cell('baseline_accuracy_after_equal_bytes', 100, '.2f')}) "
+                  f"| {cell('baseline_accuracy_at_equal_rounds', 100, '.2f')} "
+                  f"| {cell('baseline_bytes_to_fedma_accuracy', 1e-6, '.1f')} |")
+    write_result(args.results / "fedma_compare.json", {
+        "definitions": {
+            "fedma_bytes": "bytes_down + bytes_up over all of the FedMA run's phases",
+            "baseline_accuracy_at_equal_bytes": "the baseline's test accuracy at the same cumulative traffic, "
+                                                "linear between its evaluations (every 5 rounds and round 0)",
+            "baseline_accuracy_before_equal_bytes": "the baseline's last evaluation at or below that traffic",
+            "baseline_accuracy_after_equal_bytes": "the baseline's first evaluation at or above that traffic",
+            "baseline_accuracy_at_equal_rounds": "the baseline's test accuracy after as many rounds as FedMA had "
+                                                 "phases, linear between its evaluations",
+            "baseline_bytes_to_fedma_accuracy": "cumulative traffic at the baseline's first evaluation at or "
+                                                "above FedMA's final accuracy",
+        },
+        "cells": out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
