@@ -23,7 +23,7 @@ _FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--data": ("data", "eval", str, "evaluation data: digits, fashion-mnist[:DIR], npz:PATH"),
     "--partition": ("data", "partition", str,
                     "how spawned clients split the data: iid, dirichlet:ALPHA, shards:K, "
-                    "attribute:color|rotate:DOMAINS[+LABEL_SPEC]"),
+                    "attribute:color|rotate|invert:DOMAINS[+LABEL_SPEC]"),
     "--transport": ("transport", "kind", str, "mqtt (default) or inproc (clients as threads, no broker)"),
     "--broker": ("transport", "broker", str,
                  "broker URL mqtt://HOST:PORT or mqtts://HOST[:PORT] (TLS); omitted: start the embedded broker on 127.0.0.1"),

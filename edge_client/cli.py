@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="this device's data: digits, fashion-mnist[:DIR] or npz:PATH (its train split is used)")
     run.add_argument("--partition", default=None,
                      help="simulation only: take one partition of --data (iid, dirichlet:ALPHA, shards:K, "
-                          "attribute:color|rotate:DOMAINS[+LABEL_SPEC])")
+                          "attribute:color|rotate|invert:DOMAINS[+LABEL_SPEC])")
     run.add_argument("--partition-index", type=int, default=0, help="simulation only: which partition (0-based)")
     run.add_argument("--num-partitions", type=int, default=1, help="simulation only: how many partitions")
     run.add_argument("--seed", type=int, default=0, help="simulation only: partition seed (the run's seed)")

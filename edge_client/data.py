@@ -38,7 +38,7 @@ __all__ = [
 
 DATASET_SPECS = "digits, fashion-mnist, fashion-mnist:DIR, npz:PATH"
 PARTITION_SPECS = ("iid, dirichlet:ALPHA (ALPHA > 0), shards:K (K >= 1 integer), "
-                   "attribute:KIND:DOMAINS[+LABEL_SPEC] (KIND color or rotate)")
+                   "attribute:KIND:DOMAINS[+LABEL_SPEC] (KIND color, rotate or invert)")
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_MEAN = 0.2860
@@ -468,7 +468,7 @@ def describe_partitions(labels: np.ndarray, parts: list[np.ndarray], num_classes
 
 # --------------------------------------------------------------------------- attribute skew
 
-ATTRIBUTE_KINDS = ("color", "rotate")
+ATTRIBUTE_KINDS = ("color", "rotate", "invert")
 
 
 @dataclass(frozen=True)
@@ -478,7 +478,9 @@ class AttributeSkew:
     Client ``i`` belongs to domain ``i % DOMAINS``; its domain changes one attribute
     that does not decide the label: ``color`` paints background and foreground of a
     grayscale image with the domain's two colours (3 channels), ``rotate`` turns the
-    image by ``360 * domain / DOMAINS`` degrees. Who owns which sample is decided by
+    image by ``360 * domain / DOMAINS`` degrees, ``invert`` shows the odd domains' images
+    with inverted contrast (light background, dark ink) and the even domains' as they
+    are. Who owns which sample is decided by
     LABEL_SPEC (``iid`` when absent, or e.g. ``dirichlet:0.5`` to add label skew).
     """
 
@@ -493,6 +495,9 @@ class AttributeSkew:
         """Images ``x`` [N, C, H, W] as seen in ``domains`` [N] (one domain per image)."""
         if self.kind == "color":
             return _colorize(x, domains, self.domains, intensity)
+        if self.kind == "invert":
+            lo, hi = intensity
+            return np.where((domains % 2 == 1)[:, None, None, None], np.float32(lo + hi) - x, x).astype(np.float32)
         return _rotate(x, domains, self.domains, fill=intensity[0])
 
 
@@ -524,8 +529,10 @@ def domain_palette(domain: int, domains: int) -> tuple[tuple[float, float, float
 
 
 def _intensity_range(dataset: Dataset) -> tuple[float, float]:
-    """Darkest and brightest value of the dataset's train split: background and full ink."""
-    return float(dataset.x_train.min()), float(dataset.x_train.max())
+    """Darkest and brightest value of the dataset's train split (its test split when the train split was
+    not loaded; Fashion-MNIST's have the same): background and full ink."""
+    x = dataset.x_train if len(dataset.x_train) else dataset.x_test
+    return float(x.min()), float(x.max())
 
 
 def _colorize(x: np.ndarray, domains: np.ndarray, count: int, intensity: tuple[float, float]) -> np.ndarray:

@@ -114,6 +114,9 @@ def test_a_coordinator_without_spawned_clients_loads_only_the_test_split(fmnist:
     assert len(test_only.x_train) == 0 and not test_only.train_loaded
     np.testing.assert_array_equal(test_only.x_test, fmnist.x_test)
     assert (test_only.num_classes, test_only.in_channels, test_only.image_size) == (10, 1, 28)
+    for spec in ("attribute:color:5", "attribute:rotate:4"):   # the test split as the clients see theirs
+        for a, b in zip(D.evaluation_split(test_only, spec), D.evaluation_split(fmnist, spec)):
+            np.testing.assert_array_equal(a, b)
 
 
 def _write_idx(path: Path, magic: int, arr: np.ndarray, gz: bool = False) -> None:

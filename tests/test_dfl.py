@@ -144,6 +144,17 @@ def test_attribute_skew_combines_with_label_skew_and_rotates(digits):
             parse_attribute_skew(bad)
 
 
+def test_attribute_invert_flips_the_contrast_of_odd_domains(digits):
+    lo, hi = float(digits.x_train.min()), float(digits.x_train.max())
+    for index in range(4):
+        x, _ = client_split(digits, "attribute:invert:4", index, 4, 0)
+        original = digits.x_train[partition_indices(digits.y_train, "iid", 4, 0)[index]]
+        expected = (lo + hi) - original if index % 2 else original   # domains 1 and 3: light background
+        assert x.shape == original.shape and np.allclose(x, expected, atol=1e-6)
+    x_eval, _ = evaluation_split(digits, "attribute:invert:2")
+    assert np.allclose(x_eval[0::2], digits.x_test[0::2]) and np.allclose(x_eval[1::2], lo + hi - digits.x_test[1::2])
+
+
 # --------------------------------------------------------------------------- model and local stages
 
 def test_two_branch_model_names_its_branches():
