@@ -241,7 +241,7 @@ def m_nonfinite(rng: random.Random, payload: bytes) -> bytes:
     widths = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
     def writable(info: Any) -> bool:
-        if not isinstance(info, dict) or info.get("dtype") not in widths:
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in widths:
             return False
         offsets = info.get("data_offsets")
         return (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)

@@ -65,9 +65,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
     Every received tensor passes through here, so it must be cheap: torch's
     ``isfinite(t).all()`` goes through its intra-op thread pool, which on a busy
     2-core coordinator cost 2 to 11 ms per 1.7 MB model against numpy's 0.1 ms.
+    The minimum and maximum decide it without a mask as large as the tensor (NaN
+    propagates into both, an infinity is one of them).
     """
     if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
-        return bool(np.isfinite(tensor.detach().numpy()).all())
+        values = tensor.detach().numpy()
+        return values.size == 0 or bool(np.isfinite(values.min()) and np.isfinite(values.max()))
     return bool(torch.isfinite(tensor).all())
 
 

@@ -203,7 +203,8 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
     if n > _MAX_HEADER_BYTES or 8 + n > len(payload):
         raise ProtocolError(f"envelope header length {n} does not fit a {len(payload)}-byte message")
     try:
-        st_header = _loads(bytes(payload[8:8 + n]))
+        # Decoded straight from the payload: one copy of a header that may be megabytes long, not two.
+        st_header = _loads(str(memoryview(payload)[8:8 + n], "utf-8"))
         meta = _loads(st_header.pop("__metadata__")["fedge"])
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:   # deep nesting: recursion
         raise ProtocolError(f"not a fedge envelope ({type(exc).__name__}: {exc})") from None
