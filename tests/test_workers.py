@@ -106,3 +106,42 @@ def test_a_result_claimed_by_two_workers_counts_once_and_receipts_are_checked(tm
     assert list(book.results) == ["c1"] and not book.granted and book.partial.weight == 5.0
     for key, value in book.partial.mean().items():
         assert torch.equal(value, coord.state.params[key])
+
+
+def test_results_held_by_a_worker_that_never_sends_its_partial_are_counted_lost(tmp_path):
+    """A worker that dies between the grant and its partial sum costs the round those results (their
+    devices were acknowledged at the grant): after workers.flush_timeout the round goes on, and the
+    row says how many were lost."""
+    from coordinator.engine import _Round
+    from coordinator.strategies.base import TaskPlan
+    from edge_client.wire.codec import FP32
+    from edge_client.wire.protocol import ManifestBody, ResultBody, Topics, decode, encode
+    from edge_client.wire.transport import InprocHub
+    from test_engine import make_coordinator
+
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1, workers__count=1, transport__broker="mqtt://127.0.0.1:1",
+                             codec__broadcast=True, workers__flush_timeout=0.5)
+    listener = hub.connect("listener")
+    listener.subscribe(Topics().manifest)
+    names = sorted(coord.state.params)
+    book = coord._round = _Round(round=1, attempt=0, streaming=True)
+    book.plans["t1"] = TaskPlan("c1", "train", {}, coord.state.params, names)
+    book.manifest = ManifestBody("x1", "train", coord.state.spec, tuple(names), FP32, {"t1": "c1"})
+    body = {**ResultBody(num_samples=5).to_body(), "problem": "", "held": True}
+    coord._on_claim("w0", encode("result", run_id="run1", round=1, task_id="t1", sender="c1", body=body))
+    assert book.answered and not book.complete
+
+    coord._collect_partials(book)   # asks for the partial sums (flush), waits 0.5 s, gives up
+    flush = decode(listener.get(1.0).payload)
+    assert flush.kind == "manifest" and flush.body["flush"] is True
+    assert book.worker_lost == 1 and not book.granted and not book.results
+
+
+def test_worker_command_says_what_is_missing(capsys):
+    from coordinator.cli import main
+
+    assert main(["worker"]) == 2
+    assert "--broker mqtt://HOST:PORT" in capsys.readouterr().err
+    assert main(["worker", "--broker", "mqtt://127.0.0.1:1", "--id", "no/slashes"]) == 2
+    assert "--id 'no/slashes'" in capsys.readouterr().err
