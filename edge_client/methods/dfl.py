@@ -48,7 +48,7 @@ from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from edge_client.methods.dfl_model import DEVICE_PARTS, TwoBranchModel
-from edge_client.optim import DeviceSGD
+from edge_client.optim import DeviceAdam, DeviceSGD
 from edge_client.wire.files import write_tensors_atomic
 from edge_client.methods.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
@@ -164,14 +164,14 @@ def _run_stage(trainable: list[nn.Parameter], critics: list[nn.Parameter], losse
                h: TrainHyper, epochs: int, gen: torch.Generator, profiler: Profiler) -> dict[str, float]:
     """SGD over the local data for the model; Adam for the critics, whose gradients come only from their own loss."""
     opt = DeviceSGD(trainable, lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
-    critic_opt = torch.optim.Adam(critics, lr=CRITIC_LR)
+    critic_opt = DeviceAdam(critics, lr=CRITIC_LR)
     sums: dict[str, float] = {}
     seen = 0
     for xb, yb in minibatches(data, h.batch_size, epochs, gen, profiler):
         model_loss, critic_loss, ce, mi = losses(xb, yb)
         profiler.lap("forward")
         opt.zero_grad()
-        critic_opt.zero_grad(set_to_none=True)
+        critic_opt.zero_grad()
         model_loss.backward()
         for p in critics:            # the extractors' loss pushes the critics the wrong way for MI minimization
             p.grad = None
