@@ -132,6 +132,9 @@ def _add_provision(sub) -> None:  # sub: the parser's subparsers
     prov.add_argument("--broker-host", action="append", default=[], metavar="HOST",
                       help="the broker's host name or IP as devices reach it; repeat for more names (all go into "
                            "the certificate, the first into the bundles)")
+    prov.add_argument("--workers", type=int, default=0, metavar="N",
+                      help="also N aggregation worker users, worker-1 ... worker-N, each with its own password "
+                           "(workers/ID.password) and rights (docs/scale.md#aggregation-workers)")
     prov.add_argument("--port", type=int, default=8883, help="the broker's TLS port (default 8883)")
     prov.add_argument("--prefix", default="fedge", help="topic prefix of the ACL and the bundles (default fedge)")
     prov.add_argument("--ca-cert", type=Path, default=None, help="an existing CA certificate (PEM) to sign with")
@@ -155,7 +158,8 @@ def _provision(args: argparse.Namespace) -> int:
             return 0
         ids = read_names(args.names) if args.names is not None else device_ids(args.devices)
         done = provision(args.out, hosts=args.broker_host, devices=ids, port=args.port, prefix=args.prefix,
-                         ca_cert=args.ca_cert, ca_key=args.ca_key, broker_dir=args.broker_dir, listen=args.listen)
+                         ca_cert=args.ca_cert, ca_key=args.ca_key, broker_dir=args.broker_dir, listen=args.listen,
+                         workers=args.workers)
     except ProvisionError as exc:
         print(f"fedge-coordinator provision: {exc}", file=sys.stderr)
         return 2
@@ -166,6 +170,9 @@ def _provision(args: argparse.Namespace) -> int:
           f" -> install into {args.broker_dir}/")
     print(f"  coordinator: {done.coordinator_config} (password in {done.coordinator_password})")
     print(f"  devices:     {out / 'devices'}/ID.toml, one bundle per device (mode 0600)")
+    if done.workers:
+        print(f"  workers:     {out / 'workers'}/ID.password for {', '.join(done.workers)}: start each with "
+              "fedge-coordinator worker --id ID --set transport.username=ID (docs/scale.md#aggregation-workers)")
     print("next: docs/deploy.md#provisioning")
     return 0
 

@@ -131,11 +131,11 @@ class Coordinator:
         self._network_key = ""                        # the spec self.model was built from (JSON)
         self.model, self.shapes = self._network()
         t = config.transport
-        if config.workers.count and self.fp32_model_bytes + 65536 > t.max_message_bytes:
-            log.warning("a float32 result (%d bytes) is over transport.max_message_bytes (%d): it would travel in "
-                        "chunks, which a shared subscription spreads over the aggregation workers; raise "
-                        "max_message_bytes (the devices' too) above it, or use a compact codec.up",
-                        self.fp32_model_bytes, t.max_message_bytes)
+        if config.workers.count and self.fp32_model_bytes + 16384 > t.max_message_bytes:
+            log.warning("a float32 result (%d bytes of tensors, and its envelope) is close to or over "
+                        "transport.max_message_bytes (%d): it may travel in chunks, which a shared subscription "
+                        "spreads over the aggregation workers; raise max_message_bytes (the devices' too) above "
+                        "it, or use a compact codec.up", self.fp32_model_bytes, t.max_message_bytes)
         # Chunks what is over the broker's packet limit, reassembles what comes in chunks.
         self.transport = ChunkingTransport(transport, max_message_bytes=t.max_message_bytes,
                                            max_decoded_bytes=t.max_decoded_bytes, chunking=t.chunking,

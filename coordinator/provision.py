@@ -26,7 +26,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_client.bundle import Bundle, BundleError, bundle_toml, read_bundle
@@ -57,6 +57,14 @@ class Provisioned:
     coordinator_password: Path
     bundles: dict[str, Path]
     ca_created: bool
+    workers: dict[str, Path] = field(default_factory=dict)   # aggregation worker user -> its password file
+
+
+def worker_ids(count: int) -> list[str]:
+    """The users of ``count`` aggregation workers: ``worker-1``, ``worker-2``, ... (also their ``--id``)."""
+    if count < 0:
+        raise ProvisionError("--workers must be 0 or more")
+    return [f"worker-{i}" for i in range(1, count + 1)]
 
 
 def device_ids(count: int) -> list[str]:
@@ -175,7 +183,19 @@ def _make_server_cert(hosts: list[str], ca_crt: Path, ca_key: Path, crt: Path, k
     _write(crt, pem, 0o644)
 
 
-def _acl(prefix: str) -> str:
+def _worker_acl(prefix: str, workers: list[str]) -> str:
+    """Each aggregation worker reads every result (through the shared subscription), what the coordinator
+    publishes, and reads and writes its own topics; it logs in as its own user, whose name is its id."""
+    return "".join(f"""
+# Aggregation worker {w} (fedge-coordinator worker --id {w}).
+user {w}
+topic read {prefix}/clients/+/result
+topic read {prefix}/coordinator/#
+topic readwrite {prefix}/workers/{w}/#
+""" for w in workers)
+
+
+def _acl(prefix: str, workers: list[str] = ()) -> str:
     p = prefix
     return f"""# Mosquitto ACL written by fedge-coordinator provision for the topic prefix "{p}".
 # The coordinator reads and writes everything under the prefix.
@@ -199,7 +219,7 @@ pattern read {p}/coordinator/#
 # sudo mosquitto_passwd /etc/mosquitto/fedge/fedge.passwd monitor
 #user monitor
 #topic read {p}/#
-"""
+""" + _worker_acl(p, list(workers))
 
 
 def _mosquitto_conf(port: int, listen: str, broker_dir: str) -> str:
@@ -261,7 +281,7 @@ def _bundle_comment(device: str) -> str:
 
 def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int = 8883, prefix: str = "fedge",
               ca_cert: Path | None = None, ca_key: Path | None = None, broker_dir: str = "/etc/mosquitto/fedge",
-              listen: str = "") -> Provisioned:
+              listen: str = "", workers: int = 0) -> Provisioned:
     """Write a whole deployment into ``out_dir`` (which must not exist or be empty); see the module docstring.
 
     ``hosts``: the broker's host names or IPs, all named in its certificate; the first goes into
@@ -270,6 +290,10 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
     """
     out_dir = Path(out_dir).resolve()
     _check_ids(devices)
+    agents = worker_ids(workers)
+    if set(agents) & set(devices):
+        raise ProvisionError(f"device ids {sorted(set(agents) & set(devices))} are aggregation workers' user names: "
+                             "rename those devices")
     if not hosts or not all(hosts):
         raise ProvisionError("give the broker's host name or IP with --broker-host (as devices will reach it)")
     if not 1 <= port <= 65535:
@@ -299,9 +323,9 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
 
     host = hosts[0]
     url = f"mqtts://{f'[{host}]' if ':' in host else host}:{port}"
-    passwords = {COORDINATOR_USER: _new_password(), **{d: _new_password() for d in devices}}
+    passwords = {COORDINATOR_USER: _new_password(), **{d: _new_password() for d in devices + agents}}
     _write(broker / "fedge.passwd", "".join(password_line(u, pw) + "\n" for u, pw in passwords.items()), 0o600)
-    _write(broker / "fedge.acl", _acl(prefix), 0o644)
+    _write(broker / "fedge.acl", _acl(prefix, agents), 0o644)
     _write(broker / "fedge.conf", _mosquitto_conf(port, listen, broker_dir), 0o644)
     coordinator = out_dir / "coordinator"
     _write(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
@@ -313,8 +337,12 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
                         ca_cert=ca_pem)
         _write(path, bundle_toml(bundle, comment=_bundle_comment(device)), 0o600)
         bundles[device] = path
+    worker_passwords = {}
+    for agent in agents:   # the worker reads it from the variable transport.password_env names
+        worker_passwords[agent] = out_dir / "workers" / f"{agent}.password"
+        _write(worker_passwords[agent], passwords[agent] + "\n", 0o600)
     return Provisioned(out_dir, broker / "fedge.conf", coordinator / "coordinator.toml", coordinator / "password",
-                       bundles, ca_created=ca_cert is None)
+                       bundles, ca_created=ca_cert is None, workers=worker_passwords)
 
 
 def rotate_password(out_dir: Path, user: str) -> Path:
@@ -329,8 +357,8 @@ def rotate_password(out_dir: Path, user: str) -> Path:
     if user not in users:
         raise ProvisionError(f"no user {user!r} in {passwd}; users: {', '.join(users)}")
     password = _new_password()
-    if user == COORDINATOR_USER:
-        target = out_dir / "coordinator" / "password"
+    if user == COORDINATOR_USER or (out_dir / "workers" / f"{user}.password").is_file():
+        target = out_dir / ("coordinator/password" if user == COORDINATOR_USER else f"workers/{user}.password")
         _write(target, password + "\n", 0o600)
     else:
         target = out_dir / "devices" / f"{user}.toml"

@@ -89,7 +89,8 @@ class AggregationWorker:
         self.broadcasts: dict[str, dict[str, torch.Tensor]] = {}   # model broadcasts by SHA-256, newest last
         self._shapes: tuple[str, dict[str, tuple[int, ...]]] = ("", {})
         self._warn = ThrottledLog(log)
-        self.finished = False
+        self.finished = False                  # a run this worker served was announced finished
+        self._served: set[str] = set()        # runs whose manifest this worker read
         self.stats = {"claimed": 0, "folded": 0, "dropped": 0, "partials": 0, "unusable": 0}
 
     def start(self) -> None:
@@ -144,8 +145,10 @@ class AggregationWorker:
                 self._on_manifest(decode(incoming.payload, max_bytes=self.config.transport.max_decoded_bytes))
             elif topic == self.topics.model:
                 self._on_broadcast(incoming.payload)
-            elif topic == self.topics.coordinator_status:
-                self.finished = StatusBody.from_body(decode(incoming.payload).body).state == "finished"
+            elif topic == self.topics.coordinator_status:   # retained: an older run's "finished" is no news
+                status = decode(incoming.payload)
+                self.finished = (StatusBody.from_body(status.body).state == "finished"
+                                 and status.run_id in self._served)
             elif topic == self.topics.worker(self.worker_id, "status"):
                 self._on_verdict(decode(incoming.payload))
         except ProtocolError as exc:
@@ -155,6 +158,7 @@ class AggregationWorker:
         if msg.kind != "manifest" or msg.sender != "coordinator":
             raise ProtocolError(f"a {msg.kind} from {msg.sender} on the manifest topic")
         manifest = ManifestBody.from_body(msg.body)
+        self._served.add(msg.run_id)
         current = self.exchange
         if current is None or current.manifest.exchange != manifest.exchange:
             if current is not None and current.receipts and not current.flushed:

@@ -38,12 +38,12 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith("FEDGE_")} | {"OM
 class ProvisionedBroker:
     """A provisioning directory and a Mosquitto started from its fedge.conf, stopped by PID."""
 
-    def __init__(self, root: Path, devices: int = 3) -> None:
+    def __init__(self, root: Path, devices: int = 3, workers: int = 2) -> None:
         self.port = free_port()
         self.out = root / "deploy"
         self.done = provision(self.out, hosts=["127.0.0.1"], devices=[f"device-{i:03d}" for i in range(1, devices + 1)],
                               port=self.port, prefix=PREFIX, broker_dir=str(root / "deploy" / "broker"),
-                              listen="127.0.0.1")
+                              listen="127.0.0.1", workers=workers)
         self.url = f"mqtts://127.0.0.1:{self.port}"
         self.ca = str(self.out / "ca.crt")
         self.workdir = root
@@ -81,6 +81,8 @@ class ProvisionedBroker:
     def password(self, user: str) -> str:
         if user == COORDINATOR_USER:
             return (self.out / "coordinator" / "password").read_text().strip()
+        if user in self.done.workers:
+            return self.done.workers[user].read_text().strip()
         return read_bundle(self.out / "devices" / f"{user}.toml").password
 
     def transport(self, user: str, *, password: str | None = None, protocol: str = "5") -> MqttTransport:
@@ -130,7 +132,8 @@ def _drain(transport: MqttTransport, seconds: float) -> list[str]:
 def test_secrets_are_0600_and_the_broker_files_are_consistent(broker):
     out = broker.out
     for secret in [out / "ca.key", out / "broker" / "server.key", out / "broker" / "fedge.passwd",
-                   out / "coordinator" / "password", *sorted((out / "devices").glob("*.toml"))]:
+                   out / "coordinator" / "password", *sorted((out / "devices").glob("*.toml")),
+                   *sorted((out / "workers").glob("*.password"))]:
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600, secret
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
     conf = (out / "broker" / "fedge.conf").read_text()
@@ -142,7 +145,7 @@ def test_secrets_are_0600_and_the_broker_files_are_consistent(broker):
         broker.url, "device-002", "device-002", PREFIX)
     assert bundle.ca_cert == (out / "ca.crt").read_text() and len(bundle.password) >= 24
     users = [line.split(":")[0] for line in (out / "broker" / "fedge.passwd").read_text().splitlines()]
-    assert users == [COORDINATOR_USER, "device-001", "device-002", "device-003"]
+    assert users == [COORDINATOR_USER, "device-001", "device-002", "device-003", "worker-1", "worker-2"]
     snippet = load_config(out / "coordinator" / "coordinator.toml").transport
     assert (snippet.broker, snippet.username, snippet.ca_file) == (broker.url, COORDINATOR_USER, broker.ca)
 
@@ -316,3 +319,33 @@ def test_a_rotated_password_locks_out_the_old_one(tmp_path):
             deployment.transport("device-001", password=old)
     finally:
         deployment.stop()
+
+
+def test_provisioned_aggregation_workers_take_the_results_over_tls(own_broker, tmp_path, monkeypatch):
+    """Each provisioned worker logs in as its own user, reads every result through the shared
+    subscription and publishes only under its own topics; the run gets every result through them.
+    (A broker of its own: the module's has device sessions and retained presences of earlier runs.)"""
+    broker = own_broker
+    monkeypatch.setenv("FEDGE_MQTT_PASSWORD", broker.password(COORDINATOR_USER))
+    workers = []
+    for name in broker.done.workers:
+        env = ENV | {"FEDGE_WORKER_PASSWORD": broker.password(name)}
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "worker", "--id", name, "--exit-after-run", "--broker", broker.url,
+             "--set", f"transport.ca_file={broker.ca}", "--set", f"transport.prefix={PREFIX}",
+             "--set", f"transport.username={name}", "--set", "transport.password_env=FEDGE_WORKER_PASSWORD"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    devices = [_device(broker, f"device-00{i + 1}", i, tmp_path) for i in range(2)]
+    try:
+        result = run_federated(_run_config(broker, tmp_path / "run", workers__count=2), say=lambda s: None)
+        outputs = [w.communicate(timeout=60)[0] for w in workers]
+    finally:
+        for proc in devices + workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    assert "denied" not in "".join(outputs), outputs
+    rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all((r["selected"], r["returned"], r["rejected"]) == (2, 2, 0) for r in rows[1:])
+    assert "worker_lost" not in rows[-1]
