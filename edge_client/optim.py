@@ -20,22 +20,33 @@ from torch.optim.sgd import sgd
 __all__ = ["DeviceSGD", "DeviceAdam"]
 
 
-class DeviceSGD:
-    """SGD with momentum and weight decay over ``params``, as ``torch.optim.SGD`` with the same arguments."""
+class _DeviceOptimizer:
+    """What both optimizers share: their parameters, and which of them have a gradient this step."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
         self.params = list(params)
-        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self._buffers: list[torch.Tensor | None] = [None] * len(self.params)
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
 
+    def _live(self) -> list[int]:
+        """Indices of the parameters with a gradient: torch's optimizers leave the others (and their state) alone."""
+        return [i for i, p in enumerate(self.params) if p.grad is not None]
+
+
+class DeviceSGD(_DeviceOptimizer):
+    """SGD with momentum and weight decay over ``params``, as ``torch.optim.SGD`` with the same arguments."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self._buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
     @torch.no_grad()
     def step(self) -> None:
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        live = self._live()
         buffers = [self._buffers[i] for i in live]
         sgd([self.params[i] for i in live], [self.params[i].grad for i in live], buffers,
             weight_decay=self.weight_decay, momentum=self.momentum, lr=self.lr, dampening=0.0, nesterov=False,
@@ -44,23 +55,19 @@ class DeviceSGD:
             self._buffers[i] = buffer
 
 
-class DeviceAdam:
+class DeviceAdam(_DeviceOptimizer):
     """Adam over ``params`` (no weight decay, no AMSGrad), as ``torch.optim.Adam`` with the same arguments."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        self.params = list(params)
+        super().__init__(params)
         self.lr, self.betas, self.eps = lr, betas, eps
         # per parameter, created at its first step as torch.optim.Adam does: (step, first moment, second moment)
         self._state: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(self.params)
 
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
     @torch.no_grad()
     def step(self) -> None:
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        live = self._live()
         for i in live:
             if self._state[i] is None:
                 p = self.params[i]
