@@ -13,10 +13,11 @@ the entry's own run.rounds, as ``run_matrix.py`` runs them); ``--rounds N`` read
 rounds instead (a shorter trial). Files that are not runs of the matrix, have no rows, or are
 marked ``subset`` are skipped and counted.
 
-Files: ``OUT_DIR/NAME-<the other axes' labels joined by _>[-personalized][-bytes].png``.
+Files: ``OUT_DIR/NAME-<the other axes' labels joined by _>[-personalized|-divergence][-bytes].png``.
+``weight_divergence_mean`` needs runs with ``run.diagnostics = true`` (the PANs matrices).
 
     python bench/plot_matrix.py bench/matrices/pans.toml [--axis AXIS]
-        [--metric test_accuracy|personalized_accuracy_mean] [--x round|bytes] [--rounds N]
+        [--metric test_accuracy|personalized_accuracy_mean|weight_divergence_mean] [--x round|bytes] [--rounds N]
         [--out-dir docs/images] [--results bench/results]
 """
 
@@ -42,8 +43,10 @@ from coordinator.config import ConfigError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "docs" / "images"
-METRICS = {"test_accuracy": "test accuracy (%)",
-           "personalized_accuracy_mean": "personalized accuracy, mean over clients (%)"}
+# metric -> (y label, scale from the rows' value to the plotted one, file name suffix)
+METRICS = {"test_accuracy": ("test accuracy (%)", 100.0, ""),
+           "personalized_accuracy_mean": ("personalized accuracy, mean over clients (%)", 100.0, "-personalized"),
+           "weight_divergence_mean": ("weight divergence, mean over layers", 1.0, "-divergence")}
 FIGSIZE, DPI = (6.0, 4.0), 100
 
 
@@ -179,6 +182,7 @@ def figures(matrix: Matrix, axis: str, records: list[dict[str, Any]],
 def draw(matrix: Matrix, fixed: tuple[str, ...], lines: list[Series], metric: str, x: str,
          baseline: str | None, path: Path) -> None:
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    ylabel, scale, _ = METRICS[metric]
     colors = iter(plt.get_cmap("tab10").colors)
     for series in lines:
         a = series.arrays()
@@ -188,18 +192,18 @@ def draw(matrix: Matrix, fixed: tuple[str, ...], lines: list[Series], metric: st
             continue
         color = "black" if series.label == baseline else next(colors)
         n = len(series.seeds)
-        ax.plot(xs[keep], 100 * a["mean"][keep], color=color, linewidth=1.8 if series.label == baseline else 1.4,
+        ax.plot(xs[keep], scale * a["mean"][keep], color=color, linewidth=1.8 if series.label == baseline else 1.4,
                 marker="o" if keep.sum() <= 12 else None, markersize=3.5,
                 label=f"{series.label} ({n} seed{'s' if n != 1 else ''})")
         if n > 1:
-            ax.fill_between(xs[keep], 100 * a["min"][keep], 100 * a["max"][keep], color=color, alpha=0.2,
+            ax.fill_between(xs[keep], scale * a["min"][keep], scale * a["max"][keep], color=color, alpha=0.2,
                             linewidth=0)
     if x == "bytes":
         ax.set_xscale("log")
         ax.set_xlabel("cumulative bytes (down + up)")
     else:
         ax.set_xlabel("round")
-    ax.set_ylabel(METRICS[metric])
+    ax.set_ylabel(ylabel)
     ax.set_title(f"{matrix.name}: {' / '.join(fixed)}" if fixed else matrix.name)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -232,7 +236,7 @@ def plot_matrix(matrix_path: Path, axis: str | None = None, metric: str = "test_
                         f"has {metric}; try --metric "
                         + " or --metric ".join(m for m in METRICS if m != metric))
     written = []
-    suffix = ("" if metric == "test_accuracy" else "-personalized") + ("-bytes" if x == "bytes" else "")
+    suffix = METRICS[metric][2] + ("-bytes" if x == "bytes" else "")
     for fixed, lines in groups:
         name = "-".join([matrix.name, "_".join(fixed)]) if fixed else matrix.name
         path = out_dir / f"{name}{suffix}.png"

@@ -159,3 +159,11 @@ def test_unknown_axis(matrix: Path, tmp_path: Path, capsys):
                  "--out-dir", str(tmp_path / "images")]) == 2
     err = capsys.readouterr().err
     assert "no axis 'lr'" in err and "alpha, model, method" in err
+
+
+def test_weight_divergence_per_round(matrix: Path, tmp_path: Path):
+    results = tmp_path / "results"
+    diverging = [r | {"weight_divergence_mean": 0.5 / (1 + r["round"])} for r in rows(10, 5, 0.1) if r["round"] > 0]
+    write_run(results, ["a0.5", "cnn", "pan"], 0, 10, rows=diverging)
+    written, _ = plot_matrix(matrix, metric="weight_divergence_mean", results=results, out_dir=tmp_path / "images")
+    assert [p.name for p in written] == ["tiny-a0.5_cnn-divergence.png"] and is_png(written[0])
