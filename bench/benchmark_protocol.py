@@ -72,8 +72,9 @@ def deviations(config: RunConfig, protocol: Protocol, seeds: list[int]) -> list[
     return out
 
 
-def rounds_to_reach(rows: list[dict[str, Any]], target: float | None) -> int | None:
-    """The first round whose test accuracy reaches ``target`` (None: it never did, or no target)."""
+def rounds_to_reach(rows: list[dict[str, Any]], target: float | None, key: str = "test_accuracy") -> int | None:
+    """The first round whose ``key`` (test accuracy, or the personalized mean) reaches ``target``
+    (None: it never did, or no target)."""
     if target is None:
         return None
-    return next((r["round"] for r in rows if r["round"] > 0 and (r.get("test_accuracy") or 0.0) >= target), None)
+    return next((r["round"] for r in rows if r["round"] > 0 and (r.get(key) or 0.0) >= target), None)

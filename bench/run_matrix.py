@@ -262,6 +262,9 @@ def _personalized(recs: list[dict[str, Any]], trained: list[dict[str, Any]]) -> 
     return {"personalized_accuracy_mean": statistics.fmean(finals), "personalized_accuracy_spread": _spread(finals),
             "personalized_accuracy_per_seed": finals,
             "personalized_accuracy_min_mean": _mean([_final(r["rows"], "personalized_accuracy_min") for r in recs]),
+            # the spread over clients (each run's std over its clients, then the mean over seeds)
+            "personalized_accuracy_client_std_mean": _mean([_final(r["rows"], "personalized_accuracy_std")
+                                                            for r in recs]),
             "bytes_up_per_client_per_round": statistics.fmean(up) if up else None}
 
 
@@ -299,25 +302,36 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def add_rounds_to_baseline(table: list[dict[str, Any]], records: list[dict[str, Any]], matrix: Matrix) -> None:
     """Per seed, the first round each cell reached its baseline's final accuracy: the baseline is the
-    cell with the same labels but the matrix's ``baseline`` on its axis (e.g. FedAvg's row)."""
+    cell with the same labels but the matrix's ``baseline`` on its axis (e.g. FedAvg's row). Where both
+    report personalized accuracy, also the first round each reached the baseline's final personalized mean."""
     if matrix.baseline is None:
         return
     axis, label = matrix.baseline
     position = list(matrix.axes).index(axis)
-    finals = {(row["group"], row["rounds"]): row["final_accuracy_mean"] for row in table}
+    finals = {(row["group"], row["rounds"]): row for row in table}
     for row in table:
         labels = row["group"].split("/")
         base = "/".join([*labels[:position], label, *labels[position + 1:]])
-        target = finals.get((base, row["rounds"]))
+        target = finals.get((base, row["rounds"]), {})
+        runs = [rec for rec in records if rec["group"] == row["group"] and rec["rounds"] == row["rounds"]]
         row["baseline"] = base
-        row["rounds_to_baseline_final"] = [rounds_to_reach(rec["rows"], target) for rec in records
-                                           if rec["group"] == row["group"] and rec["rounds"] == row["rounds"]]
+        row["rounds_to_baseline_final"] = [rounds_to_reach(rec["rows"], target.get("final_accuracy_mean"))
+                                           for rec in runs]
+        if "personalized_accuracy_mean" in row and "personalized_accuracy_mean" in target:
+            row["rounds_to_baseline_personalized"] = [
+                rounds_to_reach(rec["rows"], target["personalized_accuracy_mean"], "personalized_accuracy_mean")
+                for rec in runs]
+
+
+def _rounds(per_seed: list[int | None]) -> str:
+    return ",".join("-" if n is None else str(n) for n in per_seed)
 
 
 def print_table(console: Console, title: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=title)
     personal = any("personalized_accuracy_mean" in r for r in rows)
-    extra = (f"personal acc (last {LAST_ROUNDS})", "personal min", "up/client/round") if personal else ()
+    extra = ((f"personal acc (last {LAST_ROUNDS})", "personal min", "personal std (clients)", "up/client/round",
+              "rounds to baseline (personal)") if personal else ())
     baseline = any("rounds_to_baseline_final" in r for r in rows)
     extra += ("rounds to baseline",) if baseline else ()
     for name in ("run", "rounds", "seeds", f"final acc (last {LAST_ROUNDS})", "best acc", *extra, "down/round",
@@ -330,9 +344,11 @@ def print_table(console: Console, title: str, rows: list[dict[str, Any]]) -> Non
             up = r.get("bytes_up_per_client_per_round")
             cells = [f"{_fmt(r.get('personalized_accuracy_mean'), 100, 2)} ± "
                      f"{_fmt(r.get('personalized_accuracy_spread'), 100, 2)}",
-                     _fmt(r.get("personalized_accuracy_min_mean"), 100, 2), "-" if up is None else human_bytes(up)]
+                     _fmt(r.get("personalized_accuracy_min_mean"), 100, 2),
+                     _fmt(r.get("personalized_accuracy_client_std_mean"), 100, 2),
+                     "-" if up is None else human_bytes(up), _rounds(r.get("rounds_to_baseline_personalized", []))]
         if baseline:
-            cells.append(",".join("-" if n is None else str(n) for n in r.get("rounds_to_baseline_final", [])))
+            cells.append(_rounds(r.get("rounds_to_baseline_final", [])))
         final, spread = _fmt(r["final_accuracy_mean"], 100, 2), r["final_accuracy_spread"]
         table.add_row(r["group"], str(r["rounds"]), ",".join(map(str, r["seeds"])),
                       final if spread is None else f"{final} ± {_fmt(spread, 100, 2)}",

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from benchmark_protocol import deviations, load_protocol  # noqa: E402
-from run_matrix import expand, load_matrix, protocol_check  # noqa: E402
+from run_matrix import add_rounds_to_baseline, expand, load_matrix, protocol_check, summarize  # noqa: E402
 
 from coordinator.config import load_config  # noqa: E402
 
@@ -55,3 +55,27 @@ def test_an_entry_only_with_another_axis_label_joins_only_those_cells(tmp_path):
     path.write_text(path.read_text().replace('"model=cnn"', '"model=resnet"'))
     with pytest.raises(Exception, match="only_with must be AXIS=LABEL of another axis"):
         load_matrix(path)
+
+
+def test_personalized_rounds_to_baseline_and_spread_over_clients(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text('seeds = [0]\nbaseline = "method=fedavg"\n'
+                    '[[axes.method]]\nlabel = "fedavg"\n[[axes.method]]\nlabel = "dfl"\n')
+    matrix = load_matrix(path)
+
+    def record(group, personal, tested):
+        rows = [{"round": r, "seconds": 1.0, "bytes_down": 10, "bytes_up": 20,
+                 "personalized_accuracy_mean": personal(r), "personalized_accuracy_min": personal(r) - 0.1,
+                 "personalized_accuracy_std": 0.02, **({"test_accuracy": personal(r)} if tested else {})}
+                for r in range(1, 11)]
+        return {"group": group, "seed": 0, "rounds": 10, "seconds": 10.0, "rows": rows}
+
+    records = [record("fedavg", lambda r: 0.05 * r, True), record("dfl", lambda r: 0.1 * r, False)]
+    table = summarize(records)
+    add_rounds_to_baseline(table, records, matrix)
+    fedavg, dfl = table
+    assert fedavg["personalized_accuracy_mean"] == pytest.approx(0.4)       # rounds 6..10
+    assert dfl["personalized_accuracy_client_std_mean"] == pytest.approx(0.02)
+    assert dfl["rounds_to_baseline_personalized"] == [4]                      # 0.4 reached at round 4
+    assert dfl["rounds_to_baseline_final"] == [None]                          # DFL has no global test accuracy
+    assert fedavg["rounds_to_baseline_personalized"] == [8]
