@@ -97,7 +97,7 @@ def compared_axis(matrix: Matrix, axis: str | None) -> str:
 
 def expected_rounds(matrix: Matrix, rounds: int | None) -> dict[str, int]:
     """Each cell's group -> the rounds of its full runs (or ``rounds`` for every cell)."""
-    return {run.group: run.rounds for run in expand(matrix, matrix.seeds, rounds, [])}
+    return {run.group: run.rounds for run in expand(matrix, None, rounds, [])}
 
 
 def read_runs(matrix: Matrix, results: Path, rounds: int | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -162,7 +162,7 @@ def figures(matrix: Matrix, axis: str, records: list[dict[str, Any]],
     if matrix.baseline and matrix.baseline[0] == axis:
         order.remove(matrix.baseline[1])
         order.insert(0, matrix.baseline[1])
-    cells = [tuple(run.group.split("/")) for run in expand(matrix, matrix.seeds, None, [])]
+    cells = [tuple(run.group.split("/")) for run in expand(matrix, None, None, [])]
     fixed_order = list(dict.fromkeys(labels[:position] + labels[position + 1:] for labels in cells))
     lines: dict[tuple[str, ...], dict[str, Series]] = {}
     for record in sorted(records, key=lambda r: r["seed"]):

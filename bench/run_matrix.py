@@ -12,6 +12,10 @@ one entry per axis and one seed is a run, e.g. ``a0.1/cnn/mul`` with seed 1:
     label = "mul"
     model.pan = "mul"
 
+An entry may declare ``seeds = [0]`` (with ``off_protocol`` saying why): its cells run only those of
+the matrix's seeds, a declared cut of the compute budget, and a complete matrix is then one
+without them (``subset: false``). ``--seeds`` runs the given seeds in every cell instead.
+
 Each run goes through ``coordinator.run.run_federated`` with clients as threads
 (``transport.kind = "inproc"``) and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
 (configuration, per-round metrics, summary). The table, printed and written to
@@ -70,6 +74,7 @@ class Run:
     rounds: int
     overrides: tuple[tuple[str, str, Any], ...]
     off_protocol: str = ""        # why this cell departs from the benchmark protocol on purpose
+    cell_seeds: tuple[int, ...] = ()   # every seed its cell runs (the protocol checks how many)
 
     @property
     def group(self) -> str:
@@ -116,6 +121,10 @@ def load_matrix(path: Path) -> Matrix:
             raise ConfigError(f"{path}: axes.{axis} must be an array of tables, each with a label ([[axes.{axis}]])")
     for axis, entries in axes.items():
         for e in entries:
+            if "seeds" in e and (not isinstance(e["seeds"], list) or not e["seeds"]
+                                 or not all(isinstance(x, int) for x in e["seeds"])):
+                raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: seeds must be a non-empty list of integers, "
+                                  f"got {e['seeds']!r}")
             other, _, label = str(e.get("only_with", "=")).partition("=")
             if "only_with" in e and (other == axis or label not in [str(x["label"]) for x in axes.get(other, [])]):
                 raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: only_with must be AXIS=LABEL of another "
@@ -132,7 +141,7 @@ def load_matrix(path: Path) -> Matrix:
     return Matrix(str(raw.get("name", path.stem)), path, raw.get("base", {}), axes, seeds, baseline)
 
 
-_ENTRY_KEYS = ("label", "off_protocol", "only_with")
+_ENTRY_KEYS = ("label", "off_protocol", "only_with", "seeds")
 
 
 def _fits(combo: tuple[tuple[str, dict[str, Any], str, str], ...], axes: list[str]) -> bool:
@@ -145,21 +154,26 @@ def _fits(combo: tuple[tuple[str, dict[str, Any], str, str], ...], axes: list[st
     return True
 
 
-def expand(matrix: Matrix, seeds: list[int], rounds: int | None, only: list[str]) -> list[Run]:
+def expand(matrix: Matrix, seeds: list[int] | None, rounds: int | None, only: list[str]) -> list[Run]:
     """Every combination of one entry per axis and one seed, in file order.
 
     An entry with ``only_with = "AXIS=LABEL"`` joins only the combinations with that
     label on that axis (e.g. a layer choice that exists for one model only). An entry's
     own ``run.rounds`` replaces the base's (FedMA counts phases), unless ``rounds`` is given.
+    With ``seeds`` None, each cell runs the matrix's seeds, fewer where an entry declares its own
+    ``seeds`` (a cut of the compute budget, e.g. the deep model's one seed); given seeds apply to every cell.
     """
     runs = []
     axes = list(matrix.axes)
     choices = [[(e["label"], {k: v for k, v in e.items() if k not in _ENTRY_KEYS},
                  str(e.get("off_protocol", "")), str(e.get("only_with", ""))) for e in entries]
                for entries in matrix.axes.values()]
-    for combo in itertools.product(*choices):
+    declared = [[e.get("seeds") for e in entries] for entries in matrix.axes.values()]
+    for combo, cuts in zip(itertools.product(*choices), itertools.product(*declared)):
         if not _fits(combo, axes):
             continue
+        cell_seeds = seeds if seeds is not None else [s for s in matrix.seeds
+                                                       if all(cut is None or s in cut for cut in cuts)]
         labels = tuple(str(label) for label, *_ in combo)
         overrides = _flatten(matrix.base, "base")
         for (label, partial, _, _), axis in zip(combo, matrix.axes):
@@ -167,8 +181,8 @@ def expand(matrix: Matrix, seeds: list[int], rounds: int | None, only: list[str]
         why = "; ".join(reason for _, _, reason, _ in combo if reason)
         own = [partial["run"]["rounds"] for _, partial, _, _ in combo if "rounds" in partial.get("run", {})]
         r = rounds if rounds is not None else int(own[-1]) if own else matrix.full_rounds
-        for seed in seeds:
-            run = Run(labels, seed, r, tuple(overrides), why)
+        for seed in cell_seeds:
+            run = Run(labels, seed, r, tuple(overrides), why, tuple(cell_seeds))
             if not only or any(s in f"{run.group}/s{seed}" for s in only):
                 runs.append(run)
     return runs
@@ -184,10 +198,10 @@ def run_config(run: Run, out: Path) -> RunConfig:
                                           ("transport", "kind", "inproc")])
 
 
-def protocol_check(runs: list[Run], seeds: list[int], protocol: Protocol) -> list[list[str]]:
-    """Each run's departures from the benchmark protocol ([] for a run that follows it); building each
-    run's configuration also refuses a bad key before hours of running."""
-    return [deviations(run_config(run, Path("unused")), protocol, seeds) for run in runs]
+def protocol_check(runs: list[Run], protocol: Protocol) -> list[list[str]]:
+    """Each run's departures from the benchmark protocol ([] for a run that follows it), its cell's seeds
+    included; building each run's configuration also refuses a bad key before hours of running."""
+    return [deviations(run_config(run, Path("unused")), protocol, list(run.cell_seeds)) for run in runs]
 
 
 def refuse_departures(runs: list[Run], departures: list[list[str]], console: Console) -> bool:
@@ -378,10 +392,10 @@ def main() -> int:
     console = Console(width=None if sys.stdout.isatty() else 150)
     try:
         matrix = load_matrix(args.matrix)
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else matrix.seeds
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
         runs = expand(matrix, seeds, args.rounds, args.only)
         protocol = load_protocol()
-        departures = protocol_check(runs, seeds, protocol)
+        departures = protocol_check(runs, protocol)
     except (ConfigError, ValueError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
@@ -410,7 +424,7 @@ def main() -> int:
     if not records:
         console.print(f"no run files in {out_dir}")
         return 1
-    full_runs = expand(matrix, matrix.seeds, None, [])
+    full_runs = expand(matrix, None, None, [])
     order = {run.group: i for i, run in enumerate(full_runs)}   # the file's order
     missing = [run.file_name for run in full_runs if not (out_dir / run.file_name).exists()]
     rows = sorted(summarize(records), key=lambda r: (order.get(r["group"], len(order)), r["group"], r["rounds"]))

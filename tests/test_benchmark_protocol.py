@@ -21,8 +21,8 @@ MATRICES = sorted((ROOT / "bench" / "matrices").glob("*.toml"))
 @pytest.mark.parametrize("path", MATRICES, ids=[p.stem for p in MATRICES])
 def test_every_cell_follows_the_protocol_or_says_why(path):
     matrix = load_matrix(path)
-    runs = expand(matrix, matrix.seeds, None, [])
-    found = protocol_check(runs, matrix.seeds, load_protocol())
+    runs = expand(matrix, None, None, [])
+    found = protocol_check(runs, load_protocol())
     assert runs and all(not departures or run.off_protocol for run, departures in zip(runs, found)), \
         [(run.group, departures) for run, departures in zip(runs, found) if departures and not run.off_protocol]
 
@@ -79,3 +79,22 @@ def test_personalized_rounds_to_baseline_and_spread_over_clients(tmp_path):
     assert dfl["rounds_to_baseline_personalized"] == [4]                      # 0.4 reached at round 4
     assert dfl["rounds_to_baseline_final"] == [None]                          # DFL has no global test accuracy
     assert fedavg["rounds_to_baseline_personalized"] == [8]
+
+
+def test_an_entry_may_declare_fewer_seeds(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text('seeds = [0, 1, 2]\n'
+                    '[[axes.model]]\nlabel = "cnn"\nmodel.name = "cnn"\n'
+                    '[[axes.model]]\nlabel = "vgg9"\nmodel.name = "vgg9"\nseeds = [0]\n'
+                    'off_protocol = "one seed: the budget"\n')
+    matrix = load_matrix(path)
+    runs = expand(matrix, None, None, [])
+    assert [(run.group, run.seed) for run in runs] == [("cnn", 0), ("cnn", 1), ("cnn", 2), ("vgg9", 0)]
+    assert runs[0].cell_seeds == (0, 1, 2) and runs[3].cell_seeds == (0,)
+    assert all(("seeds" not in key) for run in runs for _, key, _ in run.overrides)
+    found = protocol_check(runs, load_protocol())
+    assert any("seeds [0]" in d for d in found[3]) and not any("seeds" in d for d in found[0])
+    assert [run.seed for run in expand(matrix, [1], None, []) if run.group == "vgg9"] == [1]   # --seeds wins
+    path.write_text(path.read_text().replace("seeds = [0]\n", 'seeds = "0"\n'))
+    with pytest.raises(Exception, match="seeds must be a non-empty list of integers"):
+        load_matrix(path)
