@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from coordinator.cli import main
 
@@ -53,14 +56,22 @@ def test_ctrl_c_before_round_one_says_there_is_nothing_to_resume(tmp_path, mosqu
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "coordinator.cli", "run", "--broker", mosquitto, "--clients", "3",
            "--data", "digits", "--out", str(out), "--set", f"transport.prefix={prefix}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # faulthandler: should it ever hang after Ctrl-C, SIGABRT makes it print every thread's stack
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     deadline = time.monotonic() + 60
     seen = ""
     while "waiting for 3 clients" not in seen:   # no client will come: the run waits before round 1
         assert proc.poll() is None and time.monotonic() < deadline, seen
         seen += proc.stdout.readline()
     proc.send_signal(signal.SIGINT)
-    rest, err = proc.communicate(timeout=30)
+    try:
+        rest, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        rest, err = proc.communicate(timeout=30)
+        pytest.fail(f"the coordinator did not exit within 30 s of Ctrl-C; its output:\n{seen}{rest}\n"
+                    f"its threads when it was aborted:\n{err}")
     assert proc.returncode == 130, seen + rest + err
     assert "nothing to resume" in rest and "--resume" not in rest.replace("nothing to resume", "")
     assert "Traceback" not in err
