@@ -56,9 +56,12 @@ def test_ctrl_c_before_round_one_says_there_is_nothing_to_resume(tmp_path, mosqu
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "coordinator.cli", "run", "--broker", mosquitto, "--clients", "3",
            "--data", "digits", "--out", str(out), "--set", f"transport.prefix={prefix}"]
-    # faulthandler: should it ever hang after Ctrl-C, SIGABRT makes it print every thread's stack
+    # Ctrl-C as at a terminal: a test run started in the background of a shell without job control
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    # faulthandler: should it ever hang after Ctrl-C, SIGABRT makes it print every thread's stack.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     seen = ""
     while "waiting for 3 clients" not in seen:   # no client will come: the run waits before round 1

@@ -92,8 +92,10 @@ def test_selection_must_be_known():
 
 
 def test_deadline_selection_skips_a_client_that_is_really_slow(tmp_path, caplog):
-    """Three real clients; one holds 400 times more data, so its round takes far longer than the timeout."""
+    """Three real clients; one holds 1,200 times more data, so its round takes far longer than the timeout
+    (400 times took 1.2 to 2.2 s on one thread here: too close to the 1 s timeout on a quiet machine)."""
     timeout = 1.0
+    slow_factor = 1200
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     digits = load_dataset("digits")
@@ -112,7 +114,7 @@ def test_deadline_selection_skips_a_client_that_is_really_slow(tmp_path, caplog)
                         state=strategy.initialize(CNN, params),
                         eval_data=EvalData(torch.from_numpy(digits.x_test), torch.from_numpy(digits.y_test)))
     stop = threading.Event()
-    sizes = {"fast-a": 64, "fast-b": 64, "slow": 64 * 400}
+    sizes = {"fast-a": 64, "fast-b": 64, "slow": 64 * slow_factor}
     threads = []
     for cid, n in sizes.items():
         idx = torch.arange(n) % len(y)
@@ -141,6 +143,6 @@ def test_deadline_selection_skips_a_client_that_is_really_slow(tmp_path, caplog)
             thread.join(30)
         torch.set_num_threads(torch_threads)
     assert late_record[0]["round"] == 1 and late_record[0]["round_seconds"] > timeout
-    assert late_record[0]["profile"]["steps"] == 400 * 64 // 32
+    assert late_record[0]["profile"]["steps"] == slow_factor * 64 // 32
     assert coord.round_times.predict("slow") >= timeout > 2 * coord.round_times.predict("fast-a")
     assert any("deadline selection skipped slow" in rec.getMessage() for rec in caplog.records)
