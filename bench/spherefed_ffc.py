@@ -12,7 +12,10 @@
    classifier bytes SphereFed saved per round and the FFC figures of the run.
    Training is deterministic, so when a ``sphere`` run is missing its figures come
    from the ``sphere+ffc`` run of the same cell and seed (its rows, with the last
-   round's accuracy before calibration), marked "from sphere+ffc".
+   round's accuracy before calibration), marked "from sphere+ffc". Figures are means with
+   the population std over seeds, and per seed the first round each row reached FedAvg's
+   final accuracy in its cell. Where both twins ran, the report compares them round by
+   round (``twin_check``): zero difference is what makes the derived rows exact.
 
 Prints both tables and writes ``bench/results/spherefed_ffc.json``.
 
@@ -35,6 +38,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmark_protocol import rounds_to_reach
 from coordinator.report import human_bytes
 from edge_client.wire.codec import parse_codec
 from edge_client.data import load_dataset
@@ -132,6 +136,7 @@ def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any
     if "ffc_accuracy_after" in last and not derived:
         fig.update({k: last[k] for k in ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_ridge", "ffc_singular",
                                          "ffc_client_seconds_max", "ffc_coordinator_seconds", "ffc_stats_numbers")})
+        fig["ffc_gain"] = last["ffc_accuracy_after"] - last["ffc_accuracy_before"]
         fig["ffc_bytes_up_per_client"] = last["ffc_bytes_up"] // max(last["ffc_returned"], 1)
         # The training phase's upload excludes the FFC results sent in the same round.
         train_up = [r["bytes_up"] - r.get("ffc_bytes_up", 0) for r in rows]
@@ -164,26 +169,73 @@ def collect(results: Path) -> list[dict[str, Any]]:
             if key not in ("seed", "rounds", "derived") and all(isinstance(f.get(key), (int, float))
                                                                 and not isinstance(f.get(key), bool) for f in figs):
                 row[key] = statistics.fmean(f[key] for f in figs)
+        for key in ("last", "last5", "ffc_accuracy_before", "ffc_accuracy_after", "ffc_gain"):
+            values = [f[key] for f in figs if key in f]
+            if len(values) == len(figs) > 1:
+                row[f"{key}_std"] = statistics.pstdev(values)   # population std over seeds, as run_matrix
         row["per_seed"] = figs
         table.append(row)
+    add_rounds_to_fedavg(table, runs)
     return table
 
 
+def twin_check(results: Path) -> list[dict[str, Any]]:
+    """Where a sphere run and its sphere+ffc twin both ran: the largest difference of their test accuracies
+    over the evaluated rounds (the calibrated round read as before). Zero means the derived rows are exact."""
+    records = {(tuple(r["labels"]), r["seed"], r["rounds"]): r
+               for r in (json.loads(p.read_text()) for p in sorted((results / "spherefed").glob("*.json")))}
+    checks = []
+    for (labels, seed, rounds), rec in sorted(records.items()):
+        twin = records.get(((*labels[:-1], "sphere+ffc"), seed, rounds))
+        if labels[-1] != "sphere" or twin is None:
+            continue
+        own = {r["round"]: r["test_accuracy"] for r in rec["rows"] if r.get("test_accuracy") is not None}
+        derived = {r["round"]: r["test_accuracy"] for r in _accuracy_rows(twin, True)
+                   if r.get("test_accuracy") is not None}
+        common = sorted(set(own) & set(derived))
+        checks.append({"cell": "/".join(labels[:-1]), "seed": seed, "rounds": rounds, "compared": len(common),
+                       "max_abs_difference": max((abs(own[k] - derived[k]) for k in common), default=None)})
+    return checks
+
+
+def add_rounds_to_fedavg(table: list[dict[str, Any]], runs: dict[tuple[str, str, int, int], tuple[dict, bool]]) -> None:
+    """Per seed, the first round a row reached FedAvg's final accuracy (its mean of the last rounds) in
+    the same cell: the harness's ``rounds to baseline``, here with the derived sphere rows too."""
+    targets = {(r["cell"], r["rounds"]): r["last5"] for r in table if r["method"] == "fedavg"}
+    for row in table:
+        target = targets.get((row["cell"], row["rounds"]))
+        row["rounds_to_fedavg_final"] = [rounds_to_reach(_accuracy_rows(*runs[(row["cell"], row["method"], seed,
+                                                                               row["rounds"])]), target)
+                                         for seed in row["seeds"]]
+
+
+def _accuracy_rows(record: dict[str, Any], derived: bool) -> list[dict[str, Any]]:
+    """A run's rows; for a sphere row derived from its sphere+ffc twin, the calibrated round reads as before."""
+    if not derived:
+        return record["rows"]
+    return [{**r, "test_accuracy": r["ffc_accuracy_before"]} if "ffc_accuracy_before" in r else r
+            for r in record["rows"]]
+
+
 def print_report(console: Console, rows: list[dict[str, Any]]) -> None:
-    table = Table(title="SphereFed on Fashion-MNIST, 10 clients (accuracy in %, mean over seeds)")
+    table = Table(title="SphereFed on Fashion-MNIST (accuracy in %, mean ± population std over seeds)")
     for name in ("cell", "method", "rounds", "seeds", "last", f"last {LAST_ROUNDS}", "FFC before", "FFC after",
-                 "gain", "classifier saved/round", "FFC up/client", "FFC client s", "FFC coord s"):
+                 "gain", "rounds to FedAvg", "classifier saved/round", "FFC up/client", "FFC client s",
+                 "FFC coord s"):
         table.add_column(name, justify="left" if name in ("cell", "method") else "right")
 
-    def pct(v: float | None) -> str:
-        return "" if v is None else f"{100 * v:.2f}"
+    def pct(r: dict[str, Any], key: str, sign: str = "") -> str:
+        if r.get(key) is None:
+            return ""
+        spread = f" ± {100 * r[key + '_std']:.2f}" if key + "_std" in r else ""
+        return f"{100 * r[key]:{sign}.2f}{spread}"
 
     for r in rows:
-        before, after = r.get("ffc_accuracy_before"), r.get("ffc_accuracy_after")
-        gain = f"{100 * (after - before):+.2f}" if before is not None and after is not None else ""
         saved = r.get("classifier_bytes_saved_per_round") or 0
+        reached = ",".join("-" if n is None else str(n) for n in r["rounds_to_fedavg_final"])
         table.add_row(r["cell"], r["method"] + (" *" if r["derived_from_sphere_ffc"] else ""), str(r["rounds"]),
-                      ",".join(map(str, r["seeds"])), pct(r["last"]), pct(r["last5"]), pct(before), pct(after), gain,
+                      ",".join(map(str, r["seeds"])), pct(r, "last"), pct(r, "last5"), pct(r, "ffc_accuracy_before"),
+                      pct(r, "ffc_accuracy_after"), pct(r, "ffc_gain", "+"), reached,
                       human_bytes(saved) if saved else "",
                       human_bytes(r["ffc_bytes_up_per_client"]) if "ffc_bytes_up_per_client" in r else "",
                       f"{r['ffc_client_seconds_max']:.2f}" if "ffc_client_seconds_max" in r else "",
@@ -216,8 +268,12 @@ def main() -> int:
         report["accuracy"] = collect(args.results)
         report["final_accuracy"] = (f"last: the last round's test accuracy (after calibration for FFC runs); "
                                     f"last {LAST_ROUNDS}: mean of the last {LAST_ROUNDS} rounds' test accuracy")
+        report["twin_check"] = twin_check(args.results)
     if report.get("accuracy"):
         print_report(console, report["accuracy"])
+    for check in report.get("twin_check", []):
+        console.print(f"sphere against sphere+ffc before calibration, {check['cell']} seed {check['seed']}: "
+                      f"{check['compared']} evaluated rounds, largest difference {check['max_abs_difference']}")
     args.results.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     console.print(f"written to {path}")
