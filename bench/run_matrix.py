@@ -125,10 +125,11 @@ def load_matrix(path: Path) -> Matrix:
                                  or not all(isinstance(x, int) for x in e["seeds"])):
                 raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: seeds must be a non-empty list of integers, "
                                   f"got {e['seeds']!r}")
-            other, _, label = str(e.get("only_with", "=")).partition("=")
-            if "only_with" in e and (other == axis or label not in [str(x["label"]) for x in axes.get(other, [])]):
-                raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: only_with must be AXIS=LABEL of another "
-                                  f"axis, got {e['only_with']!r}")
+            for condition in _conditions(str(e.get("only_with", ""))):
+                other, _, label = condition.partition("=")
+                if other == axis or label not in [str(x["label"]) for x in axes.get(other, [])]:
+                    raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: only_with must be AXIS=LABEL of another "
+                                      f"axis (several separated by commas), got {e['only_with']!r}")
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{path}: seeds must be a list of integers")
@@ -144,21 +145,23 @@ def load_matrix(path: Path) -> Matrix:
 _ENTRY_KEYS = ("label", "off_protocol", "only_with", "seeds")
 
 
+def _conditions(only_with: str) -> list[str]:
+    """``"alpha=a0.1, model=cnn"`` -> ``["alpha=a0.1", "model=cnn"]``."""
+    return [c.strip() for c in only_with.split(",") if c.strip()]
+
+
 def _fits(combo: tuple[tuple[str, dict[str, Any], str, str], ...], axes: list[str]) -> bool:
-    """Whether every entry's ``only_with = "AXIS=LABEL"`` holds in this combination."""
+    """Whether every entry's ``only_with = "AXIS=LABEL[, AXIS=LABEL]"`` holds in this combination."""
     chosen = dict(zip(axes, (label for label, *_ in combo)))
-    for *_, only_with in combo:
-        axis, _, label = only_with.partition("=")
-        if only_with and chosen.get(axis) != label:
-            return False
-    return True
+    return all(chosen.get(axis) == label
+               for *_, only_with in combo for axis, _, label in (c.partition("=") for c in _conditions(only_with)))
 
 
 def expand(matrix: Matrix, seeds: list[int] | None, rounds: int | None, only: list[str]) -> list[Run]:
     """Every combination of one entry per axis and one seed, in file order.
 
     An entry with ``only_with = "AXIS=LABEL"`` joins only the combinations with that
-    label on that axis (e.g. a layer choice that exists for one model only). An entry's
+    label on that axis (several conditions separated by commas must all hold) (e.g. a layer choice that exists for one model only). An entry's
     own ``run.rounds`` replaces the base's (FedMA counts phases), unless ``rounds`` is given.
     With ``seeds`` None, each cell runs the matrix's seeds, fewer where an entry declares its own
     ``seeds`` (a cut of the compute budget, e.g. the deep model's one seed); given seeds apply to every cell.

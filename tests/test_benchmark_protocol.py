@@ -52,7 +52,12 @@ def test_an_entry_only_with_another_axis_label_joins_only_those_cells(tmp_path):
     assert [run.group for run in runs] == ["cnn/plain", "cnn/from3", "vgg9/plain"]
     assert [run.rounds for run in runs] == [5, 12, 5]          # an entry's own rounds (FedMA counts phases)
     assert ("model", "fed2_from", 3) in runs[1].overrides and all(k != "only_with" for _, k, _ in runs[1].overrides)
-    path.write_text(path.read_text().replace('"model=cnn"', '"model=resnet"'))
+    text = path.read_text()
+    path.write_text(text.replace('"model=cnn"', '"model=cnn, alpha=a0.1"').replace(
+        'seeds = [0]\n', 'seeds = [0]\n[[axes.alpha]]\nlabel = "a0.1"\n[[axes.alpha]]\nlabel = "a0.5"\n'))
+    assert [run.group for run in expand(load_matrix(path), [0], None, [])] == [
+        "a0.1/cnn/plain", "a0.1/cnn/from3", "a0.1/vgg9/plain", "a0.5/cnn/plain", "a0.5/vgg9/plain"]
+    path.write_text(text.replace('"model=cnn"', '"model=resnet"'))
     with pytest.raises(Exception, match="only_with must be AXIS=LABEL of another axis"):
         load_matrix(path)
 
