@@ -15,7 +15,9 @@
    round's accuracy before calibration), marked "from sphere+ffc". Figures are means with
    the population std over seeds, and per seed the first round each row reached FedAvg's
    final accuracy in its cell. Where both twins ran, the report compares them round by
-   round (``twin_check``): zero difference is what makes the derived rows exact.
+   round (``twin_check``): zero difference is what makes the derived rows exact. ``swing_std``
+   and ``swing_range``: how much the uncalibrated accuracy moves between the evaluations of
+   the run's second half (the last round's label mix pulls the model; FFC uses every client).
 
 Prints both tables and writes ``bench/results/spherefed_ffc.json``.
 
@@ -128,7 +130,12 @@ def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any
     last = rows[-1]
     if derived:
         accs[-1] = last["ffc_accuracy_before"]
+    # How far the uncalibrated model swings between evaluations over the second half of the run:
+    # the pull of the last round's clients' label mix, which a calibration on all clients removes.
+    uncalibrated = [r.get("ffc_accuracy_before", r["test_accuracy"]) for r in rows if 2 * r["round"] >= record["rounds"]]
     fig: dict[str, Any] = {"seed": record["seed"], "rounds": record["rounds"], "last": accs[-1],
+                           "swing_std": statistics.pstdev(uncalibrated) if len(uncalibrated) > 1 else 0.0,
+                           "swing_range": max(uncalibrated) - min(uncalibrated),
                            "last5": _mean_last(accs), "best": max(accs),
                            "classifier_bytes_saved_per_round": statistics.fmean(r.get("classifier_bytes_saved", 0)
                                                                                 for r in trained),
@@ -220,7 +227,7 @@ def _accuracy_rows(record: dict[str, Any], derived: bool) -> list[dict[str, Any]
 def print_report(console: Console, rows: list[dict[str, Any]]) -> None:
     table = Table(title="SphereFed on Fashion-MNIST (accuracy in %, mean ± population std over seeds)")
     for name in ("cell", "method", "rounds", "seeds", "last", f"last {LAST_ROUNDS}", "FFC before", "FFC after",
-                 "gain", "rounds to FedAvg", "classifier saved/round", "FFC up/client", "FFC client s",
+                 "gain", "rounds to FedAvg", "swing", "classifier saved/round", "FFC up/client", "FFC client s",
                  "FFC coord s"):
         table.add_column(name, justify="left" if name in ("cell", "method") else "right")
 
@@ -235,7 +242,7 @@ def print_report(console: Console, rows: list[dict[str, Any]]) -> None:
         reached = ",".join("-" if n is None else str(n) for n in r["rounds_to_fedavg_final"])
         table.add_row(r["cell"], r["method"] + (" *" if r["derived_from_sphere_ffc"] else ""), str(r["rounds"]),
                       ",".join(map(str, r["seeds"])), pct(r, "last"), pct(r, "last5"), pct(r, "ffc_accuracy_before"),
-                      pct(r, "ffc_accuracy_after"), pct(r, "ffc_gain", "+"), reached,
+                      pct(r, "ffc_accuracy_after"), pct(r, "ffc_gain", "+"), reached, pct(r, "swing_std"),
                       human_bytes(saved) if saved else "",
                       human_bytes(r["ffc_bytes_up_per_client"]) if "ffc_bytes_up_per_client" in r else "",
                       f"{r['ffc_client_seconds_max']:.2f}" if "ffc_client_seconds_max" in r else "",
@@ -244,6 +251,7 @@ def print_report(console: Console, rows: list[dict[str, Any]]) -> None:
     if any(r["derived_from_sphere_ffc"] for r in rows):
         console.print("* from the sphere+ffc run of the same cell and seed: identical training, accuracy before "
                       "calibration")
+    console.print("swing: std of the uncalibrated test accuracy over the evaluations of the run's second half")
 
 
 def main() -> int:
