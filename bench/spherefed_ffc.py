@@ -139,15 +139,14 @@ def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any
                            "last5": _mean_last(accs), "best": max(accs),
                            "classifier_bytes_saved_per_round": statistics.fmean(r.get("classifier_bytes_saved", 0)
                                                                                 for r in trained),
-                           "bytes_up_per_round": statistics.fmean(r["bytes_up"] for r in trained)}
+                           # the training phase's upload: without the FFC results sent in the same round
+                           "bytes_up_per_round": statistics.fmean(r["bytes_up"] - r.get("ffc_bytes_up", 0)
+                                                                  for r in trained)}
     if "ffc_accuracy_after" in last and not derived:
         fig.update({k: last[k] for k in ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_ridge", "ffc_singular",
                                          "ffc_client_seconds_max", "ffc_coordinator_seconds", "ffc_stats_numbers")})
         fig["ffc_gain"] = last["ffc_accuracy_after"] - last["ffc_accuracy_before"]
         fig["ffc_bytes_up_per_client"] = last["ffc_bytes_up"] // max(last["ffc_returned"], 1)
-        # The training phase's upload excludes the FFC results sent in the same round.
-        train_up = [r["bytes_up"] - r.get("ffc_bytes_up", 0) for r in rows]
-        fig["bytes_up_per_round"] = statistics.fmean(train_up)
     return fig
 
 
