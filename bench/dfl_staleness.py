@@ -58,6 +58,7 @@ from rich.table import Table
 from run_matrix import RESULTS, Run, expand, load_matrix, run_config
 from coordinator.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, load_config, parse_override
+from coordinator.downlink import download_generator
 from coordinator.methods import make_strategy
 from coordinator.run import run_federated
 from coordinator.spawn import sim_client_id
@@ -124,8 +125,8 @@ def measure_run(run_dir: Path, console: Console) -> tuple[RunConfig, int, list[d
     for i, cid in enumerate(ids):
         data = local_data_view(rows_by_client, i, fraction)
         plan = strategy.configure_evaluate(final, state, [cid])[0]
-        # as the client decodes what the coordinator sent (seeded as coordinator.downlink encodes it)
-        wire = encode_download(plan.down, codec, generator=torch.Generator().manual_seed(seed * 1_000_003 + final))
+        # as the client decodes what the coordinator sent
+        wire = encode_download(plan.down, codec, generator=download_generator(seed, final))
         model.load_state_dict(decode_download(wire, codec, state_shapes(model)), strict=False)
         ctx = TaskContext(seed=shuffle_seed(seed, final + 1, cid), round=final, client_id=cid,
                           state_dir=run_dir / "clients" / cid, profiler=Profiler())

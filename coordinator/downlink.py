@@ -34,6 +34,12 @@ def shared_tensors(plans: Sequence[TaskPlan]) -> dict[str, torch.Tensor]:
             if all(name in p.down and (p.down[name] is t or torch.equal(p.down[name], t)) for p in rest)}
 
 
+def download_generator(run_seed: int, round: int) -> torch.Generator:
+    """The generator a round's download is encoded with: seeded, so a retried attempt re-encodes the
+    same bytes (the same broadcast hash), and a benchmark can rebuild what a client received."""
+    return torch.Generator().manual_seed(run_seed * 1_000_003 + round)
+
+
 class Downlink:
     """Encodes the broadcast and the tasks of a run with its download codec."""
 
@@ -46,9 +52,7 @@ class Downlink:
 
     def _encode(self, kind: str, round: int, task_id: str, body: ModelBody | TaskBody,
                 tensors: dict[str, torch.Tensor]) -> bytes:
-        # Seeded, so a retried attempt re-encodes the same bytes (same broadcast hash).
-        generator = torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + round)
-        wire = encode_download(tensors, body.codec, generator=generator)
+        wire = encode_download(tensors, body.codec, generator=download_generator(self.config.run.seed, round))
         return encode(kind, run_id=self.run_id, round=round, task_id=task_id, sender="coordinator",
                       body=body.to_body(), tensors=wire, compression=body.codec)
 
