@@ -4,7 +4,7 @@ Why: under the benchmark protocol 100 clients exist and 10 train per round, so a
 specific extractor and predictor last learned about 10 rounds before an evaluation, against the
 invariant extractor of that round. ``dfl_evaluate`` pairs them with the *current* global invariant
 extractor, whose features have moved on since. If that mismatch is what keeps DFL below FedAvg
-(docs/dfl.md, "A lead to measure"), a device's accuracy falls with the rounds since it last trained,
+(docs/dfl.md, "Under the protocol: the first runs"), a device's accuracy falls with the rounds since it last trained,
 and one pass of DFL's local stage against the current invariant extractor recovers it. If neither
 holds, the predictor is not the cause and the verdict has to look elsewhere.
 
@@ -30,7 +30,7 @@ The mean of ``as_served`` must equal the run's last ``personalized_accuracy_mean
 
 Prints the tables and writes ``RESULTS/dfl_staleness.json``.
 
-    # the protocol cell (100 clients, 100 rounds, Fashion-MNIST; hours on a small machine)
+    # the protocol cell (100 clients, 100 rounds, Fashion-MNIST; about 10 minutes on 2 cores)
     python bench/dfl_staleness.py --out runs/dfl-staleness-color5-s0
     # a quick check on digits (6 clients, 2 a round, 4 rounds)
     python bench/dfl_staleness.py --set data.eval=digits --set clients.expected=6 --set clients.per_round=2 \\
