@@ -161,7 +161,8 @@ def expand(matrix: Matrix, seeds: list[int] | None, rounds: int | None, only: li
     """Every combination of one entry per axis and one seed, in file order.
 
     An entry with ``only_with = "AXIS=LABEL"`` joins only the combinations with that
-    label on that axis (several conditions separated by commas must all hold) (e.g. a layer choice that exists for one model only). An entry's
+    label on that axis (e.g. a layer choice that exists for one model only; several conditions,
+    separated by commas, must all hold). An entry's
     own ``run.rounds`` replaces the base's (FedMA counts phases), unless ``rounds`` is given.
     With ``seeds`` None, each cell runs the matrix's seeds, fewer where an entry declares its own
     ``seeds`` (a cut of the compute budget, e.g. the deep model's one seed); given seeds apply to every cell.

@@ -124,12 +124,10 @@ def _mean_last(values: list[float]) -> float:
 
 def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any]:
     """One run's figures; ``derived``: a sphere run read off its sphere+ffc twin (before calibration)."""
-    trained = [r for r in record["rows"] if r["round"] > 0]
+    trained = [r for r in _accuracy_rows(record, derived) if r["round"] > 0]
     rows = [r for r in trained if r.get("test_accuracy") is not None]   # the evaluated rounds (eval.every)
     accs = [r["test_accuracy"] for r in rows]
     last = rows[-1]
-    if derived:
-        accs[-1] = last["ffc_accuracy_before"]
     # How far the uncalibrated model swings between evaluations over the second half of the run:
     # the pull of the last round's clients' label mix, which a calibration on all clients removes.
     uncalibrated = [r.get("ffc_accuracy_before", r["test_accuracy"]) for r in rows if 2 * r["round"] >= record["rounds"]]
@@ -150,9 +148,13 @@ def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any
     return fig
 
 
-def collect(results: Path) -> list[dict[str, Any]]:
+def read_runs(results: Path) -> list[dict[str, Any]]:
+    """The matrix's run files, read once for the table and the twin check."""
+    return [json.loads(p.read_text()) for p in sorted((results / "spherefed").glob("*.json"))]
+
+
+def collect(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Table rows (cell, method) with figures averaged over the seeds present."""
-    records = [json.loads(p.read_text()) for p in sorted((results / "spherefed").glob("*.json"))]
     runs: dict[tuple[str, str, int, int], tuple[dict[str, Any], bool]] = {}
     for rec in records:
         cell, method = "/".join(rec["labels"][:-1]), rec["labels"][-1]
@@ -185,14 +187,13 @@ def collect(results: Path) -> list[dict[str, Any]]:
     return table
 
 
-def twin_check(results: Path) -> list[dict[str, Any]]:
+def twin_check(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Where a sphere run and its sphere+ffc twin both ran: the largest difference of their test accuracies
     over the evaluated rounds (the calibrated round read as before). Zero means the derived rows are exact."""
-    records = {(tuple(r["labels"]), r["seed"], r["rounds"]): r
-               for r in (json.loads(p.read_text()) for p in sorted((results / "spherefed").glob("*.json")))}
+    by_key = {(tuple(r["labels"]), r["seed"], r["rounds"]): r for r in records}
     checks = []
-    for (labels, seed, rounds), rec in sorted(records.items()):
-        twin = records.get(((*labels[:-1], "sphere+ffc"), seed, rounds))
+    for (labels, seed, rounds), rec in sorted(by_key.items()):
+        twin = by_key.get(((*labels[:-1], "sphere+ffc"), seed, rounds))
         if labels[-1] != "sphere" or twin is None:
             continue
         own = {r["round"]: r["test_accuracy"] for r in rec["rows"] if r.get("test_accuracy") is not None}
@@ -272,10 +273,11 @@ def main() -> int:
     if report.get("cost"):
         print_cost(console, report["cost"])
     if not args.skip_report:
-        report["accuracy"] = collect(args.results)
+        records = read_runs(args.results)
+        report["accuracy"] = collect(records)
         report["final_accuracy"] = (f"last: the last round's test accuracy (after calibration for FFC runs); "
                                     f"last {LAST_ROUNDS}: mean of the last {LAST_ROUNDS} rounds' test accuracy")
-        report["twin_check"] = twin_check(args.results)
+        report["twin_check"] = twin_check(records)
     if report.get("accuracy"):
         print_report(console, report["accuracy"])
     for check in report.get("twin_check", []):
