@@ -63,7 +63,7 @@ from coordinator.methods import make_strategy
 from coordinator.run import run_federated
 from coordinator.spawn import sim_client_id
 from edge_client.data import arrange_clients, load_dataset
-from edge_client.methods.dfl import STATE_FILE, _hyper as task_hyper, dfl_evaluate, local_stage
+from edge_client.methods.dfl import STATE_FILE, dfl_evaluate, local_stage, stage_hyper
 from edge_client.models import state_shapes
 from edge_client.objectives import TaskContext, evaluate, holdout_seed, local_data_view, shuffle_seed
 from edge_client.registry import build_model
@@ -84,9 +84,10 @@ class StalenessError(RuntimeError):
 
 def cell_run(matrix_path: Path, cell: str, seed: int, rounds: int | None, sets: list[str]) -> Run:
     """The matrix cell ``cell`` (its GROUP label, e.g. ``color5/dfl``) with ``seed``, plus ``--set`` overrides."""
-    runs = [r for r in expand(load_matrix(matrix_path), [seed], rounds, []) if r.group == cell]
+    every = expand(load_matrix(matrix_path), [seed], rounds, [])
+    runs = [r for r in every if r.group == cell]
     if not runs:
-        groups = sorted({r.group for r in expand(load_matrix(matrix_path), [seed], rounds, [])})
+        groups = sorted({r.group for r in every})
         raise ConfigError(f"{matrix_path} has no cell {cell!r}; its cells: {', '.join(groups)}")
     return dataclasses.replace(runs[0], overrides=runs[0].overrides + tuple(parse_override(s) for s in sets))
 
@@ -133,7 +134,7 @@ def measure_run(run_dir: Path, console: Console) -> tuple[RunConfig, int, list[d
         served = dfl_evaluate(model, data, plan.hyper, ctx).metrics["local_accuracy"]
         # DFL's local stage once more, as the client's next training task would start it
         refreshed_model = copy.deepcopy(model)
-        h, d = task_hyper(strategy.configure_train(final + 1, state, [cid])[0].hyper)
+        h, d = stage_hyper(strategy.configure_train(final + 1, state, [cid])[0].hyper)
         gen = torch.Generator().manual_seed(ctx.seed)
         torch.manual_seed(ctx.seed)
         refreshed_model.train()

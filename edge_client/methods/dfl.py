@@ -57,7 +57,7 @@ from profiling.history import append_history
 from profiling.profiler import Profiler
 
 __all__ = ["DflHyper", "DeviceState", "STATE_FILE", "dfl_train", "dfl_evaluate", "local_stage", "global_stage",
-           "device_seed"]
+           "stage_hyper", "device_seed"]
 
 log = logging.getLogger("fedge.dfl")
 STATE_FILE = "dfl_state.safetensors"
@@ -255,7 +255,8 @@ def _two_branch(model: nn.Module) -> TwoBranchModel:
     return model
 
 
-def _hyper(hyper: Mapping[str, Any]) -> tuple[TrainHyper, DflHyper]:
+def stage_hyper(hyper: Mapping[str, Any]) -> tuple[TrainHyper, DflHyper]:
+    """A task's training and DFL settings; the epoch count is each stage's own, not the task's."""
     train = {k: v for k, v in dict(hyper.get("train", {})).items() if k != "epochs"}  # each stage has its own
     return TrainHyper.from_dict(train), DflHyper.from_dict(hyper.get("dfl", {}))
 
@@ -263,7 +264,7 @@ def _hyper(hyper: Mapping[str, Any]) -> tuple[TrainHyper, DflHyper]:
 def dfl_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """One round of DFL on this device: local stage, global stage, save the device-only parts."""
     model = _two_branch(model)
-    h, d = _hyper(hyper)
+    h, d = stage_hyper(hyper)
     if len(data) == 0:
         raise ObjectiveError("this device has no training samples")
     if d.peers > len(model.peers):
