@@ -249,7 +249,7 @@ def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], pr
     return record
 
 
-def _final(rows: list[dict[str, Any]], key: str) -> float | None:
+def final_mean(rows: list[dict[str, Any]], key: str) -> float | None:
     """Mean of ``key`` over the last LAST_ROUNDS trained rounds that have it: rows of rounds without
     an evaluation (``eval.every``) have none."""
     trained = [r[key] for r in rows if r["round"] > 0 and r.get(key) is not None]
@@ -273,15 +273,15 @@ def _mean(values: list[float | None]) -> float | None:
 def _personalized(recs: list[dict[str, Any]], trained: list[dict[str, Any]]) -> dict[str, Any]:
     """Personalized accuracy (each client's model on its own held-out split; last rounds, over seeds)
     and upload bytes per client per round, when the runs report them."""
-    finals = [_final(r["rows"], "personalized_accuracy_mean") for r in recs]
+    finals = [final_mean(r["rows"], "personalized_accuracy_mean") for r in recs]
     if any(f is None for f in finals):
         return {}
     up = [row["bytes_up_per_client"] for row in trained if "bytes_up_per_client" in row]
     return {"personalized_accuracy_mean": statistics.fmean(finals), "personalized_accuracy_spread": _spread(finals),
             "personalized_accuracy_per_seed": finals,
-            "personalized_accuracy_min_mean": _mean([_final(r["rows"], "personalized_accuracy_min") for r in recs]),
+            "personalized_accuracy_min_mean": _mean([final_mean(r["rows"], "personalized_accuracy_min") for r in recs]),
             # the spread over clients (each run's std over its clients, then the mean over seeds)
-            "personalized_accuracy_client_std_mean": _mean([_final(r["rows"], "personalized_accuracy_std")
+            "personalized_accuracy_client_std_mean": _mean([final_mean(r["rows"], "personalized_accuracy_std")
                                                             for r in recs]),
             "bytes_up_per_client_per_round": statistics.fmean(up) if up else None}
 
@@ -294,8 +294,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for (group, rounds), recs in groups.items():
         recs.sort(key=lambda r: r["seed"])
-        finals = [_final(r["rows"], "test_accuracy") for r in recs]
-        divs = [d for d in (_final(r["rows"], "weight_divergence_mean") for r in recs) if d is not None]
+        finals = [final_mean(r["rows"], "test_accuracy") for r in recs]
+        divs = [d for d in (final_mean(r["rows"], "weight_divergence_mean") for r in recs) if d is not None]
         trained = [row for r in recs for row in r["rows"] if row["round"] > 0]
         tested = [f for f in finals if f is not None]
         table.append({
@@ -420,8 +420,8 @@ def main() -> int:
                 continue
             console.print(f"[bold]{i}/{len(runs)} {run.group} seed {run.seed}, {run.rounds} rounds[/bold]")
             record = run_one(run, out_dir, console, found, protocol)
-            personal = _final(record["rows"], "personalized_accuracy_mean")
-            console.print(f"  final accuracy {_fmt(_final(record['rows'], 'test_accuracy'))}"
+            personal = final_mean(record["rows"], "personalized_accuracy_mean")
+            console.print(f"  final accuracy {_fmt(final_mean(record['rows'], 'test_accuracy'))}"
                           + (f", personalized {personal:.4f}" if personal is not None else "")
                           + f" in {record['seconds']:.0f} s")
     records = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
