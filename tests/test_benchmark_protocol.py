@@ -103,3 +103,26 @@ def test_an_entry_may_declare_fewer_seeds(tmp_path):
     path.write_text(path.read_text().replace("seeds = [0]\n", 'seeds = "0"\n'))
     with pytest.raises(Exception, match="seeds must be a non-empty list of integers"):
         load_matrix(path)
+
+
+def _dfl_record(partition: str, row: str, seed: int, mean: float, worst: float) -> dict:
+    evaluated = [{"round": r, "personalized_accuracy_mean": mean, "personalized_accuracy_min": worst}
+                 for r in range(5, 101, 5)]
+    return {"labels": [partition, row], "seed": seed, "rows": [{"round": 0}, *evaluated]}
+
+
+def test_the_dfl_verdict_pairs_seeds_and_applies_the_held_out_criterion():
+    from dfl_verdict import compare, held_out_check, per_seed
+
+    records = [_dfl_record(p, "fedavg", s, 0.80 + 0.02 * s, 0.70) for p in ("color5", "rotate5", "invert5")
+               for s in (0, 1)]
+    # DFL sits 3 points over FedAvg on the seen partitions and 4 on the held-out one, in every seed
+    records += [_dfl_record(p, "dfl", s, 0.80 + 0.02 * s + gain, 0.70) for p, gain in
+                (("color5", 0.03), ("rotate5", 0.03), ("invert5", 0.04)) for s in (0, 1)]
+    order = [f"{p}/{r}" for p in ("color5", "rotate5", "invert5") for r in ("fedavg", "dfl")]
+    table = compare(per_seed(records), order)
+    assert table["color5"]["dfl"]["gain"]["mean"] == pytest.approx(0.03)
+    assert table["color5"]["dfl"]["gain"]["std"] == pytest.approx(0.0)       # the seed offset cancels
+    check = held_out_check(table, "dfl")
+    assert check["gain_at_least_as_large"] and not check["worst_gap_no_larger"] and not check["generalizes"]
+    assert held_out_check(compare(per_seed(records[:4]), order), "dfl") is None   # invert5 has not run
