@@ -44,6 +44,7 @@ from edge_client.wire.protocol import (ManifestBody, Message, PartialBody, Prese
                                        StatusBody, TaskBody, Topics, check_tensors, decode, encode, valid_client_id)
 from edge_client.wire.chunking import DEFAULT_PARTIAL_BYTES, ChunkingTransport
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
+from edge_client.seeding import private_rng
 from profiling.schema import clean_profile
 
 __all__ = ["RunError", "Coordinator", "EvalData"]
@@ -214,7 +215,7 @@ class Coordinator:
         """
         key = json.dumps(self.state.spec, sort_keys=True)
         if key != self._network_key:
-            with torch.random.fork_rng(devices=[]):   # building must not move the run's random stream
+            with private_rng():   # building must not move the run's random stream
                 model = build_model(self.state.spec)
             self.model, self.shapes, self._network_key = model, state_shapes(model), key
         return self.model, self.shapes
@@ -749,7 +750,7 @@ class Coordinator:
         """The strategy's evaluation of ``state`` (a snapshot), on the evaluation network and device."""
         key = json.dumps(state.spec, sort_keys=True)
         if key != self._eval_model_key:   # built here: building draws from the run's random stream
-            with torch.random.fork_rng(devices=[]):
+            with private_rng():
                 self._eval_model, self._eval_model_key = build_model(state.spec).to(self.eval_device), key
         if self.eval_data.x.device != self.eval_device:   # moved once, not per evaluation
             self.eval_data = EvalData(self.eval_data.x.to(self.eval_device), self.eval_data.y.to(self.eval_device))

@@ -48,6 +48,7 @@ from edge_client.wire.protocol import (ManifestBody, Message, ModelBody, Partial
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.transport import BrokerSettings, MqttTransport, Transport, TransportError, Will
 from edge_client.wire.updates import decode_download
+from edge_client.seeding import private_rng
 
 __all__ = ["AggregationWorker", "default_worker_id", "serve_worker"]
 
@@ -185,7 +186,7 @@ class AggregationWorker:
     def _network_shapes(self, spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         key = json.dumps(spec, sort_keys=True)
         if key != self._shapes[0]:
-            with torch.random.fork_rng(devices=[]):
+            with private_rng():
                 self._shapes = (key, state_shapes(build_model(spec)))
         return self._shapes[1]
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from edge_client.data import ClientRows, holdout_split
 from edge_client.optim import DeviceSGD
+from edge_client.seeding import seed_global_rng
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
@@ -165,7 +166,7 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
     opt = DeviceSGD(params, lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
     profiler = ctx.profiler
     gen = torch.Generator().manual_seed(ctx.seed)
-    torch.manual_seed(ctx.seed)
+    seed_global_rng(ctx.seed)
     model.train()
     total_loss, seen = 0.0, 0
     for xb, yb in minibatches(data, h.batch_size, h.epochs, gen, profiler):

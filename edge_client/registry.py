@@ -27,6 +27,7 @@ from edge_client.methods.dfl_model import two_branch
 from edge_client.models import ModelFactory
 from edge_client.objectives import OBJECTIVES as PLAIN_OBJECTIVES
 from edge_client.objectives import Objective
+from edge_client.seeding import global_rng, private_rng
 
 __all__ = ["Method", "METHODS", "OBJECTIVES", "NETWORKS", "build_model", "model_size", "describe_size"]
 
@@ -74,15 +75,19 @@ NETWORKS: dict[str, ModelFactory] = {**models.MODELS,
 
 
 def build_model(spec: Mapping[str, Any]) -> nn.Module:
-    """The network a model spec names, a backbone or a method's; every party builds it the same way."""
-    return models.build_model(spec, NETWORKS)
+    """The network a model spec names, a backbone or a method's; every party builds it the same way.
+
+    Building draws from torch's global generator, so it holds that generator (edge_client.seeding).
+    """
+    with global_rng():
+        return models.build_model(spec, NETWORKS)
 
 
 def model_size(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Parameters and multiply-adds per image of the network a spec builds, and, for a model a
     method adapted (Fed2's groups), of the original beside it (``original``)."""
     def cost(s: Mapping[str, Any]) -> dict[str, int]:
-        with torch.random.fork_rng(devices=[]):   # measuring must not move a seeded initialization
+        with private_rng():   # measuring must not move a seeded initialization
             model = build_model(s)
         return models.model_cost(model, int(s["in_channels"]), int(s["image_size"]))
 

@@ -28,6 +28,7 @@ from edge_client.methods.dfl import STATE_FILE, DeviceState, DflHyper, device_se
 from edge_client.methods.dfl_model import part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_model
+from edge_client.seeding import seed_global_rng
 from edge_client.methods.mutual_info import PairCritic, jsd_mutual_information
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext, TrainHyper
 from edge_client.wire.protocol import Topics, decode, encode
@@ -188,6 +189,33 @@ def test_frozen_parts_do_not_change_during_their_stage(colored):
     assert changed(trained, model) >= set(part_names(trained, "invariant", "mi.glob"))
     assert all(p.requires_grad for p in model.parameters())   # frozen only for the stage
 
+
+
+def test_a_fresh_device_is_the_same_while_other_tasks_seed_and_build(tmp_path):
+    """Simulated clients share torch's global generator: other tasks seeding it and building networks
+    meanwhile must not change the branches a device initializes from its own seed."""
+    model, store = build_model(COLOR_SPEC), DeviceState(tmp_path / "dev")
+    store.load_into(model, 7)
+    reference = {k: v.clone() for k, v in DeviceState.tensors(model).items()}
+    stop = threading.Event()
+
+    def other_tasks(seed: int = 0) -> None:
+        while not stop.is_set():   # what a training task does as it starts, and a worker's first build
+            seed_global_rng(seed)
+            build_model(COLOR_SPEC)
+            seed += 1
+
+    threads = [threading.Thread(target=other_tasks) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(30):
+            store.load_into(model, 7)
+            assert all(torch.equal(v, reference[k]) for k, v in DeviceState.tensors(model).items())
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
 # --------------------------------------------------------------------------- state on the device
 

@@ -37,6 +37,7 @@ from coordinator.strategies.base import ClientResult, PersonalizedEval, ServerSt
 from edge_client.methods.dfl_model import INVARIANT, SPECIFIC, part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_model
+from edge_client.seeding import private_rng
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
@@ -158,7 +159,7 @@ class DFL(Strategy):
 
 @functools.lru_cache(maxsize=4)
 def _specific_names(spec_json: str) -> list[str]:
-    with torch.random.fork_rng(devices=[]):   # building it must not move the run's seeded initialization
+    with private_rng():   # building it must not move the run's seeded initialization
         model = build_model(json.loads(spec_json))
     return part_names(federated_names(model), SPECIFIC)
 

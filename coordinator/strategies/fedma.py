@@ -52,6 +52,7 @@ from coordinator.strategies.base import ClientResult, ServerState, Strategy, Tas
 from coordinator.strategies.fed2 import histogram_problem, label_histogram
 from edge_client.methods.fedma_layers import client_slice, weight_layers
 from edge_client.registry import build_model
+from edge_client.seeding import private_rng
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
@@ -265,7 +266,7 @@ def _matched_widths(state: ServerState, names: list[str]) -> list[int]:
 
 @functools.lru_cache(maxsize=16)
 def _model(spec_json: str) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):   # building must not move the run's seeded initialization
+    with private_rng():   # building must not move the run's seeded initialization
         return build_model(json.loads(spec_json))
 
 

@@ -53,6 +53,7 @@ from edge_client.wire.files import write_tensors_atomic
 from edge_client.methods.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
                                     minibatches, Objective)
+from edge_client.seeding import private_rng, seed_global_rng
 from profiling.history import append_history
 from profiling.profiler import Profiler
 
@@ -131,8 +132,7 @@ class DeviceState:
 
 def _initialize(model: TwoBranchModel, seed: int) -> None:
     """Fresh device-only parts, the same on every run of this device (global RNG untouched)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with private_rng(seed):
         for part in DEVICE_PARTS:
             for module in getattr(model, part).modules():
                 reset = getattr(module, "reset_parameters", None)
@@ -272,7 +272,7 @@ def dfl_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
     store = DeviceState(ctx.state_dir)
     loaded = store.load_into(model, device_seed(d.init_seed, ctx.client_id))
     gen = torch.Generator().manual_seed(ctx.seed)
-    torch.manual_seed(ctx.seed)
+    seed_global_rng(ctx.seed)
     model.train()
     peers = list(model.peers)[:d.peers]
     local = local_stage(model, data, h, d, gen, ctx.profiler, peers)
