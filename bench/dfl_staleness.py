@@ -51,7 +51,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -63,7 +62,7 @@ from coordinator.methods import make_strategy
 from coordinator.run import run_federated
 from coordinator.spawn import sim_client_id
 from edge_client.data import arrange_clients, load_dataset
-from edge_client.methods.dfl import STATE_FILE, dfl_evaluate, local_stage, stage_hyper
+from edge_client.methods.dfl import STATE_FILE, dfl_evaluate, refresh, stage_hyper
 from edge_client.models import state_shapes
 from edge_client.objectives import TaskContext, evaluate, holdout_seed, local_data_view, shuffle_seed
 from edge_client.registry import build_model
@@ -135,10 +134,7 @@ def measure_run(run_dir: Path, console: Console) -> tuple[RunConfig, int, list[d
         # DFL's local stage once more, as the client's next training task would start it
         refreshed_model = copy.deepcopy(model)
         h, d = stage_hyper(strategy.configure_train(final + 1, state, [cid])[0].hyper)
-        gen = torch.Generator().manual_seed(ctx.seed)
-        torch.manual_seed(ctx.seed)
-        refreshed_model.train()
-        local_stage(refreshed_model, data, h, d, gen, Profiler())
+        refresh(refreshed_model, data, h, d, d.local_epochs, ctx)
         _, refreshed = evaluate(refreshed_model, data.x_test, data.y_test)
         trained = last_trained(ctx.state_dir)
         results.append({"client": cid, "last_trained": trained,

@@ -21,10 +21,12 @@ from safetensors.torch import load_file
 from coordinator.config import ConfigError, load_config
 from coordinator.run import run_federated
 from coordinator.methods import make_strategy
+from coordinator.strategies.base import ServerState
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import (client_split, domain_palette, evaluation_split, load_dataset, parse_attribute_skew,
                               partition_indices)
-from edge_client.methods.dfl import STATE_FILE, DeviceState, DflHyper, device_seed, dfl_train, global_stage, local_stage
+from edge_client.methods.dfl import (STATE_FILE, DeviceState, DflHyper, device_seed, dfl_evaluate, dfl_train,
+                                     global_stage, local_stage)
 from edge_client.methods.dfl_model import part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_model
@@ -258,6 +260,29 @@ def test_device_state_survives_a_restart_byte_for_byte(tmp_path, colored, caplog
                                                      profiler=Profiler()))
 
 
+
+def test_evaluate_can_refresh_the_device_branches_first_and_keeps_nothing(tmp_path, digits):
+    x, y = client_split(digits, "attribute:color:3", 0, 3, 0)
+    n = len(y) * 3 // 4
+    data = LocalData(*(torch.from_numpy(a) for a in (x[:n], y[:n], x[n:], y[n:])))
+    model = build_model(COLOR_SPEC)
+    hyper = {"train": {"batch_size": 32, "lr": 0.05}, "dfl": {"init_seed": 3}}
+    dfl_train(model, data, hyper, context(tmp_path))
+    state_file = tmp_path / "dev1" / STATE_FILE
+    saved = state_file.read_bytes()
+    invariant = snapshot(model, "invariant")
+
+    served = dfl_evaluate(model, data, {"dfl": {"init_seed": 3}}, context(tmp_path, round=2)).metrics
+    refreshed = dfl_evaluate(model, data, {**hyper, "dfl": {"init_seed": 3, "refresh_epochs": 2}},
+                             context(tmp_path, round=2)).metrics
+    assert refreshed["local_loss"] != served["local_loss"]          # the device's branches learned first
+    assert changed(invariant, model) == set()                        # against the received invariant, frozen
+    assert state_file.read_bytes() == saved                          # an evaluation keeps nothing
+    again = dfl_evaluate(model, data, {"dfl": {"init_seed": 3}}, context(tmp_path, round=2)).metrics
+    assert again == served
+    with pytest.raises(ObjectiveError, match="must not be negative"):
+        dfl_evaluate(model, data, {"dfl": {"refresh_epochs": -1}}, context(tmp_path))
+
 # --------------------------------------------------------------------------- strategy and uploads
 
 def dfl_config(out: Path, **sets):
@@ -307,6 +332,24 @@ def test_dfl_config_errors_say_what_to_set(tmp_path):
     strategy = make_strategy(dfl_config(tmp_path / "b"))
     with pytest.raises(ConfigError, match="backbone"):
         strategy.model_spec({"name": "dfl", "num_classes": 10, "in_channels": 3, "image_size": 8})
+
+
+def test_finetune_epochs_refresh_each_device_before_it_is_tested(tmp_path):
+    """eval.finetune_epochs is DFL's refresh: the evaluate tasks carry it and the training settings."""
+    strategy = make_strategy(dfl_config(tmp_path / "plain", eval__finetune_epochs=2))
+    empty = ServerState(round=1, params={}, spec={})
+    [plan] = strategy.configure_evaluate(1, empty, ["dev1"])
+    assert plan.hyper["dfl"]["refresh_epochs"] == 2 and plan.hyper["train"] == strategy.train
+    [plan] = make_strategy(dfl_config(tmp_path / "plain")).configure_evaluate(1, empty, ["dev1"])
+    assert "refresh_epochs" not in plan.hyper["dfl"]   # the task as before: older devices take it
+
+    rows = {}
+    for name, epochs in (("plain", 0), ("refreshed", 1)):
+        result = run_federated(dfl_config(tmp_path / name, eval__finetune_epochs=epochs), say=lambda s: None)
+        rows[name] = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["personalized_clients"] == 3 for r in rows["refreshed"][1:])
+    assert rows["refreshed"][-1]["personalized_accuracy_mean"] != rows["plain"][-1]["personalized_accuracy_mean"]
+    assert [r["train_loss"] for r in rows["refreshed"][1:]] == [r["train_loss"] for r in rows["plain"][1:]]
 
 
 def test_diversity_relays_other_clients_specific_branches(tmp_path):

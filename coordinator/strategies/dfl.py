@@ -72,18 +72,21 @@ class DflSection:
 class DFL(Strategy):
     name = "dfl"
 
-    def __init__(self, train: dict[str, Any], settings: DflSection, *, seed: int, every: int = 1) -> None:
+    def __init__(self, train: dict[str, Any], settings: DflSection, *, seed: int, every: int = 1,
+                 refresh_epochs: int = 0) -> None:
         self.train = dict(train)
         self.settings = settings
         self.seed = seed
-        self.personalized = PersonalizedEval(every=every)   # DFL's result is personalized accuracy
+        # DFL's result is personalized accuracy; eval.finetune_epochs is its refresh before testing
+        self.personalized = PersonalizedEval(every=every, finetune_epochs=refresh_epochs)
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "DFL":
         if config.clients.spawn > 0 and config.data.local_test_fraction <= 0:
             raise ConfigError("dfl reports personalized accuracy on each client's held-out split: "
                               "data.local_test_fraction must be > 0 (leave it unset for dfl's default, 0.2)")
-        return cls(dataclasses.asdict(config.train), config.dfl, seed=config.run.seed, every=config.eval.every)
+        return cls(dataclasses.asdict(config.train), config.dfl, seed=config.run.seed, every=config.eval.every,
+                   refresh_epochs=config.eval.finetune_epochs)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The two-branch model around the configured backbone (``model.name``)."""
@@ -148,7 +151,14 @@ class DFL(Strategy):
         return dataclasses.replace(state, round=round, params={**state.params, **total.mean(), **banked})
 
     def configure_evaluate(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
-        hyper = {"dfl": {"init_seed": self.seed}}
+        """The global invariant extractor to every client, tested with its own branches; with
+        ``eval.finetune_epochs`` each first refreshes its specific extractor and predictor against it
+        (DFL's local stage), as FedAvg + fine-tuning trains the global model first."""
+        epochs = self.personalized.finetune_epochs if self.personalized else 0
+        hyper: dict[str, Any] = {"dfl": {"init_seed": self.seed}}
+        if epochs:   # only then, so a device from before the refresh existed still takes the task
+            hyper = self._hyper()
+            hyper["dfl"]["refresh_epochs"] = epochs
         return [TaskPlan(client_id=c, objective="dfl_evaluate", hyper=hyper, down=self._invariant(state), up=[],
                          expect={}) for c in clients]
 

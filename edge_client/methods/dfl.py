@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import logging
 import math
@@ -58,7 +59,7 @@ from profiling.history import append_history
 from profiling.profiler import Profiler
 
 __all__ = ["DflHyper", "DeviceState", "STATE_FILE", "dfl_train", "dfl_evaluate", "local_stage", "global_stage",
-           "stage_hyper", "device_seed"]
+           "stage_hyper", "device_seed", "refresh"]
 
 log = logging.getLogger("fedge.dfl")
 STATE_FILE = "dfl_state.safetensors"
@@ -75,6 +76,7 @@ class DflHyper:
     mi_max_weight: float = 1.0    # MI(invariant; global invariant), maximized by the invariant extractor
     init_seed: int = 0            # the run seed: initializes a device that has no saved state
     peers: int = 0                # peer slots this task filled (diversity transferring)
+    refresh_epochs: int = 0       # evaluate: local-stage epochs against the received invariant first
 
     @classmethod
     def from_dict(cls, hyper: Mapping[str, Any]) -> "DflHyper":
@@ -82,7 +84,8 @@ class DflHyper:
         if unknown:
             raise ObjectiveError(f"unknown dfl hyperparameters {unknown}; known: {sorted(cls.__dataclass_fields__)}")
         h = cls(**hyper)
-        if h.local_epochs < 0 or h.global_epochs < 0 or h.mi_min_weight < 0 or h.mi_max_weight < 0 or h.peers < 0:
+        if h.local_epochs < 0 or h.global_epochs < 0 or h.mi_min_weight < 0 or h.mi_max_weight < 0 or h.peers < 0 \
+                or h.refresh_epochs < 0:
             raise ObjectiveError(f"invalid dfl hyperparameters {dict(hyper)!r}: epochs, weights and peers "
                                  "must not be negative")
         return h
@@ -285,16 +288,36 @@ def dfl_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
     return ObjectiveOutput(num_samples=len(data), metrics=metrics)
 
 
+def refresh(model: TwoBranchModel, data: LocalData, h: TrainHyper, d: DflHyper, epochs: int,
+            ctx: TaskContext) -> dict[str, float]:
+    """DFL's local stage (``epochs`` epochs) against the invariant extractor in ``model`` now.
+
+    Why: under partial participation a device's specific extractor and predictor last learned
+    when it was last selected, against that round's invariant extractor; paired with a newer one
+    they read features that have moved on (docs/dfl.md, "Stale devices"). Seeded as a training
+    task of this context would be."""
+    gen = torch.Generator().manual_seed(ctx.seed)
+    seed_global_rng(ctx.seed)
+    model.train()
+    return local_stage(model, data, h, dataclasses.replace(d, local_epochs=epochs), gen, ctx.profiler)
+
+
 def dfl_evaluate(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """Personalized accuracy: the received global invariant branch with this device's own specific
     branch and predictor, on its held-out split. A device that has not trained yet uses its
-    initial branches. Nothing is uploaded, nothing is saved."""
+    initial branches. With ``dfl.refresh_epochs`` the specific branch and predictor first learn
+    that many local-stage epochs against the received invariant branch (the task's ``train``
+    settings). Nothing is uploaded, nothing is saved: the next task starts from the saved state."""
     model = _two_branch(model)
     if data.num_test == 0:
         raise ObjectiveError("this device has no local test split; set data.local_test_fraction > 0 "
                              "(--local-test-fraction on a device)")
     d = DflHyper.from_dict(hyper.get("dfl", {}))
     DeviceState(ctx.state_dir).load_into(model, device_seed(d.init_seed, ctx.client_id))
+    if d.refresh_epochs > 0:
+        if len(data) == 0:
+            raise ObjectiveError("dfl.refresh_epochs needs training samples on this device; it has none")
+        refresh(model, data, TrainHyper.from_dict(hyper.get("train", {})), d, d.refresh_epochs, ctx)
     loss, accuracy = evaluate(model, data.x_test, data.y_test)
     return ObjectiveOutput(num_samples=data.num_test, metrics={"local_accuracy": accuracy, "local_loss": loss},
                            tensors={})
