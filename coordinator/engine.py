@@ -39,12 +39,11 @@ from edge_client.wire.throttle import ThrottledLog
 from coordinator.diagnostics import divergence_metrics
 from edge_client.device import resolve_device
 from edge_client.models import state_shapes
-from edge_client.registry import build_model
+from edge_client.registry import build_aside
 from edge_client.wire.protocol import (ManifestBody, Message, PartialBody, PresenceBody, ProtocolError, ResultBody,
                                        StatusBody, TaskBody, Topics, check_tensors, decode, encode, valid_client_id)
 from edge_client.wire.chunking import DEFAULT_PARTIAL_BYTES, ChunkingTransport
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
-from edge_client.seeding import private_rng
 from profiling.schema import clean_profile
 
 __all__ = ["RunError", "Coordinator", "EvalData"]
@@ -215,8 +214,7 @@ class Coordinator:
         """
         key = json.dumps(self.state.spec, sort_keys=True)
         if key != self._network_key:
-            with private_rng():   # building must not move the run's random stream
-                model = build_model(self.state.spec)
+            model = build_aside(self.state.spec)
             self.model, self.shapes, self._network_key = model, state_shapes(model), key
         return self.model, self.shapes
 
@@ -749,9 +747,8 @@ class Coordinator:
     def _evaluation(self, state: ServerState) -> Callable[[], dict[str, Any]]:
         """The strategy's evaluation of ``state`` (a snapshot), on the evaluation network and device."""
         key = json.dumps(state.spec, sort_keys=True)
-        if key != self._eval_model_key:   # built here: building draws from the run's random stream
-            with private_rng():
-                self._eval_model, self._eval_model_key = build_model(state.spec).to(self.eval_device), key
+        if key != self._eval_model_key:
+            self._eval_model, self._eval_model_key = build_aside(state.spec).to(self.eval_device), key
         if self.eval_data.x.device != self.eval_device:   # moved once, not per evaluation
             self.eval_data = EvalData(self.eval_data.x.to(self.eval_device), self.eval_data.y.to(self.eval_device))
         model, data = self._eval_model, self.eval_data

@@ -40,7 +40,7 @@ from coordinator.methods import make_strategy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
 from edge_client.client import presence_payload
 from edge_client.models import state_shapes
-from edge_client.registry import build_model
+from edge_client.registry import build_aside
 from edge_client.wire.chunking import ChunkingTransport
 from edge_client.wire.codec import SEP
 from edge_client.wire.protocol import (ManifestBody, Message, ModelBody, PartialBody, PresenceBody, ProtocolError,
@@ -48,7 +48,6 @@ from edge_client.wire.protocol import (ManifestBody, Message, ModelBody, Partial
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.transport import BrokerSettings, MqttTransport, Transport, TransportError, Will
 from edge_client.wire.updates import decode_download
-from edge_client.seeding import private_rng
 
 __all__ = ["AggregationWorker", "default_worker_id", "serve_worker"]
 
@@ -186,8 +185,7 @@ class AggregationWorker:
     def _network_shapes(self, spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         key = json.dumps(spec, sort_keys=True)
         if key != self._shapes[0]:
-            with private_rng():
-                self._shapes = (key, state_shapes(build_model(spec)))
+            self._shapes = (key, state_shapes(build_aside(spec)))
         return self._shapes[1]
 
     def _on_result(self, client_id: str, incoming: Any) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from edge_client.data import ClientRows, holdout_split
 from edge_client.optim import DeviceSGD
-from edge_client.seeding import seed_global_rng
+from edge_client.seeding import task_generator
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
@@ -165,8 +165,7 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
     anchor = [p.detach().clone() for p in params] if h.mu > 0 else []
     opt = DeviceSGD(params, lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
     profiler = ctx.profiler
-    gen = torch.Generator().manual_seed(ctx.seed)
-    seed_global_rng(ctx.seed)
+    gen = task_generator(ctx.seed)
     model.train()
     total_loss, seen = 0.0, 0
     for xb, yb in minibatches(data, h.batch_size, h.epochs, gen, profiler):

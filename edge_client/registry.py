@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from edge_client import models
@@ -29,7 +28,7 @@ from edge_client.objectives import OBJECTIVES as PLAIN_OBJECTIVES
 from edge_client.objectives import Objective
 from edge_client.seeding import global_rng, private_rng
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "NETWORKS", "build_model", "model_size", "describe_size"]
+__all__ = ["Method", "METHODS", "OBJECTIVES", "NETWORKS", "build_model", "build_aside", "model_size", "describe_size"]
 
 
 @dataclass(frozen=True)
@@ -83,13 +82,18 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
         return models.build_model(spec, NETWORKS)
 
 
+def build_aside(spec: Mapping[str, Any]) -> nn.Module:
+    """``build_model`` leaving torch's global generator as it was: for a network only measured, or
+    whose tensors are all loaded next, so that building it does not move a run's seeded stream."""
+    with private_rng():
+        return build_model(spec)
+
+
 def model_size(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Parameters and multiply-adds per image of the network a spec builds, and, for a model a
     method adapted (Fed2's groups), of the original beside it (``original``)."""
     def cost(s: Mapping[str, Any]) -> dict[str, int]:
-        with private_rng():   # measuring must not move a seeded initialization
-            model = build_model(s)
-        return models.model_cost(model, int(s["in_channels"]), int(s["image_size"]))
+        return models.model_cost(build_aside(s), int(s["in_channels"]), int(s["image_size"]))
 
     size: dict[str, Any] = cost(spec)
     original = models.without_fed2(spec)

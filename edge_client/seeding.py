@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["global_rng", "private_rng", "seed_global_rng"]
+__all__ = ["global_rng", "private_rng", "seed_global_rng", "task_generator"]
 
 _LOCK = threading.RLock()
 
@@ -44,3 +44,10 @@ def seed_global_rng(seed: int) -> None:
     """Seed the global generator between, never inside, other threads' sections."""
     with _LOCK:
         torch.manual_seed(seed)
+
+
+def task_generator(seed: int) -> torch.Generator:
+    """A training task's own generator, with the global one seeded the same for any layer that draws
+    from it: what the task does at random follows from its seed."""
+    seed_global_rng(seed)
+    return torch.Generator().manual_seed(seed)

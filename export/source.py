@@ -31,9 +31,8 @@ from torch import nn
 from coordinator.checkpoint import CheckpointError, checkpoint_rounds, load_checkpoint
 from coordinator.strategies.base import ServerState
 from edge_client.models import ModelSpecError, federated_names
-from edge_client.registry import build_model
+from edge_client.registry import build_aside
 from edge_client.wire.files import read_jsonl
-from edge_client.seeding import private_rng
 from export.errors import SourceError
 
 if sys.version_info >= (3, 11):
@@ -165,8 +164,7 @@ def run_dir_of_state(state_dir: Path) -> Path | None:
 
 def _build(spec: Mapping[str, Any]) -> nn.Module:
     try:
-        with private_rng():   # every tensor is loaded next; leave the caller's RNG alone
-            return build_model(spec)
+        return build_aside(spec)
     except ModelSpecError as exc:
         raise SourceError(f"cannot build the checkpoint's model: {exc}") from None
 

@@ -36,8 +36,7 @@ from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, PersonalizedEval, ServerState, Strategy, TaskPlan, WeightedSum
 from edge_client.methods.dfl_model import INVARIANT, SPECIFIC, part_names
 from edge_client.models import federated_names
-from edge_client.registry import build_model
-from edge_client.seeding import private_rng
+from edge_client.registry import build_aside
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
@@ -169,9 +168,7 @@ class DFL(Strategy):
 
 @functools.lru_cache(maxsize=4)
 def _specific_names(spec_json: str) -> list[str]:
-    with private_rng():   # building it must not move the run's seeded initialization
-        model = build_model(json.loads(spec_json))
-    return part_names(federated_names(model), SPECIFIC)
+    return part_names(federated_names(build_aside(json.loads(spec_json))), SPECIFIC)
 
 
 def _train_metrics(results: list[ClientResult]) -> dict[str, Any]:

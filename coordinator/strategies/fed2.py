@@ -37,8 +37,7 @@ from coordinator.strategies.base import ClientResult, RowWeightedSum, ServerStat
 from coordinator.strategies.fedavg import FedAvg
 from edge_client.methods.fed2 import CLASS_COUNT
 from edge_client.methods.fed2_model import row_groups
-from edge_client.registry import build_model
-from edge_client.seeding import private_rng
+from edge_client.registry import build_aside
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
@@ -172,8 +171,7 @@ def _counts(metrics: dict[str, Any]) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=4)
 def _model(spec_json: str) -> torch.nn.Module:
-    with private_rng():   # building it must not move the run's seeded initialization
-        return build_model(json.loads(spec_json))
+    return build_aside(json.loads(spec_json))
 
 
 def _row_groups(spec_json: str) -> dict[str, torch.Tensor]:

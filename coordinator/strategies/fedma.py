@@ -51,8 +51,7 @@ from coordinator.fedma_matching import (combine_classifier, layer_from_vectors, 
 from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
 from coordinator.strategies.fed2 import histogram_problem, label_histogram
 from edge_client.methods.fedma_layers import client_slice, weight_layers
-from edge_client.registry import build_model
-from edge_client.seeding import private_rng
+from edge_client.registry import build_aside
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
@@ -266,8 +265,7 @@ def _matched_widths(state: ServerState, names: list[str]) -> list[int]:
 
 @functools.lru_cache(maxsize=16)
 def _model(spec_json: str) -> nn.Module:
-    with private_rng():   # building must not move the run's seeded initialization
-        return build_model(json.loads(spec_json))
+    return build_aside(json.loads(spec_json))
 
 
 def _phases(spec_json: str) -> int:

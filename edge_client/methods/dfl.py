@@ -54,7 +54,7 @@ from edge_client.wire.files import write_tensors_atomic
 from edge_client.methods.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
                                     minibatches, Objective)
-from edge_client.seeding import private_rng, seed_global_rng
+from edge_client.seeding import private_rng, task_generator
 from profiling.history import append_history
 from profiling.profiler import Profiler
 
@@ -274,8 +274,7 @@ def dfl_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
         raise ObjectiveError(f"the task fills {d.peers} peer slots but the model has {len(model.peers)}")
     store = DeviceState(ctx.state_dir)
     loaded = store.load_into(model, device_seed(d.init_seed, ctx.client_id))
-    gen = torch.Generator().manual_seed(ctx.seed)
-    seed_global_rng(ctx.seed)
+    gen = task_generator(ctx.seed)
     model.train()
     peers = list(model.peers)[:d.peers]
     local = local_stage(model, data, h, d, gen, ctx.profiler, peers)
@@ -296,10 +295,9 @@ def refresh(model: TwoBranchModel, data: LocalData, h: TrainHyper, d: DflHyper, 
     when it was last selected, against that round's invariant extractor; paired with a newer one
     they read features that have moved on (docs/dfl.md, "Stale devices"). Seeded as a training
     task of this context would be."""
-    gen = torch.Generator().manual_seed(ctx.seed)
-    seed_global_rng(ctx.seed)
     model.train()
-    return local_stage(model, data, h, dataclasses.replace(d, local_epochs=epochs), gen, ctx.profiler)
+    return local_stage(model, data, h, dataclasses.replace(d, local_epochs=epochs), task_generator(ctx.seed),
+                       ctx.profiler)
 
 
 def dfl_evaluate(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
@@ -312,12 +310,12 @@ def dfl_evaluate(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ct
     if data.num_test == 0:
         raise ObjectiveError("this device has no local test split; set data.local_test_fraction > 0 "
                              "(--local-test-fraction on a device)")
-    d = DflHyper.from_dict(hyper.get("dfl", {}))
+    h, d = stage_hyper(hyper)
     DeviceState(ctx.state_dir).load_into(model, device_seed(d.init_seed, ctx.client_id))
     if d.refresh_epochs > 0:
         if len(data) == 0:
             raise ObjectiveError("dfl.refresh_epochs needs training samples on this device; it has none")
-        refresh(model, data, TrainHyper.from_dict(hyper.get("train", {})), d, d.refresh_epochs, ctx)
+        refresh(model, data, h, d, d.refresh_epochs, ctx)
     loss, accuracy = evaluate(model, data.x_test, data.y_test)
     return ObjectiveOutput(num_samples=data.num_test, metrics={"local_accuracy": accuracy, "local_loss": loss},
                            tensors={})
