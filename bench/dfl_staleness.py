@@ -58,7 +58,7 @@ from run_matrix import RESULTS, Run, expand, load_matrix, run_config
 from coordinator.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, load_config, parse_override
 from coordinator.downlink import download_generator
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from coordinator.run import run_federated
 from coordinator.spawn import sim_client_id
 from edge_client.data import arrange_clients, load_dataset

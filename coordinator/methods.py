@@ -2,27 +2,21 @@
 
 The registry names each method's strategy and config sections by import path, so
 the device package never imports coordinator code; here those paths are resolved,
-the method's required model options and defaults are applied to a configuration,
-and its strategy is built.
+and the method's required model options and defaults are applied to a configuration.
+Its strategy is built by :mod:`coordinator.strategy_setup`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from coordinator.aggregation import Aggregator
 from coordinator.errors import ConfigError
-from coordinator.strategies.base import PersonalizedEval, Strategy
 from edge_client.registry import METHODS, Method
 
-if TYPE_CHECKING:
-    from coordinator.config import RunConfig
-
-__all__ = ["method", "resolve", "method_sections", "requirements", "make_strategy"]
+__all__ = ["method", "resolve", "method_sections", "requirements"]
 
 
 def resolve(path: str) -> Any:
@@ -69,19 +63,3 @@ def requirements(strategy: str, model: Mapping[str, Any], explicit: frozenset[st
                               "another strategy")
     defaults = {k: v for k, v in entry.defaults.items() if k not in explicit}
     return dict(entry.model_options), defaults
-
-
-def make_strategy(config: RunConfig) -> Strategy:
-    """The configured strategy, with the optional personalized evaluation from ``[eval]``."""
-    strategy = resolve(method(config.run.strategy).strategy).from_config(config)
-    a = config.aggregate
-    if (a.rule != "mean" or a.norm_bound > 0) and not strategy.robust:
-        raise ConfigError(f"aggregate.rule = {a.rule!r} and aggregate.norm_bound apply to strategies that average "
-                          f"updates (fedavg, fedprox, spherefed, fed2 with pairing all); {config.run.strategy!r} "
-                          "combines results its own way: leave them at mean and 0")
-    if strategy.robust:
-        strategy.aggregator = Aggregator(a.rule, a.trim)
-    if config.eval.personalized:
-        strategy.personalized = PersonalizedEval(every=config.eval.every, finetune_epochs=config.eval.finetune_epochs,
-                                                 train=dataclasses.asdict(config.train))
-    return strategy

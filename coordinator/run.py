@@ -25,7 +25,7 @@ from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ServerState, Strategy
 from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
 from edge_client.wire.files import read_jsonl, write_jsonl_atomic

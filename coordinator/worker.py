@@ -36,7 +36,7 @@ import torch
 
 from coordinator.config import RunConfig
 from coordinator.intake import accept_result, one_torch_thread
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
 from edge_client.client import presence_payload
 from edge_client.models import state_shapes

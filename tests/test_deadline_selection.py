@@ -13,7 +13,7 @@ import torch
 from coordinator.config import ConfigError, load_config
 from coordinator.engine import Coordinator, EvalData
 from coordinator.selection import PROBE_AFTER, SAFETY, DeadlineFilter, RoundTimes
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
 from edge_client.models import federated_names

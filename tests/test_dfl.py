@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from coordinator.config import ConfigError, load_config
 from coordinator.run import run_federated
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ServerState
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import (client_split, domain_palette, evaluation_split, load_dataset, parse_attribute_skew,

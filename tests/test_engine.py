@@ -12,7 +12,7 @@ import torch
 
 from coordinator.config import load_config
 from coordinator.engine import Coordinator, EvalData, RunError
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient, presence_payload
 from edge_client.data import load_dataset
 from edge_client.models import federated_names

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, load_config
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from coordinator.run import run_federated
 from coordinator.strategies.base import ClientResult, RowWeightedSum, ServerState, TaskPlan
 from coordinator.strategies.fed2 import Fed2

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, load_config
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from coordinator.run import run_federated
 from coordinator.strategies.fedma import MATCHED
 from edge_client.methods.fedma_layers import weight_layers

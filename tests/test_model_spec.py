@@ -102,7 +102,7 @@ def test_only_a_real_conflict_is_an_error(tmp_path):
                            'expected = 2\n')
     config = load_config(config_file)   # the user's explicit 0 stands, and dfl says what it needs
     assert config.data.local_test_fraction == 0.0
-    from coordinator.methods import make_strategy
+    from coordinator.strategy_setup import make_strategy
 
     with pytest.raises(ConfigError, match="local_test_fraction must be > 0"):
         make_strategy(config)

@@ -10,7 +10,7 @@ import torch
 
 from coordinator.aggregation import Aggregator, norm_bound_keep, update_norms
 from coordinator.config import ConfigError, load_config
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from poisoning import HOSTILE, run  # noqa: E402

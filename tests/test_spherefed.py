@@ -23,7 +23,7 @@ from coordinator.config import ConfigError, load_config
 from coordinator.strategies.spherefed import FfcSection
 from coordinator.engine import Coordinator, EvalData
 from coordinator.run import run_federated
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ClientResult
 from coordinator.strategies.spherefed import SphereFed
 from edge_client.wire.chunking import ChunkingTransport

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, RunConfig, load_config
-from coordinator.methods import make_strategy
+from coordinator.strategy_setup import make_strategy
 from edge_client.registry import METHODS
 from coordinator.strategies.base import AggregationError, ClientResult, ServerState, TaskPlan, WeightedSum
 from coordinator.strategies.fedavg import FedAvg, FedProx

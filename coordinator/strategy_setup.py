@@ -1,0 +1,34 @@
+"""Building the configured strategy: the step after a configuration is read and checked.
+
+Kept apart from :mod:`coordinator.methods`, which the configuration itself needs for the
+methods' sections and requirements, so that reading a configuration and building a strategy
+from it do not import each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from coordinator.aggregation import Aggregator
+from coordinator.config import RunConfig
+from coordinator.errors import ConfigError
+from coordinator.methods import method, resolve
+from coordinator.strategies.base import PersonalizedEval, Strategy
+
+__all__ = ["make_strategy"]
+
+
+def make_strategy(config: RunConfig) -> Strategy:
+    """The configured strategy, with the optional personalized evaluation from ``[eval]``."""
+    strategy = resolve(method(config.run.strategy).strategy).from_config(config)
+    a = config.aggregate
+    if (a.rule != "mean" or a.norm_bound > 0) and not strategy.robust:
+        raise ConfigError(f"aggregate.rule = {a.rule!r} and aggregate.norm_bound apply to strategies that average "
+                          f"updates (fedavg, fedprox, spherefed, fed2 with pairing all); {config.run.strategy!r} "
+                          "combines results its own way: leave them at mean and 0")
+    if strategy.robust:
+        strategy.aggregator = Aggregator(a.rule, a.trim)
+    if config.eval.personalized:
+        strategy.personalized = PersonalizedEval(every=config.eval.every, finetune_epochs=config.eval.finetune_epochs,
+                                                 train=dataclasses.asdict(config.train))
+    return strategy
