@@ -42,7 +42,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator.checkpoint import checkpoint_rounds, load_checkpoint  # noqa: E402
 from coordinator.config import load_config  # noqa: E402
-from coordinator.diagnostics import hidden_activations, neuron_matching  # noqa: E402
+from coordinator.diagnostics import hidden_activations, neuron_matching, unit_rows  # noqa: E402
 from coordinator.run import run_federated  # noqa: E402
 from edge_client.data import load_client_split, load_dataset  # noqa: E402
 from edge_client.objectives import TaskContext, local_data, shuffle_seed, train  # noqa: E402
@@ -96,11 +96,9 @@ def same_index_correlation(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tens
     out = {}
     acts_a, acts_b = hidden_activations(a, x), hidden_activations(b, x)
     for layer, u in acts_a.items():
-        v = acts_b[layer]
-        u, v = u.double() - u.double().mean(1, keepdim=True), v.double() - v.double().mean(1, keepdim=True)
-        nu, nv = u.norm(dim=1), v.norm(dim=1)
-        live = (nu > 0) & (nv > 0)
-        corr = (u[live] * v[live]).sum(1) / (nu[live] * nv[live])
+        (ua, live_a), (ub, live_b) = unit_rows(u), unit_rows(acts_b[layer])
+        live = live_a & live_b
+        corr = (ua[live] * ub[live]).sum(1)
         out[layer] = (float(corr.mean()) if live.any() else 0.0, float(live.double().mean()))
     return out
 

@@ -256,14 +256,21 @@ def hidden_activations(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Ten
     return {name: a.transpose(0, 1).reshape(a.shape[1], -1) for name, a in acts.items()}
 
 
+def unit_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of ``t`` centred and scaled to unit norm (float64), and which rows vary at all.
+
+    A neuron without variance on the batch (dead, or constant) has no direction to compare:
+    its row becomes zeros, so it correlates with nothing, and the mask lets a caller leave it out.
+    """
+    t = t.to(torch.float64)
+    t = t - t.mean(dim=1, keepdim=True)
+    norm = t.norm(dim=1, keepdim=True)
+    return torch.where(norm > 0, t / norm.clamp_min(1e-12), torch.zeros_like(t)), norm.squeeze(1) > 0
+
+
 def _correlation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Pearson correlation of every row of ``a`` with every row of ``b`` (dead neurons: 0)."""
-    def standardize(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(torch.float64)
-        t = t - t.mean(dim=1, keepdim=True)
-        norm = t.norm(dim=1, keepdim=True)
-        return torch.where(norm > 0, t / norm.clamp_min(1e-12), torch.zeros_like(t))
-    return standardize(a) @ standardize(b).T
+    return unit_rows(a)[0] @ unit_rows(b)[0].T
 
 
 def neuron_matching(client: nn.Module, reference: nn.Module, x: torch.Tensor) -> dict[str, float]:

@@ -22,6 +22,7 @@ from coordinator.diagnostics import (
     random_permutations,
     shuffle_error,
     shuffle_permutation,
+    unit_rows,
     weight_divergence,
 )
 from edge_client.registry import build_model
@@ -141,6 +142,18 @@ def test_divergence_names_every_layer_but_no_norms():
 
 
 # --------------------------------------------------------------------------- matching and preferences
+
+
+def test_unit_rows_are_pearson_rows_and_mark_silent_neurons():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(4, 50, generator=g)
+    t[1] = 0.0       # a dead neuron
+    t[3] = 2.5       # a constant one: no variance either
+    rows, live = unit_rows(t)
+    assert rows.dtype == torch.float64 and live.tolist() == [True, False, True, False]
+    assert float(rows[0] @ rows[2]) == pytest.approx(float(np.corrcoef(t[0].numpy(), t[2].numpy())[0, 1]), abs=1e-6)
+    assert torch.equal(rows[1], torch.zeros(50, dtype=torch.float64)) and torch.equal(rows[3], rows[1])
+    assert torch.allclose(rows[live].norm(dim=1), torch.ones(2, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
