@@ -126,10 +126,12 @@ def load_matrix(path: Path) -> Matrix:
                 raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: seeds must be a non-empty list of integers, "
                                   f"got {e['seeds']!r}")
             for condition in _conditions(str(e.get("only_with", ""))):
-                other, _, label = condition.partition("=")
-                if other == axis or label not in [str(x["label"]) for x in axes.get(other, [])]:
+                other, _, labels = condition.partition("=")
+                known = [str(x["label"]) for x in axes.get(other, [])]
+                if other == axis or not all(label in known for label in labels.split("|")):
                     raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: only_with must be AXIS=LABEL of another "
-                                      f"axis (several separated by commas), got {e['only_with']!r}")
+                                      f"axis (LABEL|LABEL for either; several conditions separated by commas), "
+                                      f"got {e['only_with']!r}")
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{path}: seeds must be a list of integers")
@@ -151,18 +153,18 @@ def _conditions(only_with: str) -> list[str]:
 
 
 def _fits(combo: tuple[tuple[str, dict[str, Any], str, str], ...], axes: list[str]) -> bool:
-    """Whether every entry's ``only_with = "AXIS=LABEL[, AXIS=LABEL]"`` holds in this combination."""
+    """Whether every entry's ``only_with = "AXIS=LABEL[|LABEL][, AXIS=LABEL]"`` holds in this combination."""
     chosen = dict(zip(axes, (label for label, *_ in combo)))
-    return all(chosen.get(axis) == label
-               for *_, only_with in combo for axis, _, label in (c.partition("=") for c in _conditions(only_with)))
+    return all(chosen.get(axis) in labels.split("|")
+               for *_, only_with in combo for axis, _, labels in (c.partition("=") for c in _conditions(only_with)))
 
 
 def expand(matrix: Matrix, seeds: list[int] | None, rounds: int | None, only: list[str]) -> list[Run]:
     """Every combination of one entry per axis and one seed, in file order.
 
     An entry with ``only_with = "AXIS=LABEL"`` joins only the combinations with that
-    label on that axis (e.g. a layer choice that exists for one model only; several conditions,
-    separated by commas, must all hold). An entry's
+    label on that axis (e.g. a layer choice that exists for one model only; ``AXIS=A|B`` for
+    either label; several conditions, separated by commas, must all hold). An entry's
     own ``run.rounds`` replaces the base's (FedMA counts phases), unless ``rounds`` is given.
     With ``seeds`` None, each cell runs the matrix's seeds, fewer where an entry declares its own
     ``seeds`` (a cut of the compute budget, e.g. the deep model's one seed); given seeds apply to every cell.

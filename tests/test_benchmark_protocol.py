@@ -57,6 +57,12 @@ def test_an_entry_only_with_another_axis_label_joins_only_those_cells(tmp_path):
         'seeds = [0]\n', 'seeds = [0]\n[[axes.alpha]]\nlabel = "a0.1"\n[[axes.alpha]]\nlabel = "a0.5"\n'))
     assert [run.group for run in expand(load_matrix(path), [0], None, [])] == [
         "a0.1/cnn/plain", "a0.1/cnn/from3", "a0.1/vgg9/plain", "a0.5/cnn/plain", "a0.5/vgg9/plain"]
+    path.write_text(text.replace('"model=cnn"', '"model=vgg9|cnn"'))      # either label
+    assert [run.group for run in expand(load_matrix(path), [0], None, [])] == [
+        "cnn/plain", "cnn/from3", "vgg9/plain", "vgg9/from3"]
+    path.write_text(text.replace('"model=cnn"', '"model=cnn|resnet"'))
+    with pytest.raises(Exception, match="only_with must be AXIS=LABEL of another axis"):
+        load_matrix(path)
     path.write_text(text.replace('"model=cnn"', '"model=resnet"'))
     with pytest.raises(Exception, match="only_with must be AXIS=LABEL of another axis"):
         load_matrix(path)
