@@ -13,6 +13,8 @@ Per partition and row, from ``bench/results/dfl/*-r100.json`` (runs of the full 
 - ``personalized``: the mean over clients of each one's held-out accuracy, mean of the last 5
   evaluations, per seed, then mean and population std over seeds;
 - ``gain``: that minus FedAvg's of the same seed, mean and std over seeds;
+- ``over_dfl``: for DFL's variants (rows ``dfl-*``: diversity, the refreshed evaluation), the same
+  difference to plain DFL's run of the same seed: what the variant adds to the method;
 - ``worst`` and ``worst_gap``: the worst client (same averaging) and how far below the row's mean.
 
 Prints one table per partition and the check, writes ``bench/results/dfl_verdict.json``.
@@ -38,6 +40,7 @@ from run_matrix import expand, final_mean, load_matrix
 BENCH = Path(__file__).resolve().parent
 MATRIX = BENCH / "matrices" / "dfl.toml"
 BASELINE = "fedavg"
+METHOD = "dfl"
 HELD_OUT = "invert5"
 
 
@@ -75,6 +78,10 @@ def compare(cells: dict[tuple[str, str], dict[int, dict[str, float]]], order: li
             "worst": _stats([seeds[s]["worst"] for s in paired]),
             "worst_gap": _stats([seeds[s]["mean"] - seeds[s]["worst"] for s in paired]),
         }
+        method = cells.get((partition, METHOD), {})
+        with_method = sorted(set(seeds) & set(method))
+        if row.startswith(f"{METHOD}-") and with_method:
+            table[partition][row]["over_dfl"] = _stats([seeds[s]["mean"] - method[s]["mean"] for s in with_method])
     return table
 
 
@@ -111,11 +118,13 @@ def main() -> int:
     table = compare(per_seed(records), [run.group for run in expand(matrix, None, None, [])])
     for partition, rows in table.items():
         out = Table(title=f"{partition}: personalized accuracy (last 5 evaluations), vs {BASELINE} of the same seed")
-        for column in ("row", "seeds", "personalized", "gain over FedAvg", "worst client", "mean - worst"):
+        for column in ("row", "seeds", "personalized", "gain over FedAvg", "over DFL", "worst client",
+                       "mean - worst"):
             out.add_column(column, justify="left" if column == "row" else "right")
         for row, fig in rows.items():
             out.add_row(row, ",".join(map(str, fig["seeds"])), _pm(fig["personalized"]), _pm(fig["gain"], True),
-                        _pm(fig["worst"]), _pm(fig["worst_gap"]))
+                        _pm(fig["over_dfl"], True) if "over_dfl" in fig else "", _pm(fig["worst"]),
+                        _pm(fig["worst_gap"]))
         console.print(out)
     checks = {row: held_out_check(table, row) for row in args.rows.split(",")}
     for row, check in checks.items():

@@ -132,3 +132,9 @@ def test_the_dfl_verdict_pairs_seeds_and_applies_the_held_out_criterion():
     check = held_out_check(table, "dfl")
     assert check["gain_at_least_as_large"] and not check["worst_gap_no_larger"] and not check["generalizes"]
     assert held_out_check(compare(per_seed(records[:4]), order), "dfl") is None   # invert5 has not run
+    # a DFL variant is also paired with plain DFL of the same seed; FedAvg and DFL themselves are not
+    records += [_dfl_record("color5", "dfl-refresh", 0, 0.80 + 0.03 + 0.05, 0.75)]
+    table = compare(per_seed(records), [*order, "color5/dfl-refresh"])
+    assert table["color5"]["dfl-refresh"]["over_dfl"]["mean"] == pytest.approx(0.05)
+    assert table["color5"]["dfl-refresh"]["seeds"] == [0]
+    assert "over_dfl" not in table["color5"]["dfl"] and "over_dfl" not in table["color5"]["fedavg"]
