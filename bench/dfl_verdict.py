@@ -61,6 +61,11 @@ def per_seed(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, d
     return cells
 
 
+def _paired(seeds: dict[int, dict[str, float]], reference: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """A row's personalized mean minus ``reference``'s, seed by seed, over the seeds both ran."""
+    return _stats([seeds[s]["mean"] - reference[s]["mean"] for s in sorted(set(seeds) & set(reference))])
+
+
 def compare(cells: dict[tuple[str, str], dict[int, dict[str, float]]], order: list[str]) -> dict[str, dict[str, Any]]:
     """Per partition and row (in ``order``, the matrix's "partition/row" groups): accuracy, paired gain
     over FedAvg and worst-client gap, over the seeds both the row and FedAvg ran."""
@@ -74,14 +79,13 @@ def compare(cells: dict[tuple[str, str], dict[int, dict[str, float]]], order: li
         table.setdefault(partition, {})[row] = {
             "seeds": paired,
             "personalized": _stats([seeds[s]["mean"] for s in paired]),
-            "gain": _stats([seeds[s]["mean"] - base[s]["mean"] for s in paired]),
+            "gain": _paired(seeds, base),
             "worst": _stats([seeds[s]["worst"] for s in paired]),
             "worst_gap": _stats([seeds[s]["mean"] - seeds[s]["worst"] for s in paired]),
         }
         method = cells.get((partition, METHOD), {})
-        with_method = sorted(set(seeds) & set(method))
-        if row.startswith(f"{METHOD}-") and with_method:
-            table[partition][row]["over_dfl"] = _stats([seeds[s]["mean"] - method[s]["mean"] for s in with_method])
+        if row.startswith(f"{METHOD}-") and set(seeds) & set(method):
+            table[partition][row]["over_dfl"] = _paired(seeds, method)
     return table
 
 

@@ -125,10 +125,9 @@ def load_matrix(path: Path) -> Matrix:
                                  or not all(isinstance(x, int) for x in e["seeds"])):
                 raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: seeds must be a non-empty list of integers, "
                                   f"got {e['seeds']!r}")
-            for condition in _conditions(str(e.get("only_with", ""))):
-                other, _, labels = condition.partition("=")
+            for other, labels in _conditions(str(e.get("only_with", ""))):
                 known = [str(x["label"]) for x in axes.get(other, [])]
-                if other == axis or not all(label in known for label in labels.split("|")):
+                if other == axis or not all(label in known for label in labels):
                     raise ConfigError(f"{path}: axes.{axis} {e['label']!r}: only_with must be AXIS=LABEL of another "
                                       f"axis (LABEL|LABEL for either; several conditions separated by commas), "
                                       f"got {e['only_with']!r}")
@@ -147,16 +146,16 @@ def load_matrix(path: Path) -> Matrix:
 _ENTRY_KEYS = ("label", "off_protocol", "only_with", "seeds")
 
 
-def _conditions(only_with: str) -> list[str]:
-    """``"alpha=a0.1, model=cnn"`` -> ``["alpha=a0.1", "model=cnn"]``."""
-    return [c.strip() for c in only_with.split(",") if c.strip()]
+def _conditions(only_with: str) -> list[tuple[str, list[str]]]:
+    """``"alpha=a0.1, model=cnn|vgg9"`` -> ``[("alpha", ["a0.1"]), ("model", ["cnn", "vgg9"])]``."""
+    return [(axis, labels.split("|")) for axis, _, labels
+            in (c.strip().partition("=") for c in only_with.split(",") if c.strip())]
 
 
 def _fits(combo: tuple[tuple[str, dict[str, Any], str, str], ...], axes: list[str]) -> bool:
     """Whether every entry's ``only_with = "AXIS=LABEL[|LABEL][, AXIS=LABEL]"`` holds in this combination."""
     chosen = dict(zip(axes, (label for label, *_ in combo)))
-    return all(chosen.get(axis) in labels.split("|")
-               for *_, only_with in combo for axis, _, labels in (c.partition("=") for c in _conditions(only_with)))
+    return all(chosen.get(axis) in labels for *_, only_with in combo for axis, labels in _conditions(only_with))
 
 
 def expand(matrix: Matrix, seeds: list[int] | None, rounds: int | None, only: list[str]) -> list[Run]:
