@@ -89,7 +89,7 @@ def _html(args: argparse.Namespace) -> int:
     text = render_html(load(args.path))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text, encoding="utf-8")
-    print(f"wrote {args.output} ({len(text) // 1024} KB)")
+    print(f"wrote {args.output} ({len(text) // 1024} KiB)")
     return 0
 
 

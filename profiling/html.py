@@ -30,7 +30,7 @@ from profiling.runs import DeviceStats, RunRecords, part_names, straggler_ranks
 
 __all__ = ["render_html", "PLOTS", "DEADLINE_SCALE"]
 
-_MB = 1024 * 1024
+_MIB = 2**20   # every report writes bytes in binary units (profiling.units), labelled MiB
 # The round-time plot's y-axis reaches up to the deadline while the deadline is at most this many
 # times the longest round time; above that the deadline is drawn at the top edge, off scale.
 DEADLINE_SCALE = 2.0
@@ -93,10 +93,10 @@ def plot_bytes(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
     rows = [r for r in run.rounds if r["round"] > 0]
     if not rows:
         return None
-    fig, ax = _figure("Bytes moved per round", "round", "MB")
+    fig, ax = _figure("Bytes moved per round", "round", "MiB")
     x = [r["round"] for r in rows]
-    ax.bar([v - 0.2 for v in x], [(r.get("bytes_down") or 0) / _MB for r in rows], width=0.4, label="down (tasks)")
-    ax.bar([v + 0.2 for v in x], [(r.get("bytes_up") or 0) / _MB for r in rows], width=0.4, label="up (results)")
+    ax.bar([v - 0.2 for v in x], [(r.get("bytes_down") or 0) / _MIB for r in rows], width=0.4, label="down (tasks)")
+    ax.bar([v + 0.2 for v in x], [(r.get("bytes_up") or 0) / _MIB for r in rows], width=0.4, label="up (results)")
     _round_axis(ax, x)
     _legend_below(fig, ax)
     return fig
@@ -183,20 +183,23 @@ def plot_breakdown(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
 
 
 def plot_memory(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
+    """Peak RSS, USS and GPU memory per device, over every task. A reading a device did not take
+    (no USS, no GPU) is a gap in its group of bars, never a bar of height 0 (docs/profiling.md)."""
     measured = [s for s in stats if s.peak_rss_bytes is not None]
     if not measured:
         return None
-    fig, ax = _figure("Peak memory per device", "", "MB")
-    x = range(len(measured))
-    bars: list[tuple[str, list[float]]] = [
-        ("peak RSS", [s.peak_rss_bytes / _MB for s in measured]),  # type: ignore[operator]
-        ("peak USS (0: not measured)", [(s.peak_uss_bytes or 0) / _MB for s in measured])]
+    fig, ax = _figure("Peak memory per device (over every task)", "", "MiB")
+    series: list[tuple[str, list[int | None]]] = [("peak RSS", [s.peak_rss_bytes for s in measured]),
+                                                  ("peak USS", [s.peak_uss_bytes for s in measured])]
     if any(s.gpu_peak_bytes is not None for s in measured):   # beside RSS, only where a device trained on a GPU
-        bars.append(("peak GPU memory (0: trains on the CPU)", [(s.gpu_peak_bytes or 0) / _MB for s in measured]))
-    width = 0.8 / len(bars)
-    for k, (label, heights) in enumerate(bars):
-        ax.bar([i + (k - (len(bars) - 1) / 2) * width for i in x], heights, width=width, label=label)
-    ax.set_xticks(list(x), [s.client_id for s in measured], rotation=30 if len(measured) > 6 else 0)
+        series.append(("peak GPU memory", [s.gpu_peak_bytes for s in measured]))
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series):
+        shown = [(i, v) for i, v in enumerate(values) if v is not None]
+        if shown:
+            ax.bar([i + (k - (len(series) - 1) / 2) * width for i, _ in shown], [v / _MIB for _, v in shown],
+                   width=width, label=label, gid=label)
+    ax.set_xticks(range(len(measured)), [s.client_id for s in measured], rotation=30 if len(measured) > 6 else 0)
     _legend_below(fig, ax)
     return fig
 
@@ -211,8 +214,9 @@ PLOTS: tuple[tuple[str, str, Callable[[RunRecords, list[DeviceStats]], Figure | 
      plot_round_times),
     ("phases", "Mean seconds per task in each phase: receive (waiting on the device), decode, the four parts of "
                "each training step, the rest of training, encode and publish.", plot_breakdown),
-    ("memory", "Largest resident (RSS) and unique (USS) memory of each device's client process, and the GPU "
-               "memory torch allocated where a device trained on its GPU.", plot_memory),
+    ("memory", "Largest resident (RSS) and unique (USS) memory of each device's client process over every task "
+               "(training, evaluation, calibration), and the GPU memory torch allocated where a device trained on "
+               "its GPU, in MiB; a reading a device did not take is left out (a gap), not drawn as 0.", plot_memory),
 )
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
     from rich.table import Table
 
 __all__ = ["TableData", "Note", "report_parts", "render", "render_plain", "to_text", "device_table", "resources_table", "breakdown_table", "rounds_table", "tasks_table",
-           "inference_table", "facts_line", "run_title", "to_rich"]
+           "inference_table", "facts_line", "run_title", "to_rich", "kinds_text"]
 
 
 @dataclass
@@ -94,18 +94,24 @@ def device_table(run: RunRecords, stats: list[DeviceStats]) -> TableData:
             slowest_counts[row["slowest_client"]] = slowest_counts.get(row["slowest_client"], 0) + 1
         for cid in row.get("skipped") or []:
             skipped_counts[cid] = skipped_counts.get(cid, 0) + 1
-    table = TableData("Devices (medians over their tasks; a missed task counts as the timeout; rank 1 = slowest)",
-                      ("rank", "device", "hardware", "tasks", "round s", "device s", "times slowest", "times skipped"),
-                      frozenset({"device", "hardware"}))
+    table = TableData("Devices (tasks of every kind; times are medians over training tasks, a missed one counting "
+                      "as the timeout; rank 1 = slowest)",
+                      ("rank", "device", "hardware", "tasks", "kinds", "round s", "device s", "times slowest",
+                       "times skipped"), frozenset({"device", "hardware", "kinds"}))
     for s in _by_rank(stats, ranks):
         notes = ", ".join(f"{n} {what}" for n, what in ((s.late, "late"), (s.missed, "missed"), (s.errors, "failed"))
                           if n)
         table.add_row(
             str(ranks.get(s.client_id, ABSENT)), s.client_id, facts_line(run.devices[s.client_id].facts),
-            f"{s.tasks} ({notes})" if notes else str(s.tasks), seconds(s.median_round_seconds),
+            f"{s.tasks} ({notes})" if notes else str(s.tasks), kinds_text(s.kinds), seconds(s.median_round_seconds),
             seconds(s.median_device_seconds), str(slowest_counts.get(s.client_id, 0)),
             str(skipped_counts.get(s.client_id, 0)))
     return table
+
+
+def kinds_text(kinds: dict[str, int]) -> str:
+    """Tasks by kind in a few words ("train 10, ffc_stats 1"); absent when the records do not say."""
+    return ", ".join(f"{kind} {n}" for kind, n in kinds.items()) or ABSENT
 
 
 def resources_table(stats: list[DeviceStats]) -> TableData:
@@ -115,7 +121,8 @@ def resources_table(stats: list[DeviceStats]) -> TableData:
     """
     ranks = straggler_ranks(stats)
     gpu = any(s.gpu_peak_bytes is not None for s in stats)   # GPU columns only where a device trained on one
-    table = TableData("Device resources (step times are medians over tasks; memory and temperature the peak)",
+    table = TableData("Device resources (step times are medians over training tasks; memory and temperature the "
+                      "peak over every task)",
                       ("device", "trains on", "step p50 ms", "step p95 ms", "samples/s", "peak RSS", "peak USS",
                        *(("GPU mem", "GPU °C") if gpu else ()), "CPU %", "temp °C", "throttled"),
                       frozenset({"device", "trains on", "throttled"}))

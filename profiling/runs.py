@@ -6,9 +6,9 @@ Two kinds of input, both JSON lines:
   ``summary.json``, ``config.toml``, and per client ``clients/ID.jsonl`` (one line per
   answered task: round, round time, late, error, profile) plus ``clients/ID.json``
   (latest profile and the device facts);
-- a device's own history, ``STATE_DIR/profile.jsonl`` (``task`` lines with the profile
-  fields at the top level, ``infer`` lines from ``fedge-profile infer``; the state
-  directory itself names it too), or a single ``clients/ID.jsonl``.
+- a device's own history, ``STATE_DIR/profile.jsonl`` (``task`` lines with the client
+  id and the profile fields at the top level, ``infer`` lines from ``fedge-profile
+  infer``; the state directory itself names it too), or a single ``clients/ID.jsonl``.
 
 Both are turned into :class:`TaskRecord` lists, so :func:`device_stats` computes the
 same figures for the terminal and the HTML report. Everything read is checked with
@@ -21,6 +21,7 @@ import dataclasses
 import json
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ReportError", "TaskRecord", "Device", "RunRecords", "DeviceStats", "load", "device_stats",
+__all__ = ["ReportError", "TaskRecord", "Device", "RunRecords", "DeviceStats", "load", "device_stats", "task_kinds",
            "straggler_ranks", "task_breakdown", "part_names", "BREAKDOWN"]
 
 # The parts a task's time is shown in, in order. `train_other` is the local objective's
@@ -100,7 +101,7 @@ class RunRecords:
         return [t for t in device.tasks if objectives is None or t.objective is None or t.objective in objectives]
 
     def stats(self) -> list["DeviceStats"]:
-        """Each device's figures over its training tasks."""
+        """Each device's figures: counts and peaks over every task it was given, times over its training tasks."""
         return [device_stats(d, self.training_tasks(d)) for d in self.devices.values()]
 
     @property
@@ -165,6 +166,15 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _history_client_id(rows: list[dict[str, Any]]) -> str | None:
+    """The client id a device's history names (its latest task line's ``client_id``): a device's state
+    directory is often named for the service (``fedge-state``, ``/var/lib/fedge``), not for the device.
+    None in histories written before the client recorded it."""
+    ids = [r["client_id"] for r in rows if r.get("kind", "task") == "task" and isinstance(r.get("client_id"), str)
+           and r["client_id"]]
+    return ids[-1] if ids else None
+
+
 def _load_history_file(path: Path) -> RunRecords:
     rows = read_jsonl(path)
     records = RunRecords(source=path)
@@ -174,7 +184,7 @@ def _load_history_file(path: Path) -> RunRecords:
         device = Device(client_id, latest.get("device") if isinstance(latest, dict) else None)
         device.tasks = _with_send_times(_latest_per_task([_coordinator_record(r) for r in rows]))
     else:                                                             # a device's own profile.jsonl
-        device = Device(path.parent.name or path.stem)
+        device = Device(_history_client_id(rows) or path.parent.name or path.stem)
         device.tasks = _with_send_times([_history_record(r) for r in rows if r.get("kind", "task") == "task"])
         device.inference = [r for r in rows if r.get("kind") == "infer"]
         facts = [r.get("device") for r in device.inference if isinstance(r.get("device"), dict)]
@@ -232,7 +242,7 @@ class DeviceStats:
     """What a report shows for one device; None where no task had the reading."""
 
     client_id: str
-    tasks: int
+    tasks: int                             # every task, of whatever kind
     late: int
     missed: int                            # never answered (while the run lasted)
     errors: int
@@ -251,6 +261,7 @@ class DeviceStats:
     train_device: str | None = None        # torch device(s) the tasks ran on ("cpu", "cuda:0"); None: not said
     gpu_peak_bytes: int | None = None      # largest GPU memory torch allocated in a task (CUDA only)
     gpu_temperature_c: float | None = None  # hottest GPU-therm reading (Jetson only)
+    kinds: dict[str, int] = field(default_factory=dict)   # tasks by objective (train, evaluate, ffc_stats, ...)
 
 
 def _values(tasks: Iterable[TaskRecord], key: str) -> list[Any]:
@@ -284,28 +295,41 @@ def _breakdown(tasks: list[TaskRecord]) -> dict[str, float]:
     return {name: statistics.fmean(v) for name, v in means.items() if v}
 
 
-def device_stats(device: Device, tasks: list[TaskRecord] | None = None) -> DeviceStats:
-    """Figures over ``tasks`` (default: all of the device's tasks; reports pass its training tasks)."""
-    every = device.tasks if tasks is None else tasks
-    round_times = [t.round_seconds for t in every if t.round_seconds is not None]
-    tasks = [t for t in every if t.profile]
-    device_times = _values(tasks, "seconds")
-    throttled = [t.profile["throttled"] for t in tasks if isinstance(t.profile.get("throttled"), dict)]
-    rss, uss, temps = _values(tasks, "peak_rss_bytes"), _values(tasks, "peak_uss_bytes"), _values(tasks, "temperature_c")
+def task_kinds(tasks: Iterable[TaskRecord]) -> dict[str, int]:
+    """How many of ``tasks`` ran each objective, most frequent first; {} when no record names one (older runs)."""
+    counts = Counter(t.objective or "other" for t in tasks)
+    return {} if set(counts) == {"other"} else dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def device_stats(device: Device, training: list[TaskRecord] | None = None) -> DeviceStats:
+    """A device's figures. Counts and peaks (memory, temperature, throttling) are over every task it was
+    given: a calibration or evaluation task that peaks higher than training is what sizes a board. Times,
+    rates and the phase breakdown are over ``training`` (default: every task), which reports pass as the
+    run's training tasks, so that short evaluation tasks do not pull the medians down."""
+    every = device.tasks
+    training = every if training is None else training
+    round_times = [t.round_seconds for t in training if t.round_seconds is not None]
+    profiled = [t for t in every if t.profile]
+    timed = [t for t in training if t.profile]
+    device_times = _values(timed, "seconds")
+    throttled = [t.profile["throttled"] for t in profiled if isinstance(t.profile.get("throttled"), dict)]
+    rss, uss = _values(profiled, "peak_rss_bytes"), _values(profiled, "peak_uss_bytes")
+    temps = _values(profiled, "temperature_c")
     return DeviceStats(
         client_id=device.client_id, tasks=len(every), late=sum(t.late for t in every),
         missed=sum(t.missed for t in every), errors=sum(t.error is not None for t in every),
         median_round_seconds=_median(round_times) if round_times else _median(device_times),
-        median_device_seconds=_median(device_times), breakdown=_breakdown(tasks),
-        step_p50=_median(_values(tasks, "step_p50")), step_p95=_median(_values(tasks, "step_p95")),
-        step_max=max(_values(tasks, "step_max"), default=None),
-        samples_per_second=_median(_values(tasks, "samples_per_second")),
+        median_device_seconds=_median(device_times), breakdown=_breakdown(timed),
+        step_p50=_median(_values(timed, "step_p50")), step_p95=_median(_values(timed, "step_p95")),
+        step_max=max(_values(timed, "step_max"), default=None),
+        samples_per_second=_median(_values(timed, "samples_per_second")),
         peak_rss_bytes=max(rss) if rss else None, peak_uss_bytes=max(uss) if uss else None,
-        cpu_percent=_median(_values(tasks, "cpu_percent")), temperature_c=max(temps) if temps else None,
+        cpu_percent=_median(_values(timed, "cpu_percent")), temperature_c=max(temps) if temps else None,
         throttled=sorted({f for t in throttled for f in t.get("since_boot", [])}) if throttled else None,
-        train_device=", ".join(sorted(set(_values(tasks, "device")))) or None,
-        gpu_peak_bytes=max(_values(tasks, "gpu_peak_bytes"), default=None),
-        gpu_temperature_c=max(_values(tasks, "gpu_temperature_c"), default=None),
+        train_device=", ".join(sorted(set(_values(timed, "device")))) or None,
+        gpu_peak_bytes=max(_values(profiled, "gpu_peak_bytes"), default=None),
+        gpu_temperature_c=max(_values(profiled, "gpu_temperature_c"), default=None),
+        kinds=task_kinds(every),
     )
 
 

@@ -10,6 +10,7 @@ read from the fixture's own files, so re-recording it keeps them true.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from profiling.cli import main
-from profiling.html import PLOTS, plot_accuracy, plot_bytes, plot_round_times
+from profiling.html import PLOTS, plot_accuracy, plot_bytes, plot_memory, plot_round_times
 from profiling.runs import RunRecords, device_stats, load, straggler_ranks
 
 if sys.version_info >= (3, 11):
@@ -197,3 +198,107 @@ def test_round_time_axis_keeps_to_the_data_and_draws_the_deadline():
     assert _deadline_line(ax).get_ydata()[0] == ax.get_ylim()[1]   # along the top edge ...
     labels = [t.get_text() for t in fig.legends[0].get_texts()] + [t.get_text() for t in ax.texts]
     assert sum(f"{60 * longest:g} s" in label for label in labels) == 2   # ... with its value named
+
+
+# -- a real run with more than one kind of task --------------------------------------------------------------
+DEPLOYMENT_FFC_PEAK = 381 * 2**20     # what a device's FFC task peaked at, above every training task
+
+
+@pytest.fixture(scope="module")
+def sphere_run(tmp_path_factory) -> Path:
+    """A real two-round SphereFed run (in-process clients on digits): training tasks, then an FFC task each."""
+    from coordinator.cli import main as coordinator_main
+
+    out = tmp_path_factory.mktemp("sphere") / "run"
+    assert coordinator_main(["run", "--transport", "inproc", "--spawn-clients", "2", "--clients", "2", "--rounds", "2",
+                             "--data", "digits", "--model", "mlp", "--set", "model.hidden=[16]", "--strategy",
+                             "spherefed", "--set", "export.enabled=false", "--out", str(out)]) == 0
+    return out
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _with_ffc_peak(run: Path, to: Path, device: str = "sim-000") -> Path:
+    """A copy of ``run`` whose device's FFC line reports the peak the deployment saw."""
+    shutil.copytree(run, to)
+    path = to / "clients" / f"{device}.jsonl"
+    lines = _lines(path)
+    for line in lines:
+        if line["objective"] == "ffc_stats":
+            line["profile"]["peak_rss_bytes"] = DEPLOYMENT_FFC_PEAK
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return to
+
+
+def test_reports_count_every_kind_of_task_and_take_the_peak_over_all_of_them(sphere_run, tmp_path, capsys,
+                                                                            wide_terminal):
+    run = load(sphere_run)
+    for device, stats in ((d, s) for d, s in zip(run.devices, run.stats())):
+        lines = _lines(sphere_run / "clients" / f"{device}.jsonl")
+        kinds = {kind: sum(line["objective"] == kind for line in lines) for kind in ("sphere_train", "ffc_stats")}
+        assert kinds["ffc_stats"] >= 1 and stats.tasks == len(lines) == sum(kinds.values())
+        assert stats.kinds == kinds
+        assert stats.peak_rss_bytes == max(line["profile"]["peak_rss_bytes"] for line in lines)
+        assert stats.step_p50 is not None and stats.breakdown["forward"] > 0   # times still from training
+
+    copy = _with_ffc_peak(sphere_run, tmp_path / "run")
+    assert main(["show", str(copy)]) == 0
+    out = capsys.readouterr().out
+    device_row = table_rows(out[:out.index("Device resources")], "sim-000")[0]
+    assert device_row[3] == "3" and device_row[4] == "sphere_train 2, ffc_stats 1"
+    resources_row = table_rows(out[out.index("Device resources"):], "sim-000")[0]
+    assert "381.0 MiB" in resources_row                         # the FFC task's peak sizes the board
+    report = tmp_path / "report.html"
+    assert main(["html", str(copy), "-o", str(report)]) == 0
+    assert "381.0 MiB" in report.read_text() and "sphere_train 2, ffc_stats 1" in report.read_text()
+
+
+def test_show_on_a_state_directory_names_the_device_by_its_client_id(sphere_run, tmp_path, capsys, wide_terminal):
+    state = shutil.copytree(sphere_run / "clients" / "sim-001", tmp_path / "fedge-state")   # as on a device
+    assert main(["show", str(state)]) == 0
+    out = capsys.readouterr().out
+    assert "Tasks of sim-001" in out and out.startswith("sim-001: ") and "fedge-state" not in out
+
+
+def test_every_report_writes_bytes_in_mib(capsys, wide_terminal, tmp_path):
+    assert main(["show", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    assert "MiB" in out and not re.search(r"\d (KB|MB|GB)\b", out)
+    run = load(FIXTURE)
+    for plot in (plot_bytes, plot_memory):
+        assert plot(run, run.stats()).axes[0].get_ylabel() == "MiB"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "profiling.md").read_text()
+    assert "MiB" in docs and not re.search(r"\b(KB|MB|GB)\b", docs)   # one unit system, labelled
+
+
+def test_memory_plot_leaves_absent_readings_as_gaps():
+    run = load(FIXTURE)
+    no_uss = run.devices["sim-001"]            # as a device that cannot read USS records it: null
+    no_uss.tasks = [dataclasses.replace(t, profile={**t.profile, "peak_uss_bytes": None}) for t in no_uss.tasks]
+    stats = run.stats()
+    fig = _drawn(plot_memory(run, stats))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["peak RSS", "peak USS"]                   # no "0: not measured"
+    ax = fig.axes[0]
+    uss_bars = [p for p in ax.patches if p.get_gid() == "peak USS"]
+    measured = [s for s in stats if s.peak_rss_bytes is not None]
+    assert len(uss_bars) == sum(s.peak_uss_bytes is not None for s in measured) == len(measured) - 1
+    assert all(bar.get_height() > 0 for bar in ax.patches)      # nothing drawn as 0
+    names = [label.get_text() for label in ax.get_xticklabels()]
+    gap = names.index("sim-001")
+    assert not any(abs(bar.get_x() + bar.get_width() / 2 - gap) < 0.4 for bar in uss_bars)
+
+
+def test_the_docs_describe_every_infer_option():
+    from profiling.cli import build_parser
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "profiling.md").read_text()
+    infer = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("infer"))
+    for action in infer._actions:
+        for option in action.option_strings:
+            if option.startswith("--") and option != "--help":
+                assert f"`{option}" in docs or f" {option}" in docs, option
+    section = docs[docs.index("## Inference on the device"):docs.index("## Device footprint")]
+    assert "CPU provider (" not in section and "--provider" in section

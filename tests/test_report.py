@@ -35,15 +35,15 @@ def test_piped_output_is_one_line_per_round_within_80_columns():
     for line, row in zip(lines, ROWS):
         assert line.split()[0] == str(row["round"])
         assert len(line) <= 80, line
-    assert lines[1].split() == ["7", "0.9123", "0.2345", "0.9500", "10/10", "1/2", "117.7", "MB", "94.2", "MB",
+    assert lines[1].split() == ["7", "0.9123", "0.2345", "0.9500", "10/10", "1/2", "117.7", "MiB", "94.2", "MiB",
                                 "123.4"]
     assert lines[2].split()[1] == "-"                          # no global accuracy (DFL)
 
 
 def test_a_cell_wider_than_its_column_widens_the_line_without_wrapping_it():
-    huge = {"round": 3, "test_loss": 1.0, "bytes_down": 5 * 2**40, "seconds": 12_345_678.9}   # 5120.0 GB
+    huge = {"round": 3, "test_loss": 1.0, "bytes_down": 5 * 2**40, "seconds": 12_345_678.9}   # 5120.0 GiB
     header, line = _piped_lines([huge])
-    assert line.split()[0] == "3" and line.split()[-1] == "12345678.9" and "5120.0 GB" in line
+    assert line.split()[0] == "3" and line.split()[-1] == "12345678.9" and "5120.0 GiB" in line
 
 
 def test_progress_shows_clients_coming_online_and_results_coming_in():
@@ -60,7 +60,7 @@ def test_progress_shows_clients_coming_online_and_results_coming_in():
     lines = out.getvalue().splitlines()
     assert lines[0] == "waiting for clients: 0/2 online"
     assert lines[1] == "waiting for clients: 1/2 online (pi-01)"
-    assert lines[2].startswith("round 1: 0/2 results, 2.9 MB down, 0 B up, 12 s of 300 s")
+    assert lines[2].startswith("round 1: 0/2 results, 2.9 MiB down, 0 B up, 12 s of 300 s")
     assert lines[3].startswith("round 1: 1/2 results") and len(lines) == 4
 
 
