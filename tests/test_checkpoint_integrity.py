@@ -22,7 +22,6 @@ from coordinator.checkpoint import CheckpointError, checkpoint_path, load_checkp
 from coordinator.strategies.base import ServerState
 from edge_client.models import federated_names
 from edge_client.registry import build_model
-from export.cli import main as export_main
 from export.errors import SourceError
 from export.source import read_checkpoint
 
@@ -149,7 +148,7 @@ def _copy_run(run: Path, to: Path) -> Path:
 
 
 @pytest.mark.parametrize("damage", [_nan_into_last_value, _flip_data_byte], ids=["nan", "flipped-byte"])
-def test_resume_and_export_refuse_a_damaged_run(short_run, tmp_path, capsys, damage):
+def test_resume_refuses_a_damaged_checkpoint_in_one_line_at_once(short_run, tmp_path, damage):
     out = _copy_run(short_run, tmp_path / "run")
     newest = checkpoint_path(out / "checkpoints", 2)
     damage(newest)
@@ -159,13 +158,21 @@ def test_resume_and_export_refuse_a_damaged_run(short_run, tmp_path, capsys, dam
     lines = (resumed.stdout + resumed.stderr).strip().splitlines()
     assert resumed.returncode != 0 and len(lines) == 1, resumed.stdout + resumed.stderr
     assert f"{newest}: damaged (" in lines[0] and "the last good checkpoint is round 1" in lines[0]
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 30                 # no round was started, no timeout burnt
     assert not checkpoint_path(out / "checkpoints", 3).exists()
 
-    capsys.readouterr()
-    assert export_main([str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and str(newest) in err[0] and "last good checkpoint is round 1" in err[0]
+
+def test_fedge_export_refuses_a_damaged_run(short_run, tmp_path):
+    out = _copy_run(short_run, tmp_path / "run")
+    newest = checkpoint_path(out / "checkpoints", 2)
+    _flip_data_byte(newest)
+    exported = subprocess.run([sys.executable, "-m", "export.cli", str(out)], capture_output=True, text=True,
+                              timeout=120)
+    err = exported.stdout + exported.stderr
+    refusal = [line for line in err.splitlines() if "damaged" in line]   # beside any progress line
+    assert exported.returncode == 2 and len(refusal) == 1 and "Traceback" not in err, err
+    assert str(newest) in refusal[0] and "last good checkpoint is round 1" in refusal[0]
+    assert not (out / "export").exists()
 
 
 def test_deleting_the_damaged_file_resumes_from_the_last_good_round(short_run, tmp_path):
