@@ -16,10 +16,17 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_client.pixels import DataError, Normalization, Pixels, npz_pixels, read_npz
+
 __all__ = [
     "DataError",
     "Dataset",
+    "RawDataset",
     "load_dataset",
+    "load_pixels",
+    "client_pixels",
+    "model_normalization",
+    "pixel_normalization",
     "partition_indices",
     "client_split",
     "load_client_split",
@@ -52,14 +59,14 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", 
 #   -> 0.305483..., 0.376110...  (tests/test_data.py re-checks these)
 DIGITS_MEAN = 0.30548
 DIGITS_STD = 0.37611
+FASHION_MNIST_NORMALIZATION = Normalization((FASHION_MNIST_MEAN,), (FASHION_MNIST_STD,))
+DIGITS_NORMALIZATION = Normalization((DIGITS_MEAN,), (DIGITS_STD,))
+# Colour domains (attribute:color) are RGB centred on 0.5: their own normalization, whatever the data set's.
+COLOR_NORMALIZATION = Normalization((0.5,) * 3, (0.5,) * 3)
 
 _TEST_FRACTION = 0.2
 _SPLIT_SEED = 0  # fixed, so the train/test split never depends on a run's seed
 _DIRICHLET_TRIES = 100
-
-
-class DataError(ValueError):
-    """Bad dataset/partition spec or bad data file; the message says how to fix it."""
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: array fields cannot be compared with ==
@@ -73,6 +80,7 @@ class Dataset:
     y_test: np.ndarray  # int64 [M]
     num_classes: int
     train_loaded: bool = True   # False: the train split was left out on purpose (load_dataset(train=False))
+    normalization: Normalization | None = None   # how the images were made from [0, 1] pixels; None: unknown
 
     def __post_init__(self) -> None:
         for split, x, y in (("train", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
@@ -106,19 +114,48 @@ class Dataset:
 # --------------------------------------------------------------------------- loading
 
 
-def load_dataset(spec: str, *, train: bool = True) -> Dataset:
-    """Load a dataset from a spec: digits, fashion-mnist[:DIR] or npz:PATH.
+@dataclass(frozen=True, eq=False)  # eq=False: array fields cannot be compared with ==
+class RawDataset:
+    """A data set as stored: its pixels, labels and the normalization it recommends for a model's input."""
+
+    name: str
+    x_train: Pixels
+    y_train: np.ndarray
+    x_test: Pixels
+    y_test: np.ndarray
+    num_classes: int
+    normalization: Normalization   # the data set's own (mean, std) of its [0, 1] pixels
+    train_loaded: bool = True
+
+    def normalized(self, normalization: Normalization | None = None) -> Dataset:
+        """The model's inputs under ``normalization`` (None: the data set's own)."""
+        norm = normalization or self.normalization
+        return Dataset(self.name, self.x_train.normalized(norm), self.y_train, self.x_test.normalized(norm),
+                       self.y_test, self.num_classes, self.train_loaded, norm)
+
+
+def load_pixels(spec: str, *, train: bool = True) -> RawDataset:
+    """Load a dataset's pixels from a spec: digits, fashion-mnist[:DIR] or npz:PATH.
+
+    ``train=False``: the train split may be left empty where that saves memory, for a
+    coordinator whose clients bring their own data."""
+    kind, _, arg = spec.partition(":")
+    if spec == "digits":
+        return _digits_pixels()
+    if kind == "fashion-mnist":
+        return _fashion_mnist_pixels(Path(arg) if arg else Path(FASHION_MNIST_DIR), train=train)
+    if kind == "npz" and arg:
+        return _npz_dataset(Path(arg))
+    raise DataError(f"unknown dataset spec {spec!r}; valid: {DATASET_SPECS}")
+
+
+def load_dataset(spec: str, *, train: bool = True, normalization: Normalization | None = None) -> Dataset:
+    """Load a dataset from a spec as a model's inputs, normalized by ``normalization`` (a model spec's;
+    None: the data set's own).
 
     ``train=False``: the train split may be left empty where that saves memory (Fashion-MNIST's
     is 188 MB as float32), for a coordinator whose clients bring their own data."""
-    kind, _, arg = spec.partition(":")
-    if spec == "digits":
-        return _load_digits()
-    if kind == "fashion-mnist":
-        return _load_fashion_mnist(Path(arg) if arg else Path(FASHION_MNIST_DIR), train=train)
-    if kind == "npz" and arg:
-        return _load_npz(Path(arg))
-    raise DataError(f"unknown dataset spec {spec!r}; valid: {DATASET_SPECS}")
+    return load_pixels(spec, train=train).normalized(normalization)
 
 
 def _fixed_split(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -133,17 +170,17 @@ def _fixed_split(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
-def _load_digits() -> Dataset:
+def _digits_pixels() -> RawDataset:
     try:  # imported lazily: only the digits spec needs scikit-learn
         from sklearn.datasets import load_digits
     except ImportError:
         raise DataError("digits: needs scikit-learn (pip install scikit-learn); else use fashion-mnist") from None
 
     bunch = load_digits()
-    x = ((bunch.images / 16.0 - DIGITS_MEAN) / DIGITS_STD).astype(np.float32)[:, None]
+    x = Pixels(bunch.images[:, None], 16.0)   # float64 0..16, as scikit-learn gives them
     y = bunch.target.astype(np.int64)
     tr, te = _fixed_split(y)
-    return Dataset("digits", x[tr], y[tr], x[te], y[te], num_classes=10)
+    return RawDataset("digits", x[tr], y[tr], x[te], y[te], 10, DIGITS_NORMALIZATION)
 
 
 def _find_idx(directory: Path, name: str) -> Path:
@@ -204,38 +241,16 @@ def _fashion_mnist_raw(directory: Path, prefix: str) -> tuple[np.ndarray, np.nda
     return images, labels.astype(np.int64)
 
 
-def _normalize_fashion_mnist(images: np.ndarray) -> np.ndarray:
-    """uint8 [N, H, W] -> float32 [N, 1, H, W]: (p / 255 - mean) / std folded into one multiply-add on
-    float32 scalars (one pass, one allocation)."""
-    scale = np.float32(1.0 / (255.0 * FASHION_MNIST_STD))
-    shift = np.float32(FASHION_MNIST_MEAN / FASHION_MNIST_STD)
-    return images[:, None] * scale - shift
-
-
-def _load_fashion_mnist(directory: Path, *, train: bool = True) -> Dataset:
-    splits = []
+def _fashion_mnist_pixels(directory: Path, *, train: bool = True) -> RawDataset:
+    splits: list = []
     for prefix in ("train", "t10k"):
         if prefix == "train" and not train:
-            splits += [np.empty((0, 1, 28, 28), dtype=np.float32), np.empty(0, dtype=np.int64)]
+            splits += [Pixels(np.empty((0, 1, 28, 28), dtype=np.uint8), 255.0), np.empty(0, dtype=np.int64)]
             continue
         images, labels = _fashion_mnist_raw(directory, prefix)
-        splits += [_normalize_fashion_mnist(images), labels]
-    return Dataset("fashion-mnist", *splits, num_classes=10, train_loaded=train)
-
-
-def _npz_images(path: Path, key: str, x: np.ndarray) -> np.ndarray:
-    if x.ndim == 3:
-        x = x[:, None]
-    if x.ndim != 4:
-        raise DataError(f"{path}: {key!r} must be [N, H, W] or [N, C, H, W], got shape {x.shape}")
-    if x.dtype == np.uint8:
-        return x.astype(np.float32) / np.float32(255.0)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise DataError(f"{path}: {key!r} must be uint8 (0..255) or float, got {x.dtype}")
-    x = x.astype(np.float32)
-    if not np.isfinite(x).all():
-        raise DataError(f"{path}: {key!r} contains NaN or inf; clean the data before saving")
-    return x
+        splits += [Pixels(images[:, None], 255.0), labels]
+    return RawDataset("fashion-mnist", *splits, num_classes=10, normalization=FASHION_MNIST_NORMALIZATION,
+                      train_loaded=train)
 
 
 def _npz_labels(path: Path, key: str, y: np.ndarray, n: int) -> np.ndarray:
@@ -250,26 +265,22 @@ def _npz_labels(path: Path, key: str, y: np.ndarray, n: int) -> np.ndarray:
     return y.astype(np.int64)
 
 
-def _load_npz(path: Path) -> Dataset:
+def _npz_dataset(path: Path) -> RawDataset:
+    """An npz of images (uint8 0..255, or float pixels in [0, 1]) and labels; the identity normalization (the
+    pixels as they are) unless a model spec names another."""
     if not path.is_file():
         raise DataError(f"{path}: npz file not found; check the path in npz:PATH")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: not a readable .npz of plain arrays ({exc}); save with np.savez") from None
-    except AttributeError:  # np.load returned a bare array (.npy), which has no .files
-        raise DataError(f"{path}: expected an .npz archive with arrays 'x' and 'y', got a single array") from None
+    arrays = read_npz(path)
     if "x" not in arrays or "y" not in arrays:
         raise DataError(f"{path}: needs arrays 'x' and 'y', found {sorted(arrays)}")
     if ("x_test" in arrays) != ("y_test" in arrays):
         raise DataError(f"{path}: give both 'x_test' and 'y_test' or neither")
-    x = _npz_images(path, "x", arrays["x"])
+    x = npz_pixels(path, "x", arrays["x"])
     if len(x) == 0:
         raise DataError(f"{path}: empty dataset (0 samples in 'x')")
     y = _npz_labels(path, "y", arrays["y"], len(x))
     if "x_test" in arrays:
-        x_test = _npz_images(path, "x_test", arrays["x_test"])
+        x_test = npz_pixels(path, "x_test", arrays["x_test"])
         y_test = _npz_labels(path, "y_test", arrays["y_test"], len(x_test))
     else:
         tr, te = _fixed_split(y)
@@ -277,7 +288,10 @@ def _load_npz(path: Path) -> Dataset:
             raise DataError(f"{path}: too few samples ({len(y)}) for an 80/20 split; add data or give x_test/y_test")
         x, y, x_test, y_test = x[tr], y[tr], x[te], y[te]
     num_classes = int(max(y.max(), y_test.max(initial=0))) + 1
-    return Dataset("npz", x, y, x_test, y_test, num_classes=num_classes)
+    if x.values.shape[1:] != x_test.values.shape[1:]:
+        raise DataError(f"{path}: 'x' images {x.values.shape[1:]} and 'x_test' images {x_test.values.shape[1:]} "
+                        "must have the same [C, H, W]")
+    return RawDataset("npz", x, y, x_test, y_test, num_classes, Normalization.identity(x.channels))
 
 
 # --------------------------------------------------------------------------- partitions
@@ -358,23 +372,41 @@ def _dirichlet(
     )
 
 
+def client_pixels(spec: str, partition_spec: str, index: int, num_partitions: int,
+                  seed: int) -> tuple[Pixels, np.ndarray, Normalization]:
+    """Pixels and labels of partition ``index`` of dataset ``spec``'s train split, and the data set's
+    own normalization: what a device keeps to make any model's inputs from (a plain label partition;
+    attribute partitions change the images themselves, see :func:`load_client_split`).
+
+    Fashion-MNIST's training images stay uint8 (47 MB) and only the partition's rows are kept."""
+    if parse_attribute_skew(partition_spec) is not None:
+        raise DataError(f"{partition_spec}: an attribute partition's images are its domains' inputs, not pixels; "
+                        "load them with load_client_split")
+    if not 0 <= index < num_partitions:
+        raise DataError(f"partition index {index} out of range 0..{num_partitions - 1}")
+    kind, _, arg = spec.partition(":")
+    if kind == "fashion-mnist":
+        images, labels = _fashion_mnist_raw(Path(arg) if arg else Path(FASHION_MNIST_DIR), "train")
+        idx = partition_indices(labels, partition_spec, num_partitions, seed)[index]
+        return Pixels(images[idx][:, None], 255.0), labels[idx], FASHION_MNIST_NORMALIZATION
+    raw = load_pixels(spec)
+    idx = partition_indices(raw.y_train, partition_spec, num_partitions, seed)[index]
+    return raw.x_train[idx], raw.y_train[idx], raw.normalization
+
+
 def load_client_split(spec: str, partition_spec: str, index: int, num_partitions: int,
                       seed: int) -> tuple[np.ndarray, np.ndarray]:
     """What :func:`client_split` gives partition ``index`` of dataset ``spec``, holding less on the way.
 
     A simulated client needs only its partition's rows: Fashion-MNIST's training images stay
     uint8 (47 MB) until its rows are picked and only those become float32, instead of the whole
-    train and test splits in float32 (219 MB). Other datasets and attribute partitions (which
-    scale by the whole split's intensity range) load the whole dataset, as before.
+    train and test splits in float32 (219 MB). Attribute partitions (which scale by the whole
+    split's intensity range) load the whole dataset.
     """
-    kind, _, arg = spec.partition(":")
-    if kind != "fashion-mnist" or parse_attribute_skew(partition_spec) is not None:
+    if parse_attribute_skew(partition_spec) is not None:
         return client_split(load_dataset(spec), partition_spec, index, num_partitions, seed)
-    if not 0 <= index < num_partitions:
-        raise DataError(f"partition index {index} out of range 0..{num_partitions - 1}")
-    images, labels = _fashion_mnist_raw(Path(arg) if arg else Path(FASHION_MNIST_DIR), "train")
-    idx = partition_indices(labels, partition_spec, num_partitions, seed)[index]
-    return _normalize_fashion_mnist(images[idx]), labels[idx]
+    pixels, labels, normalization = client_pixels(spec, partition_spec, index, num_partitions, seed)
+    return pixels.normalized(normalization), labels
 
 
 def client_split(
@@ -528,6 +560,24 @@ def domain_palette(domain: int, domains: int) -> tuple[tuple[float, float, float
     return colorsys.hsv_to_rgb((hue + 0.5) % 1.0, 0.5, 1.0), colorsys.hsv_to_rgb(hue, 0.8, 0.5)
 
 
+def model_normalization(dataset: Dataset, partition_spec: str) -> Normalization | None:
+    """The normalization of the inputs a model trained on ``dataset`` under ``partition_spec`` gets, for its
+    spec: the data set's, except colour domains, which are RGB with their own. Rotation and inverted
+    contrast keep the data set's (they move and mirror intensities within its range)."""
+    skew = parse_attribute_skew(partition_spec)
+    if skew is not None and skew.kind == "color":
+        return COLOR_NORMALIZATION
+    return dataset.normalization
+
+
+def pixel_normalization(model: Normalization | None, partition_spec: str) -> Normalization | None:
+    """What to normalize a data set's pixels with so that, under ``partition_spec``, they become the inputs
+    of a model whose spec says ``model``: ``model`` itself, except under colour domains, which set their
+    own (None: the data set's own, as the run loaded it)."""
+    skew = parse_attribute_skew(partition_spec)
+    return None if skew is not None and skew.kind == "color" else model
+
+
 def _intensity_range(dataset: Dataset) -> tuple[float, float]:
     """Darkest and brightest value of the dataset's train split (its test split when the train split was
     not loaded; Fashion-MNIST's have the same): background and full ink."""
@@ -545,7 +595,7 @@ def _colorize(x: np.ndarray, domains: np.ndarray, count: int, intensity: tuple[f
     fg = np.array([p[0] for p in palettes], np.float32)[domains][:, :, None, None]   # [N, 3, 1, 1]
     bg = np.array([p[1] for p in palettes], np.float32)[domains][:, :, None, None]
     rgb = bg + (fg - bg) * ink
-    return ((rgb - 0.5) / 0.5).astype(np.float32)                     # centred, in [-1, 1]
+    return COLOR_NORMALIZATION.apply(rgb, 1.0)                         # centred, in [-1, 1]
 
 
 def _rotate(x: np.ndarray, domains: np.ndarray, count: int, fill: float) -> np.ndarray:

@@ -253,11 +253,44 @@ def test_npz_missing_or_unreadable(tmp_path: Path) -> None:
     with raises("npz file not found"):
         load_dataset(f"npz:{tmp_path / 'missing.npz'}")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with raises("not a readable .npz"):
+    with raises("not a valid .npz .no zip archive"):
         load_dataset(f"npz:{tmp_path / 'junk.npz'}")
     np.savez(tmp_path / "obj.npz", x=np.array([{"a": 1}], dtype=object), y=Y)
-    with raises("not a readable .npz"):
+    with raises("not a readable .npz of plain arrays"):
         load_dataset(f"npz:{tmp_path / 'obj.npz'}")
+    np.save(tmp_path / "one.npy", np.zeros((4, 8, 8), np.uint8))
+    with raises("a single .npy array, not an .npz archive"):
+        load_dataset(f"npz:{tmp_path / 'one.npy'}")
+
+
+def _valid_npz(path: Path, compressed: bool = False) -> bytes:
+    x = (load_digits().images[:200] * 15).astype(np.uint8)
+    (np.savez_compressed if compressed else np.savez)(path, x=x, y=load_digits().target[:200])
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_truncated_npz_is_one_line_saying_so(tmp_path: Path, compressed: bool) -> None:
+    whole = _valid_npz(tmp_path / "d.npz", compressed)
+    (tmp_path / "d.npz").write_bytes(whole[:len(whole) // 2])
+    with raises(r"d.npz: not a valid .npz \(truncated or damaged zip archive: .*\); re-create it with numpy.savez"):
+        load_dataset(f"npz:{tmp_path / 'd.npz'}")
+
+
+def test_an_npz_with_a_damaged_member_is_one_line_saying_so(tmp_path: Path) -> None:
+    whole = bytearray(_valid_npz(tmp_path / "d.npz", compressed=True))
+    middle = len(whole) // 3            # inside the first member's compressed data
+    whole[middle:middle + 64] = bytes(64)
+    (tmp_path / "d.npz").write_bytes(bytes(whole))
+    with raises("not a valid .npz .truncated or damaged zip archive"):
+        load_dataset(f"npz:{tmp_path / 'd.npz'}")
+
+
+def test_random_bytes_are_not_called_pickled_data(tmp_path: Path) -> None:
+    (tmp_path / "r.npz").write_bytes(np.random.default_rng(0).bytes(5000))
+    with raises("not a valid .npz .no zip archive at its start") as info:
+        load_dataset(f"npz:{tmp_path / 'r.npz'}")
+    assert "pickle" not in str(info.value)
 
 
 @pytest.mark.parametrize("spec", ["mnist", "digits:x", "npz", "npz:", "", "Digits"])
@@ -412,3 +445,25 @@ def test_a_simulated_clients_rows_load_alone_and_equal_the_whole_datasets(fmnist
     whole_mb = int(subprocess.run([sys.executable, "-c", code_all], capture_output=True, text=True, check=True,
                                   timeout=120).stdout)
     assert peak_mb < whole_mb - 100, (peak_mb, whole_mb)
+
+
+def test_both_commands_say_what_is_wrong_with_a_truncated_npz_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "own.npz"
+    whole = _valid_npz(path)
+    path.write_bytes(whole[:len(whole) // 2])
+    want = "truncated or damaged zip archive"
+    commands = {
+        "fedge-client": [sys.executable, "-m", "edge_client.cli", "run", "--broker", "mqtt://127.0.0.1:1",
+                         "--client-id", "pi-01", "--data", f"npz:{path}", "--state-dir", str(tmp_path / "state")],
+        "fedge-coordinator": [sys.executable, "-m", "coordinator.cli", "run", "--data", f"npz:{path}",
+                              "--clients", "1", "--out", str(tmp_path / "run")],
+    }
+    for name, cmd in commands.items():   # (fedge-coordinator prints its errors on stdout, in its console)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        lines = (out.stdout + out.stderr).strip().splitlines()
+        assert out.returncode != 0 and len(lines) == 1, (name, out.stdout, out.stderr)
+        assert f"{path}: not a valid .npz ({want}" in lines[0] and "re-create it with numpy.savez" in lines[0], lines
+    assert not (tmp_path / "run").exists()
