@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edge_client.data import (DIGITS_MEAN, DIGITS_STD, FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD,
-                              parse_attribute_skew)
+from edge_client.data import (COLOR_NORMALIZATION, DIGITS_NORMALIZATION, FASHION_MNIST_CLASSES,
+                              FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
+from edge_client.pixels import Normalization
 from edge_client.wire.files import write_atomic
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
@@ -38,27 +39,35 @@ def class_names(data_spec: str | None, num_classes: int) -> list[str]:
     return [str(i) for i in range(num_classes)]
 
 
-def input_normalization(data_spec: str | None, partition: str, channels: int) -> dict[str, Any]:
-    """How raw pixels became the model's input: ``x[c] = (pixel * scale - mean[c]) / std[c]``."""
+def input_normalization(data_spec: str | None, partition: str, channels: int,
+                        model: Normalization | None = None) -> dict[str, Any]:
+    """How raw pixels become the model's input: ``x[c] = (pixel[c] * scale - mean[c]) / std[c]``.
+
+    ``model``: the normalization in the model spec, which every device applied to its own data
+    whatever its data set; the ``scale`` and ``pixel_range`` are those of ``data_spec``'s pixels.
+    Without it (a checkpoint from before specs carried one): the data set's own, as the coordinator used it.
+    """
     kind = (data_spec or "").partition(":")[0]
     formula = "x[c] = (pixel[c] * scale - mean[c]) / std[c]"
-    if kind == "digits":
-        out: dict[str, Any] = {"scale": 1 / 16, "mean": [DIGITS_MEAN], "std": [DIGITS_STD], "pixel_range": [0, 16]}
-    elif kind == "fashion-mnist":
-        out = {"scale": 1 / 255, "mean": [FASHION_MNIST_MEAN], "std": [FASHION_MNIST_STD], "pixel_range": [0, 255]}
-    elif kind == "npz":
-        out = {"scale": 1 / 255, "mean": [0.0] * channels, "std": [1.0] * channels, "pixel_range": [0, 255],
-               "note": "uint8 images are scaled to [0, 1]; float images in the .npz were used as stored"}
-    else:
-        out = {"note": f"unknown: the data spec {data_spec!r} is not recorded; feed inputs as in training"}
+    own = {"digits": DIGITS_NORMALIZATION, "fashion-mnist": FASHION_MNIST_NORMALIZATION,
+           "npz": Normalization.identity(channels)}.get(kind)
     skew = parse_attribute_skew(partition) if partition else None
+    norm = model or (COLOR_NORMALIZATION if skew is not None and skew.kind == "color" else own)
+    if norm is None:
+        return {"note": f"unknown: the data spec {data_spec!r} is not recorded; feed inputs as in training"}
+    scale, top = {"digits": (1 / 16, 16)}.get(kind, (1 / 255, 255))
+    out: dict[str, Any] = {"formula": formula, "scale": scale, "mean": list(norm.mean), "std": list(norm.std),
+                           "pixel_range": [0, top]}
+    if kind == "npz":
+        out["note"] = "uint8 images are scaled to [0, 1] (float images in the .npz are taken as [0, 1] pixels)"
     if skew is not None and skew.kind == "color":
-        out = {"scale": 1 / 255, "mean": [0.5] * channels, "std": [0.5] * channels, "pixel_range": [0, 255],
-               "note": f"RGB images: the run trained on {data_spec} painted in {skew.domains} colour domains "
-                       f"(partition {partition})"}
+        out["note"] = (f"RGB images: the run trained on {data_spec} painted in {skew.domains} colour domains "
+                       f"(partition {partition})")
     elif skew is not None:
-        out = {**out, "note": f"the run trained on images rotated into {skew.domains} domains ({partition})"}
-    return {"formula": formula, **out} if "scale" in out else out
+        look = ("rotated into" if skew.kind == "rotate"
+                else "with inverted contrast (light background) in the odd ones of")
+        out["note"] = f"the run trained on images {look} {skew.domains} domains ({partition})"
+    return out
 
 
 def strategy_config(config: dict[str, Any], strategy: str) -> dict[str, Any]:

@@ -31,7 +31,9 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from edge_client.data import DataError, client_split, evaluation_split, load_dataset, parse_attribute_skew
+from edge_client.data import (DataError, client_split, evaluation_split, load_dataset, parse_attribute_skew,
+                               pixel_normalization)
+from edge_client.pixels import Normalization, normalization_of
 from edge_client.registry import model_size
 from edge_client.wire.files import write_atomic
 from export.card import class_names, input_normalization, sha256, strategy_config, write_card
@@ -59,13 +61,15 @@ class ExportOptions:
 
 @dataclass(frozen=True, eq=False)
 class ExportData:
-    """Samples as the run's clients saw them: the test split, and training images for calibration."""
+    """Samples as the run's clients saw them: the test split, and training images for calibration, normalized
+    as the model spec says (``normalization``; None for a spec from before specs carried one: the data set's own)."""
 
     spec: str
     partition: str
     x_test: np.ndarray
     y_test: np.ndarray
     x_train: np.ndarray
+    normalization: Normalization | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,14 +82,16 @@ class Exported:
 
 
 def load_export_data(source: RunSource, data: str | None = None) -> ExportData:
-    """The run's data (or ``data``), with the run's attribute skew applied when it had one."""
+    """The run's data (or ``data``) as the model's inputs: normalized as its spec says, with the run's
+    attribute skew applied when it had one."""
     spec = data or source.data_spec
     if not spec:
         raise SourceError(f"{source.checkpoint.path} has no run directory with a config.toml naming its data; "
                           "pass --data SPEC (the data the run trained on) for the parity check")
     partition = source.partition
     try:
-        dataset = load_dataset(spec)
+        normalization = normalization_of(source.checkpoint.model_spec)
+        dataset = load_dataset(spec, normalization=pixel_normalization(normalization, partition))
         x_test, y_test = evaluation_split(dataset, partition)
         skew = parse_attribute_skew(partition)
         if skew is None:
@@ -101,7 +107,7 @@ def load_export_data(source: RunSource, data: str | None = None) -> ExportData:
         raise SourceError(f"the data {spec!r} has {x_test.shape[1]}-channel {x_test.shape[2]}x{x_test.shape[3]} "
                           f"images, the model takes {spec_shape[0]} channels at {spec_shape[1]}x{spec_shape[1]}; "
                           "pass --data with the data the run trained on")
-    return ExportData(spec, partition, x_test, y_test, x_train)
+    return ExportData(spec, partition, x_test, y_test, x_train, normalization)
 
 
 def _versions() -> dict[str, str]:
@@ -120,7 +126,7 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
     shape = (int(spec["in_channels"]), int(spec["image_size"]), int(spec["image_size"]))
     num_classes = int(spec["num_classes"])
     classes = class_names(data.spec, num_classes)
-    normalization = input_normalization(data.spec, data.partition, shape[0])
+    normalization = input_normalization(data.spec, data.partition, shape[0], data.normalization)
     folded, folds = fold_pans(model)
     kept = [f.name for f in folds if f.into == "kept"]
     if kept:
