@@ -7,9 +7,13 @@ the p50/p95/p99 latency, throughput, and the process's peak memory, appended to
 the device's profile history as an ``infer`` line.
 
 Only the input's shape matters for latency, so the default input is seeded random
-data; ``--data npz:PATH`` uses real samples (array ``x_test``, else ``x``; uint8
-images are scaled to [0, 1], a missing channel axis is added), and when the file
-also holds their labels (``y_test`` or ``y``) the model's top-1 accuracy on them.
+data; ``--data npz:PATH`` uses real samples (array ``x_test``, else ``x``: uint8
+images or float pixels in [0, 1], a missing channel axis is added), and when the file
+also holds their labels (``y_test`` or ``y``) the model's top-1 accuracy on them. The
+pixels become the model's input as the model was trained: normalized by the
+``fedge.normalization`` its file carries (the model spec's, written by ``fedge-export``),
+with the same function the training data went through, so the accuracy is the one the
+model card reports for the same samples.
 
 ``--provider`` picks ONNX Runtime's execution provider: the CPU on a Raspberry Pi,
 CUDA or TensorRT on a Jetson with NVIDIA's onnxruntime-gpu build; ``auto`` takes the
@@ -20,6 +24,7 @@ names the provider the session really ran on.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +34,14 @@ import numpy as np
 import onnxruntime as ort
 import psutil
 
+from edge_client.pixels import DataError, Normalization, npz_pixels, read_npz
 from profiling.device import device_facts
 from profiling.errors import ProfileError
 from profiling.history import append_history
 from profiling.profiler import peak_rss_since_reset, percentile, reset_peak_rss
 
-__all__ = ["InferError", "InferSettings", "PROVIDERS", "benchmark", "choose_provider", "format_result"]
+__all__ = ["InferError", "InferSettings", "PROVIDERS", "benchmark", "choose_provider", "format_result",
+           "model_normalization"]
 
 # --provider names and the ONNX Runtime execution providers they stand for, in auto's order of preference
 PROVIDERS = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
@@ -89,8 +96,30 @@ def _session(model: Path, threads: int, provider: str) -> ort.InferenceSession:
                          "(a model exported with external data needs its .data file next to it)") from None
 
 
-def _samples(settings: InferSettings, shape: list[Any], dtype: type) -> tuple[np.ndarray, np.ndarray | None]:
-    """Samples shaped like the model's input (first axis: the samples), and their labels if the file has them."""
+def model_normalization(session: ort.InferenceSession) -> Normalization | None:
+    """The normalization in the model file's ``fedge.normalization`` metadata; None when it has none (a model
+    not exported by fedge, or one whose run did not record its data)."""
+    text = session.get_modelmeta().custom_metadata_map.get("fedge.normalization")
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InferError("the model's fedge.normalization metadata is not JSON; export the model again with "
+                         "fedge-export") from None
+    if not isinstance(value, dict) or "mean" not in value or "std" not in value:
+        return None   # the card's "unknown" entry: no normalization was recorded
+    try:
+        return Normalization.from_spec({"mean": value["mean"], "std": value["std"]})
+    except DataError as exc:
+        raise InferError(f"the model's fedge.normalization metadata is unusable: {exc}") from None
+
+
+def _samples(settings: InferSettings, shape: list[Any], dtype: type,
+             normalization: Normalization | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Samples shaped like the model's input (first axis: the samples), and their labels if the file has them.
+
+    Float inputs are the pixels normalized by ``normalization`` (None: the [0, 1] pixels as they are)."""
     sample_shape = shape[1:]
     if settings.data is None:
         if not all(isinstance(d, int) and d > 0 for d in sample_shape):
@@ -102,19 +131,26 @@ def _samples(settings: InferSettings, shape: list[Any], dtype: type) -> tuple[np
     if kind != "npz" or not path:
         raise InferError(f"--data must be npz:PATH, got {settings.data!r}")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            key = "x_test" if "x_test" in archive.files else "x"
-            if key not in archive.files:
-                raise InferError(f"{path} has no array x or x_test (it has {archive.files})")
-            x = archive[key]
-            label_key = {"x_test": "y_test", "x": "y"}[key]
-            y = archive[label_key] if label_key in archive.files else None
-    except (OSError, ValueError) as exc:
-        raise InferError(f"cannot read {path}: {exc}") from None
-    if x.dtype == np.uint8 and dtype != np.uint8:
-        x = x.astype(np.float32) / 255.0
-    if x.ndim == len(shape) - 1:
-        x = x[:, None]
+        archive = read_npz(Path(path))
+    except DataError as exc:
+        raise InferError(str(exc)) from None
+    key = "x_test" if "x_test" in archive else "x"
+    if key not in archive:
+        raise InferError(f"{path} has no array x or x_test (it has {sorted(archive)})")
+    x = archive[key]
+    label_key = {"x_test": "y_test", "x": "y"}[key]
+    y = archive.get(label_key)
+    if np.issubdtype(dtype, np.floating) and len(shape) == 4:   # images: pixels -> the model's inputs
+        try:
+            pixels = npz_pixels(Path(path), key, x)
+            x = pixels.normalized(normalization or Normalization.identity(pixels.channels))
+        except DataError as exc:
+            raise InferError(f"{exc}; the model takes {sample_shape}") from None
+    else:
+        if x.dtype == np.uint8 and dtype != np.uint8:
+            x = x.astype(np.float32) / 255.0
+        if x.ndim == len(shape) - 1:
+            x = x[:, None]
     fixed = [(i, d) for i, d in enumerate(sample_shape) if isinstance(d, int)]
     if x.ndim != len(shape) or any(x.shape[i + 1] != d for i, d in fixed) or len(x) == 0:
         raise InferError(f"samples in {path} are {list(x.shape[1:])}, the model takes {sample_shape}")
@@ -175,7 +211,8 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
     if dtype is None:
         raise InferError(f"input {spec.name!r} is {spec.type}; supported: {', '.join(_DTYPES)}")
     shape = list(spec.shape)
-    samples, labels = _samples(settings, shape, dtype)
+    normalization = model_normalization(session)
+    samples, labels = _samples(settings, shape, dtype, normalization)
     batch_dim = shape[0] if shape else None
     results, skipped, peak = [], [], rss_loaded
     for size in dict.fromkeys((1, settings.batch)):
@@ -192,7 +229,9 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
         "model": str(model.resolve()), "model_name": model.name, "model_bytes": model.stat().st_size,
         "model_sha256": hashlib.sha256(model.read_bytes()).hexdigest(),
         "input": {"name": spec.name, "type": spec.type, "shape": [d if isinstance(d, int) else str(d) for d in shape]},
-        "data": settings.data or "random", "threads": settings.threads, "onnxruntime": ort.__version__,
+        "data": settings.data or "random",
+        "normalization": None if normalization is None or settings.data is None else normalization.to_spec(),
+        "threads": settings.threads, "onnxruntime": ort.__version__,
         "provider": session.get_providers()[0], "provider_asked": settings.provider,
         "results": results, "skipped": skipped,
         "session_rss_bytes": rss_loaded - rss_before,
@@ -223,6 +262,9 @@ def format_result(record: dict[str, Any]) -> str:
                      f"{r['p99'] * 1e3:>9.3f} {r['samples_per_second']:>11.0f}")
     for s in record["skipped"]:
         lines.append(f"batch {s['batch']} skipped: {s['reason']}")
+    if record.get("normalization"):
+        n = record["normalization"]
+        lines.append(f"pixels normalized as the model's metadata says: mean {n['mean']}, std {n['std']}")
     if "accuracy" in record:
         lines.append(f"accuracy {100 * record['accuracy']:.2f}% on the {record['accuracy_samples']} labelled samples "
                      f"of {record['data']}")

@@ -65,3 +65,14 @@ def test_labels_that_do_not_fit_are_refused(tmp_path):
         np.savez(tmp_path / f"{name}.npz", x=x, y=y)
         with pytest.raises(InferError, match="labels .* must be integers, one per sample"):
             benchmark(model, InferSettings(runs=1, warmup=0, data=f"npz:{tmp_path / name}.npz"))
+
+
+def test_a_truncated_npz_is_one_line_naming_the_damage_without_torch(tmp_path):
+    model = _onnx_cnn(tmp_path / "cnn.onnx")
+    np.savez(tmp_path / "samples.npz", x_test=np.zeros((50, 1, 8, 8), np.float32), y_test=np.zeros(50, np.int64))
+    whole = (tmp_path / "samples.npz").read_bytes()
+    (tmp_path / "samples.npz").write_bytes(whole[:len(whole) // 2])
+    out = _infer_without_torch(str(model), "--no-record", "--runs", "1", "--data", f"npz:{tmp_path / 'samples.npz'}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "not a valid .npz (truncated or damaged zip archive" in lines[0] and "numpy.savez" in lines[0]
