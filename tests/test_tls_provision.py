@@ -236,6 +236,58 @@ def test_a_wrong_host_name_and_a_missing_ca_file_are_one_line(broker, tiny_data,
         f"fedge-client: CA file {tmp_path / 'missing.crt'} does not exist: give the path of a PEM file"]
 
 
+def test_mqtt_at_the_tls_port_is_told_to_use_mqtts(broker, tiny_data, tmp_path):
+    plain_url = f"mqtt://127.0.0.1:{broker.port}"
+    with pytest.raises(TlsError, match=f"^{plain_url}: the broker answered with TLS; use mqtts://127.0.0.1:"
+                                       f"{broker.port} "):
+        MqttTransport(BrokerSettings(url=plain_url, connect_timeout=5), "device-001").connect()
+    started = time.monotonic()   # the device stops at once instead of retrying a login that is not the problem
+    done = _client_once(broker, tiny_data, tmp_path, "--broker", plain_url)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and f"use mqtts://127.0.0.1:{broker.port}" in lines[0], done.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_mqtts_at_a_plain_port_is_told_to_use_mqtt(broker, mosquitto, tiny_data, tmp_path):
+    port = parse_broker_address(mosquitto).port
+    tls_url = f"mqtts://127.0.0.1:{port}"
+    with pytest.raises(TlsError, match=f"^{tls_url}: the port speaks plain MQTT, not TLS; use mqtt://127.0.0.1:{port},"):
+        MqttTransport(BrokerSettings(url=tls_url, ca_file=broker.ca, connect_timeout=5), "device-001").connect()
+    done = _client_once(broker, tiny_data, tmp_path, "--broker", tls_url)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and f"use mqtt://127.0.0.1:{port}" in lines[0], done.stderr
+
+
+def test_a_login_without_the_password_names_the_user_and_the_empty_variable(broker, tmp_path, monkeypatch, capsys):
+    settings = BrokerSettings(url=broker.url, ca_file=broker.ca, username="device-001", connect_timeout=5)
+    with pytest.raises(TransportError) as refused:
+        MqttTransport(settings, "device-001").connect()
+    assert str(refused.value) == ("the broker refused user 'device-001': not authorized, and FEDGE_MQTT_PASSWORD "
+                                  "is empty; export the user's password")
+    wrong = BrokerSettings(url=broker.url, ca_file=broker.ca, username="device-001", password="wrong",
+                           connect_timeout=5, password_source="the bundle d.toml")
+    with pytest.raises(TransportError, match="refused user 'device-001': not authorized; check the password in "
+                                             "the bundle d.toml"):
+        MqttTransport(wrong, "device-001").connect()
+    device = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "run", "--broker", broker.url, "--ca-file",
+                               broker.ca, "--username", "device-001", "--client-id", "device-001", "--data", "digits",
+                               "--state-dir", str(tmp_path / "state")], env=ENV, stderr=subprocess.PIPE, text=True)
+    try:   # a device retries (the password may yet be set on the broker), saying why each time
+        first = device.stderr.readline()
+    finally:
+        device.terminate()
+        device.communicate(timeout=30)
+    assert "the broker refused user 'device-001': not authorized, and FEDGE_MQTT_PASSWORD is empty; export the " \
+           "user's password; retrying in 1 s" in first, first
+    monkeypatch.delenv("FEDGE_MQTT_PASSWORD", raising=False)   # the coordinator, resuming without its password
+    out = tmp_path / "run"
+    code = coordinator_main(["run", "--broker", broker.url, "--set", f"transport.ca_file={broker.ca}",
+                             "--set", "transport.username=coordinator", "--data", "digits", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert code == 2 and "the broker refused user 'coordinator': not authorized, and FEDGE_MQTT_PASSWORD is " \
+                         "empty; export the user's password" in " ".join(said.split()), said
+
+
 def test_tls_and_plain_urls_are_parsed_by_one_parser():
     assert parse_broker_address("mqtts://broker.lan").port == 8883 and parse_broker_address("mqtts://h:1").tls
     assert not parse_broker_address("mqtt://h").tls

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
 import threading
 import time
@@ -55,7 +56,16 @@ class MessageTooLarge(TransportError):
 
 
 class TlsError(TransportError):
-    """TLS cannot work as configured (missing file, unknown CA, wrong host name): no retry can fix it."""
+    """TLS cannot work as configured (missing file, unknown CA, wrong host name, a TLS port given as
+    mqtt:// or a plain one as mqtts://): no retry can fix it."""
+
+
+class _NoConnack(TransportError):
+    """Something listens at the port but gave no CONNACK: a broker of the other scheme, perhaps."""
+
+
+class _LoginRefused(TransportError):
+    """The broker answered and refused the user name and password."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class BrokerSettings:
     ca_data: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    # Where the password comes from (a variable, a bundle): named when the broker refuses the login.
+    password_source: str = "FEDGE_MQTT_PASSWORD"
 
     def __post_init__(self) -> None:
         # A malformed URL or contradictory TLS options are configuration errors now, not a retry loop later.
@@ -199,6 +211,63 @@ def _tls_failure(exc: ssl.SSLError, settings: BrokerSettings, host: str, port: i
         return (f"TLS: {host}:{port} does not speak TLS: use mqtt:// for a plain listener, or the port of the "
                 "broker's TLS listener (usually 8883)")
     return f"TLS handshake with {host}:{port} failed ({reason}): check the CA, client certificate and TLS version"
+
+
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` completes a TLS handshake. Only a probe, after a plain connect failed: the
+    certificate is not checked and nothing is sent over the connection."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.check_hostname = False
+    probe.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout) as raw, probe.wrap_socket(raw, server_hostname=host):
+            return True
+    except OSError:   # ssl.SSLError included: not a TLS listener
+        return False
+
+
+def _speaks_plain_mqtt(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` answers a plain MQTT 3.1.1 CONNECT with a CONNACK (a refusal counts: it is
+    still MQTT). Only a probe, after a TLS connect failed: a throwaway client id, a clean session, no login."""
+    client_id = f"fedge-probe-{uuid.uuid4().hex[:12]}".encode()
+    body = b"\x00\x04MQTT\x04\x02\x00\x05" + len(client_id).to_bytes(2, "big") + client_id
+    try:
+        with socket.create_connection((host, port), timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(bytes([0x10, len(body)]) + body)
+            return sock.recv(1)[:1] == b"\x20"
+    except OSError:
+        return False
+
+
+def _scheme_mismatch(settings: BrokerSettings, host: str, port: int) -> str | None:
+    """The scheme to use when the port speaks the other one, or None. ``mqtt://`` at a TLS listener and
+    ``mqtts://`` at a plain one fail like a dead broker or a refused login, so the port is asked."""
+    timeout = min(3.0, settings.connect_timeout)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if settings.tls and _speaks_plain_mqtt(host, port, timeout):
+        return (f"{settings.url}: the port speaks plain MQTT, not TLS; use mqtt://{where}, or the port of the "
+                "broker's TLS listener (usually 8883)")
+    if not settings.tls and _speaks_tls(host, port, timeout):
+        return (f"{settings.url}: the broker answered with TLS; use mqtts://{where} (with the CA that signed its "
+                "certificate: --ca-file, transport.ca_file or the device's bundle)")
+    return None
+
+
+# CONNACK reason codes of a refused login (paho gives MQTT 3.1.1's return codes 4 and 5 the same codes).
+_LOGIN_REFUSED = {134: "bad user name or password", 135: "not authorized"}
+
+
+def _login_refused(settings: BrokerSettings, why: str) -> str:
+    """What to fix when the broker refused the login: the user tried, and whether a password was given."""
+    if not settings.username:
+        return (f"the broker refused a login without a user name: {why}; give the user name (--username, "
+                f"$FEDGE_MQTT_USERNAME or transport.username) and its password in {settings.password_source}")
+    if not settings.password:
+        return (f"the broker refused user {settings.username!r}: {why}, and {settings.password_source} is empty; "
+                "export the user's password")
+    return (f"the broker refused user {settings.username!r}: {why}; check the password in "
+            f"{settings.password_source} against the broker's password file")
 
 
 @dataclass(frozen=True)
@@ -389,6 +458,7 @@ class MqttTransport(Transport):
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._refused: str | None = None
+        self._refused_login: str | None = None   # why the broker refused our user name and password
         self._client: mqtt.Client | None = None
         self._birth: tuple[str, bytes] | None = None
         self._broker_max: int | None = None   # the broker's maximum packet size, when it tells (MQTT 5)
@@ -409,7 +479,9 @@ class MqttTransport(Transport):
         """Connect, trying MQTT 5 then 3.1.1 when the protocol is ``auto``."""
         candidates = ["5", "3.1.1"] if self.settings.protocol == "auto" else [self.settings.protocol]
         self._ssl_context = self.settings.ssl_context()   # TlsError now for a missing or bad file
-        reasons = []
+        reasons: list[str] = []
+        refused: list[str] = []
+        listening = False   # a connection was made but nothing answered it as MQTT
         for protocol in candidates:
             # Some 3.1.1-only brokers never answer a v5 CONNECT that carries credentials,
             # so the v5 probe of ``auto`` gets a short timeout.
@@ -422,6 +494,13 @@ class MqttTransport(Transport):
                 raise   # the other protocol version would fail the same handshake
             except TransportError as exc:
                 reasons.append(f"MQTT {protocol}: {exc}")
+                refused += [str(exc)] if isinstance(exc, _LoginRefused) else []
+                listening |= isinstance(exc, _NoConnack)
+        if refused:
+            raise TransportError(_login_refused(self.settings, refused[-1]))
+        mismatch = _scheme_mismatch(self.settings, *self.settings.host_port()) if listening else None
+        if mismatch is not None:
+            raise TlsError(mismatch)
         raise TransportError(f"could not connect to {self.settings.url} as {self.client_id!r} ("
                              + "; ".join(reasons) + "). Is the broker running and are the credentials right?")
 
@@ -452,6 +531,7 @@ class MqttTransport(Transport):
         host, port = self.settings.host_port()
         self._connected.clear()
         self._refused = None
+        self._refused_login = None
         self._client = client
         try:
             client.connect(host, port, keepalive=self.settings.keepalive,
@@ -461,10 +541,11 @@ class MqttTransport(Transport):
             fix = _tls_failure(exc, self.settings, host, port)
             if fix is not None:
                 raise TlsError(fix) from None
-            raise TransportError(f"{host}:{port} closed the TLS handshake ({exc})") from None
+            raise _NoConnack(f"{host}:{port} closed the TLS handshake ({exc})") from None
         except OSError as exc:
             self._client = None
-            raise TransportError(f"{host}:{port} unreachable ({exc})") from None
+            cut = isinstance(exc, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError))
+            raise (_NoConnack if cut else TransportError)(f"{host}:{port} unreachable ({exc})") from None
         client.loop_start()
         deadline = time.monotonic() + timeout
         while not self._connected.wait(0.05):
@@ -472,7 +553,9 @@ class MqttTransport(Transport):
                 client.loop_stop()
                 client.disconnect()
                 self._client = None
-                raise TransportError(self._refused or "no CONNACK in time")
+                if self._refused_login:
+                    raise _LoginRefused(self._refused_login)
+                raise _NoConnack(self._refused or "no CONNACK in time")
         self.protocol = protocol
         log.debug("connected to %s as %s with MQTT %s", self.settings.url, self.client_id, protocol)
 
@@ -480,6 +563,7 @@ class MqttTransport(Transport):
                     properties: object) -> None:
         if getattr(reason, "is_failure", False):
             self._refused = f"broker refused the connection: {reason}"
+            self._refused_login = _LOGIN_REFUSED.get(getattr(reason, "value", 0))
             return
         self._broker_max = getattr(properties, "MaximumPacketSize", None)
         self._connected_at = time.monotonic()
