@@ -6,20 +6,29 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, positive
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 __all__ = ["main", "build_parser"]
 
-# flag -> (section, key, type, help)
-_FLAGS: dict[str, tuple[str, str, type, str]] = {
+# flag -> (section, key, type, help); the types check ranges before torch is imported
+_FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
     "--strategy": ("run", "strategy", str, "the method: fedavg, fedprox, spherefed, dfl, fed2, fedma (docs/methods.md)"),
     "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9"),
-    "--rounds": ("run", "rounds", int, "number of federated rounds"),
-    "--clients": ("clients", "expected", int, "how many clients the run waits for before round 1"),
-    "--clients-per-round": ("clients", "per_round", int, "clients sampled each round (0: all)"),
-    "--min-results": ("clients", "min_results", int,
+    "--rounds": ("run", "rounds", at_least(1), "number of federated rounds"),
+    "--clients": ("clients", "expected", at_least(1), "how many clients the run waits for before round 1"),
+    "--clients-per-round": ("clients", "per_round", at_least(0), "clients sampled each round (0: all)"),
+    "--min-results": ("clients", "min_results", at_least(0),
                       "results needed to aggregate a round; fewer retries it with a fresh sample (0: all selected)"),
-    "--round-timeout": ("clients", "round_timeout", float, "seconds a round waits for results"),
+    "--round-timeout": ("clients", "round_timeout", positive, "seconds a round waits for results"),
     "--data": ("data", "eval", str, "evaluation data: digits, fashion-mnist[:DIR], npz:PATH"),
     "--partition": ("data", "partition", str,
                     "how spawned clients split the data: iid, dirichlet:ALPHA, shards:K, "
@@ -27,7 +36,7 @@ _FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--transport": ("transport", "kind", str, "mqtt (default) or inproc (clients as threads, no broker)"),
     "--broker": ("transport", "broker", str,
                  "broker URL mqtt://HOST:PORT or mqtts://HOST[:PORT] (TLS); omitted: start the embedded broker on 127.0.0.1"),
-    "--spawn-clients": ("clients", "spawn", int,
+    "--spawn-clients": ("clients", "spawn", at_least(0),
                         "start N local fedge-client processes on partitions 0..N-1 (threads with inproc)"),
     "--seed": ("run", "seed", int, "seed for model init, sampling, partitions and local shuffling"),
     "--out": ("run", "out", str, "run directory (default runs/RUN_ID)"),
@@ -37,7 +46,7 @@ _FLAGS: dict[str, tuple[str, str, type, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedge-coordinator",
         description="fedge coordinator: runs federated rounds with edge clients over MQTT.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -56,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the whole pipeline on digits with 4 local client processes",
                           description="Start the embedded broker, spawn 4 client processes on scikit-learn's "
                                       "digits, train with FedAvg for a few rounds and print the run directory.")
-    demo.add_argument("--rounds", type=int, default=5, help="number of rounds (default 5)")
+    demo.add_argument("--rounds", type=at_least(1), default=5, help="number of rounds (default 5)")
     demo.add_argument("--out", default=None, help="run directory (default runs/RUN_ID)")
     demo.add_argument("-v", "--verbose", action="store_true", help="log client and round events to the terminal")
     _add_fed2_depth(sub)
@@ -84,6 +93,10 @@ def _add_worker(sub) -> None:  # sub: the parser's subparsers
 
 
 def _worker(args: argparse.Namespace) -> int:
+    problem = _early_problem(args)
+    if problem:
+        print(f"fedge-coordinator worker: {problem}", file=sys.stderr)
+        return 2
     import signal
     import threading
 
@@ -275,10 +288,61 @@ def _config_from_args(args: argparse.Namespace):  # -> RunConfig
         if value is not None:
             overrides.append((section, key, value))
     overrides += [parse_override(item) for item in args.set]
-    config_path = args.config
-    if args.resume and config_path is None and args.out:
-        config_path = Path(args.out) / "config.toml"
-    return load_config(config_path, overrides)
+    return load_config(_config_path(args), overrides)
+
+
+def _config_path(args: argparse.Namespace) -> Path | None:
+    """The config file a command reads: --config, else OUT/config.toml with --resume."""
+    if getattr(args, "resume", False) and args.config is None and args.out:
+        return Path(args.out) / "config.toml"
+    return args.config
+
+
+def _early_problem(args: argparse.Namespace) -> str:
+    """What the command line and config file show wrong before torch is imported ("" when nothing).
+
+    Importing torch and the methods takes seconds (5 to 8 on a Raspberry Pi); a missing config file,
+    a broker URL with the wrong scheme or a misspelt data spec is answered at once. The full check
+    (:meth:`RunConfig.validate`) still runs afterwards and covers everything else.
+    """
+    from edge_client.data import DataError
+    from edge_client.wire.transport import BrokerUrlError, parse_broker_address
+
+    path, raw = _config_path(args), {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            if args.config is None:   # --resume's own OUT/config.toml
+                return f"--resume: {args.out} holds no run (no config.toml); give the --out of the run to continue"
+            return f"config file {path} does not exist"
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"config file {path} cannot be read: {exc}"
+        except tomllib.TOMLDecodeError as exc:
+            return f"config file {path} is not valid TOML: {exc}"
+    value = {(section, key): values.get(key) for section, values in raw.items() if isinstance(values, dict)
+             for key in values}
+    for flag, (section, key, _typ, _text) in _FLAGS.items():
+        given = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if given is not None:
+            value[section, key] = given
+    for item in args.set:   # text keys are kept as typed; a malformed item is left to the full check
+        path_text, _, text = item.partition("=")
+        value[tuple(part.strip() for part in path_text.partition(".")[::2])] = text.strip()
+    try:
+        broker = value.get(("transport", "broker"))
+        if isinstance(broker, str) and broker:
+            parse_broker_address(broker)
+        if args.command == "run":
+            for key, check in (("eval", check_data_spec), ("partition", check_partition_spec)):
+                spec = value.get(("data", key))
+                if isinstance(spec, str):
+                    check(spec)
+    except BrokerUrlError as exc:
+        return f"transport.broker: {exc}"
+    except DataError as exc:
+        return str(exc)
+    return ""
 
 
 def _demo_config(args: argparse.Namespace):  # -> RunConfig
@@ -305,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     console = Console(stderr=False)
+    problem = _early_problem(args) if args.command == "run" else ""
+    if problem:
+        console.print(f"[red]fedge-coordinator: {escape(problem)}[/red]", soft_wrap=True)
+        return 2
     handler = RichHandler(console=Console(stderr=True), show_path=False)
     handler.setLevel(logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s")

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, fraction
+
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("fedge.client")
@@ -17,7 +19,7 @@ _DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedge-client",
         description="fedge edge client: trains on this device's private data for a fedge coordinator, over MQTT.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -44,10 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--partition", default=None,
                      help="simulation only: take one partition of --data (iid, dirichlet:ALPHA, shards:K, "
                           "attribute:color|rotate|invert:DOMAINS[+LABEL_SPEC])")
-    run.add_argument("--partition-index", type=int, default=0, help="simulation only: which partition (0-based)")
-    run.add_argument("--num-partitions", type=int, default=1, help="simulation only: how many partitions")
+    run.add_argument("--partition-index", type=at_least(0), default=0, help="simulation only: which partition (0-based)")
+    run.add_argument("--num-partitions", type=at_least(1), default=1, help="simulation only: how many partitions")
     run.add_argument("--seed", type=int, default=0, help="simulation only: partition seed (the run's seed)")
-    run.add_argument("--local-test-fraction", type=float, default=0.0,
+    run.add_argument("--local-test-fraction", type=fraction, default=0.0,
                      help="hold out this share of the local data for personalized evaluation (default 0)")
     run.add_argument("--state-dir", type=Path, default=Path(os.environ.get("FEDGE_STATE_DIR", "fedge-state")),
                      help="directory kept across restarts (profile history, local state); default ./fedge-state")
@@ -62,12 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where to train: auto (default, or $FEDGE_DEVICE) takes the CUDA GPU when torch sees one "
                           "(a Jetson with NVIDIA's torch wheel), else the CPU; cuda or cuda:N insists on the GPU. "
                           "What goes on the wire is the same whatever the device")
-    run.add_argument("--torch-threads", type=int, default=0,
+    run.add_argument("--torch-threads", type=at_least(0), default=0,
                      help="torch CPU threads (0: torch's default); 1 when several clients share a machine")
-    run.add_argument("--max-message-bytes", type=int, default=256 * 1024,
+    run.add_argument("--max-message-bytes", type=at_least(1), default=256 * 1024,
                      help="largest publish; longer messages are sent in chunks. Set it below the broker's "
                           "packet limit (default 256 KiB)")
-    run.add_argument("--max-decoded-bytes", type=int, default=64 * 1024 * 1024,
+    run.add_argument("--max-decoded-bytes", type=at_least(1), default=64 * 1024 * 1024,
                      help="refuse whole messages (reassembled, decompressed) larger than this (default 64 MiB)")
     run.add_argument("--no-chunking", dest="chunking", action="store_false",
                      help="never split messages: one over --max-message-bytes is an error")
@@ -80,15 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_data(args: argparse.Namespace):  # -> LocalData
-    from edge_client.data import load_client_split, load_dataset
-    from edge_client.objectives import local_data
+    from edge_client.inputs import load_device_data
 
-    if args.partition:   # a simulated device: only its partition's rows are kept
-        x, y = load_client_split(args.data, args.partition, args.partition_index, args.num_partitions, args.seed)
-    else:
-        dataset = load_dataset(args.data)
-        x, y = dataset.x_train, dataset.y_train
-    return local_data(x, y, args.local_test_fraction, seed=args.seed, client_id=args.client_id)
+    # a simulated device (--partition) keeps only its partition's rows
+    return load_device_data(args.data, args.local_test_fraction, seed=args.seed, client_id=args.client_id,
+                            partition=args.partition, partition_index=args.partition_index,
+                            num_partitions=args.num_partitions)
 
 
 # What the ``client`` extra installs; a missing one is a deployment step skipped, not a bug.
@@ -176,20 +175,51 @@ def _broker_settings(args: argparse.Namespace):  # -> BrokerSettings
     password = (bundle.password if bundle else None) or env.get("FEDGE_MQTT_PASSWORD")
     # The bundle's CA serves its TLS broker; a --broker mqtt:// override or a --ca-file replaces it.
     ca_data = bundle.ca_cert if bundle and bundle.ca_cert and not args.ca_file and url.startswith("mqtts:") else None
+    source = f"the bundle {args.bundle}" if bundle is not None and bundle.password else "FEDGE_MQTT_PASSWORD"
     return BrokerSettings(url=url, username=username, password=password, protocol=args.mqtt_protocol,
                           max_message_bytes=args.max_message_bytes, ca_file=args.ca_file, ca_data=ca_data,
-                          cert_file=args.cert_file, key_file=args.key_file)
+                          cert_file=args.cert_file, key_file=args.key_file, password_source=source)
+
+
+def _early_check(args: argparse.Namespace):  # -> tuple[BrokerSettings | None, str]
+    """The broker settings, and what the command line shows wrong ("" when nothing), before torch is
+    imported: a typo is answered at once instead of after torch's import (5 to 8 s on a Raspberry Pi)."""
+    from edge_client.bundle import BundleError
+    from edge_client.data import DataError
+    from edge_client.wire.chunking import MIN_MESSAGE_BYTES
+    from edge_client.wire.transport import TransportError
+
+    for flag in ("max_message_bytes", "max_decoded_bytes"):
+        if getattr(args, flag) < MIN_MESSAGE_BYTES:
+            return None, f"--{flag.replace('_', '-')} must be at least {MIN_MESSAGE_BYTES}"
+    try:   # a URL, bundle or TLS file no retry can fix is a configuration error, said at once
+        broker = _broker_settings(args)
+        broker.ssl_context()
+        check_data_spec(args.data)
+        if args.partition:
+            check_partition_spec(args.partition)
+    except (BundleError, TransportError, DataError) as exc:
+        return None, str(exc)
+    if not args.client_id:
+        return broker, "give --client-id ID (or --bundle PATH, which names it)"
+    if args.partition and args.partition_index >= args.num_partitions:
+        return broker, (f"--partition-index {args.partition_index} is out of range: it must be below "
+                        f"--num-partitions {args.num_partitions}")
+    return broker, ""
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        broker, problem = _early_check(args)
+        if problem:
+            print(f"fedge-client: {problem}", file=sys.stderr)
+            return 2
         import torch
 
-        from edge_client.bundle import BundleError
         from edge_client.client import ClientSettings, EdgeClient
         from edge_client.data import DataError
         from edge_client.wire.protocol import Topics, valid_client_id
-        from edge_client.wire.transport import BrokerSettings, MqttTransport, TlsError, TransportError
+        from edge_client.wire.transport import MqttTransport, TlsError
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in _CLIENT_EXTRA:
             raise
@@ -197,15 +227,6 @@ def _run(args: argparse.Namespace) -> int:
               "(on a device install the pinned torch first, as docs/deploy.md shows)", file=sys.stderr)
         return 2
 
-    try:   # a URL, bundle or TLS file no retry can fix is a configuration error, said at once
-        broker = _broker_settings(args)
-        broker.ssl_context()
-    except (BundleError, TransportError) as exc:
-        print(f"fedge-client: {exc}", file=sys.stderr)
-        return 2
-    if not args.client_id:
-        print("fedge-client: give --client-id ID (or --bundle PATH, which names it)", file=sys.stderr)
-        return 2
     if not valid_client_id(args.client_id):
         print(f"fedge-client: bad --client-id {args.client_id!r}: use 1-64 letters, digits, '_', '.', '-'",
               file=sys.stderr)
