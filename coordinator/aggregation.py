@@ -12,11 +12,16 @@ model already is:
   median is an honest client's norm;
 - a **rule** (``aggregate.rule``): ``mean`` (FedAvg's sample-weighted mean: an
   associative reduce the engine can stream), ``median`` (coordinate-wise median),
-  ``trimmed_mean`` (coordinate-wise mean after dropping the ``aggregate.trim`` fraction
-  of the largest and of the smallest values), or ``clipped_mean`` (each update scaled
-  down to at most the round's median update norm, then the sample-weighted mean). The
-  robust rules need every result of the round at once (:attr:`Aggregator.streams` is
-  False), like FedMA's matching.
+  ``trimmed_mean`` (coordinate-wise mean after dropping ``floor(aggregate.trim x n)`` of
+  the n values at each end: 0.2, the default, drops 2 of 10 per side, enough for 2
+  hostile clients of 10), or ``clipped_mean`` (each update scaled down to at most the
+  round's median update norm, then the sample-weighted mean). The robust rules need
+  every result of the round at once (:attr:`Aggregator.streams` is False), like FedMA's
+  matching.
+
+What a defence withstands depends on how many results a round has: a trim of 0.2 drops
+nothing of 4. :func:`tolerance` says it in one line at the start of a run, and warns
+when a defence the user asked for withstands no hostile client at the configured size.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ import torch
 
 from coordinator.strategies.base import AggregationError, WeightedSum
 
-__all__ = ["RULES", "Aggregator", "update_norms", "norm_bound_keep"]
+__all__ = ["RULES", "DEFAULT_TRIM", "Aggregator", "Tolerance", "tolerance", "trimmed_count", "update_norms",
+           "norm_bound_keep"]
 
 RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
+# Drops 2 of a round's 10 values at each end: the 2 hostile clients of 10 that docs/robustness.md measures.
+DEFAULT_TRIM = 0.2
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,7 @@ class Aggregator:
     """Combines clients' tensors into the new global ones, by ``rule``."""
 
     rule: str = "mean"
-    trim: float = 0.1
+    trim: float = DEFAULT_TRIM
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -77,9 +85,18 @@ class Aggregator:
             n = stacked.shape[0]   # the mean of the two middle values for an even count, as numpy's median
             ordered = stacked.sort(dim=0).values
             return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-        cut = math.floor(self.trim * stacked.shape[0])
+        cut = trimmed_count(self.trim, stacked.shape[0])
         ordered = stacked.sort(dim=0).values
         return ordered[cut:stacked.shape[0] - cut].mean(dim=0)
+
+
+def trimmed_count(trim: float, n: int) -> int:
+    """Values the trimmed mean drops at each end of ``n``: floor(trim x n), at most (n - 1) // 2.
+
+    The product is taken as the decimal the user wrote: 0.29 of 100 drops 29, though 0.29 * 100
+    is 28.999... in binary floating point.
+    """
+    return max(0, min(math.floor(trim * n + 1e-9), (n - 1) // 2))
 
 
 def _norm(update: Mapping[str, torch.Tensor]) -> float:
@@ -98,3 +115,65 @@ def norm_bound_keep(norms: Sequence[float], k: float) -> list[bool]:
         return [True] * len(norms)
     median = float(torch.tensor(list(norms), dtype=torch.float64).median())
     return [math.isfinite(n) and n <= k * median for n in norms]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What the configured defence withstands at a round's size, said when a run starts."""
+
+    tolerated: int      # hostile clients a round that cannot move the model further than an honest one
+    message: str        # one line, "aggregation: ..."
+    warning: str = ""   # set when a defence was asked for and it withstands no hostile client
+
+
+def _withstood(rule: str, trim: float, norm_bound: float, n: int) -> tuple[int, int]:
+    """Hostile clients of ``n`` that the rule outvotes coordinate by coordinate (median, trimmed
+    mean), and those held to a multiple of the round's median update norm, which stays an honest
+    client's while they are fewer than half (clipped mean, norm bound)."""
+    below_half = (n - 1) // 2
+    outvoted = {"median": below_half, "trimmed_mean": trimmed_count(trim, n)}.get(rule, 0)
+    return outvoted, below_half if rule == "clipped_mean" or norm_bound > 0 else 0
+
+
+def tolerance(rule: str, *, trim: float = DEFAULT_TRIM, norm_bound: float = 0.0, per_round: int,
+              min_results: int = 0) -> Tolerance:
+    """How many hostile clients ``rule`` (with ``trim`` and ``norm_bound``) withstands among the
+    ``per_round`` results of a round, and among ``min_results`` when a round may close with fewer.
+
+    A demanding user reads a defence's name as a promise; this says what it keeps at the
+    configured size before any round runs, and warns when a defence was asked for but keeps
+    nothing (a trim that rounds down to no value, or a round of one or two results).
+    """
+    if rule not in RULES:
+        raise ValueError(f"aggregate.rule is one of {', '.join(RULES)}, got {rule!r}")
+    if per_round < 1:
+        raise ValueError(f"a round has at least one client, got {per_round}: set clients.per_round")
+    if rule == "mean" and norm_bound <= 0:
+        return Tolerance(0, "aggregation: mean tolerates no hostile client: one update can move the model as far "
+                            "as it likes (aggregate.rule and aggregate.norm_bound set a defence: docs/robustness.md)")
+    least = min_results if 0 < min_results < per_round else per_round
+    name = (f"{rule} (trim {trim:g})" if rule == "trimmed_mean" else rule) + \
+        (f" with norm bound {norm_bound:g}" if norm_bound > 0 else "")
+    outvoted, bounded = _withstood(rule, trim, norm_bound, per_round)
+    full, fewest = max(outvoted, bounded), max(_withstood(rule, trim, norm_bound, least))
+    count = f"up to {full} hostile client{'s' * (full != 1)}" if full else "no hostile client"
+    message = f"aggregation: {name} tolerates {count} of the {per_round} a round"
+    if bounded > outvoted:
+        held = ("the round's median update norm" if rule == "clipped_mean" else
+                f"{norm_bound:g}x the round's median update norm")
+        message += (f", {outvoted} outvoted and the rest held to {held}" if outvoted else
+                    f", each held to {held} (bounded, not removed)")
+    if fewest != full:
+        message += f"; {fewest} when a round closes with the {least} results of clients.min_results"
+    return Tolerance(full, message, _warning(rule, trim, name, least) if fewest == 0 else "")
+
+
+def _warning(rule: str, trim: float, name: str, n: int) -> str:
+    """Why ``name`` withstands no hostile client among ``n`` results, and what to change."""
+    if rule == "trimmed_mean" and n >= 3:
+        return (f"aggregate: {name} drops no value of {n} results a round (floor({trim:g} x {n}) = 0), so it "
+                f"tolerates no hostile client: raise aggregate.trim to {math.ceil(100 / n) / 100:g} or more, "
+                "or use median")
+    return (f"aggregate: {name} tolerates no hostile client with {n} result{'s' * (n != 1)} a round (outvoting "
+            "or bounding one takes at least 3): select at least 3 clients a round (clients.per_round, "
+            "clients.min_results)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.aggregation import DEFAULT_TRIM
 from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
 from coordinator.selection import SELECTIONS
@@ -142,7 +143,7 @@ class AggregateSection:
     """How results are combined when some clients may be wrong or hostile (coordinator/aggregation.py)."""
 
     rule: str = "mean"              # mean | median | trimmed_mean | clipped_mean
-    trim: float = 0.1               # trimmed_mean: fraction of the values dropped at each end
+    trim: float = DEFAULT_TRIM      # trimmed_mean: floor(trim x results) dropped at each end (0.2: 2 of 10)
     norm_bound: float = 0.0         # reject updates above this multiple of the round's median norm; 0: off
 
 
