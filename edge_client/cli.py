@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -262,6 +263,8 @@ def _run(args: argparse.Namespace) -> int:
         stop.uninstall()
         print(f"fedge-client: stopped before connecting to {broker.url}", file=sys.stderr)
         return 0
+    notice = threading.Thread(target=_say_stopping, args=(stop,), name="fedge-stop-notice", daemon=True)
+    notice.start()
     try:
         EdgeClient(settings, transport, data).run(stop)
     finally:
@@ -273,7 +276,18 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             transport.close()
             stop.uninstall()
+            if stop.is_set():
+                notice.join(1.0)   # its "stopping" line first
+                log.warning("stopped")
     return 0
+
+
+def _say_stopping(stop: _Stop) -> None:
+    """Log the stop signal as it comes, from a thread of its own: the signal handler may not log (logging
+    takes locks), and the client's loop only sees the signal once its task is done, which can be minutes."""
+    while not stop.wait(3600.0):
+        pass
+    log.warning("stopping: finishing the task at hand")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -181,6 +181,7 @@ def test_two_sigterms_stop_every_client_promptly_and_leave_it_offline(mosquitto,
                 code, err = _wait_exit(proc, timeout=15)
                 assert code == 0, f"{cid} exited {code}:\n{err}"
                 assert "Traceback" not in err, err
+                assert _stop_lines(err) == ["stopping: finishing the task at hand", "stopped"], err
         presence.wait(ids, "offline", timeout=10)
     finally:
         presence.close()
@@ -201,8 +202,15 @@ def test_ctrl_c_leaves_the_device_offline(mosquitto, prefix, tiny_data, tmp_path
     code, err = _wait_exit(proc, timeout=10)
     assert code == 0 and "Traceback" not in err, err
     assert _retained_states(mosquitto, prefix, ["pi-01"]) == {"pi-01": "offline"}
-    # Without -v a person at the device still sees it connect and come online.
+    # Without -v a person at the device still sees it connect and come online, and stop.
     assert "connected to mqtt://" in err and "client pi-01 online with" in err, err
+    assert _stop_lines(err) == ["stopping: finishing the task at hand", "stopped"], err
+
+
+def _stop_lines(err: str) -> list[str]:
+    """What a client logged at WARNING about stopping, in order."""
+    return [line.split(" WARNING ", 1)[1] for line in err.splitlines()
+            if " fedge.client WARNING stop" in line]
 
 
 def test_a_crash_leaves_the_device_offline(mosquitto, prefix, tiny_data, tmp_path):
