@@ -1,19 +1,24 @@
 """Poisoned updates against the aggregation rules: what 2 hostile clients of 10 do to each rule.
 
 The hostile clients train like the others and then send ``factor`` times their update
-(20: scaled, -4: sign-flipped and scaled). Every rule runs the same seeded run on
-scikit-learn's digits (10 clients, all of them every round, IID split), clean and
-under each attack; the norm bound (``aggregate.norm_bound``) runs with the mean.
+(20 and 1,000: scaled; -1: sign-flipped; -4: sign-flipped and scaled). Every rule runs
+with its shipped defaults (``aggregate.trim`` included) the same seeded run on
+scikit-learn's digits (10 clients, all of them every round, IID split), clean and under
+each attack; the norm bound (``aggregate.norm_bound``) runs with the mean. Each run
+evaluates every round, so the JSON has the accuracy curve beside the last round's.
 
-    python bench/poisoning.py [--rounds 15] [--seeds 0,1,2]
+    python bench/poisoning.py [--rounds 15] [--seeds 0,1,2] [--skip-existing]
 
-Prints the table and writes ``bench/results/poisoning.json``.
+Prints a line per rule and attack and writes ``bench/results/poisoning.json`` after each
+of them; ``--skip-existing`` keeps the cells that file already holds for the same rounds,
+seeds, rule settings and attack, so an interrupted measurement resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -26,15 +31,21 @@ import torch
 from torch import nn
 
 from bench_io import RESULTS, write_result
-from coordinator.config import load_config
+from coordinator.aggregation import tolerance
+from coordinator.config import RunConfig, load_config
+from coordinator.engine import RunError
 from coordinator.run import run_federated
 from edge_client import registry
 from edge_client.objectives import LocalData, ObjectiveOutput, TaskContext, train
 
-ATTACKS = {"clean": 1.0, "scaled x20": 20.0, "sign-flipped x-4": -4.0}
-DEFENCES = {"mean": {}, "median": {"rule": "median"}, "trimmed_mean": {"rule": "trimmed_mean", "trim": 0.2},
+ATTACKS = {"clean": 1.0, "scaled x20": 20.0, "scaled x1000": 1000.0, "sign-flipped x-1": -1.0,
+           "sign-flipped x-4": -4.0}
+DEFENCES = {"mean": {}, "median": {"rule": "median"}, "trimmed_mean": {"rule": "trimmed_mean"},
             "clipped_mean": {"rule": "clipped_mean"}, "mean + norm bound 3": {"norm_bound": 3.0}}
 HOSTILE = ("sim-000", "sim-001")
+# A round takes about a second here, on a busy machine; one that waits this long has a client whose result was
+# rejected (non-finite, after an attack broke the model), so the run stops instead of waiting 3 x 300 s.
+ROUND_TIMEOUT = 30.0
 
 
 def hostile_train(factor: float, hostile: tuple[str, ...] = HOSTILE):
@@ -62,17 +73,44 @@ def attacked(factor: float) -> Iterator[None]:
         registry.OBJECTIVES["train"] = original
 
 
-def run(out: Path, *, factor: float, defence: Mapping[str, Any], rounds: int, seed: int) -> dict[str, Any]:
-    """One in-process run on digits; its last test accuracy and how many updates the bound rejected."""
+def run_config(out: Path, *, defence: Mapping[str, Any], rounds: int, seed: int) -> RunConfig:
+    """The in-process run on digits that every rule and attack shares, evaluated every round."""
     sets = {("run", "rounds"): rounds, ("run", "seed"): seed, ("run", "out"): str(out), ("model", "name"): "cnn",
             ("data", "eval"): "digits", ("data", "partition"): "iid", ("clients", "expected"): 10,
             ("clients", "spawn"): 10, ("transport", "kind"): "inproc", ("export", "enabled"): False,
-            ("eval", "every"): rounds, **{("aggregate", k): v for k, v in defence.items()}}
-    config = load_config(None, [(*k, v) for k, v in sets.items()])
+            ("clients", "round_timeout"): ROUND_TIMEOUT, ("clients", "max_attempts"): 1,
+            **{("aggregate", k): v for k, v in defence.items()}}
+    return load_config(None, [(*k, v) for k, v in sets.items()])
+
+
+def run(out: Path, *, factor: float, defence: Mapping[str, Any], rounds: int, seed: int) -> dict[str, Any]:
+    """One run; its last test accuracy, the accuracy after each round and how many updates the bound rejected.
+
+    A model an attack drove to non-finite weights makes the clients' results non-finite, which the
+    coordinator rejects, and the run stops: then ``stopped`` says why and the accuracy is the last
+    one evaluated."""
+    stopped = ""
     with attacked(factor):
-        run_federated(config, say=lambda s: None)
+        try:
+            run_federated(run_config(out, defence=defence, rounds=rounds, seed=seed), say=lambda s: None)
+        except RunError as exc:
+            stopped = str(exc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"accuracy": rows[-1]["test_accuracy"], "norm_rejected": sum(r.get("norm_rejected", 0) for r in rows)}
+    return {"accuracy": rows[-1]["test_accuracy"], "by_round": [r["test_accuracy"] for r in rows],
+            "norm_rejected": sum(r.get("norm_rejected", 0) for r in rows), "stopped": stopped}
+
+
+def _finished(path: Path, rounds: int, seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """The cells of an earlier ``path`` measured with the same rounds, seeds, rule settings and attacks."""
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    if old.get("rounds") != rounds or old.get("seeds") != seeds:
+        return {}
+    return {defence: {attack: cell for attack, cell in cells.items()
+                      if old.get("attacks", {}).get(attack) == ATTACKS.get(attack)}
+            for defence, cells in old.get("test_accuracy", {}).items()
+            if old.get("defences", {}).get(defence) == DEFENCES.get(defence)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,26 +118,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--out", type=Path, default=RESULTS / "poisoning.json")
+    parser.add_argument("--skip-existing", action="store_true",
+                        help="keep the cells --out already holds for the same rounds, seeds and settings")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    table: dict[str, dict[str, Any]] = {}
+    table = _finished(args.out, args.rounds, seeds) if args.skip_existing else {}
+    settings_used: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         for defence, settings in DEFENCES.items():
+            a = run_config(Path(scratch), defence=settings, rounds=args.rounds, seed=0).aggregate
+            said = tolerance(a.rule, trim=a.trim, norm_bound=a.norm_bound, per_round=10)
+            settings_used[defence] = {**dataclasses.asdict(a), "tolerance": said.message}
+            print(said.message, flush=True)
             for attack, factor in ATTACKS.items():
-                runs = [run(Path(scratch) / f"{defence}-{attack}-{seed}", factor=factor, defence=settings,
-                            rounds=args.rounds, seed=seed) for seed in seeds]
-                accs = [100 * r["accuracy"] for r in runs]
-                cell = {"mean": statistics.mean(accs), "std": statistics.pstdev(accs), "runs": accs,
-                        "norm_rejected": sum(r["norm_rejected"] for r in runs)}
-                table.setdefault(defence, {})[attack] = cell
+                cell = table.get(defence, {}).get(attack)
+                if cell is None:
+                    cell_started = time.monotonic()
+                    runs = [run(Path(scratch) / f"{defence}-{attack}-{seed}", factor=factor, defence=settings,
+                                rounds=args.rounds, seed=seed) for seed in seeds]
+                    accs = [100 * r["accuracy"] for r in runs]
+                    cell = {"mean": statistics.mean(accs), "std": statistics.pstdev(accs), "runs": accs,
+                            "by_round": [[100 * a for a in r["by_round"]] for r in runs],
+                            "norm_rejected": sum(r["norm_rejected"] for r in runs),
+                            "stopped": [r["stopped"] for r in runs], "seconds": time.monotonic() - cell_started}
+                    table.setdefault(defence, {})[attack] = cell
+                    write_result(args.out, _result(table, settings_used, args.rounds, seeds,
+                                                   time.monotonic() - started))
                 rejected = f"  ({cell['norm_rejected']} rejected)" if cell["norm_rejected"] else ""
-                print(f"{defence:22s} {attack:18s} {cell['mean']:6.2f} ± {cell['std']:.2f}{rejected}", flush=True)
-    result = {"data": "digits", "clients": 10, "hostile": list(HOSTILE), "rounds": args.rounds, "seeds": seeds,
-              "attacks": ATTACKS, "defences": DEFENCES, "test_accuracy": table,
-              "seconds": time.monotonic() - started}
-    write_result(args.out, result)
+                stops = sum(1 for why in cell["stopped"] if why)
+                stopped = f"  ({stops} of {len(seeds)} runs stopped early)" if stops else ""
+                print(f"{defence:22s} {attack:18s} {cell['mean']:6.2f} ± {cell['std']:.2f}{rejected}{stopped}",
+                      flush=True)
+    write_result(args.out, _result(table, settings_used, args.rounds, seeds, time.monotonic() - started))
     return 0
+
+
+def _result(table: dict[str, dict[str, Any]], settings: dict[str, dict[str, Any]], rounds: int,
+            seeds: list[int], seconds: float) -> dict[str, Any]:
+    return {"data": "digits", "clients": 10, "hostile": list(HOSTILE), "rounds": rounds, "seeds": seeds,
+            "attacks": ATTACKS, "defences": DEFENCES, "settings": settings, "test_accuracy": table,
+            "seconds": seconds, "seconds_measured": sum(c.get("seconds", 0.0) for cells in table.values()
+                                                         for c in cells.values())}
 
 
 if __name__ == "__main__":
