@@ -15,18 +15,22 @@ import logging
 import sys
 from pathlib import Path
 
+from edge_client.argcheck import OneLineParser, at_least, check_data_spec
+
 __all__ = ["main", "build_parser"]
+
+progress = logging.getLogger("fedge.export.progress")   # which step runs: an int8 export takes a while
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedge-export",
         description="Export a run's model to ONNX (PANs folded, dynamic batch), check it against torch on real "
                     "test data and write a model card beside it. See docs/export.md.")
     parser.add_argument("source", type=Path, nargs="?", metavar="RUN_DIR",
                         help="run directory, or one checkpoints/round_NNNN.safetensors file; may be omitted with "
                              "--client-state RUN_DIR/clients/ID")
-    parser.add_argument("--round", type=int, default=None, metavar="N",
+    parser.add_argument("--round", type=at_least(0), default=None, metavar="N",
                         help="export this round's checkpoint (default: the last)")
     parser.add_argument("-o", "--out", type=Path, default=None,
                         help="ONNX file to write (default RUN_DIR/export/model.onnx, or "
@@ -38,15 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", default=None, metavar="SPEC",
                         help="data for the parity check, the test accuracy and int8 calibration "
                              "(default: the run's data.eval)")
-    parser.add_argument("--parity-samples", type=int, default=1000, metavar="N",
+    parser.add_argument("--parity-samples", type=at_least(1), default=1000, metavar="N",
                         help="test samples torch and ONNX Runtime must agree on (default 1000)")
-    parser.add_argument("--test-samples", type=int, default=0, metavar="N",
+    parser.add_argument("--test-samples", type=at_least(0), default=0, metavar="N",
                         help="test samples for the reported accuracy (default 0: the whole test split)")
     parser.add_argument("--int8", action="store_true",
                         help="also write a statically quantized int8 model (QDQ) beside the float32 one")
-    parser.add_argument("--calibration-samples", type=int, default=512, metavar="N",
+    parser.add_argument("--calibration-samples", type=at_least(1), default=512, metavar="N",
                         help="training samples that calibrate the int8 activation ranges (default 512)")
-    parser.add_argument("--max-accuracy-drop", type=float, default=1.0, metavar="POINTS",
+    parser.add_argument("--max-accuracy-drop", type=at_least(0.0, float), default=1.0, metavar="POINTS",
                         help="refuse an int8 model whose test accuracy is more than this many points below "
                              "float32 (default 1)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each step does")
@@ -72,13 +76,46 @@ def _describe(exported) -> list[str]:   # exported: export.pipeline.Exported
     return lines
 
 
+def _early_problem(args: argparse.Namespace) -> str:
+    """What the command line shows wrong before torch and ONNX are imported ("" when nothing)."""
+    from edge_client.data import DataError
+
+    if args.source is None and args.client_state is None:
+        return "pass a run directory (or checkpoint file), or --client-state DIR"
+    if args.source is not None and not args.source.exists():
+        return (f"{args.source} does not exist; pass a run directory (it holds checkpoints/) or a "
+                "checkpoints/round_NNNN.safetensors file")
+    if args.client_state is not None and not args.client_state.is_dir():
+        return f"client state directory {args.client_state} does not exist; pass the device's --state-dir"
+    try:
+        if args.data is not None:
+            check_data_spec(args.data)
+    except DataError as exc:
+        return f"--data: {exc}"
+    return ""
+
+
+def _show_progress() -> None:
+    """Step lines on stderr whatever the log level: quantizing a model can take a minute on a small
+    machine, and a silent minute looks like a hang."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fedge-export: %(message)s"))
+    progress.addHandler(handler)
+    progress.setLevel(logging.INFO)
+    progress.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.source is None and args.client_state is None:
-        print("fedge-export: pass a run directory (or checkpoint file), or --client-state DIR", file=sys.stderr)
+    problem = _early_problem(args)
+    if problem:
+        print(f"fedge-export: {problem}", file=sys.stderr)
         return 2
+    _show_progress()
+    progress.info("exporting %s to ONNX and checking it against torch on %d test samples",
+                  args.client_state or args.source, args.parity_samples)
     try:
         from export.errors import ExportError, QuantizationError
         from export.pipeline import ExportOptions, export_global, export_int8, export_personalized
@@ -99,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(_describe(exported)))
     if not args.int8:
         return 0
+    progress.info("int8: static quantization, refused if its test accuracy is more than %s points below "
+                  "float32's", f"{args.max_accuracy_drop:g}")
     try:
         quantized = export_int8(exported, QuantSettings(calibration_samples=args.calibration_samples,
                                                         max_drop=args.max_accuracy_drop))

@@ -28,6 +28,7 @@ from export.onnx_graph import INPUT_NAME, predict, session
 __all__ = ["QuantSettings", "QuantResult", "quantize_int8", "accuracy"]
 
 log = logging.getLogger("fedge.export")
+progress = logging.getLogger("fedge.export.progress")   # the step running, shown by fedge-export
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,16 @@ class _Batches:
 
     def __init__(self, x: np.ndarray, batch: int) -> None:
         self._batches: Iterator[np.ndarray] = (x[i:i + batch] for i in range(0, len(x), batch))
+        self._done = False
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         chunk = next(self._batches, None)
-        return None if chunk is None else {INPUT_NAME: np.ascontiguousarray(chunk, dtype=np.float32)}
+        if chunk is None:
+            if not self._done:   # the quantizer asks once more when it has every range it needs
+                progress.info("int8: quantizing weights and activations")
+            self._done = True
+            return None
+        return {INPUT_NAME: np.ascontiguousarray(chunk, dtype=np.float32)}
 
 
 def _ort_quantization() -> Any:
@@ -143,11 +150,13 @@ def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y
         src, prepared, out = Path(tmp) / "float.onnx", Path(tmp) / "prepared.onnx", Path(tmp) / "int8.onnx"
         src.write_bytes(float_model)
         try:
+            progress.info("int8: preparing the graph")
             # Symbolic shape inference fails on the Expand that F.normalize exports (the sphere head);
             # ONNX's own shape inference and the graph optimization still run.
             quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+            progress.info("int8: calibrating activation ranges on %d training samples", len(calibration))
             with _quiet_quantizer():
-                    quantize_static(str(prepared), str(out), _Batches(calibration, settings.calibration_batch),
+                quantize_static(str(prepared), str(out), _Batches(calibration, settings.calibration_batch),
                                 quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
                                 weight_type=QuantType.QInt8, per_channel=settings.per_channel,
                                 calibrate_method=CalibrationMethod.MinMax)
@@ -155,6 +164,7 @@ def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y
             raise QuantizationError(f"ONNX Runtime could not quantize the model: {type(exc).__name__}: {exc}; "
                                     "the float32 model is unaffected") from exc
         int8_model = _used_opsets_only(out.read_bytes())
+    progress.info("int8: checking its test accuracy on %d samples", len(y_test))
     base = accuracy(float_model, x_test, y_test) if float_accuracy is None else float_accuracy
     result = QuantResult(int8_model, base, accuracy(int8_model, x_test, y_test), len(float_model), len(int8_model),
                          len(calibration), len(y_test))
