@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handler = RichHandler(console=Console(stderr=True), show_path=False)
     handler.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    # A record logged with extra={"said": True} is for the run's log file: ``say`` already printed it.
+    handler.addFilter(lambda record: not getattr(record, "said", False))
     logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s")
 
     from coordinator.checkpoint import CheckpointError
@@ -391,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
         with RoundTable(console, title=f"fedge {config.run.strategy} / {config.model['name']}") as table:
             result = run_federated(config, resume=getattr(args, "resume", False),
-                                   say=lambda text: console.print(f"[dim]{escape(text)}[/dim]"), on_round=table.add,
+                                   say=lambda text: console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True),
+                                   on_round=table.add,
                                    on_progress=table.progress)
     except (ConfigError, DataError, ModelSpecError, TransportError, RunError, CheckpointError, ProtocolError) as exc:
         # One line however long (piped output would wrap at 80 columns); messages hold [section] names.
