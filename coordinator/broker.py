@@ -188,6 +188,29 @@ def _quiet_connection_errors(loop: asyncio.AbstractEventLoop, context: dict[str,
     loop.default_exception_handler(context)
 
 
+class _SnapshotDict(dict):
+    """A dict whose loops walk a copy of its keys or items, taken when the loop begins.
+
+    amqtt 0.12.1, the latest release, loops over its subscription table with an ``await`` inside
+    (sending retained messages to a reconnecting persistent session): a client subscribing a new
+    filter meanwhile grows the table, the loop dies with "dictionary changed size during iteration",
+    that client's connection handler dies with it, and asyncio prints the traceback. Walking a
+    snapshot gives the loop the table as it was when it began, which is what the loop means.
+    """
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(list(super().keys()))
+
+    def keys(self):  # type: ignore[override]
+        return list(super().keys())
+
+    def values(self):  # type: ignore[override]
+        return list(super().values())
+
+    def items(self):  # type: ignore[override]
+        return list(super().items())
+
+
 class EmbeddedBroker:
     """amqtt broker on 127.0.0.1 in a daemon thread with its own event loop.
 
@@ -500,6 +523,7 @@ class EmbeddedBroker:
         stop_event = asyncio.Event()
         outcome["stop_event"] = stop_event
         broker = Broker(self._config(port))  # must be created inside the running loop
+        broker._subscriptions = _SnapshotDict()   # amqtt's own table, empty until clients subscribe
         await broker.start()
         ready.set()
         try:

@@ -446,3 +446,66 @@ def test_each_spawned_device_may_use_only_its_own_topics(tmp_path: Path) -> None
             for client in (coordinator, device):
                 client.loop_stop()
                 client.disconnect()
+
+
+# Persistent sessions reconnecting all at once while each subscribes a new filter that a retained
+# message matches: what a fleet coming back after a broker hiccup does. amqtt 0.12.1 sends a
+# reconnecting session its retained messages while looping over the subscription table, and a
+# subscription arriving meanwhile used to kill that loop (a traceback on stderr, a dead session).
+RECONNECT_STORM = """
+import sys, threading
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from coordinator.broker import EmbeddedBroker
+
+N, ROUNDS = int(sys.argv[1]), int(sys.argv[2])
+ok = []
+with EmbeddedBroker() as broker:
+    ep = broker.endpoint
+
+    def session(cid: str, topic: str, barrier: threading.Barrier) -> None:
+        client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=cid, clean_session=False,
+                             protocol=mqtt.MQTTv311)
+        client.username_pw_set(ep.username, ep.password)
+        subscribed = threading.Event()
+        client.on_subscribe = lambda *args: subscribed.set()
+        barrier.wait()
+        client.connect(ep.host, ep.port)
+        client.loop_start()
+        client.subscribe(topic, 1)
+        client.publish(f"fedge/clients/{cid}/presence", b"online", qos=1, retain=True)
+        ok.append(subscribed.wait(10))
+        client.disconnect()
+        client.loop_stop()
+
+    seed = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv311)
+    seed.username_pw_set(ep.username, ep.password)
+    seed.connect(ep.host, ep.port)
+    seed.loop_start()
+    for k in range(N * ROUNDS):   # a retained message for every filter the sessions will subscribe to
+        seed.publish(f"fedge/t/{k}", b"state", qos=1, retain=True).wait_for_publish(10)
+    seed.disconnect()
+    seed.loop_stop()
+    for round in range(ROUNDS):
+        barrier = threading.Barrier(N)
+        threads = [threading.Thread(target=session, args=(f"dev-{i}", f"fedge/t/{round * N + i}", barrier))
+                   for i in range(N)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+print(f"{sum(ok)} of {N * ROUNDS} sessions subscribed")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_simultaneous_reconnects_and_subscriptions_leave_no_traceback(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", RECONNECT_STORM, "12", "3"], capture_output=True, text=True,
+                              timeout=50, cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
+        assert done.stdout.strip() == "36 of 36 sessions subscribed", done.stdout + done.stderr
