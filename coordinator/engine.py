@@ -157,6 +157,10 @@ class Coordinator:
         self.online: dict[str, PresenceBody] = {}
         self.workers_online: set[str] = set()         # aggregation workers (config.workers), by id
         self.sent_tasks: set[str] = set()
+        # This process's turn at the run: a resumed run re-issues rounds its devices saw, under a new session.
+        self.session = uuid.uuid4().hex[:12]
+        self._earlier_tasks: set[str] = set()        # tasks of an earlier session whose results came (resume)
+        self._other_runs: set[str] = set()           # results of other runs already acknowledged and logged
         self.started_after = state.round   # the last round done before this session (0: a new run)
         self.round_times = RoundTimes()
         self._deadline_filter = DeadlineFilter(self.round_times)
@@ -195,13 +199,12 @@ class Coordinator:
                     self._on_worker(worker, kind, incoming)
                 continue
             if kind == "result":
-                self._round.bytes_up += incoming.wire_bytes
-                self._add_bytes(client_id, "up", incoming.wire_bytes)
                 if incoming.error:   # its chunks did not make a whole message
+                    self._add_up(client_id, incoming.wire_bytes)
                     self._count("rejected", client_id, incoming.error)
                 elif incoming.payload:
                     with one_torch_thread():
-                        self._on_result(client_id, incoming.payload)
+                        self._on_result(client_id, incoming.payload, incoming.wire_bytes)
             elif incoming.error:
                 self._warn.warning("lost a message on %s: %s", incoming.topic, incoming.error)
             elif kind == "presence" and incoming.payload:
@@ -235,6 +238,22 @@ class Coordinator:
 
     def _add_bytes(self, client_id: str, direction: str, n: int) -> None:
         self._client_bytes.setdefault(client_id, {"down": 0, "up": 0})[direction] += n
+
+    def _add_up(self, client_id: str, n: int) -> None:
+        """Bytes that came on a client's result topic for this run: the round's and the client's."""
+        self._round.bytes_up += n
+        self._add_bytes(client_id, "up", n)
+
+    def _of_another_run(self, client_id: str, msg: Message) -> bool:
+        """A result of another run (one a dead coordinator gave): acknowledged so that the device stops
+        re-sending it, logged once, and counted nowhere: this run's bytes and ``late`` are its own."""
+        if msg.run_id == self.run_id:
+            return False
+        if msg.task_id not in self._other_runs:
+            self._other_runs.add(msg.task_id)
+            log.info("ignored a result from %s of another run (%s, task %s)", client_id, msg.run_id, msg.task_id)
+        self._status(client_id, msg.task_id, "ack")
+        return True
 
     def _on_presence(self, client_id: str, payload: bytes) -> None:
         try:
@@ -272,13 +291,16 @@ class Coordinator:
                          sender="coordinator", body=StatusBody(state, task_id, reason).to_body())
         self._publish(self.topics.client(client_id, "status"), payload)
 
-    def _on_result(self, client_id: str, payload: bytes) -> None:
+    def _on_result(self, client_id: str, payload: bytes, wire_bytes: int) -> None:
         try:
             msg = decode(payload, max_bytes=self.config.transport.max_decoded_bytes)
         except ProtocolError as exc:
+            self._add_up(client_id, wire_bytes)
             self._count("rejected", client_id, str(exc))
             return
-        self._sort_result(client_id, msg)
+        if not self._of_another_run(client_id, msg):
+            self._add_up(client_id, wire_bytes)
+            self._sort_result(client_id, msg)
 
     def _sort_result(self, client_id: str, msg: Message, worker: str | None = None) -> bool:
         """Count, acknowledge and keep (or fold) one result; True when it was kept. From a ``worker`` it is
@@ -298,16 +320,20 @@ class Coordinator:
             self._store_profile(client_id, msg, body.error if body is not None else None, profile, *answered,
                                 late=msg.task_id not in book.plans)
         plan = book.plans.get(msg.task_id)
-        if msg.run_id != self.run_id or (plan is None and msg.task_id in self.sent_tasks):
+        if plan is None and msg.task_id in self.sent_tasks:
             self._count("late", client_id, f"task {msg.task_id} of round {msg.round} is over")
             self._status(client_id, msg.task_id, "ack")
             return False
-        if (plan is None and self.started_after and msg.round <= self.started_after + 1
+        if (plan is None and self.started_after and msg.round <= self.started_after + 2
                 and msg.task_id not in self.sent_tasks):
-            # A task of the round the coordinator was in when it stopped: expected after --resume, and late.
-            self._round.counts["late"] += 1
-            log.info("late result from %s: task %s of round %d was given before this coordinator resumed",
-                     client_id, msg.task_id, msg.round)
+            # A task the coordinator gave before it stopped (the round after the checkpoint, or the one after
+            # that, which trained while the first one's evaluation ran): expected after --resume, late, and
+            # counted once however often the device re-sends it before the acknowledgement reaches it.
+            if msg.task_id not in self._earlier_tasks:
+                self._earlier_tasks.add(msg.task_id)
+                self._round.counts["late"] += 1
+                log.info("late result from %s: task %s of round %d was given before this coordinator resumed",
+                         client_id, msg.task_id, msg.round)
             self._status(client_id, msg.task_id, "ack")
             return False
         if plan is None or plan.client_id != client_id:
@@ -371,10 +397,12 @@ class Coordinator:
             self._warn.warning("ignored a claim from worker %s: %s", worker, exc)
             return
         wire = msg.body.get("wire_bytes")
-        if isinstance(wire, int) and not isinstance(wire, bool) and wire > 0:   # the result's bytes, as it came
-            self._round.bytes_up += wire
-            self._add_bytes(msg.sender, "up", wire)
-        granted = self._sort_result(msg.sender, msg, worker)
+        if self._of_another_run(msg.sender, msg):
+            granted = False
+        else:
+            if isinstance(wire, int) and not isinstance(wire, bool) and wire > 0:   # the result's bytes, as it came
+                self._add_up(msg.sender, wire)
+            granted = self._sort_result(msg.sender, msg, worker)
         payload = encode("status", run_id=self.run_id, round=self._round.round, task_id=msg.task_id,
                          sender="coordinator", body=StatusBody("ack" if granted else "rejected", msg.task_id).to_body())
         self._publish(self.topics.worker(worker, "status"), payload)
@@ -473,8 +501,8 @@ class Coordinator:
     def announce(self, state: str, round: int | None = None) -> None:
         """Tell every client the run's state and current round (older tasks are stale)."""
         current = self.state.round + 1 if round is None else round
-        payload = encode("status", run_id=self.run_id, round=current,
-                         task_id="", sender="coordinator", body=StatusBody(state).to_body())
+        payload = encode("status", run_id=self.run_id, round=current, task_id="", sender="coordinator",
+                         body=StatusBody(state, session=self.session).to_body())
         self._publish(self.topics.coordinator_status, payload, retain=True)
         self._status_payload = payload
 
@@ -574,7 +602,7 @@ class Coordinator:
             body = TaskBody(objective=plan.objective, model=self.state.spec if plan.model is None else plan.model, up=tuple(plan.up), hyper=plan.hyper,
                             upload=self.downlink.upload(plan), codec=self.downlink.spec, broadcast=digest or None,
                             seed=self.config.run.seed, timeout=c.round_timeout, resend_every=c.resend_every,
-                            deadline=time.time() + c.round_timeout)
+                            deadline=time.time() + c.round_timeout, session=self.session)
             own = {k: v for k, v in plan.down.items() if k not in shared}
             payload = self.downlink.task(book.round, task_id, body, own)
             book.plans[task_id] = plan

@@ -14,10 +14,10 @@ from profiling.units import human_bytes
 
 __all__ = ["RoundTable", "progress_line", "human_bytes"]
 
-# Each column with the width of its plain-text line: the header or the widest usual cell ("1023.9 MB"),
+# Each column with the width of its plain-text line: the header or the widest usual cell ("1023.9 MiB"),
 # so that a round fits one 80-column line of a CI log (a wider cell widens its line, never wraps it).
 _COLUMNS = (("round", 5), ("accuracy", 8), ("loss", 7), ("personal", 8), ("clients", 7), ("late/rej", 8),
-            ("down", 9), ("up", 9), ("seconds", 7))
+            ("down", 10), ("up", 10), ("seconds", 7))
 
 
 def _number(value: float | None) -> str:

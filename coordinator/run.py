@@ -13,6 +13,8 @@ import logging
 import os
 import secrets
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +29,8 @@ from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ServerState, Strategy
-from edge_client.data import describe_partitions, evaluation_split, load_dataset, partition_indices
+from edge_client.data import (describe_partitions, evaluation_split, load_dataset, model_normalization,
+                               partition_indices)
 from edge_client.wire.files import read_jsonl, write_jsonl_atomic
 from edge_client.models import federated_names
 from edge_client.registry import build_model, describe_size, model_size
@@ -53,6 +56,28 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(out_dir, checkpointed_round)
         self.out_dir = out_dir
         self.checkpointed_round = checkpointed_round
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (systemd, docker stop, kill): handled as Ctrl-C is, so the run stops cleanly and can resume."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the run goes, SIGTERM raises :class:`_Terminated` in the main thread, as SIGINT raises
+    KeyboardInterrupt; elsewhere (a run on another thread) signals are left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def new_run_id() -> str:
@@ -165,8 +190,11 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
     dump_config(config, out / "config.toml")
     handler = _setup_file_log(out)
     try:
-        return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy, on_progress)
+        with _sigterm_as_interrupt():
+            return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy, on_progress)
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            log.warning("run %s stopped by %s", run_id, "SIGTERM" if isinstance(exc, _Terminated) else "Ctrl-C")
         _close_log(handler)
         checkpoint = latest_checkpoint(out / "checkpoints")
         if checkpoint is None and created:   # a start that failed leaves no run directory behind
@@ -192,13 +220,16 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     else:
         spec = strategy.model_spec(with_sphere_seed({**config.model, "num_classes": dataset.num_classes,
                                                      "in_channels": int(x_eval.shape[1]),
-                                                     "image_size": dataset.image_size}, config.run.seed))
+                                                     "image_size": dataset.image_size,
+                                                     "normalization": model_normalization(
+                                                         dataset, config.data.partition).to_spec()},
+                                                    config.run.seed))
         torch.manual_seed(config.run.seed)
         model = build_model(spec)
         params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}
         state = strategy.initialize(spec, params)
     size = describe_size(model_size(state.spec))
-    log.info("model %s: %s", state.spec["name"], size)
+    log.info("model %s: %s", state.spec["name"], size, extra={"said": True})
     say(f"model {state.spec['name']}: {size}")
     metrics_path = out / "metrics.jsonl"
     rows = _read_metrics(metrics_path, state.round) if resume else []
@@ -207,7 +238,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     if spawn:
         parts = partition_indices(dataset.y_train, config.data.partition, spawn, config.run.seed)
         sizes = [d["size"] for d in describe_partitions(dataset.y_train, parts, dataset.num_classes)]
-        log.info("partition %s over %d clients: sizes %s", config.data.partition, spawn, sizes)
+        log.info("partition %s over %d clients: sizes %s", config.data.partition, spawn, sizes, extra={"said": True})
         say(f"partition {config.data.partition}: client sizes {sizes}")
 
     with _open_transport(config, run_id, say) as (transport, reach):
@@ -215,6 +246,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
                                   eval_data=eval_data, on_progress=on_progress)
         coordinator.announce("running")
         spawned = SpawnedClients()
+        completed = False
         try:
             if spawn and config.transport.kind == "inproc":
                 spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out)
@@ -247,8 +279,10 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
 
             coordinator.run_rounds(state.round + 1, config.run.rounds, complete)
             _write_metrics(metrics_path, rows)
+            completed = True
         finally:
-            coordinator.announce("finished")
+            # "stopped": the run may be resumed; devices drop what it queued instead of training it.
+            coordinator.announce("finished" if completed else "stopped")
             spawned.stop()
     summary = {**_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
                           coordinator.started_after), **strategy.summary(rows)}

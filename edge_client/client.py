@@ -28,6 +28,7 @@ from edge_client.wire.codec import CodecSpec
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.registry import OBJECTIVES, build_model
 from edge_client.device import GpuMeter
+from edge_client.inputs import for_model
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext, shuffle_seed, warm_up
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, Message,
                                        ModelBody, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody,
@@ -195,6 +196,7 @@ class EdgeClient:
         # The coordinator's current running run, from its retained status ("" once it finished). Only its
         # tasks run: a persistent session can hold tasks a dead run queued, and training them is waste.
         self._running_run: str | None = None      # None: no status seen yet
+        self._sessions: dict[str, str] = {}       # run id -> the coordinator session last heard running it
         self._parked: list[tuple[_Task, Profiler]] = []   # tasks that came before any run status
         self._parked_since = 0.0
         self._presence = b""          # the presence we announced, and when it must have come back
@@ -306,7 +308,25 @@ class EdgeClient:
         if status.state == "running":
             self._running_run = msg.run_id
             self._runs_seen.add(msg.run_id)
-            self._latest_round[msg.run_id] = max(self._latest_round.get(msg.run_id, 0), msg.round)
+            known = self._sessions.get(msg.run_id)
+            if status.session and known is not None and status.session != known:
+                # The run resumed from a checkpoint: the rounds since come again, so none of them is stale.
+                activity.info("run %s resumed by its coordinator at round %d", msg.run_id, msg.round)
+                self._latest_round[msg.run_id] = msg.round
+                self._pending = None   # counted as late by the resumed coordinator at best
+            else:
+                self._latest_round[msg.run_id] = max(self._latest_round.get(msg.run_id, 0), msg.round)
+            if status.session:
+                self._sessions[msg.run_id] = status.session
+        elif status.state == "stopped":
+            # Its coordinator stopped (Ctrl-C, SIGTERM, an error) and may resume it: its queued tasks are waste.
+            if self._running_run in (None, msg.run_id):
+                self._running_run = ""
+                if msg.run_id in self._runs_trained:
+                    activity.info("run %s stopped by its coordinator; waiting for it to resume or a new run",
+                                  msg.run_id)
+            if self._pending is not None and self._pending.run_id == msg.run_id:
+                self._pending = None
         elif status.state == "finished":
             self._running_run = "" if self._running_run in (None, msg.run_id) else self._running_run
             if msg.run_id in self._runs_trained and msg.run_id not in self._runs_ended:
@@ -332,6 +352,10 @@ class EdgeClient:
         if run != self._running_run:
             log.info("dropped task %s of run %s: it is not the coordinator's current run (%s)", task.msg.task_id,
                      run, self._running_run or "none running")
+            return
+        session = task.body.session if task.body is not None else ""
+        if session and session != self._sessions.get(run, session):
+            log.info("dropped task %s of run %s: a coordinator that has since stopped gave it", task.msg.task_id, run)
             return
         self._on_task(task, profiler)
 
@@ -468,6 +492,7 @@ class EdgeClient:
         with profiler.phase("decode"):
             model = self._models.get(task.model)
             self._check_data_fits(task.model)
+            self.data = for_model(self.data, task.model)   # the spec's normalization, whatever --data is
             known = set(federated_names(model))
             received = self._received(msg, task, state_shapes(model))
             model.load_state_dict(received, strict=False)
@@ -545,7 +570,7 @@ class EdgeClient:
         if self.settings.state_dir is None:
             return
         msg = task.msg
-        record = {"run_id": msg.run_id, "round": msg.round, "task_id": msg.task_id,
-                  "objective": task.body.objective if task.body is not None else None, **profile}
+        record = {"client_id": self.settings.client_id, "run_id": msg.run_id, "round": msg.round,
+                  "task_id": msg.task_id, "objective": task.body.objective if task.body is not None else None, **profile}
         record.pop("previous_send", None)   # this line already has its own encode and publish times
         append_history(self.settings.state_dir, "task", record)

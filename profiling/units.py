@@ -10,11 +10,11 @@ ABSENT = "—"   # a reading the device could not take: never shown as 0
 def human_bytes(n: float | None) -> str:
     if n is None:
         return ABSENT
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GB"
+    return f"{n:.1f} GiB"
 
 
 def seconds(value: float | None, digits: int = 2) -> str:

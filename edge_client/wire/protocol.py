@@ -73,7 +73,8 @@ DEFAULT_TASK_TIMEOUT = 600.0     # a task's ``timeout`` when it has none
 DEFAULT_RESEND_EVERY = 10.0      # a task's ``resend_every`` when it has none
 UPDATES = ("delta", "raw")
 PRESENCE_STATES = ("online", "offline")
-STATUS_STATES = ("ack", "rejected", "running", "finished")
+STATUS_STATES = ("ack", "rejected", "running", "finished", "stopped")
+_SESSION_RE = re.compile(r"^[0-9a-f]{1,32}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -306,6 +307,10 @@ def _is_str(value: Any) -> bool:
     return isinstance(value, str)
 
 
+def _is_session(value: Any) -> bool:
+    return isinstance(value, str) and bool(_SESSION_RE.fullmatch(value))
+
+
 def _is_object(value: Any) -> bool:
     return isinstance(value, dict)
 
@@ -417,6 +422,7 @@ class TaskBody:
     timeout: float = DEFAULT_TASK_TIMEOUT
     resend_every: float = DEFAULT_RESEND_EVERY
     deadline: float | None = None      # Unix time the coordinator stops waiting; informational
+    session: str = ""                  # the coordinator session that gave the task (see StatusBody)
 
     @classmethod
     def from_body(cls, body: Any) -> TaskBody:
@@ -435,7 +441,8 @@ class TaskBody:
                    timeout=float(f.get("timeout", seconds, lambda v: _is_number(v) and v > 0, DEFAULT_TASK_TIMEOUT)),
                    resend_every=float(f.get("resend_every", seconds, lambda v: _is_number(v) and v > 0,
                                             DEFAULT_RESEND_EVERY)),
-                   deadline=f.get("deadline", "a Unix time", _is_number, None))
+                   deadline=f.get("deadline", "a Unix time", _is_number, None),
+                   session=f.get("session", "1 to 32 lowercase hex digits", _is_session, ""))
 
     def to_body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"objective": self.objective, "hyper": self.hyper, "model": self.model,
@@ -447,6 +454,8 @@ class TaskBody:
         if self.broadcast is not None:
             out["broadcast"] = self.broadcast
         out["codec"] = self.codec.text
+        if self.session:
+            out["session"] = self.session
         return out
 
 
@@ -490,16 +499,20 @@ class ResultBody:
 class StatusBody:
     """A ``status`` body: ``ack`` or ``rejected`` for one result (``task_id``), or the run's state."""
 
-    state: str                   # ack | rejected (one result), running | finished (the run)
+    state: str                   # ack | rejected (one result), running | finished | stopped (the run)
     task_id: str | None = None   # the result's task; None in the run's status
     reason: str = ""             # why a result was rejected
+    # The run's status: the coordinator process that speaks for the run. A resumed run keeps its run id
+    # but not its session, so devices learn that rounds they saw may come again.
+    session: str = ""
 
     @classmethod
     def from_body(cls, body: Any) -> StatusBody:
         f = _Fields("status", body)
         return cls(state=f.get("state", f"one of {STATUS_STATES}", lambda v: v in STATUS_STATES),
                    task_id=f.get("task_id", "a string", _is_str, None),
-                   reason=f.get("reason", "a string", _is_str, ""))
+                   reason=f.get("reason", "a string", _is_str, ""),
+                   session=f.get("session", "1 to 32 lowercase hex digits", _is_session, ""))
 
     def to_body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"state": self.state}
@@ -507,6 +520,8 @@ class StatusBody:
             out["task_id"] = self.task_id
         if self.reason:
             out["reason"] = self.reason
+        if self.session:
+            out["session"] = self.session
         return out
 
 
