@@ -214,8 +214,8 @@ def _add_fed2_depth(sub) -> None:  # sub: the parser's subparsers
     depth.add_argument("--norm", default=None, help="normalization: none, gn (Fed2 uses GroupNorm) or bn")
     depth.add_argument("--data", default="fashion-mnist",
                        help="digits, fashion-mnist[:DIR], npz:PATH (default fashion-mnist)")
-    depth.add_argument("--samples", type=int, default=5000, help="training images for the brief training (5000)")
-    depth.add_argument("--epochs", type=int, default=1, help="epochs of the brief training (1)")
+    depth.add_argument("--samples", type=at_least(1), default=5000, help="training images for the brief training (5000)")
+    depth.add_argument("--epochs", type=at_least(1), default=1, help="epochs of the brief training (1)")
     depth.add_argument("--threshold", type=float, default=None,
                        help="variance above which a layer counts as class-specific (default 0.3)")
     depth.add_argument("--seed", type=int, default=0, help="seed for model init, sample choice and shuffling")
@@ -224,6 +224,13 @@ def _add_fed2_depth(sub) -> None:  # sub: the parser's subparsers
 
 
 def _fed2_depth(args: argparse.Namespace) -> int:
+    from edge_client.data import DataError
+
+    try:   # before torch is imported
+        check_data_spec(args.data)
+    except DataError as exc:
+        print(f"fedge-coordinator fed2-depth: {exc}")   # where its other errors go
+        return 2
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table

@@ -35,6 +35,7 @@ BAD = [
     ("coordinator.cli", ["run", "--rounds", "0"], "--rounds: 0 is out of range"),
     ("coordinator.cli", ["run", "--resume", "--out", "no-such-run"], "no-such-run holds no run"),
     ("coordinator.cli", ["worker", "--broker", "127.0.0.1:1883"], "the mqtt:// scheme is missing"),
+    ("coordinator.cli", ["fed2-depth", "--data", "bogus"], "unknown dataset spec 'bogus'"),
     ("edge_client.cli", ["run", "--client-id", "pi-01", "--data", "digits", "--broker", "http://h"], "not http://"),
     ("edge_client.cli", ["run", "--client-id", "pi-01", "--data", "npz:missing.npz"], "npz file not found"),
     ("edge_client.cli", ["run", "--data", "digits"], "give --client-id"),

@@ -48,3 +48,13 @@ def test_the_model_and_partition_lines_are_printed_once_with_v(tmp_path):
     lines = (done.stdout + done.stderr).splitlines()
     assert sum("model mlp:" in line for line in lines) == 1, done.stdout + done.stderr
     assert sum("partition iid" in line for line in lines) == 1, done.stdout + done.stderr
+
+
+def test_a_piped_log_prints_every_count_of_clients_coming_online(tmp_path):
+    three = [a if a != "2" else "3" for a in QUICK]   # three spawned clients, three expected
+    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", *three, "--out", str(tmp_path / "run")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    counts = [int(line.split(": ")[1].split("/")[0]) for line in done.stdout.splitlines()
+              if line.startswith("waiting for clients: ")]
+    assert counts and counts == list(range(counts[0], 4)), done.stdout   # none skipped, up to 3/3
