@@ -59,6 +59,7 @@ class ClientsSection:
     round_timeout: float = 300.0    # seconds a round waits for results
     presence_timeout: float = 300.0  # seconds to wait for enough clients to be online
     max_attempts: int = 3           # retries of a round that got too few results
+    max_misses: int = 2             # tasks left unanswered in a row that take a client out of selection (0: never)
     resend_every: float = 10.0      # how often a client re-sends an unacknowledged result
     spawn: int = 0                  # local client processes (or threads with inproc)
     torch_threads: int = 1          # per spawned client, to avoid oversubscription
@@ -208,6 +209,7 @@ class RunConfig:
         checks = [
             (r.rounds >= 1, "run.rounds must be at least 1"),
             (c.max_attempts >= 1, "clients.max_attempts must be at least 1"),
+            (c.max_misses >= 0, "clients.max_misses must be 0 (never leave a client out) or more"),
             (self.train.epochs >= 1 and self.train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
             (self.train.lr > 0 and self.train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
             (0.0 <= self.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),

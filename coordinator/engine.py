@@ -32,7 +32,7 @@ from coordinator.checkpoint import save_checkpoint
 from coordinator.config import RunConfig
 from coordinator.downlink import Downlink, shared_tensors
 from coordinator.profiles import ProfileStore
-from coordinator.selection import DeadlineFilter, RoundTimes
+from coordinator.selection import Absences, DeadlineFilter, RoundTimes
 from coordinator.intake import accept_result, one_torch_thread
 from coordinator.strategies.base import AggregationError, ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
 from edge_client.wire.throttle import ThrottledLog
@@ -164,6 +164,7 @@ class Coordinator:
         self.started_after = state.round   # the last round done before this session (0: a new run)
         self.round_times = RoundTimes()
         self._deadline_filter = DeadlineFilter(self.round_times)
+        self.absences = Absences(config.clients.max_misses)
         self.profile_store = ProfileStore(out_dir / "clients", completed_rounds=state.round)
         self._round = _Round(round=0, attempt=-1)   # between rounds: collects strays for the next row
         self.watchdog: Callable[[], None] = lambda: None   # raises RunError if spawned clients died
@@ -209,6 +210,8 @@ class Coordinator:
                 self._warn.warning("lost a message on %s: %s", incoming.topic, incoming.error)
             elif kind == "presence" and incoming.payload:
                 self._on_presence(client_id, incoming.payload)
+        if progress is not None and (now := progress()) != shown:
+            self.on_progress(now)   # the change that ended the wait too ("3/3 online")
 
     def _network(self) -> tuple[nn.Module, dict[str, tuple[int, ...]]]:
         """The coordinator's copy of the network the state's spec describes, and its tensor shapes.
@@ -271,9 +274,15 @@ class Coordinator:
         if body.state == "online":
             if client_id not in self.online:
                 log.info("client %s online (%s samples)", client_id, body.num_samples)
+            if self.absences.returned(client_id):
+                log.info("client %s announced itself again: it may be selected again", client_id)
             self.online[client_id] = body
         elif self.online.pop(client_id, None) is not None:
             log.info("client %s went offline", client_id)
+
+    def _answering(self) -> list[str]:
+        """The online clients selection may draw from: not those benched for unanswered tasks."""
+        return self.absences.pool(self.online, 0, retry=False)
 
     def _device(self, client_id: str) -> dict[str, Any] | None:
         """The device facts a client announced with its presence, if it is online."""
@@ -315,6 +324,8 @@ class Coordinator:
         except ProtocolError as exc:
             body, problem = None, str(exc)
         profile = clean_profile(body.profile if body is not None else None)
+        if self.absences.returned(client_id):
+            log.info("client %s answered again: it may be selected again", client_id)
         answered = self.round_times.answered(msg.task_id, client_id, time.monotonic())
         if answered is not None:   # the first answer to a task this coordinator gave this client
             self._store_profile(client_id, msg, body.error if body is not None else None, profile, *answered,
@@ -348,6 +359,11 @@ class Coordinator:
         try:
             if body is None:
                 raise ProtocolError(problem)
+            announced = self.online.get(client_id)
+            if body.error is None and announced is not None and body.num_samples > announced.num_samples:
+                # The count is the result's weight in the mean: a device must not claim more than it has.
+                raise ProtocolError(f"it claims {body.num_samples} samples but the device announced "
+                                    f"{announced.num_samples}")
             if worker is not None:
                 return self._grant(book, worker, msg, body)
             result = accept_result(plan, msg, body, self.shapes, self.downlink.upload_codec(plan), self.strategy)
@@ -517,22 +533,24 @@ class Coordinator:
         else:
             self.transport.subscribe(self.topics.all_clients("result"))
         self._pump(time.monotonic() + timeout,
-                   lambda: len(self.online) >= count and len(self.workers_online) >= workers,
-                   lambda: {"kind": "waiting", "online": sorted(self.online), "needed": count})
+                   lambda: len(self._answering()) >= count and len(self.workers_online) >= workers,
+                   lambda: {"kind": "waiting", "online": self._answering(), "needed": count})
         if len(self.workers_online) < workers:
             raise RunError(f"only {len(self.workers_online)} of {workers} aggregation workers came online within "
                            f"{timeout:.0f} s: start them (fedge-coordinator worker --config ... on the same broker) "
                            "or lower workers.count")
-        if len(self.online) < count:
-            raise RunError(f"only {len(self.online)} of {count} clients came online within {timeout:.0f} s "
-                           f"({sorted(self.online)}); start more clients or lower clients.expected")
+        if len(self._answering()) < count:
+            benched = sorted(set(self.online) - set(self._answering()))
+            raise RunError(f"only {len(self._answering())} of {count} clients came online within {timeout:.0f} s "
+                           f"({self._answering()})" + (f", besides {benched}, online but not answering their tasks"
+                                                 if benched else "") + "; start more clients or lower clients.expected")
 
     def _sample(self, round: int, attempt: int) -> list[str]:
         c = self.config
         want = c.selected_per_round
-        if len(self.online) < c.required_results:
+        if len(self._answering()) < c.required_results:
             self.wait_for_clients(c.required_results, c.clients.presence_timeout)
-        pool = sorted(self.online)
+        pool = self.absences.pool(self.online, c.required_results, retry=attempt > 0)
         if c.clients.selection == "deadline":
             pool = self._skip_predicted_late(pool, round)
         rng = random.Random(f"{c.run.seed}/{round}/{attempt}")
@@ -541,9 +559,13 @@ class Coordinator:
     def _note_missed(self, book: _Round) -> None:
         """Tasks of an ended attempt without an answer took at least the timeout: for selection and the records."""
         timeout = self.config.clients.round_timeout
-        for task_id, client_id, objective in self.round_times.missed(book.plans, timeout):
+        missed = self.round_times.missed(book.plans, timeout)
+        for task_id, client_id, objective in missed:
             self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
                                    round_seconds=timeout, missed=True, device=self._device(client_id))
+        for client_id in self.absences.missed(c for _, c, _ in missed):
+            log.warning("client %s left %d tasks in a row unanswered: it is left out of selection until it "
+                        "answers or reconnects (clients.max_misses)", client_id, self.absences.limit)
 
     def _skip_predicted_late(self, pool: list[str], round: int) -> list[str]:
         c = self.config.clients
@@ -619,7 +641,7 @@ class Coordinator:
         for attempt in range(c.clients.max_attempts):
             book = self._round = _Round(round=round, attempt=attempt, phase=phase, streaming=self._streams(phase))
             self.announce("running", round)
-            clients = sorted(self.online) if self.strategy.selects_all(phase) else self._sample(round, attempt)
+            clients = self._answering() if self.strategy.selects_all(phase) else self._sample(round, attempt)
             self._send_tasks(book, self.strategy.configure(phase, round, self.state, clients))
             started = time.monotonic()
             self._pump(started + c.clients.round_timeout, lambda: book.answered,

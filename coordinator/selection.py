@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["RoundTimes", "DeadlineFilter", "Skipped", "SELECTIONS", "SAFETY", "WINDOW", "PROBE_AFTER",
+__all__ = ["RoundTimes", "DeadlineFilter", "Skipped", "Absences", "SELECTIONS", "SAFETY", "WINDOW", "PROBE_AFTER",
            "BUSY_HORIZON"]
 
 SELECTIONS = ("random", "deadline")
@@ -123,3 +123,49 @@ class DeadlineFilter:
             self.streak[c] = self.streak.get(c, 0) + 1 if c in slow else 0
         skipped = [Skipped(c, slow[c]) for c in sorted(slow, key=lambda c: -slow[c])]
         return sorted(keep), skipped
+
+
+class Absences:
+    """Tasks each client left unanswered in a row, and which clients selection should pass over.
+
+    A device whose retained presence says ``online`` may be gone: one that disconnected cleanly leaves
+    no will behind, and an authorised device can announce itself and vanish on purpose. Each task it
+    is given costs an attempt its whole timeout, and enough of them end the run. So a client that
+    missed ``limit`` tasks in a row is benched until it answers something (a late result is enough)
+    or announces itself again (a real reconnect), and a retry prefers clients that did not just miss.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit                      # 0: never bench
+        self._misses: dict[str, int] = {}
+        self.just_missed: set[str] = set()      # clients without an answer in the attempt that just ended
+
+    def missed(self, client_ids: Iterable[str]) -> list[str]:
+        """An attempt ended with these clients' tasks unanswered; returns those benched just now."""
+        self.just_missed = set(client_ids)
+        benched = []
+        for client_id in sorted(self.just_missed):
+            self._misses[client_id] = self._misses.get(client_id, 0) + 1
+            if self.limit and self._misses[client_id] == self.limit:
+                benched.append(client_id)
+        return benched
+
+    def returned(self, client_id: str) -> bool:
+        """The client answered or announced itself: it may be selected again; True if it was benched."""
+        was_benched = self.benched(client_id)
+        self._misses.pop(client_id, None)
+        self.just_missed.discard(client_id)
+        return was_benched
+
+    def benched(self, client_id: str) -> bool:
+        return bool(self.limit) and self._misses.get(client_id, 0) >= self.limit
+
+    def pool(self, online: Iterable[str], needed: int, retry: bool) -> list[str]:
+        """The clients a selection draws from: the online ones not benched, and on a retry also not those
+        that just missed, unless that would leave fewer than ``needed``."""
+        pool = [c for c in sorted(online) if not self.benched(c)]
+        if retry:
+            fresh = [c for c in pool if c not in self.just_missed]
+            if len(fresh) >= needed:
+                return fresh
+        return pool

@@ -56,7 +56,7 @@ class ScriptedClient(threading.Thread):
         self.transport.subscribe(self.topics.client(client_id, "task"))
         self.transport.subscribe(self.topics.client(client_id, "status"))
         self.transport.publish(self.topics.client(client_id, "presence"),
-                               presence_payload(client_id, PresenceBody("online", num_samples=10)), retain=True)
+                               presence_payload(client_id, PresenceBody("online", num_samples=100)), retain=True)
 
     def result(self, task, tensors=None, **body) -> bytes:
         body = {"num_samples": 10, "metrics": {"train_loss": 1.0}, **body}
@@ -123,6 +123,7 @@ def test_bad_results_are_rejected_counted_and_do_not_stop_the_round(tmp_path):
         yield peer.result(task, tensors=small)                            # wrong shapes
         yield peer.result(task, tensors={k: v.double() for k, v in task.tensors.items()})   # wrong dtype
         yield peer.result(task, num_samples=-3)                           # nonsense weight
+        yield peer.result(task, num_samples=101)                          # more samples than it announced
         yield encode("result", run_id=task.run_id, round=task.round, task_id="other", sender="a",
                      body={"num_samples": 1}, tensors=task.tensors)       # a task it was not given
         yield good
@@ -132,7 +133,7 @@ def test_bad_results_are_rejected_counted_and_do_not_stop_the_round(tmp_path):
     coord.wait_for_clients(1, 5)
     row = coord.run_round(1)
     peer.stop.set()
-    assert (row["returned"], row["rejected"], row["unexpected"]) == (1, 7, 1)
+    assert (row["returned"], row["rejected"], row["unexpected"]) == (1, 8, 1)
     # no rejected result (NaN, wrong shapes or dtype) reached the model, and the row reports the state it ended on
     assert all(bool(torch.isfinite(v).all()) for v in coord.state.params.values())
     assert row["test_accuracy"] == pytest.approx(coord.evaluate()["test_accuracy"])
@@ -166,12 +167,22 @@ def test_too_few_results_retries_the_round_with_a_fresh_sample(tmp_path):
     for peer in (silent, good):
         peer.start()
     coord.wait_for_clients(2, 5)
-    # The seeded sample is [b], then [a] (silent) -> retry with [b], then [b]; round 4 draws [a] three times.
-    rows = [coord.run_round(r) for r in range(1, 4)]
-    assert [r["returned"] for r in rows] == [1, 1, 1]
-    assert [r["attempts"] for r in rows] == [1, 2, 1]
+    # The seeded sample is [b], then [a] (silent) -> retry with [b], then [b]; round 4 draws [a], whose
+    # second miss in a row leaves it out (clients.max_misses = 2): the retry and round 5 take b.
+    rows = [coord.run_round(r) for r in range(1, 6)]
+    assert [r["returned"] for r in rows] == [1, 1, 1, 1, 1]
+    assert [r["attempts"] for r in rows] == [1, 2, 1, 2, 1]
+    assert coord.absences.benched("a") and not coord.absences.benched("b")
+
+
+def test_a_round_whose_every_attempt_gets_too_few_results_ends_the_run(tmp_path):
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1, clients__round_timeout=0.5, clients__max_misses=0)
+    silent = ScriptedClient(hub, "a", lambda peer, task: [])
+    silent.start()
+    coord.wait_for_clients(1, 5)
     with pytest.raises(RunError, match="too few results"):
-        coord.run_round(4)
+        coord.run_round(1)
 
 
 def test_edge_client_survives_bad_tasks_and_still_trains(tmp_path, announce_running, client_thread):

@@ -213,3 +213,28 @@ def test_sigterm_stops_the_run_cleanly_and_a_next_run_counts_only_its_own_result
         assert (row["late"], row["rejected"], row["unexpected"]) == (0, 0, 0), row
         per_client = row["bytes_per_client"]
         assert per_client["dev-a"]["up"] < 1.5 * per_client["dev-b"]["up"], per_client
+
+
+def test_a_device_that_announces_itself_and_vanishes_cannot_end_the_run(tmp_path, mosquitto, prefix, fleet):
+    """An authorised device publishes a retained online presence with a huge sample count, then leaves
+    cleanly (no will): it is never seen offline, and every task it is given waits out the timeout."""
+    import paho.mqtt.publish as publish
+
+    from edge_client.client import presence_payload
+    from edge_client.wire.protocol import PresenceBody
+
+    host, port = mosquitto.removeprefix("mqtt://").split(":")
+    liar = presence_payload("liar", PresenceBody("online", num_samples=1_000_000_000, input_shape=(1, 8, 8),
+                                                 num_classes=10))
+    publish.single(f"{prefix}/clients/liar/presence", liar, qos=1, retain=True, hostname=host, port=int(port))
+    out, timeout, rounds = tmp_path / "run", 6.0, 20
+    done = subprocess.run(coordinator_cmd(out, mosquitto, prefix, rounds, "--set", f"clients.round_timeout={timeout}",
+                                          "--set", "clients.per_round=3", "--set", "clients.expected=4"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = rows(out)
+    assert [r["round"] for r in table] == list(range(rounds + 1))
+    assert all(r["returned"] == 3 for r in table[1:])
+    # The liar costs at most clients.max_misses (2) attempts their timeout, then is left out.
+    assert sum(r["attempts"] - 1 for r in table[1:]) <= 2, [r["attempts"] for r in table]
+    assert "client liar left 2 tasks in a row unanswered" in (out / "coordinator.log").read_text()
