@@ -305,6 +305,15 @@ def _config_path(args: argparse.Namespace) -> Path | None:
     return args.config
 
 
+def _text_value(text: str) -> str:
+    """A ``--set`` value of a text key as the configuration reads it: TOML text when quoted, else as typed."""
+    try:
+        parsed = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+    return parsed if isinstance(parsed, str) else text
+
+
 def _early_problem(args: argparse.Namespace) -> str:
     """What the command line and config file show wrong before torch is imported ("" when nothing).
 
@@ -333,9 +342,9 @@ def _early_problem(args: argparse.Namespace) -> str:
         given = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if given is not None:
             value[section, key] = given
-    for item in args.set:   # text keys are kept as typed; a malformed item is left to the full check
+    for item in args.set:   # a malformed item is left to the full check
         path_text, _, text = item.partition("=")
-        value[tuple(part.strip() for part in path_text.partition(".")[::2])] = text.strip()
+        value[tuple(part.strip() for part in path_text.partition(".")[::2])] = _text_value(text.strip())
     try:
         broker = value.get(("transport", "broker"))
         if isinstance(broker, str) and broker:

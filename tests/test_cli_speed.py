@@ -30,6 +30,8 @@ BAD = [
     ("coordinator.cli", ["run", "--config", "nope.toml"], "config file nope.toml does not exist"),
     ("coordinator.cli", ["run", "--broker", "http://127.0.0.1:1883"], "not http://"),
     ("coordinator.cli", ["run", "--set", "transport.broker=tcp://h:1883"], "not tcp://"),
+    ("coordinator.cli", ["run", "--set", 'data.eval="digits"', "--set", 'transport.broker="h:1"'],
+     "broker URL 'h:1' must look like"),   # quoted --set values are read as TOML, as the configuration does
     ("coordinator.cli", ["run", "--data", "mnist"], "unknown dataset spec 'mnist'"),
     ("coordinator.cli", ["run", "--partition", "dirichlet:0"], "bad partition spec 'dirichlet:0'"),
     ("coordinator.cli", ["run", "--rounds", "0"], "--rounds: 0 is out of range"),
