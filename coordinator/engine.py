@@ -85,6 +85,8 @@ class _Round:
     manifest: ManifestBody | None = None
     granted: dict[str, tuple[str, ClientResult]] = field(default_factory=dict)
     worker_lost: int = 0
+    shared: frozenset[str] = frozenset()   # the tensors the tasks leave to the model broadcast
+    broadcast: str | None = None           # ... and its hash
 
     @property
     def complete(self) -> bool:
@@ -593,7 +595,7 @@ class Coordinator:
         return digest
 
     def _after_reconnect(self) -> None:
-        """Publish the retained run status and model broadcast again once the broker is back.
+        """Publish the retained run status, the model broadcast and unanswered tasks again once the broker is back.
 
         A broker restarted without persistence (or before its autosave) has forgotten both:
         devices would park every task for want of a running status, or wait for a broadcast
@@ -607,10 +609,11 @@ class Coordinator:
                 self._publish(self.topics.coordinator_status, self._status_payload, retain=True)
             if self._broadcast_payload:
                 self._publish(self.topics.model, self._broadcast_payload, retain=True)
+            self._publish_manifest(self._round)
+            self._republish_tasks()
         self._was_connected = connected
 
     def _send_tasks(self, book: _Round, plans: list[TaskPlan]) -> None:
-        c = self.config.clients
         shared = shared_tensors(plans) if self.config.codec.broadcast else {}
         digest = self._broadcast(book, shared) if shared else ""
         self.transport.prefer(self.topics.client(plan.client_id, "result") for plan in plans)
@@ -620,19 +623,36 @@ class Coordinator:
                                          self.downlink.upload_codec(plans[0]),
                                          {t: p.client_id for t, p in zip(task_ids, plans)}, digest or None)
             self._publish_manifest(book)
+        book.shared, book.broadcast = frozenset(shared), digest or None
         for task_id, plan in zip(task_ids, plans):
-            body = TaskBody(objective=plan.objective, model=self.state.spec if plan.model is None else plan.model, up=tuple(plan.up), hyper=plan.hyper,
-                            upload=self.downlink.upload(plan), codec=self.downlink.spec, broadcast=digest or None,
-                            seed=self.config.run.seed, timeout=c.round_timeout, resend_every=c.resend_every,
-                            deadline=time.time() + c.round_timeout, session=self.session)
-            own = {k: v for k, v in plan.down.items() if k not in shared}
-            payload = self.downlink.task(book.round, task_id, body, own)
             book.plans[task_id] = plan
             self.sent_tasks.add(task_id)
             self.round_times.sent(task_id, plan.client_id, plan.objective, time.monotonic())
-            sent = self._publish(self.topics.client(plan.client_id, "task"), payload)
-            book.bytes_down += sent
-            self._add_bytes(plan.client_id, "down", sent)
+            self._send_task(book, task_id, plan)
+
+    def _send_task(self, book: _Round, task_id: str, plan: TaskPlan) -> None:
+        c = self.config.clients
+        body = TaskBody(objective=plan.objective, model=self.state.spec if plan.model is None else plan.model,
+                        up=tuple(plan.up), hyper=plan.hyper, upload=self.downlink.upload(plan),
+                        codec=self.downlink.spec, broadcast=book.broadcast, seed=self.config.run.seed,
+                        timeout=c.round_timeout, resend_every=c.resend_every, deadline=time.time() + c.round_timeout,
+                        session=self.session)
+        own = {k: v for k, v in plan.down.items() if k not in book.shared}
+        sent = self._publish(self.topics.client(plan.client_id, "task"), self.downlink.task(book.round, task_id, body, own))
+        book.bytes_down += sent
+        self._add_bytes(plan.client_id, "down", sent)
+
+    def _republish_tasks(self) -> None:
+        """Send the tasks not yet answered again, under their ids: a broker that restarted without
+        persistence has lost those it had not delivered, and each would cost its attempt the whole
+        timeout. A device that did get one answers the copy with the result it already has."""
+        book = self._round
+        held = {result.client_id for _, result in book.granted.values()}
+        waiting = [(t, p) for t, p in book.plans.items() if p.client_id not in book.results.keys() | book.failed | held]
+        if waiting:
+            log.warning("round %d: sending the %d unanswered task(s) of this attempt again", book.round, len(waiting))
+        for task_id, plan in waiting:
+            self._send_task(book, task_id, plan)
 
     def _exchange(self, round: int, phase: str) -> tuple[_Round, dict[str, int]]:
         """One task/result exchange of a phase, retried with fresh samples while results are too few."""

@@ -69,3 +69,46 @@ def _wait_until_retained(port: int, topic: str, timeout: float = 10.0) -> None:
     finally:
         probe.loop_stop()
         probe.disconnect()
+
+
+def test_tasks_a_restarted_broker_lost_are_sent_again_after_the_reconnect(tmp_path, monkeypatch):
+    """The broker accepted round 2's tasks and restarted without persistence before delivering them:
+    the coordinator sends the unanswered tasks again, so the attempt does not wait out its timeout."""
+    broker = LocalMosquitto(workdir=tmp_path / "broker", persistence=False)
+    broker.start()
+    restarts: list[int] = []
+    original = engine.Coordinator._send_tasks
+
+    def tasks_lost_in_a_restart(self, book, plans):
+        if book.round != 2 or restarts:
+            return original(self, book, plans)
+        restarts.append(book.round)
+        publish = self.transport.publish
+
+        def lost(topic, payload, **kw):   # what the restart takes with it: accepted, never delivered
+            return len(payload) if topic.endswith("/task") else publish(topic, payload, **kw)
+
+        monkeypatch.setattr(self.transport, "publish", lost)
+        try:
+            original(self, book, plans)
+        finally:
+            monkeypatch.setattr(self.transport, "publish", publish)
+        broker.stop()
+        broker.start(same_port=True)
+
+    monkeypatch.setattr(engine.Coordinator, "_send_tasks", tasks_lost_in_a_restart)
+    out, timeout = tmp_path / "run", 60.0
+    overrides = {"run.rounds": 3, "run.out": str(out), "model.name": "cnn", "data.eval": "digits",
+                 "clients.expected": 2, "clients.spawn": 2, "clients.round_timeout": timeout,
+                 "clients.presence_timeout": 60.0, "transport.broker": broker.url, "export.enabled": False}
+    config = load_config(None, [(*k.split(".", 1), v) for k, v in overrides.items()])
+    try:
+        run_federated(config, say=lambda s: None)
+    finally:
+        broker.stop()
+    assert restarts == [2]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert (rows[2]["attempts"], rows[2]["returned"]) == (1, 2)
+    assert rows[2]["seconds"] < timeout / 2, rows[2]
+    assert "sending the 2 unanswered task(s) of this attempt again" in (out / "coordinator.log").read_text()
