@@ -110,8 +110,9 @@ class RoundTable:
 
     def progress(self, info: dict[str, Any]) -> None:
         """Clients coming online, results coming in: a line under the table on a terminal. In a log, a
-        line when the counts changed, at most every ``PIPED_EVERY`` seconds: at once while waiting for
-        clients, and for a round only once it has lasted that long (a quick round adds no lines)."""
+        line for every count of clients online while waiting for them, and for a round when its counts
+        changed, at most every ``PIPED_EVERY`` seconds and only once it has lasted that long (a quick
+        round adds no lines)."""
         self._view.progress = info
         if self.console.is_terminal:
             self._start_live()
@@ -119,7 +120,7 @@ class RoundTable:
         counts, now = _counts(info), time.monotonic()
         if counts[:-2] != self._printed[0][:-2]:   # a new stage: waiting, or another round, phase or attempt
             self._printed = (counts[:-2], -float("inf") if info.get("kind") == "waiting" else now)
-        if counts != self._printed[0] and now - self._printed[1] >= self.PIPED_EVERY:
+        if counts != self._printed[0] and (counts[0] == "waiting" or now - self._printed[1] >= self.PIPED_EVERY):
             self.console.print(progress_line(info), soft_wrap=True, highlight=False, markup=False)
             self._printed = (counts, now)
 

@@ -277,7 +277,8 @@ def serve_worker(config: RunConfig, worker_id: str, *, exit_after_run: bool = Fa
     settings = BrokerSettings(url=t.broker, username=t.username or None, password=os.environ.get(t.password_env),
                               protocol=t.protocol, max_message_bytes=t.max_message_bytes,
                               ca_file=t.ca_file or None, cert_file=t.cert_file or None, key_file=t.key_file or None,
-                              session_expiry=0)   # no session outlives us: the broker stops handing us results
+                              session_expiry=0,   # no session outlives us: the broker stops handing us results
+                              password_source=t.password_env)
     topics = Topics(t.prefix)
     will = Will(topics.worker(worker_id, "presence"), presence_payload(worker_id, PresenceBody("offline")))
     transport = MqttTransport(settings, f"fedge-{worker_id}", will=will).connect()
