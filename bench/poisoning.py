@@ -4,7 +4,8 @@ The hostile clients train like the others and then send ``factor`` times their u
 (20 and 1,000: scaled; -1: sign-flipped; -4: sign-flipped and scaled). Every rule runs
 with its shipped defaults (``aggregate.trim`` included) the same seeded run on
 scikit-learn's digits (10 clients, all of them every round, IID split), clean and under
-each attack; the norm bound (``aggregate.norm_bound``) runs with the mean. Each run
+each attack; the norm bound (``aggregate.norm_bound``) runs with the mean, and the trimmed
+mean runs again with trim 0.1 (one value of 10 per side, the default before 0.2). Each run
 evaluates every round, so the JSON has the accuracy curve beside the last round's.
 
     python bench/poisoning.py [--rounds 15] [--seeds 0,1,2] [--skip-existing]
@@ -41,7 +42,8 @@ from edge_client.objectives import LocalData, ObjectiveOutput, TaskContext, trai
 ATTACKS = {"clean": 1.0, "scaled x20": 20.0, "scaled x1000": 1000.0, "sign-flipped x-1": -1.0,
            "sign-flipped x-4": -4.0}
 DEFENCES = {"mean": {}, "median": {"rule": "median"}, "trimmed_mean": {"rule": "trimmed_mean"},
-            "clipped_mean": {"rule": "clipped_mean"}, "mean + norm bound 3": {"norm_bound": 3.0}}
+            "clipped_mean": {"rule": "clipped_mean"}, "mean + norm bound 3": {"norm_bound": 3.0},
+            "trimmed_mean, trim 0.1": {"rule": "trimmed_mean", "trim": 0.1}}   # the default before 0.2
 HOSTILE = ("sim-000", "sim-001")
 # A round takes about a second here, on a busy machine; one that waits this long has a client whose result was
 # rejected (non-finite, after an attack broke the model), so the run stops instead of waiting 3 x 300 s.
