@@ -205,6 +205,8 @@ class EdgeClient:
         self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
         self._broadcasts = broadcasts if broadcasts is not None else BroadcastCache()
         self._waiting: tuple[_Task, Profiler, float] | None = None   # a task waiting for its broadcast
+        self._seen_while_waiting: list[str] = []   # what came on the model topic meanwhile, for the error
+        self._disconnects_before_wait = 0
         self._residuals = ResidualStore(settings.state_dir)
         self.tasks_run = 0
 
@@ -386,9 +388,11 @@ class EdgeClient:
             body = ModelBody.from_body(msg.body) if msg.kind == "model" else None
         except ProtocolError as exc:
             log.warning("ignored a model broadcast: %s", exc)
+            self._seen_while_waiting.append(f"a broadcast that was refused ({exc})")
             return
         if body is None:
             return
+        self._seen_while_waiting.append(f"the broadcast of round {msg.round} ({digest[:16]}...)")
         self._broadcasts.add(digest, msg.tensors, body.codec)
         waiting = self._waiting
         if waiting is not None and waiting[0].body is not None and waiting[0].body.broadcast == digest:
@@ -404,9 +408,26 @@ class EdgeClient:
             self._stop_waiting()
             return False
         if self._waiting is None:
+            self._seen_while_waiting, self._disconnects_before_wait = [], self._disconnects()
             self.transport.subscribe(self.topics.model, parts=True)
         self._waiting = (task, profiler, time.monotonic())
         return True
+
+    def _disconnects(self) -> int:
+        return int(getattr(self.transport.inner, "disconnects", 0))
+
+    def _missing_broadcast(self, digest: str, patience: float) -> str:
+        """Why a task's broadcast is not here, from what this device observed while it waited."""
+        said = f"the model broadcast {digest[:16]}... did not arrive within {patience:.0f} s (half the task's timeout)"
+        dropped = self._disconnects() - self._disconnects_before_wait
+        if dropped:
+            return (f"{said}; the connection to the broker dropped {dropped} time(s) meanwhile (a broker that "
+                    "restarts without persistence forgets the broadcast; the coordinator publishes it again on "
+                    "its retry)")
+        if self._seen_while_waiting:
+            return f"{said}; the model topic brought only {'; '.join(self._seen_while_waiting[-3:])}"
+        return (f"{said}, and nothing came on {self.topics.model}: check that this device may read that topic "
+                "(the broker's ACL)")
 
     def _stop_waiting(self) -> None:
         if self._waiting is not None:
@@ -522,8 +543,7 @@ class EdgeClient:
         if task.broadcast is not None:
             shared = self._broadcasts.get(task.broadcast)
             if shared is None:
-                raise ProtocolError(f"the model broadcast {task.broadcast[:16]}... did not arrive within half the task's "
-                                    "timeout; check that this device may read the coordinator's model topic")
+                raise ProtocolError(self._missing_broadcast(task.broadcast, BROADCAST_PATIENCE * task.timeout))
             wire, codec = shared
             tensors.update(decode_download(wire, codec, shapes))
         tensors.update(decode_download(msg.tensors, task.codec, shapes))

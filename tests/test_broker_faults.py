@@ -112,3 +112,47 @@ def test_tasks_a_restarted_broker_lost_are_sent_again_after_the_reconnect(tmp_pa
     assert (rows[2]["attempts"], rows[2]["returned"]) == (1, 2)
     assert rows[2]["seconds"] < timeout / 2, rows[2]
     assert "sending the 2 unanswered task(s) of this attempt again" in (out / "coordinator.log").read_text()
+
+
+def test_a_device_whose_broadcast_was_lost_in_a_broker_restart_says_so(tmp_path, announce_running, client_thread):
+    """Not "check the ACL": the device saw its connection drop while it waited for the broadcast."""
+    import time
+
+    import torch
+
+    from edge_client.client import ClientSettings, EdgeClient
+    from edge_client.data import load_dataset
+    from edge_client.objectives import LocalData
+    from edge_client.wire.protocol import Topics, decode, encode
+    from edge_client.wire.transport import BrokerSettings, MqttTransport
+
+    broker = LocalMosquitto(workdir=tmp_path / "broker", persistence=False)
+    broker.start()
+    digits = load_dataset("digits")
+    settings = BrokerSettings(url=broker.url)
+    device = MqttTransport(settings, "dev1", will=EdgeClient.will(ClientSettings(client_id="dev1"))).connect()
+    client = EdgeClient(ClientSettings(client_id="dev1"), device,
+                        LocalData(torch.from_numpy(digits.x_train[:64]), torch.from_numpy(digits.y_train[:64])))
+    running = client_thread(client)
+    me, topics = MqttTransport(settings, "coord").connect(), Topics()
+    try:
+        me.subscribe(topics.client("dev1", "result"))
+        announce_running(me)
+        spec = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "hidden": [8]}
+        body = {"objective": "train", "hyper": {"epochs": 1}, "model": spec, "up": [], "seed": 1, "timeout": 8,
+                "resend_every": 30, "broadcast": "2" * 64}
+        me.publish(topics.client("dev1", "task"), encode("task", run_id="r", round=1, task_id="t1",
+                                                         sender="coordinator", body=body))
+        time.sleep(1.0)
+        broker.stop()
+        broker.start(same_port=True)
+        incoming = me.get(30)
+        while incoming is not None and not incoming.payload:
+            incoming = me.get(30)
+        assert incoming is not None, "no answer"
+        error = decode(incoming.payload).body["error"]
+    finally:
+        running.stop()
+        me.close()
+        broker.stop()
+    assert "the connection to the broker dropped 1 time(s)" in error and "ACL" not in error, error

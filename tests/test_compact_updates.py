@@ -125,8 +125,16 @@ def test_client_fetches_a_broadcast_only_when_it_does_not_hold_it(tmp_path, anno
     three = ask("t3", second_hash)                                      # a new hash: fetched on demand
     assert "error" not in three.body
     missing = ask("t4", "0" * 64, timeout=1)                            # never arrives: an error at the timeout
+    # The error says what this device saw instead of blaming the broker's ACL: the retained second model.
+    assert "did not arrive" in missing.body["error"] and "ACL" not in missing.body["error"]
+    assert "brought only the broadcast of round 2" in missing.body["error"], missing.body["error"]
+    torch.manual_seed(0)
+    poisoned = {k: torch.full_like(v, float("nan")) for k, v in build_model(SPEC).state_dict().items()}
+    me.publish(topics.model, encode("model", run_id="r", round=3, task_id="", sender="coordinator",
+                                    body={"codec": "fp32"}, tensors=poisoned), retain=True)
+    refused = ask("t5", "1" * 64, timeout=1)
     running.stop()
-    assert "did not arrive" in missing.body["error"]
+    assert "a broadcast that was refused" in refused.body["error"] and "NaN" in refused.body["error"], refused.body
 
 
 # --------------------------------------------------------------------------- a broker with a 128 KB packet limit

@@ -469,6 +469,7 @@ class MqttTransport(Transport):
         self._publishing: dict[int, str] = {}
         self._sizes: dict[int, int] = {}             # in-flight publish -> its packet size
         self._connected_at = 0.0
+        self.disconnects = 0                 # connections lost since connect(): what a device saw of the broker
         self._oversize_strikes: dict[int, int] = {}  # packet size -> disconnects right after sending it
         self._too_large: int | None = None           # smallest packet the broker was seen to refuse
         self._refused_early: dict[int, object] = {}
@@ -581,6 +582,8 @@ class MqttTransport(Transport):
                        properties: object) -> None:
         if not self._connected.is_set() and not self._refused:
             self._refused = f"connection closed before CONNACK ({reason})"
+        elif self._connected.is_set():
+            self.disconnects += 1
         self._connected.clear()
         if getattr(reason, "value", 0) != 0:
             self._check_oversize(client)
