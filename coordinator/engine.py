@@ -117,6 +117,19 @@ def _snapshot(state: ServerState) -> ServerState:
                                spec=copy.deepcopy(state.spec), extra=copy.deepcopy(state.extra))
 
 
+def _check_finite(state: ServerState, round: int, phase: str, rule: str) -> None:
+    """A non-finite aggregate ends the run here, saying so: every device would refuse it as a broadcast
+    or train it into NaN results, and the run would end later blaming the round timeout."""
+    bad = sorted(name for name, tensor in state.params.items() if not bool(torch.isfinite(tensor).all()))
+    if bad:
+        hint = ("one or a few results large enough to overflow the mean, typically hostile or broken devices: "
+                "set aggregate.rule (median, trimmed_mean) or aggregate.norm_bound" if rule == "mean"
+                else f"every result was finite, yet aggregate.rule = {rule!r} produced this")
+        raise RunError(f"round {round} ({phase}) aggregated to a model with NaN or infinite values in "
+                       f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; it was not checkpointed or sent: "
+                       f"{hint}; resume from the last checkpoint once fixed")
+
+
 class Coordinator:
     """Runs the rounds of one federated training run."""
 
@@ -155,6 +168,7 @@ class Coordinator:
         self._warn = ThrottledLog(log)                # bad messages: a few lines each, then counts
         self._dropped_seen: dict[str, int] = {}       # the receive queue's drops already in a row
         self._failures: dict[str, str] = {}           # client -> why it could not run its task, this round
+        self._rejections: dict[str, str] = {}         # client -> why its last result was rejected, this round
         self._client_bytes: dict[str, dict[str, int]] = {}   # this round: client id -> down/up bytes
         self.online: dict[str, PresenceBody] = {}
         self.workers_online: set[str] = set()         # aggregation workers (config.workers), by id
@@ -295,6 +309,8 @@ class Coordinator:
         self._round.counts[what] += 1
         if what == "failed":
             self._failures[client_id] = reason
+        elif what == "rejected":
+            self._rejections[client_id] = reason
         self._warn.warning("%s result from %s: %s", what, client_id, reason)
 
     def _status(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:
@@ -683,10 +699,25 @@ class Coordinator:
                 return book, totals
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying with a fresh sample",
                         round, phase, attempt + 1, len(book.results), len(book.plans), c.required_results)
-        said = "; ".join(f"{cid}: {why}" for cid, why in sorted(self._failures.items())[:3])
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
-                       + (f"the clients said: {said}" if said else
-                          "check the clients' logs, raise clients.round_timeout or lower clients.min_results"))
+                       + self._why_too_few())
+
+    def _why_too_few(self) -> str:
+        """What the round's clients said or sent, which explains a round without enough results better
+        than the timeout does."""
+        said = "; ".join(f"{cid}: {why}" for cid, why in sorted(self._failures.items())[:3])
+        rejected = sorted(self._rejections.items())
+        if rejected and all("NaN or infinite" in why or "non-finite" in why for _, why in rejected):
+            return (f"the results of {len(rejected)} client(s) held NaN or infinite values, which is what training "
+                    "a diverged global model gives: a hostile or broken update (set aggregate.rule or "
+                    "aggregate.norm_bound, docs/robustness.md) or a learning rate too high; resume from an earlier "
+                    f"checkpoint once fixed (first: {rejected[0][0]}: {rejected[0][1]})")
+        if said:
+            return f"the clients said: {said}"
+        if rejected:
+            shown = "; ".join(f"{cid}: {why}" for cid, why in rejected[:3])
+            return f"results were rejected: {shown}"
+        return "check the clients' logs, raise clients.round_timeout or lower clients.min_results"
 
     def _norm_bound(self, results: list[ClientResult]) -> tuple[list[ClientResult], list[str]]:
         """The results whose update norm is within ``aggregate.norm_bound`` x the round's median, and the
@@ -722,7 +753,7 @@ class Coordinator:
         """Run one round's phases (training, then any the strategy adds) and return its metrics row,
         without the test-set evaluation; ``seconds`` is the phases' wall time."""
         started = time.monotonic()
-        self._failures = {}
+        self._failures, self._rejections = {}, {}
         row: dict[str, Any] = {"round": round}
         counts: dict[str, int] = dict.fromkeys((*COUNTERS, "bytes_down", "bytes_up", "bytes_broadcast"), 0)
         self._client_bytes = {}
@@ -756,6 +787,7 @@ class Coordinator:
                 row.update({f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results),
                             f"{phase}_bytes_down": totals["bytes_down"], f"{phase}_bytes_up": totals["bytes_up"]})
             self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results, book.partial)
+            _check_finite(self.state, round, phase, self.config.aggregate.rule)
             self._network()   # the strategy may have changed the network: the next phase checks against it
             row.update(phase_metrics)
         row.update(counts)

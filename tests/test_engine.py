@@ -316,3 +316,34 @@ def test_a_partial_bound_below_the_largest_message_is_refused():
     from coordinator.config import ConfigError
     with pytest.raises(ConfigError, match="max_partial_bytes"):
         load_config(None, [("transport", "max_partial_bytes", 1000)])
+
+
+def test_a_round_whose_results_all_hold_nan_says_the_model_diverged(tmp_path):
+    """Not "raise clients.round_timeout": every result was NaN, which is what a diverged model gives."""
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=2, clients__max_attempts=1)
+
+    def nan(peer, task):
+        return [peer.result(task, tensors={k: torch.full_like(v, float("nan")) for k, v in task.tensors.items()})]
+
+    peers = [ScriptedClient(hub, cid, nan) for cid in ("a", "b")]
+    for peer in peers:
+        peer.start()
+    coord.wait_for_clients(2, 5)
+    with pytest.raises(RunError, match="results of 2 client.s. held NaN or infinite values.*aggregate.rule") as err:
+        coord.run_round(1)
+    for peer in peers:
+        peer.stop.set()
+    assert "round_timeout" not in str(err.value)
+
+
+def test_a_non_finite_aggregate_ends_the_run_before_it_is_sent():
+    from coordinator.engine import _check_finite
+    from coordinator.strategies.base import ServerState
+
+    state = ServerState(params={"fc.weight": torch.tensor([1.0, float("inf")]), "fc.bias": torch.zeros(2)},
+                        spec=SPEC, round=3)
+    with pytest.raises(RunError, match=r"round 4 \(train\) aggregated to a model with NaN or infinite values in "
+                                       r"fc.weight.*aggregate.norm_bound"):
+        _check_finite(state, 4, "train", "mean")
+    _check_finite(dataclasses.replace(state, params={"fc.bias": torch.zeros(2)}), 4, "train", "mean")
