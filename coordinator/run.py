@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from coordinator.checkpoint import latest_checkpoint, load_checkpoint
+from coordinator.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
@@ -197,12 +197,12 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
         if isinstance(exc, KeyboardInterrupt):
             log.warning("run %s stopped by %s", run_id, "SIGTERM" if isinstance(exc, _Terminated) else "Ctrl-C")
         _close_log(handler)
-        checkpoint = latest_checkpoint(out / "checkpoints")
-        if checkpoint is None and created:   # a start that failed leaves no run directory behind
+        rounds = checkpoint_rounds(out / "checkpoints")
+        if not rounds and created:   # a start that failed leaves no run directory behind
             shutil.rmtree(out, ignore_errors=True)
         if isinstance(exc, KeyboardInterrupt):
-            kept = None if checkpoint is None and created else out
-            raise RunInterrupted(kept, load_checkpoint(checkpoint)[0].round if checkpoint else None) from None
+            kept = None if not rounds and created else out
+            raise RunInterrupted(kept, max(rounds) if rounds else None) from None
         raise
     finally:
         _close_log(handler)
