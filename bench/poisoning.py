@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     table = _finished(args.out, args.rounds, seeds) if args.skip_existing else {}
     settings_used: dict[str, dict[str, Any]] = {}
-    started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch:
         for defence, settings in DEFENCES.items():
             a = run_config(Path(scratch), defence=settings, rounds=args.rounds, seed=0).aggregate
@@ -145,23 +144,24 @@ def main(argv: list[str] | None = None) -> int:
                             "norm_rejected": sum(r["norm_rejected"] for r in runs),
                             "stopped": [r["stopped"] for r in runs], "seconds": time.monotonic() - cell_started}
                     table.setdefault(defence, {})[attack] = cell
-                    write_result(args.out, _result(table, settings_used, args.rounds, seeds,
-                                                   time.monotonic() - started))
+                    write_result(args.out, _result(table, settings_used, args.rounds, seeds))
                 rejected = f"  ({cell['norm_rejected']} rejected)" if cell["norm_rejected"] else ""
                 stops = sum(1 for why in cell["stopped"] if why)
                 stopped = f"  ({stops} of {len(seeds)} runs stopped early)" if stops else ""
                 print(f"{defence:22s} {attack:18s} {cell['mean']:6.2f} ± {cell['std']:.2f}{rejected}{stopped}",
                       flush=True)
-    write_result(args.out, _result(table, settings_used, args.rounds, seeds, time.monotonic() - started))
+    write_result(args.out, _result(table, settings_used, args.rounds, seeds))
     return 0
 
 
 def _result(table: dict[str, dict[str, Any]], settings: dict[str, dict[str, Any]], rounds: int,
-            seeds: list[int], seconds: float) -> dict[str, Any]:
+            seeds: list[int]) -> dict[str, Any]:
+    """The JSON written: cells in the order of DEFENCES and ATTACKS, and the seconds they took together
+    (over every invocation that measured them, with --skip-existing)."""
     return {"data": "digits", "clients": 10, "hostile": list(HOSTILE), "rounds": rounds, "seeds": seeds,
-            "attacks": ATTACKS, "defences": DEFENCES, "settings": settings, "test_accuracy": table,
-            "seconds": seconds, "seconds_measured": sum(c.get("seconds", 0.0) for cells in table.values()
-                                                         for c in cells.values())}
+            "attacks": ATTACKS, "defences": DEFENCES, "settings": settings,
+            "test_accuracy": {d: {a: table[d][a] for a in ATTACKS if a in table[d]} for d in DEFENCES if d in table},
+            "seconds": sum(c.get("seconds", 0.0) for cells in table.values() for c in cells.values())}
 
 
 if __name__ == "__main__":
