@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from coordinator.aggregation import tolerance
 from coordinator.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
@@ -232,6 +233,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     size = describe_size(model_size(state.spec))
     log.info("model %s: %s", state.spec["name"], size, extra={"said": True})
     say(f"model {state.spec['name']}: {size}")
+    if strategy.robust:
+        _say_tolerance(config, say)
     metrics_path = out / "metrics.jsonl"
     rows = _read_metrics(metrics_path, state.round) if resume else []
     eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
@@ -291,6 +294,18 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         summary["export"] = _export_final(out, say)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return RunResult(out, summary)
+
+
+def _say_tolerance(config: RunConfig, say: Callable[[str], None]) -> None:
+    """How many hostile clients the configured aggregation tolerates at this round size, said at start;
+    a warning when a defence was asked for and tolerates nobody here."""
+    a = config.aggregate
+    defence = tolerance(a.rule, trim=a.trim, norm_bound=a.norm_bound, per_round=config.selected_per_round,
+                        min_results=config.required_results)
+    log.info(defence.message, extra={"said": True})
+    say(defence.message)
+    if defence.warning:
+        log.warning(defence.warning)
 
 
 def _export_final(out: Path, say: Callable[[str], None]) -> dict[str, Any]:

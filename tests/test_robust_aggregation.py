@@ -128,3 +128,22 @@ def test_two_hostile_clients_wreck_the_mean_and_not_the_robust_rules(factor, cle
         assert run(tmp_path / name, factor=factor, defence=defence, rounds=6, seed=0)["accuracy"] > 0.8, name
     bounded = run(tmp_path / "bound", factor=factor, defence={"norm_bound": 3.0}, rounds=6, seed=0)
     assert bounded["norm_rejected"] == 6 * len(HOSTILE) and bounded["accuracy"] > 0.8
+
+
+def test_a_run_says_what_its_aggregation_tolerates_and_warns_when_it_is_nothing(tmp_path, caplog):
+    from coordinator.run import run_federated
+
+    def start(out, **sets):
+        said: list[str] = []
+        overrides = {"run.rounds": 1, "run.out": str(out), "model.name": "mlp", "model.hidden": [8],
+                     "data.eval": "digits", "clients.expected": 4, "clients.spawn": 4, "transport.kind": "inproc",
+                     "export.enabled": False, **sets}
+        run_federated(load_config(None, [(*k.split(".", 1), v) for k, v in overrides.items()]), say=said.append)
+        return said
+
+    said = start(tmp_path / "median", **{"aggregate.rule": "median"})
+    assert "aggregation: median tolerates up to 1 hostile client of the 4 a round" in said, said
+    with caplog.at_level("WARNING", logger="fedge"):
+        said = start(tmp_path / "trimmed", **{"aggregate.rule": "trimmed_mean"})
+    assert any("trimmed_mean (trim 0.2) tolerates no hostile client" in line for line in said), said
+    assert any("trimmed_mean" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
