@@ -22,6 +22,7 @@ from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
 from coordinator.selection import SELECTIONS
 from edge_client.device import DeviceError, resolve_device
+from edge_client.hyper import LocalTraining
 from edge_client.wire.chunking import MIN_MESSAGE_BYTES
 from edge_client.wire.codec import CodecError, parse_codec
 from edge_client.wire.transport import BrokerUrlError, parse_broker_address
@@ -66,14 +67,7 @@ class ClientsSection:
     selection: str = "random"       # random | deadline (skip clients predicted to miss round_timeout)
 
 
-@dataclass(frozen=True)
-class TrainSection:
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.0
+TrainSection = LocalTraining   # [train]: the local training every task's hyperparameters start from
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_client.data import ClientRows, holdout_split
+from edge_client.hyper import ObjectiveError, TrainHyper
 from edge_client.optim import DeviceSGD
 from edge_client.seeding import task_generator
 from profiling.profiler import Profiler
@@ -30,10 +31,6 @@ __all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJ
            "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "holdout_seed",
            "local_data_view", "warm_up", "minibatches",
            "Objective"]
-
-
-class ObjectiveError(ValueError):
-    """The task cannot be run on this device (bad hyperparameters, data mismatch)."""
 
 
 @dataclass(frozen=True)
@@ -104,28 +101,6 @@ class ObjectiveOutput:
     # Tensors to send back when they are not the model's parameters (e.g. statistics);
     # None: the client sends the model parameters the task names in ``up``.
     tensors: dict[str, torch.Tensor] | None = None
-
-
-@dataclass(frozen=True)
-class TrainHyper:
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    mu: float = 0.0              # FedProx proximal weight; 0 is plain FedAvg
-    max_grad_norm: float = 0.0   # 0 disables clipping
-
-    @classmethod
-    def from_dict(cls, hyper: Mapping[str, Any]) -> "TrainHyper":
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(hyper) - known)
-        if unknown:
-            raise ObjectiveError(f"unknown training hyperparameters {unknown}; known: {sorted(known)}")
-        h = cls(**hyper)
-        if h.epochs < 1 or h.batch_size < 1 or not (h.lr > 0) or h.momentum < 0 or h.mu < 0:
-            raise ObjectiveError(f"invalid training hyperparameters {hyper!r}")
-        return h
 
 
 def warm_up() -> None:

@@ -1,0 +1,45 @@
+"""Local training hyperparameters, declared once.
+
+The coordinator's ``[train]`` section is :class:`LocalTraining` and a task's ``hyper`` is
+read as :class:`TrainHyper` (the same fields plus FedProx's ``mu``, which the configuration
+keeps in ``[fedprox]``), so a new setting is added in one place and both sides know it.
+No torch here: the coordinator checks its configuration before it imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["ObjectiveError", "LocalTraining", "TrainHyper"]
+
+
+class ObjectiveError(ValueError):
+    """The task cannot be run on this device (bad hyperparameters, data mismatch)."""
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0   # 0 disables clipping
+
+
+@dataclass(frozen=True)
+class TrainHyper(LocalTraining):
+    mu: float = 0.0              # FedProx proximal weight; 0 is plain FedAvg
+
+    @classmethod
+    def from_dict(cls, hyper: Mapping[str, Any]) -> "TrainHyper":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(hyper) - known)
+        if unknown:
+            raise ObjectiveError(f"unknown training hyperparameters {unknown}; known: {sorted(known)}")
+        h = cls(**hyper)
+        if h.epochs < 1 or h.batch_size < 1 or not (h.lr > 0) or h.momentum < 0 or h.mu < 0:
+            raise ObjectiveError(f"invalid training hyperparameters {hyper!r}")
+        return h
