@@ -29,11 +29,17 @@ def mosquitto_binary() -> str | None:
 class LocalMosquitto:
     """Mosquitto on 127.0.0.1 on a free port, with its own config file and log."""
 
-    def __init__(self, *, workdir: Path | None = None, extra_config: str = "", persistence: bool = False) -> None:
+    def __init__(self, *, workdir: Path | None = None, extra_config: str = "", persistence: bool = False,
+                 config: str | None = None, port: int = 0) -> None:
+        """``config``: a whole configuration of its own (a provisioned ``fedge.conf``: TLS listener, passwords,
+        ACL) instead of the generated anonymous one, whose listener is on ``port``."""
+        if (config is None) != (port == 0):
+            raise ValueError("a configuration of its own comes with the port its listener is on, and only then")
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedge-mosquitto-"))
         self.extra_config = extra_config
         self.persistence = persistence   # retained messages and sessions saved in workdir (on exit, autosave 1 s)
-        self.port = 0
+        self.config = config
+        self.port = port
         self._proc: subprocess.Popen | None = None
         self._log = None
 
@@ -52,19 +58,20 @@ class LocalMosquitto:
         if binary is None:
             raise BrokerError("mosquitto is not installed: apt-get install mosquitto")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        if not (same_port and self.port):
+        if self.config is None and not (same_port and self.port):
             self.port = free_port()
         conf = self.workdir / "mosquitto.conf"
         saved = ["persistence true", f"persistence_location {self.workdir}/", "autosave_interval 1"]
-        lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true",
-                 *(saved if self.persistence else ["persistence false"]),
-                 "max_queued_messages 100000", "log_dest stderr", "log_type error", "log_type warning"]
+        lines = [self.config.rstrip("\n")] if self.config is not None else [
+            f"listener {self.port} 127.0.0.1", "allow_anonymous true",
+            *(saved if self.persistence else ["persistence false"]), "max_queued_messages 100000"]
+        lines += ["log_dest stderr", "log_type error", "log_type warning"]
         if os.geteuid() == 0:
             lines.append("user root")   # otherwise it drops to 'mosquitto', which may not read our files
         conf.write_text("\n".join(lines) + "\n" + self.extra_config, encoding="utf-8")
         self._log = open(self.workdir / "mosquitto.log", "ab")
-        self._proc = subprocess.Popen([binary, "-c", str(conf)], stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen([binary, "-c", str(conf)], cwd=self.workdir, stdout=self._log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
             try:

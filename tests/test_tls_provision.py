@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 from coordinator.broker import free_port
 from coordinator.cli import main as coordinator_main
 from coordinator.config import ConfigError, load_config
-from coordinator.mosquitto import mosquitto_binary
+from coordinator.mosquitto import LocalMosquitto, mosquitto_binary
 from coordinator.provision import COORDINATOR_USER, password_line, provision, rotate_password
 from coordinator.run import run_federated
 from edge_client.bundle import read_bundle
@@ -46,37 +45,13 @@ class ProvisionedBroker:
                               listen="127.0.0.1", workers=workers)
         self.url = f"mqtts://127.0.0.1:{self.port}"
         self.ca = str(self.out / "ca.crt")
-        self.workdir = root
-        self.proc: subprocess.Popen | None = None
+        self.mosquitto = LocalMosquitto(workdir=root, config=self.done.broker_conf.read_text(), port=self.port)
 
     def start(self) -> None:
-        conf = self.workdir / "mosquitto-test.conf"
-        extra = "log_dest stderr\nlog_type error\nlog_type warning\n" + ("user root\n" if os.geteuid() == 0 else "")
-        conf.write_text(self.done.broker_conf.read_text() + extra)
-        self.log = open(self.workdir / "mosquitto.log", "wb")
-        self.proc = subprocess.Popen([mosquitto_binary(), "-c", str(conf)], cwd=self.workdir, stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail("mosquitto did not start: " + (self.workdir / "mosquitto.log").read_text())
-                time.sleep(0.05)
+        self.mosquitto.start()
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.log.close()
+        self.mosquitto.stop()
 
     def password(self, user: str) -> str:
         if user == COORDINATOR_USER:
