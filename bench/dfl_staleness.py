@@ -67,10 +67,10 @@ from edge_client.models import state_shapes
 from edge_client.objectives import TaskContext, evaluate, holdout_seed, local_data_view, shuffle_seed
 from edge_client.registry import build_model
 from edge_client.wire.codec import parse_codec
-from edge_client.wire.files import read_jsonl
 from edge_client.wire.updates import decode_download, encode_download
 from profiling.history import HISTORY_FILE
 from profiling.profiler import Profiler
+from storage.files import read_jsonl
 
 BENCH = Path(__file__).resolve().parent
 BUCKETS = ((0, 4, "0-4"), (5, 9, "5-9"), (10, 19, "10-19"), (20, None, "20+"))

@@ -28,7 +28,7 @@ from coordinator.config import load_config
 from coordinator.mosquitto import LocalMosquitto
 from coordinator.report import RoundTable
 from coordinator.run import run_federated
-from edge_client.wire.files import read_jsonl
+from storage.files import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

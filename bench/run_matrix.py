@@ -54,7 +54,7 @@ from benchmark_protocol import Protocol, deviations, load_protocol, rounds_to_re
 from coordinator.config import ConfigError, RunConfig, load_config
 from coordinator.report import human_bytes
 from coordinator.run import run_federated
-from edge_client.wire.files import read_jsonl
+from storage.files import read_jsonl
 
 if sys.version_info >= (3, 11):
     import tomllib

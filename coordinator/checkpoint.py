@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from coordinator.strategies.base import ServerState
-from edge_client.wire.files import write_tensors_atomic
+from storage.files import write_tensors_atomic
 
 __all__ = ["CheckpointError", "DamagedCheckpoint", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
            "checkpoint_path", "checkpoint_rounds"]

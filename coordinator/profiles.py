@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edge_client.wire.files import write_jsonl_atomic
 from profiling.history import read_jsonl
+from storage.files import write_jsonl_atomic
 
 __all__ = ["ProfileStore"]
 

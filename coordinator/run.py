@@ -32,11 +32,11 @@ from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ServerState, Strategy
 from edge_client.data import (describe_partitions, evaluation_split, load_dataset, model_normalization,
                                partition_indices)
-from edge_client.wire.files import read_jsonl, write_jsonl_atomic
 from edge_client.models import federated_names
 from edge_client.registry import build_model, describe_size, model_size
 from edge_client.methods.sphere_head import with_sphere_seed
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
+from storage.files import read_jsonl, write_jsonl_atomic
 
 __all__ = ["RunResult", "RunInterrupted", "run_federated", "new_run_id"]
 

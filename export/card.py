@@ -16,7 +16,7 @@ from typing import Any
 from edge_client.data import (COLOR_NORMALIZATION, DIGITS_NORMALIZATION, FASHION_MNIST_CLASSES,
                               FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
 from edge_client.pixels import Normalization
-from edge_client.wire.files import write_atomic
+from storage.files import write_atomic
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
            "write_card"]

@@ -32,8 +32,8 @@ from coordinator.checkpoint import CheckpointError, checkpoint_rounds, load_chec
 from coordinator.strategies.base import ServerState
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_aside
-from edge_client.wire.files import read_jsonl
 from export.errors import SourceError
+from storage.files import read_jsonl
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -6,5 +6,5 @@ On the device: ``profiler`` (per-task phases, step latencies, memory, CPU), ``se
 histories), ``report`` (terminal), ``html`` (HTML with plots), ``infer`` (ONNX Runtime
 latency) and ``cli`` (``fedge-profile``). ``schema`` checks a profile received over
 the network. Nothing here imports the coordinator, and from edge_client only the
-file helpers (``edge_client.wire.files``, which need no torch).
+pixels (which need no torch); the file helpers are ``storage.files``.
 """

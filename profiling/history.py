@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge_client.wire.files import read_jsonl
+from storage.files import read_jsonl
 
 __all__ = ["HISTORY_FILE", "append_history", "read_jsonl"]
 

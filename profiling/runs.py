@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_client.wire.files import read_jsonl
 from profiling.errors import ProfileError
 from profiling.history import HISTORY_FILE
 from profiling.profiler import STEP_PHASES, TASK_PHASES
 from profiling.schema import clean_profile
+from storage.files import read_jsonl
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -12,7 +12,7 @@ from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.config import load_config
 from coordinator.engine import RunError
 from coordinator.run import run_federated
-from edge_client.wire import files
+from storage import files
 
 
 def _config(out, rounds):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("edge_client", "coordinator", "export", "profiling")
+PACKAGES = ("storage", "edge_client", "coordinator", "export", "profiling")
 
 
 def _modules() -> dict[str, Path]:
@@ -111,8 +111,9 @@ def test_the_device_package_never_imports_the_coordinator_or_export():
 
 def test_wire_and_methods_are_where_the_layout_says():
     graph = _graph()
-    for name in ("protocol", "transport", "chunking", "compression", "codec", "updates", "files"):
+    for name in ("protocol", "transport", "chunking", "compression", "codec", "updates"):
         assert f"edge_client.wire.{name}" in graph
+    assert "storage.files" in graph
     for name in ("pans", "sphere", "sphere_head", "dfl", "dfl_model", "mutual_info"):
         assert f"edge_client.methods.{name}" in graph
     assert "coordinator.diagnostics" in graph and "edge_client.diagnostics" not in graph

@@ -20,7 +20,6 @@ from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
-from edge_client.wire.files import read_jsonl, write_jsonl_atomic
 from edge_client.wire.protocol import Topics, decode, encode
 from edge_client.wire.transport import InprocHub
 from profiling.cli import main as profile_main
@@ -29,6 +28,7 @@ from profiling.history import read_jsonl as history_read_jsonl
 from profiling.profiler import STEP_PHASES, NullProfiler, Profiler, percentile
 from profiling.schema import clean_profile
 from profiling.sensors import cpu_temperature, parse_throttled
+from storage.files import read_jsonl, write_jsonl_atomic
 
 CNN = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
 

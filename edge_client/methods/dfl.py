@@ -50,13 +50,13 @@ from torch import nn
 
 from edge_client.methods.dfl_model import DEVICE_PARTS, TwoBranchModel
 from edge_client.optim import DeviceAdam, DeviceSGD
-from edge_client.wire.files import write_tensors_atomic
 from edge_client.methods.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
                                     minibatches, Objective)
 from edge_client.seeding import private_rng, task_generator
 from profiling.history import append_history
 from profiling.profiler import Profiler
+from storage.files import write_tensors_atomic
 
 __all__ = ["DflHyper", "DeviceState", "STATE_FILE", "dfl_train", "dfl_evaluate", "local_stage", "global_stage",
            "stage_hyper", "device_seed", "refresh"]

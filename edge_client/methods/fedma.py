@@ -34,7 +34,7 @@ from torch import nn
 from edge_client.methods.fed2 import class_counts
 from edge_client.methods.fedma_layers import FedMAError, reindex_next_layer, weight_layers
 from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
-from edge_client.wire.files import write_tensors_atomic
+from storage.files import write_tensors_atomic
 
 __all__ = ["STATE_DIR", "FedmaHyper", "fedma_train", "OBJECTIVES", "phase_file"]
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from edge_client.methods.sphere_head import CLASSIFIER, SphereError, SphereHead
 from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
-from edge_client.wire.files import write_tensors_atomic
+from storage.files import write_tensors_atomic
 
 __all__ = [
     "STAT_NAMES", "WIRE_DTYPES", "WIRE_CODECS", "FALLBACK_RIDGE", "PERSONAL_CLASSIFIER_FILE", "PERSONAL_METADATA",

@@ -28,8 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from edge_client.wire.codec import CodecError, CodecSpec, all_finite, decode_tensors, encode_tensors
-from edge_client.wire.files import write_tensors_atomic
 from edge_client.wire.protocol import UPDATES, ResultBody, UploadSettings
+from storage.files import write_tensors_atomic
 
 # UPDATES and UploadSettings (the task's ``upload``) are defined with the other bodies
 # in the protocol module; they are part of this module's interface too.
