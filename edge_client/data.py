@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.pixels import DataError, Normalization, Pixels, npz_pixels, read_npz
+from storage.pixels import DataError, Normalization, Pixels, npz_pixels, read_npz
 
 __all__ = [
     "DataError",

@@ -5,7 +5,7 @@ task carries); a device's own ``--data`` may be another data set or file (an npz
 uint8 images beside a coordinator on ``fashion-mnist``). So a device loads its data
 with its own data set's normalization, keeps the pixels, and when a task's spec
 names another normalization it makes its inputs again from the pixels, with the
-same function the coordinator used (:meth:`edge_client.pixels.Normalization.apply`):
+same function the coordinator used (:meth:`storage.pixels.Normalization.apply`):
 both then feed the model the same numbers for the same image. A spec without a
 normalization (written before specs had one) leaves the data as loaded.
 """
@@ -22,7 +22,7 @@ import torch
 
 from edge_client.data import client_pixels, holdout_split, load_client_split, load_pixels, parse_attribute_skew
 from edge_client.objectives import LocalData, ObjectiveError, holdout_seed, local_data
-from edge_client.pixels import DataError, Normalization, Pixels, normalization_of
+from storage.pixels import DataError, Normalization, Pixels, normalization_of
 
 __all__ = ["DeviceData", "device_data", "load_device_data", "for_model"]
 

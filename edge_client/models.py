@@ -14,7 +14,7 @@ size, default 1), Fed2's grouping (``fed2_groups``, ``fed2_from``, ``fed2_alloca
 also takes ``head``: ``linear`` (default) or ``sphere``, SphereFed's fixed classifier
 on L2-normalized features, built from ``sphere_seed`` (see :mod:`edge_client.methods.sphere_head`).
 A spec also names how the model's input is made from [0, 1] pixels, ``normalization``
-(``{"mean": [...], "std": [...]}``, one number per input channel; :mod:`edge_client.pixels`):
+(``{"mean": [...], "std": [...]}``, one number per input channel; :mod:`storage.pixels`):
 the network does not depend on it, but every device normalizes its own data as it says,
 and the exported model carries it. Specs written before it existed lack it.
 Methods add networks around these backbones (DFL's two branches,
@@ -34,7 +34,7 @@ from torch import nn
 from edge_client.methods.fed2_model import DecoupledClassifier, Fed2Error, Fed2Plan, GroupedLinear
 from edge_client.methods.pans import PanError, PanSettings, PositionAwareReLU
 from edge_client.methods.sphere_head import SphereError, apply_head
-from edge_client.pixels import DataError, Normalization
+from storage.pixels import DataError, Normalization
 
 __all__ = [
     "ModelSpecError",
@@ -293,7 +293,7 @@ def _vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none
 
 _SHAPE_KEYS = ("num_classes", "in_channels", "image_size")
 _HEAD_KEYS = ("head", "sphere_seed")   # every model's options: see edge_client/methods/sphere.py
-_INPUT_KEYS = ("normalization",)       # how the input is made, not the network: see edge_client/pixels.py
+_INPUT_KEYS = ("normalization",)       # how the input is made, not the network: see storage/pixels.py
 
 
 def build_model(spec: Mapping[str, Any], models: Mapping[str, ModelFactory] = MODELS) -> nn.Module:

@@ -15,8 +15,8 @@ from typing import Any
 
 from edge_client.data import (COLOR_NORMALIZATION, DIGITS_NORMALIZATION, FASHION_MNIST_CLASSES,
                               FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
-from edge_client.pixels import Normalization
 from storage.files import write_atomic
+from storage.pixels import Normalization
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
            "write_card"]

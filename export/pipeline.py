@@ -33,7 +33,6 @@ from torch import nn
 
 from edge_client.data import (DataError, client_split, evaluation_split, load_dataset, parse_attribute_skew,
                                pixel_normalization)
-from edge_client.pixels import Normalization, normalization_of
 from edge_client.registry import model_size
 from export.card import class_names, input_normalization, sha256, strategy_config, write_card
 from export.errors import ExportError, SourceError
@@ -43,6 +42,7 @@ from export.onnx_graph import (EXPORTER, INPUT_NAME, OPSET, OUTPUT_NAME, Parity,
 from export.quantize import QuantResult, QuantSettings, quantize_int8
 from export.source import RunSource, global_model, open_run, personalized_model, run_dir_of_state
 from storage.files import write_atomic
+from storage.pixels import Normalization, normalization_of
 
 __all__ = ["ExportOptions", "ExportData", "Exported", "load_export_data", "export_model", "export_global",
            "export_personalized", "export_int8", "export_after_run", "int8_path"]

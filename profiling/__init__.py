@@ -5,6 +5,6 @@ On the device: ``profiler`` (per-task phases, step latencies, memory, CPU), ``se
 (the device's profile.jsonl). For people: ``runs`` (reading run directories and
 histories), ``report`` (terminal), ``html`` (HTML with plots), ``infer`` (ONNX Runtime
 latency) and ``cli`` (``fedge-profile``). ``schema`` checks a profile received over
-the network. Nothing here imports the coordinator, and from edge_client only the
-pixels (which need no torch); the file helpers are ``storage.files``.
+the network. It stands on ``storage`` alone (the file helpers and pixels, which need no
+torch): nothing here imports the device package, the export or the coordinator.
 """

@@ -34,11 +34,11 @@ import numpy as np
 import onnxruntime as ort
 import psutil
 
-from edge_client.pixels import DataError, Normalization, npz_pixels, read_npz
 from profiling.device import device_facts
 from profiling.errors import ProfileError
 from profiling.history import append_history
 from profiling.profiler import peak_rss_since_reset, percentile, reset_peak_rss
+from storage.pixels import DataError, Normalization, npz_pixels, read_npz
 
 __all__ = ["InferError", "InferSettings", "PROVIDERS", "benchmark", "choose_provider", "format_result",
            "model_normalization"]
