@@ -55,7 +55,6 @@ from rich.console import Console
 from rich.table import Table
 
 from run_matrix import RESULTS, Run, expand, load_matrix, run_config
-from coordinator.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, load_config, parse_override
 from coordinator.downlink import download_generator
 from coordinator.strategy_setup import make_strategy
@@ -70,6 +69,7 @@ from edge_client.wire.codec import parse_codec
 from edge_client.wire.updates import decode_download, encode_download
 from profiling.history import HISTORY_FILE
 from profiling.profiler import Profiler
+from storage.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from storage.files import read_jsonl
 
 BENCH = Path(__file__).resolve().parent

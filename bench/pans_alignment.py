@@ -40,7 +40,6 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from coordinator.checkpoint import checkpoint_rounds, load_checkpoint  # noqa: E402
 from coordinator.config import load_config  # noqa: E402
 from coordinator.diagnostics import hidden_activations, neuron_matching, unit_rows  # noqa: E402
 from coordinator.run import run_federated  # noqa: E402
@@ -48,6 +47,7 @@ from edge_client.data import load_client_split, load_dataset  # noqa: E402
 from edge_client.objectives import TaskContext, local_data, shuffle_seed, train  # noqa: E402
 from edge_client.registry import build_model  # noqa: E402
 from profiling.profiler import Profiler  # noqa: E402
+from storage.checkpoint import checkpoint_rounds, load_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTITION, CLIENTS_IN_ALL = "dirichlet:0.1", 100

@@ -395,7 +395,6 @@ def main(argv: list[str] | None = None) -> int:
     handler.addFilter(lambda record: not getattr(record, "said", False))
     logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s")
 
-    from coordinator.checkpoint import CheckpointError
     from coordinator.config import ConfigError
     from coordinator.engine import RunError
     from coordinator.report import RoundTable
@@ -404,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     from edge_client.models import ModelSpecError
     from edge_client.wire.protocol import ProtocolError
     from edge_client.wire.transport import TransportError
+    from storage.checkpoint import CheckpointError
 
     try:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)

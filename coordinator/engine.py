@@ -28,13 +28,12 @@ import torch
 from torch import nn
 
 from coordinator.aggregation import norm_bound_keep, update_norms
-from coordinator.checkpoint import save_checkpoint
 from coordinator.config import RunConfig
 from coordinator.downlink import Downlink, shared_tensors
 from coordinator.profiles import ProfileStore
 from coordinator.selection import Absences, DeadlineFilter, RoundTimes
 from coordinator.intake import accept_result, one_torch_thread
-from coordinator.strategies.base import AggregationError, ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
+from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan, WeightedSum
 from edge_client.wire.throttle import ThrottledLog
 from coordinator.diagnostics import divergence_metrics
 from edge_client.device import resolve_device
@@ -45,6 +44,8 @@ from edge_client.wire.protocol import (ManifestBody, Message, PartialBody, Prese
 from edge_client.wire.chunking import DEFAULT_PARTIAL_BYTES, ChunkingTransport
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
 from profiling.schema import clean_profile
+from storage.checkpoint import save_checkpoint
+from storage.state import ServerState
 
 __all__ = ["RunError", "Coordinator", "EvalData"]
 

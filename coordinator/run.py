@@ -24,19 +24,20 @@ from typing import Any
 import torch
 
 from coordinator.aggregation import tolerance
-from coordinator.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
 from coordinator.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
 from coordinator.strategy_setup import make_strategy
-from coordinator.strategies.base import ServerState, Strategy
+from coordinator.strategies.base import Strategy
 from edge_client.data import (describe_partitions, evaluation_split, load_dataset, model_normalization,
                                partition_indices)
 from edge_client.models import federated_names
 from edge_client.registry import build_model, describe_size, model_size
 from edge_client.methods.sphere_head import with_sphere_seed
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
+from storage.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from storage.files import read_jsonl, write_jsonl_atomic
+from storage.state import ServerState
 
 __all__ = ["RunResult", "RunInterrupted", "run_federated", "new_run_id"]
 

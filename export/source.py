@@ -1,7 +1,7 @@
 """Where an exported model comes from: a run's checkpoint, optionally with one device's private state.
 
-Checkpoints (``RUN_DIR/checkpoints/``) are found and read by the coordinator's own
-reader, :mod:`coordinator.checkpoint`, the one place that knows their names and
+Checkpoints (``RUN_DIR/checkpoints/``) are found and read by the reader the coordinator
+resumes with, :mod:`storage.checkpoint`, the one place that knows their names and
 layout: the server state (round, global parameters, model spec, extra) and the info
 the coordinator saved with it (run id, strategy). Nothing is unpickled; every tensor
 is checked against the model the spec builds (name, shape, finiteness) before it is
@@ -28,12 +28,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from coordinator.checkpoint import CheckpointError, checkpoint_rounds, load_checkpoint
-from coordinator.strategies.base import ServerState
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_aside
 from export.errors import SourceError
+from storage.checkpoint import CheckpointError, checkpoint_rounds, load_checkpoint
 from storage.files import read_jsonl
+from storage.state import ServerState
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from coordinator.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
-from coordinator.strategies.base import ServerState
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from export.errors import SourceError
 from export.source import read_checkpoint
+from storage.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from storage.state import ServerState
 
 SPEC = {"name": "mlp", "hidden": [16], "num_classes": 10, "in_channels": 1, "image_size": 8}
 INFO = {"run_id": "run-1", "strategy": "fedavg"}

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from coordinator.checkpoint import (CheckpointError, checkpoint_path, checkpoint_rounds, latest_checkpoint,
-                                    load_checkpoint, save_checkpoint)
-from coordinator.strategies.base import ServerState
 from export.errors import SourceError
 from export.source import find_checkpoint, open_run, read_checkpoint
+from storage.checkpoint import (CheckpointError, checkpoint_path, checkpoint_rounds, latest_checkpoint,
+                                load_checkpoint, save_checkpoint)
+from storage.state import ServerState
 
 SPEC = {"name": "mlp", "hidden": [4], "num_classes": 3, "in_channels": 1, "image_size": 2}
 INFO = {"run_id": "run-1", "strategy": "fedavg"}

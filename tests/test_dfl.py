@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 from coordinator.config import ConfigError, load_config
 from coordinator.run import run_federated
 from coordinator.strategy_setup import make_strategy
-from coordinator.strategies.base import ServerState
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import (client_split, domain_palette, evaluation_split, load_dataset, parse_attribute_skew,
                               partition_indices)
@@ -37,6 +36,7 @@ from edge_client.wire.protocol import Topics, decode, encode
 from edge_client.wire.transport import InprocHub
 from profiling.history import read_jsonl
 from profiling.profiler import Profiler
+from storage.state import ServerState
 
 COLOR_SPEC = {"name": "dfl", "backbone": "cnn", "num_classes": 10, "in_channels": 3, "image_size": 8}
 

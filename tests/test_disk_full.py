@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.config import load_config
 from coordinator.engine import RunError
 from coordinator.run import run_federated
 from storage import files
+from storage.checkpoint import latest_checkpoint, load_checkpoint
 
 
 def _config(out, rounds):

@@ -339,7 +339,7 @@ def test_a_round_whose_results_all_hold_nan_says_the_model_diverged(tmp_path):
 
 def test_a_non_finite_aggregate_ends_the_run_before_it_is_sent():
     from coordinator.engine import _check_finite
-    from coordinator.strategies.base import ServerState
+    from storage.state import ServerState
 
     state = ServerState(params={"fc.weight": torch.tensor([1.0, float("inf")]), "fc.bias": torch.zeros(2)},
                         spec=SPEC, round=3)

@@ -16,10 +16,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from coordinator.checkpoint import save_checkpoint
 from coordinator.config import dump_config, load_config
 from coordinator.run import run_federated
-from coordinator.strategies.base import ServerState
 from edge_client.data import load_dataset
 from edge_client.methods.dfl import STATE_FILE, DeviceState
 from edge_client.models import federated_names
@@ -34,6 +32,8 @@ from export.onnx_graph import ParityLimits, check_parity, op_counts, predict, se
 from export.pipeline import ExportData, export_global, export_int8, export_personalized
 from export.quantize import QuantSettings
 from profiling.profiler import Profiler
+from storage.checkpoint import save_checkpoint
+from storage.state import ServerState
 
 DIGITS = {"num_classes": 10, "in_channels": 1, "image_size": 8}
 

@@ -11,13 +11,14 @@ import torch
 from coordinator.config import ConfigError, load_config
 from coordinator.strategy_setup import make_strategy
 from coordinator.run import run_federated
-from coordinator.strategies.base import ClientResult, RowWeightedSum, ServerState, TaskPlan
+from coordinator.strategies.base import ClientResult, RowWeightedSum, TaskPlan
 from coordinator.strategies.fed2 import Fed2
 from edge_client.methods.fed2 import class_counts
 from edge_client.methods.fed2_model import DecoupledClassifier, row_groups
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_model, model_size
 from export.cli import main as export_main
+from storage.state import ServerState
 
 DIGITS = {"num_classes": 10, "in_channels": 1, "image_size": 8}
 FASHION = {"num_classes": 10, "in_channels": 1, "image_size": 28}

@@ -78,7 +78,7 @@ def test_a_pass_in_process_matches_layer_by_layer_and_rebuilds_the_grown_model(t
     rows = _rows(out)
     assert [r.get("fedma_layer") for r in rows[1:]] == [1, 2, 3, 1, 2, 3]
     assert rows[1]["fedma_width"] <= 30 and rows[2]["fedma_width"] <= 20        # capped at 1.25x
-    from coordinator.checkpoint import load_checkpoint
+    from storage.checkpoint import load_checkpoint
     state, _ = load_checkpoint(out / "checkpoints" / "round_0003.safetensors")
     assert not any(k.startswith(MATCHED) for k in state.params)                 # a whole model after the pass
     assert state.spec["hidden"] == [rows[1]["fedma_width"], rows[2]["fedma_width"]]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.checkpoint import load_checkpoint
 from coordinator.cli import main as coordinator_main
 from coordinator.config import ConfigError, load_config
+from storage.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDEN = ROOT / "tests" / "fixtures" / "widen_run.py"

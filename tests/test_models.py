@@ -1,4 +1,4 @@
-"""Tests for edge_client.models (registry, architectures, init) and coordinator.checkpoint."""
+"""Tests for edge_client.models (registry, architectures, init) and storage.checkpoint."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import torch
 from safetensors.torch import save, save_file
 from torch import nn
 
-from coordinator.checkpoint import (
+from edge_client.models import MODELS, ModelSpecError, federated_names, state_shapes
+from edge_client.registry import build_model
+from storage.checkpoint import (
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from coordinator.strategies.base import ServerState
-from edge_client.models import MODELS, ModelSpecError, federated_names, state_shapes
-from edge_client.registry import build_model
+from storage.state import ServerState
 
 CNN28 = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28}
 SPEC0 = {"name": "mlp"}   # checkpoints hold a spec; these tests only read it back

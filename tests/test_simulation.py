@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.config import load_config
 from coordinator.run import run_federated
 from coordinator.simulation import ClientPool, available_cores
@@ -21,6 +20,7 @@ from edge_client.objectives import LocalData, holdout_seed, local_data, local_da
 from edge_client.registry import build_model
 from edge_client.wire.protocol import Topics, decode, encode
 from edge_client.wire.transport import InprocHub
+from storage.checkpoint import latest_checkpoint, load_checkpoint
 
 
 def config_for(out: Path, **sets):

@@ -12,12 +12,13 @@ import torch
 from coordinator.config import ConfigError, RunConfig, load_config
 from coordinator.strategy_setup import make_strategy
 from edge_client.registry import METHODS
-from coordinator.strategies.base import AggregationError, ClientResult, ServerState, TaskPlan, WeightedSum
+from coordinator.strategies.base import AggregationError, ClientResult, TaskPlan, WeightedSum
 from coordinator.strategies.fedavg import FedAvg, FedProx
 from edge_client.data import load_dataset
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, TrainHyper, train
 from profiling.profiler import Profiler
+from storage.state import ServerState
 
 TRAIN = dataclasses.asdict(RunConfig().train)
 

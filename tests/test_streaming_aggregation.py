@@ -9,12 +9,12 @@ import torch
 
 from coordinator.config import load_config
 from coordinator.run import run_federated
-from coordinator.checkpoint import latest_checkpoint, load_checkpoint
 from coordinator.strategies.base import AggregationError, ClientResult, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.fed2 import Fed2
 from coordinator.strategies.fedma import FedMA
 from coordinator.aggregation import Aggregator
+from storage.checkpoint import latest_checkpoint, load_checkpoint
 
 
 def _results(n: int, seed: int = 0) -> list[ClientResult]:

@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-from coordinator.checkpoint import load_checkpoint
 from coordinator.config import dump_config
 from coordinator.run import run_federated
+from storage.checkpoint import load_checkpoint
 from test_federation import config_for, read_metrics
 
 ROUNDS = 3

@@ -3,7 +3,9 @@
 Strategies never touch the network. The round engine hands them the clients it
 sampled and the decoded results; they hand back task plans and a new server state.
 Aggregation is an associative reduce of (weighted sum, total weight), so results
-can be folded in one at a time, in any grouping, with the same answer.
+can be folded in one at a time, in any grouping, with the same answer. The server
+state itself is a plain value of its own (:class:`storage.state.ServerState`), so the
+checkpoint and the export read it without this module.
 """
 
 from __future__ import annotations
@@ -16,30 +18,14 @@ import torch
 from torch import nn
 
 from edge_client.objectives import evaluate as evaluate_model
+from storage.state import ServerState
 
-__all__ = ["ServerState", "TaskPlan", "ClientResult", "WeightedSum", "RowWeightedSum", "Strategy", "AggregationError",
+__all__ = ["TaskPlan", "ClientResult", "WeightedSum", "RowWeightedSum", "Strategy", "AggregationError",
            "PersonalizedEval", "summarize_personalized"]
 
 
 class AggregationError(ValueError):
     """Results that cannot be combined (no weight, mismatched tensors)."""
-
-
-@dataclass(frozen=True)
-class ServerState:
-    """Everything the coordinator needs to continue a run: saved in each checkpoint.
-
-    ``spec`` is the model spec every party builds the network from (JSON, sent with
-    each task). It belongs to the state, not to the run's configuration, because a
-    method may change the network between rounds (FedMA grows layers): a strategy
-    returns a state with a new spec and matching parameters, and the coordinator,
-    the devices, the checkpoint and the export all follow it.
-    """
-
-    round: int
-    params: dict[str, torch.Tensor]
-    spec: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)   # JSON-serializable strategy state
 
 
 @dataclass(frozen=True)

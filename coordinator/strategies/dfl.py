@@ -33,10 +33,11 @@ import torch
 from torch import nn
 
 from coordinator.errors import ConfigError
-from coordinator.strategies.base import ClientResult, PersonalizedEval, ServerState, Strategy, TaskPlan, WeightedSum
+from coordinator.strategies.base import ClientResult, PersonalizedEval, Strategy, TaskPlan, WeightedSum
 from edge_client.methods.dfl_model import INVARIANT, SPECIFIC, part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_aside
+from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig

@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from coordinator.errors import ConfigError
-from coordinator.strategies.base import ClientResult, RowWeightedSum, ServerState, TaskPlan, WeightedSum
+from coordinator.strategies.base import ClientResult, RowWeightedSum, TaskPlan, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
 from edge_client.methods.fed2 import CLASS_COUNT
 from edge_client.methods.fed2_model import row_groups
 from edge_client.registry import build_aside
+from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig

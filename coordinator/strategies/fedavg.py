@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator.aggregation import Aggregator
-from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan, WeightedSum
+from coordinator.strategies.base import ClientResult, Strategy, TaskPlan, WeightedSum
+from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig

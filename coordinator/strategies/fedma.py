@@ -48,10 +48,11 @@ from torch import nn
 from coordinator.errors import ConfigError
 from coordinator.fedma_matching import (combine_classifier, layer_from_vectors, match_layer, neuron_vectors,
                                         prior_mean_vector)
-from coordinator.strategies.base import ClientResult, ServerState, Strategy, TaskPlan
+from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
 from coordinator.strategies.fed2 import histogram_problem, label_histogram
 from edge_client.methods.fedma_layers import client_slice, weight_layers
 from edge_client.registry import build_aside
+from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig

@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from coordinator.errors import ConfigError
-from coordinator.strategies.base import ClientResult, ServerState, TaskPlan, WeightedSum, summarize_personalized
+from coordinator.strategies.base import ClientResult, TaskPlan, WeightedSum, summarize_personalized
 from coordinator.strategies.fedavg import FedProx
 from edge_client.methods.sphere import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
                                         sphere_head, wire_numbers, wire_shapes)
 from edge_client.methods.sphere_head import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
+from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig

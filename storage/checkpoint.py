@@ -33,8 +33,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from coordinator.strategies.base import ServerState
 from storage.files import write_tensors_atomic
+from storage.state import ServerState
 
 __all__ = ["CheckpointError", "DamagedCheckpoint", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
            "checkpoint_path", "checkpoint_rounds"]
