@@ -1,4 +1,9 @@
-"""The package layout holds: no import cycles, and the device package stands on its own.
+"""The package layout holds: no import cycles, imports only run down the floors, and the
+device package stands on its own.
+
+The packages stand on floors, ground first: ``storage`` (files, checkpoints, pixels),
+``profiling``, ``edge_client``, ``export``, ``coordinator``. A module imports from its own
+floor and the floors below, never from one above.
 
 Imports are read from the source (every ``import`` statement, including those inside
 functions, since a deferred import is still a dependency; only those under
@@ -16,12 +21,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("storage", "edge_client", "coordinator", "export", "profiling")
+FLOORS = ("storage", "profiling", "edge_client", "export", "coordinator")   # the packages, ground floor first
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
+    for package in FLOORS:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -29,8 +34,9 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``path`` imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+def _imports(path: Path, name: str, modules: dict[str, Path], packages: bool = False) -> set[str]:
+    """The project modules ``path`` imports (``from pkg import mod`` counts as ``pkg.mod``); a package's
+    ``__init__`` only with ``packages`` (a cycle through one is not a loop of the modules)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -49,14 +55,14 @@ def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
         for target in targets:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
-            if target and target != name and modules[target].name != "__init__.py":
+            if target and target != name and (packages or modules[target].name != "__init__.py"):
                 out.add(target)
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(packages: bool = False) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(path, name, modules) for name, path in modules.items()}
+    return {name: _imports(path, name, modules, packages) for name, path in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -94,6 +100,15 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _floor(module: str) -> int:
+    return FLOORS.index(module.partition(".")[0])
+
+
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import that runs from a lower floor to a higher one, as (importer, imported)."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps if _floor(d) > _floor(m))
+
+
 def test_the_project_has_no_import_cycle():
     assert _cycles(_graph()) == []
 
@@ -102,18 +117,45 @@ def test_the_cycle_finder_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_imports_only_run_down_the_floors():
+    assert _upward(_graph(packages=True)) == []
+
+
+def test_the_floor_check_sees_an_import_that_runs_up():
+    graph = {"storage.files": {"edge_client.models"}, "export.card": {"storage.files", "edge_client.models"},
+             "coordinator.run": {"export.pipeline"}, "profiling.infer": {"storage.pixels"}}
+    assert _upward(graph) == [("storage.files", "edge_client.models")]
+
+
 def test_the_device_package_never_imports_the_coordinator_or_export():
-    graph = _graph()
+    graph = _graph(packages=True)
     bad = {m: sorted(d for d in deps if d.startswith(("coordinator", "export")))
            for m, deps in graph.items() if m.startswith("edge_client")}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_storage_stands_on_its_own():
+    graph = _graph(packages=True)
+    assert "storage.files" in graph
+    bad = {m: sorted(d for d in deps if not d.startswith("storage"))
+           for m, deps in graph.items() if m.startswith("storage")}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_storage_and_serving_load_without_torch():
+    """``fedge-profile infer`` runs where torch is not installed: it and storage's torch-free modules import none."""
+    code = ("import sys, storage, storage.files, storage.pixels, storage.state, profiling.infer; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_wire_and_methods_are_where_the_layout_says():
     graph = _graph()
     for name in ("protocol", "transport", "chunking", "compression", "codec", "updates"):
         assert f"edge_client.wire.{name}" in graph
-    assert "storage.files" in graph
+    for name in ("files", "checkpoint", "pixels", "state"):
+        assert f"storage.{name}" in graph
     for name in ("pans", "sphere", "sphere_head", "dfl", "dfl_model", "mutual_info"):
         assert f"edge_client.methods.{name}" in graph
     assert "coordinator.diagnostics" in graph and "edge_client.diagnostics" not in graph
