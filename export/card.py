@@ -15,6 +15,7 @@ from typing import Any
 
 from edge_client.data import (COLOR_NORMALIZATION, DIGITS_NORMALIZATION, FASHION_MNIST_CLASSES,
                               FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
+from edge_client.registry import METHODS
 from storage.files import write_atomic
 from storage.pixels import Normalization
 
@@ -22,8 +23,6 @@ __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "st
            "write_card"]
 
 CARD_FORMAT = "fedge-model-card/1"
-# Config sections that belong to a strategy besides the one named after it.
-_STRATEGY_SECTIONS = {"spherefed": ("ffc",)}
 
 
 def card_path(onnx_path: Path) -> Path:
@@ -75,7 +74,8 @@ def strategy_config(config: dict[str, Any], strategy: str) -> dict[str, Any]:
     run = config.get("run", {})
     out: dict[str, Any] = {"name": strategy}
     out.update({k: run[k] for k in ("rounds", "seed") if k in run})
-    for section in ("train", strategy, *_STRATEGY_SECTIONS.get(strategy, ())):
+    method = METHODS.get(strategy)   # a run of a method no longer registered keeps what its name says
+    for section in ("train", *(method.sections if method is not None else (strategy,))):
         if isinstance(config.get(section), dict):
             out[section] = config[section]
     return out
