@@ -52,6 +52,8 @@ from types import TracebackType
 from collections.abc import Sequence
 from typing import Any
 
+from storage.errors import FedgeError
+
 __all__ = [
     "BrokerEndpoint",
     "BrokerError",
@@ -72,7 +74,7 @@ _NOISY_LOGGERS = ("amqtt", "transitions")
 _BIND_ATTEMPTS = 5
 
 
-class BrokerError(RuntimeError):
+class BrokerError(FedgeError, RuntimeError):
     """The embedded broker could not be started or stopped."""
 
 

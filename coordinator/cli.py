@@ -395,15 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     handler.addFilter(lambda record: not getattr(record, "said", False))
     logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s")
 
-    from coordinator.config import ConfigError
-    from coordinator.engine import RunError
     from coordinator.report import RoundTable
     from coordinator.run import RunInterrupted, run_federated
-    from edge_client.data import DataError
-    from edge_client.models import ModelSpecError
-    from edge_client.wire.protocol import ProtocolError
-    from edge_client.wire.transport import TransportError
-    from storage.checkpoint import CheckpointError
+    from storage.errors import FedgeError
 
     try:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
@@ -412,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                                    say=lambda text: console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True),
                                    on_round=table.add,
                                    on_progress=table.progress)
-    except (ConfigError, DataError, ModelSpecError, TransportError, RunError, CheckpointError, ProtocolError) as exc:
+    except FedgeError as exc:
         # One line however long (piped output would wrap at 80 columns); messages hold [section] names.
         console.print(f"[red]fedge-coordinator: {escape(str(exc))}[/red]", soft_wrap=True)
         return 2

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from edge_client.methods.pans import PositionAwareReLU
+from storage.errors import FedgeError
 
 __all__ = [
     "DiagnosticsError",
@@ -51,7 +52,7 @@ _PASS_THROUGH = (nn.MaxPool2d, nn.AvgPool2d, nn.Flatten, nn.Dropout, nn.Identity
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)
 
 
-class DiagnosticsError(ValueError):
+class DiagnosticsError(FedgeError, ValueError):
     """The model's structure is not one these diagnostics understand."""
 
 

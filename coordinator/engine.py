@@ -46,6 +46,7 @@ from edge_client.wire.transport import MessageTooLarge, Transport, TransportErro
 from profiling.schema import clean_profile
 from storage.checkpoint import save_checkpoint
 from storage.state import ServerState
+from storage.errors import FedgeError
 
 __all__ = ["RunError", "Coordinator", "EvalData"]
 
@@ -53,7 +54,7 @@ log = logging.getLogger("fedge.coordinator")
 COUNTERS = ("late", "rejected", "duplicates", "unexpected", "failed")
 
 
-class RunError(RuntimeError):
+class RunError(FedgeError, RuntimeError):
     """The run cannot go on (too few clients, repeated failed rounds)."""
 
 

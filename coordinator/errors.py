@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from storage.errors import FedgeError
+
 __all__ = ["ConfigError"]
 
 
-class ConfigError(ValueError):
+class ConfigError(FedgeError, ValueError):
     """A configuration key or value is invalid; the message says which and why."""

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from edge_client.methods.pans import PositionAwareReLU
+from storage.errors import FedgeError
 
 __all__ = ["DEFAULT_THRESHOLD", "Fed2Depth", "LayerPreference", "Fed2DepthError", "weight_layers",
            "class_preferences", "preference_variance", "suggest_depth", "fed2_depth", "plot_variances"]
@@ -43,7 +44,7 @@ DEFAULT_THRESHOLD = 0.3
 _ACTIVATIONS = (nn.ReLU, PositionAwareReLU)
 
 
-class Fed2DepthError(ValueError):
+class Fed2DepthError(FedgeError, ValueError):
     """The model or the data cannot be measured; the message says what to change."""
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from edge_client.bundle import Bundle, BundleError, bundle_toml, read_bundle
 from edge_client.wire.protocol import ProtocolError, Topics, valid_client_id
+from storage.errors import FedgeError
 
 __all__ = ["ProvisionError", "Provisioned", "provision", "rotate_password", "device_ids", "read_names",
            "password_line", "COORDINATOR_USER"]
@@ -43,7 +44,7 @@ SERVER_DAYS = 825
 PBKDF2_ITERATIONS = 101
 
 
-class ProvisionError(RuntimeError):
+class ProvisionError(FedgeError, RuntimeError):
     """Provisioning cannot go on; the message says what to fix."""
 
 

@@ -12,6 +12,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from storage.errors import FedgeError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -20,7 +22,7 @@ else:  # pragma: no cover
 __all__ = ["Bundle", "BundleError", "read_bundle", "bundle_toml"]
 
 
-class BundleError(ValueError):
+class BundleError(FedgeError, ValueError):
     """A bundle that cannot be used; the message names the file and what to fix."""
 
 

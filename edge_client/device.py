@@ -12,13 +12,15 @@ from pathlib import Path
 
 import torch
 
+from storage.errors import FedgeError
+
 __all__ = ["DEVICES", "DeviceError", "resolve_device", "GpuMeter", "gpu_temperature"]
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 _THERMAL = Path("/sys/devices/virtual/thermal")
 
 
-class DeviceError(ValueError):
+class DeviceError(FedgeError, ValueError):
     """The requested device is not usable by this torch; the message says what to install or pick."""
 
 

@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from storage.errors import FedgeError
+
 __all__ = ["ObjectiveError", "LocalTraining", "TrainHyper"]
 
 
-class ObjectiveError(ValueError):
+class ObjectiveError(FedgeError, ValueError):
     """The task cannot be run on this device (bad hyperparameters, data mismatch)."""
 
 

@@ -35,6 +35,7 @@ from edge_client.methods.fed2_model import DecoupledClassifier, Fed2Error, Fed2P
 from edge_client.methods.pans import PanError, PanSettings, PositionAwareReLU
 from edge_client.methods.sphere_head import SphereError, apply_head
 from storage.pixels import DataError, Normalization
+from storage.errors import FedgeError
 
 __all__ = [
     "ModelSpecError",
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(FedgeError, ValueError):
     """A model spec names an unknown model or carries an invalid option."""
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from storage.errors import FedgeError
+
 __all__ = ["ExportError", "SourceError", "ParityError", "QuantizationError"]
 
 
-class ExportError(RuntimeError):
+class ExportError(FedgeError, RuntimeError):
     """An export cannot be done as asked."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from storage.errors import FedgeError
+
 __all__ = ["ProfileError"]
 
 
-class ProfileError(ValueError):
+class ProfileError(FedgeError, ValueError):
     """Input the profiling tools cannot use; ``str(err)`` tells the user what to change."""

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from storage.files import write_tensors_atomic
 from storage.state import ServerState
+from storage.errors import FedgeError
 
 __all__ = ["CheckpointError", "DamagedCheckpoint", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
            "checkpoint_path", "checkpoint_rounds"]
@@ -43,7 +44,7 @@ _NAME = re.compile(r"^round_(\d{4,})\.safetensors$")
 DIGEST_KEY = "fedge_digest"   # metadata entry beside "fedge": "sha256:" and the hex digest
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FedgeError, RuntimeError):
     """A checkpoint is missing, unreadable or damaged; the message names the file and how to resume.
 
     ``path`` and ``cause`` (None when the file is missing, else what made it unreadable)

@@ -24,13 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from storage.errors import FedgeError
+
 __all__ = ["DataError", "Normalization", "Pixels", "normalization_of", "read_npz", "npz_pixels"]
 
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")   # a zip's first local file header, or an empty archive
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-class DataError(ValueError):
+class DataError(FedgeError, ValueError):
     """Bad dataset/partition spec, normalization or data file; the message says how to fix it."""
 
 

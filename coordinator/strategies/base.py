@@ -19,12 +19,13 @@ from torch import nn
 
 from edge_client.objectives import evaluate as evaluate_model
 from storage.state import ServerState
+from storage.errors import FedgeError
 
 __all__ = ["TaskPlan", "ClientResult", "WeightedSum", "RowWeightedSum", "Strategy", "AggregationError",
            "PersonalizedEval", "summarize_personalized"]
 
 
-class AggregationError(ValueError):
+class AggregationError(FedgeError, ValueError):
     """Results that cannot be combined (no weight, mismatched tensors)."""
 
 

@@ -32,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from storage.errors import FedgeError
+
 __all__ = ["Fed2Error", "Fed2Plan", "GroupedLinear", "DecoupledClassifier", "row_groups"]
 
 
-class Fed2Error(ValueError):
+class Fed2Error(FedgeError, ValueError):
     """Fed2 options that cannot build a model; the message says which to change."""
 
 

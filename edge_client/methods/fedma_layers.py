@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from storage.errors import FedgeError
+
 __all__ = ["FedMAError", "weight_layers", "reindex_next_layer", "client_slice"]
 
 
-class FedMAError(ValueError):
+class FedMAError(FedgeError, ValueError):
     """Inputs FedMA cannot work with; the message says how to fix them."""
 
 

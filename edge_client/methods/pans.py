@@ -22,13 +22,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from storage.errors import FedgeError
+
 __all__ = ["PAN_MODES", "DEFAULT_AMPLITUDE", "PanError", "PanSettings", "PositionAwareReLU", "pan_encoding"]
 
 PAN_MODES = ("none", "add", "mul")
 DEFAULT_AMPLITUDE = {"add": 0.05, "mul": 0.1}   # the PANs paper's usual choices
 
 
-class PanError(ValueError):
+class PanError(FedgeError, ValueError):
     """Invalid PAN options; the message names the valid ones."""
 
 

@@ -16,13 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from storage.errors import FedgeError
+
 __all__ = ["HEADS", "CLASSIFIER", "SphereError", "SphereHead", "fixed_classifier", "apply_head", "with_sphere_seed"]
 
 HEADS = ("linear", "sphere")
 CLASSIFIER = "classifier.weight"                       # the head's state: the classifier in use
 
 
-class SphereError(ValueError):
+class SphereError(FedgeError, ValueError):
     """A model cannot take the sphere head, or FFC statistics are malformed; the message says why."""
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from edge_client.wire.transport import Incoming, MessageTooLarge, Transport
+from storage.errors import FedgeError
 
 __all__ = ["MAGIC", "HEADER_BYTES", "MIN_MESSAGE_BYTES", "DEFAULT_PACKET_BYTES", "DEFAULT_TIMEOUT",
            "DEFAULT_PARTIAL_BYTES", "DEFAULT_PARTIAL_MESSAGES", "ChunkError", "MessageTooLarge", "Chunk", "split",
@@ -61,7 +62,7 @@ _REMEMBERED = 64          # finished message ids kept per sender, to ignore late
 _REMEMBERED_SENDERS = 1024   # senders whose finished ids are kept
 
 
-class ChunkError(ValueError):
+class ChunkError(FedgeError, ValueError):
     """A chunk that cannot be accepted; ``str(err)`` is the logged reason."""
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from storage.errors import FedgeError
+
 __all__ = ["COMPRESSORS", "CompressionError", "compress", "decompress", "check_available"]
 
 # name -> (magic, default level, valid levels, pip package)
@@ -22,7 +24,7 @@ COMPRESSORS: dict[str, tuple[bytes, int, range, str]] = {
 _BY_MAGIC = {magic: name for name, (magic, *_rest) in COMPRESSORS.items()}
 
 
-class CompressionError(ValueError):
+class CompressionError(FedgeError, ValueError):
     """A compressor is unknown or missing, or a compressed frame is corrupt or too large."""
 
 

@@ -7,8 +7,10 @@ or sent back. :mod:`edge_client.wire.protocol` re-exports it.
 
 from __future__ import annotations
 
+from storage.errors import FedgeError
+
 __all__ = ["ProtocolError"]
 
 
-class ProtocolError(ValueError):
+class ProtocolError(FedgeError, ValueError):
     """A message that cannot be accepted; ``str(err)`` is the logged reason."""

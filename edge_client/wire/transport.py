@@ -25,6 +25,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge_client.wire.throttle import ThrottledLog
+from storage.errors import FedgeError
 
 __all__ = [
     "TransportError",
@@ -47,7 +48,7 @@ log = logging.getLogger("fedge.transport")
 PROTOCOLS = ("auto", "5", "3.1.1")
 
 
-class TransportError(RuntimeError):
+class TransportError(FedgeError, RuntimeError):
     """The broker could not be reached or refused us; the message says what to check."""
 
 
