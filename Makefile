@@ -10,7 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test install system-deps bench clean check-wheels
+.PHONY: demo test test-fast install system-deps bench clean check-wheels
 
 $(BIN)/.fedge-installed: pyproject.toml
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { [ "$$(id -u)" = 0 ] && \
@@ -40,6 +40,12 @@ system-deps:
 
 test: install system-deps
 	$(BIN)/python -m pytest
+
+# Everything but the integration tier (tests that start a broker, a process or a federated run;
+# tests/conftest.py marks them): a couple of minutes on two cores. Needs neither Mosquitto nor the
+# Fashion-MNIST files.
+test-fast: install
+	$(BIN)/python -m pytest -m "not integration"
 
 bench: install
 	$(BIN)/python bench/fedavg_fashion.py

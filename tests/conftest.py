@@ -106,3 +106,161 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --- The integration tier ------------------------------------------------------------------------------------------
+#
+# `make test-fast` runs `pytest -m "not integration"`. A test is in the integration tier when it, a fixture it uses,
+# or a helper they call that is defined under tests/, bench/ or tools/ (followed transitively):
+#   - starts a broker: LocalMosquitto (the `mosquitto` fixture), EmbeddedBroker, or asks for mosquitto_binary;
+#   - starts a process: subprocess.*, os.system/popen/fork/posix_spawn, multiprocessing, or names sys.executable;
+#   - runs a federation: run_federated, spawned clients (spawn_processes, spawn_threads, SpawnedClients), a CLI's
+#     main(["run" | "demo" | "worker", ...]) other than --help, or rounds of a Coordinator with EdgeClients.
+# Names are resolved in the module that defines the function, so aliases (`main as coordinator_main`) count, and a
+# bare name matching one of the above counts too (imports inside a function). A test the rule misses takes an
+# explicit `@pytest.mark.integration`. `pytest --collect-only -q -m integration` lists the tier; each marked test
+# says why in its `integration` user property (in --junitxml reports).
+
+import ast
+import builtins
+import inspect
+import multiprocessing
+import sys
+import textwrap
+import types
+
+_REPO = Path(__file__).resolve().parents[1]
+_FOLLOWED = tuple(_REPO / d for d in ("tests", "bench", "tools"))
+_HEAVY_NAMES = {"LocalMosquitto", "mosquitto_binary", "EmbeddedBroker", "run_federated", "spawn_processes",
+                "spawn_threads", "SpawnedClients"}
+_TOGETHER = {"Coordinator", "EdgeClient"}   # a round engine and real clients: a federation in one process
+_PROCESS_CALLS = [subprocess.run, subprocess.Popen, subprocess.call, subprocess.check_call, subprocess.check_output,
+                  subprocess.getoutput, subprocess.getstatusoutput, os.system, os.popen, os.posix_spawn,
+                  multiprocessing.Process, multiprocessing.Pool, multiprocessing.get_context,
+                  getattr(os, "fork", None)]
+_CLI_RUNS = {"run", "demo", "worker"}
+_MISSING = object()
+
+
+def _followed(obj) -> bool:
+    """A function or class of the tests' own code (tests/, bench/, tools/), whose calls are followed."""
+    try:
+        path = Path(inspect.getfile(obj)).resolve()
+        return any(path.is_relative_to(root) for root in _FOLLOWED)
+    except (TypeError, OSError):
+        return False
+
+
+def _resolve(node: ast.expr, scope: dict, cls: type | None):
+    """The object a Name or dotted Attribute chain names in ``scope``; attributes only of modules and classes."""
+    if isinstance(node, ast.Name):
+        if node.id in ("self", "cls") and cls is not None:
+            return cls
+        return scope.get(node.id, getattr(builtins, node.id, _MISSING))
+    if isinstance(node, ast.Attribute):
+        base = _resolve(node.value, scope, cls)
+        if isinstance(base, (types.ModuleType, type)):
+            return inspect.getattr_static(base, node.attr, _MISSING)
+    return _MISSING
+
+
+def _argv(call: ast.Call) -> list:
+    """The constant words of a call's first argument when it is a literal list, as in main(["run", ...])."""
+    if not call.args or not isinstance(call.args[0], (ast.List, ast.Tuple)):
+        return []
+    return [e.value if isinstance(e, ast.Constant) else None for e in call.args[0].elts]
+
+
+def _is_cli_run(call: ast.Call, func) -> bool:
+    """main(["run", ...]) of a ``*.cli`` module, unless it only asks for --help."""
+    if getattr(func, "__name__", None) != "main" or getattr(func, "__module__", "").split(".")[-1] != "cli":
+        return False
+    argv = _argv(call)
+    return bool(argv) and argv[0] in _CLI_RUNS and "--help" not in argv
+
+
+class _IntegrationRule:
+    """What a function or class reaches: a reason it is integration work, and the names of _TOGETHER it uses."""
+
+    def __init__(self) -> None:
+        self._seen: dict[object, tuple[str | None, frozenset[str]]] = {}
+
+    def judge(self, obj, cls: type | None = None) -> tuple[str | None, frozenset[str]]:
+        obj = inspect.unwrap(getattr(obj, "__func__", obj))
+        obj = getattr(getattr(obj, "hypothesis", None), "inner_test", None) or obj
+        key = getattr(obj, "__code__", obj)
+        if key in self._seen:
+            return self._seen[key]
+        self._seen[key] = (None, frozenset())   # a recursive helper is judged by its other calls
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+        except (TypeError, OSError, SyntaxError):
+            return self._seen[key]
+        if isinstance(obj, type):
+            scope, cls = vars(sys.modules.get(obj.__module__, types.ModuleType("_"))), obj
+        else:
+            scope = dict(getattr(obj, "__globals__", {}))
+            for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+                try:
+                    scope[name] = cell.cell_contents
+                except ValueError:   # an empty cell
+                    pass
+        self._seen[key] = self._scan(tree, scope, cls, getattr(obj, "__qualname__", "?"))
+        return self._seen[key]
+
+    def _scan(self, tree: ast.AST, scope: dict, cls: type | None, where: str) -> tuple[str | None, frozenset[str]]:
+        together: set[str] = set()
+        help_only: set[int] = set()   # callees asked only for --help, which are not followed
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                if _is_cli_run(node, _resolve(node.func, scope, cls)):
+                    return f"{where}: a CLI run", frozenset()
+                if "--help" in _argv(node):
+                    help_only.add(id(node.func))
+                continue
+            if not isinstance(node, (ast.Name, ast.Attribute)) or id(node) in help_only:
+                continue
+            word = node.id if isinstance(node, ast.Name) else node.attr
+            if word in _HEAVY_NAMES:
+                return f"{where}: {word}", frozenset()
+            if word in _TOGETHER:
+                together.add(word)
+            if word == "executable" and isinstance(node, ast.Attribute) and _resolve(node.value, scope, cls) is sys:
+                return f"{where}: sys.executable", frozenset()
+            obj = _resolve(node, scope, cls)
+            if obj is _MISSING:
+                continue
+            if any(obj is call for call in _PROCESS_CALLS if call is not None):
+                return f"{where}: {obj.__module__}.{obj.__qualname__}", frozenset()
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and _followed(obj):
+                deeper, names = self.judge(obj)
+                if deeper:
+                    return f"{where} -> {deeper}", frozenset()
+                together |= names
+        if together >= _TOGETHER:
+            return f"{where}: {' and '.join(sorted(_TOGETHER))}", frozenset()
+        return None, frozenset(together)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rule = _IntegrationRule()
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        if item.get_closest_marker("integration"):
+            item.user_properties.append(("integration", "marked"))
+            continue
+        why, together = rule.judge(item.obj, item.cls)
+        for name in item.fixturenames if why is None else ():
+            defs = item._fixtureinfo.name2fixturedefs.get(name)
+            if defs and _followed(defs[-1].func):
+                found, names = rule.judge(defs[-1].func)
+                together |= names
+                if found:
+                    why = f"fixture {name}: {found}"
+                    break
+        if why is None and together >= _TOGETHER:
+            why = f"{item.name} and its fixtures: {' and '.join(sorted(_TOGETHER))}"
+        if why:
+            item.add_marker(pytest.mark.integration)
+            item.user_properties.append(("integration", why))
