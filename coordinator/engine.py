@@ -619,8 +619,7 @@ class Coordinator:
         devices would park every task for want of a running status, or wait for a broadcast
         that never comes.
         """
-        inner = getattr(self.transport, "inner", self.transport)
-        connected = bool(getattr(inner, "connected", True))
+        connected = self.transport.connected
         if connected and not self._was_connected:
             log.warning("reconnected to the broker: publishing the run status and the model broadcast again")
             if self._status_payload:
@@ -734,8 +733,7 @@ class Coordinator:
 
     def _inbox_drops(self) -> dict[str, int]:
         """Messages the receive queue dropped since the last round's row, by reason."""
-        inner = getattr(self.transport, "inner", self.transport)
-        now = dict(getattr(inner, "dropped_by", {}))
+        now = self.transport.dropped_by
         since = {k: v - self._dropped_seen.get(k, 0) for k, v in now.items() if v > self._dropped_seen.get(k, 0)}
         self._dropped_seen = now
         return since

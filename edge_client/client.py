@@ -414,7 +414,7 @@ class EdgeClient:
         return True
 
     def _disconnects(self) -> int:
-        return int(getattr(self.transport.inner, "disconnects", 0))
+        return self.transport.disconnects
 
     def _missing_broadcast(self, digest: str, patience: float) -> str:
         """Why a task's broadcast is not here, from what this device observed while it waited."""

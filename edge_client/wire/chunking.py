@@ -464,3 +464,15 @@ class ChunkingTransport(Transport):
 
     def close(self) -> None:
         self.inner.close()
+
+    @property
+    def connected(self) -> bool:
+        return self.inner.connected
+
+    @property
+    def dropped_by(self) -> dict[str, int]:
+        return self.inner.dropped_by
+
+    @property
+    def disconnects(self) -> int:   # type: ignore[override]
+        return self.inner.disconnects
