@@ -39,8 +39,9 @@ from coordinator.diagnostics import divergence_metrics
 from edge_client.device import resolve_device
 from edge_client.models import state_shapes
 from edge_client.registry import build_aside
-from edge_client.wire.protocol import (ManifestBody, Message, PartialBody, PresenceBody, ProtocolError, ResultBody,
-                                       StatusBody, TaskBody, Topics, check_tensors, decode, encode, valid_client_id)
+from edge_client.wire.protocol import (ClaimBody, ManifestBody, Message, PartialBody, PresenceBody, ProtocolError,
+                                       ResultBody, StatusBody, TaskBody, Topics, check_tensors, decode, encode,
+                                       valid_client_id)
 from edge_client.wire.chunking import DEFAULT_PARTIAL_BYTES, ChunkingTransport
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
 from profiling.schema import clean_profile
@@ -331,9 +332,10 @@ class Coordinator:
             self._add_up(client_id, wire_bytes)
             self._sort_result(client_id, msg)
 
-    def _sort_result(self, client_id: str, msg: Message, worker: str | None = None) -> bool:
-        """Count, acknowledge and keep (or fold) one result; True when it was kept. From a ``worker`` it is
-        a claim: the result without tensors, which the worker checked and holds until granted."""
+    def _sort_result(self, client_id: str, msg: Message, claim: tuple[str, ClaimBody] | None = None) -> bool:
+        """Count, acknowledge and keep (or fold) one result; True when it was kept. With a ``claim`` (the
+        worker and what it says) it is the result without tensors, which the worker checked and holds until
+        granted."""
         book = self._round
         if msg.kind != "result" or msg.sender != client_id:
             self._count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
@@ -384,8 +386,8 @@ class Coordinator:
                 # The count is the result's weight in the mean: a device must not claim more than it has.
                 raise ProtocolError(f"it claims {body.num_samples} samples but the device announced "
                                     f"{announced.num_samples}")
-            if worker is not None:
-                return self._grant(book, worker, msg, body)
+            if claim is not None:
+                return self._grant(book, *claim, msg, body)
             result = accept_result(plan, msg, body, self.shapes, self.downlink.upload_codec(plan), self.strategy)
             if book.streaming:
                 result = self._fold(book, result)
@@ -429,28 +431,26 @@ class Coordinator:
             msg = decode(payload, max_bytes=1024 * 1024)
             if not valid_client_id(msg.sender):
                 raise ProtocolError(f"sender {msg.sender!r} is not a client id")
+            claim = ClaimBody.from_body(msg.body)
         except ProtocolError as exc:
             self._warn.warning("ignored a claim from worker %s: %s", worker, exc)
             return
-        wire = msg.body.get("wire_bytes")
         if self._of_another_run(msg.sender, msg):
             granted = False
         else:
-            if isinstance(wire, int) and not isinstance(wire, bool) and wire > 0:   # the result's bytes, as it came
-                self._add_up(msg.sender, wire)
-            granted = self._sort_result(msg.sender, msg, worker)
+            self._add_up(msg.sender, claim.wire_bytes)   # the result's bytes, as it came
+            granted = self._sort_result(msg.sender, msg, (worker, claim))
         payload = encode("status", run_id=self.run_id, round=self._round.round, task_id=msg.task_id,
                          sender="coordinator", body=StatusBody("ack" if granted else "rejected", msg.task_id).to_body())
         self._publish(self.topics.worker(worker, "status"), payload)
 
-    def _grant(self, book: _Round, worker: str, msg: Message, body: ResultBody) -> bool:
+    def _grant(self, book: _Round, worker: str, claim: ClaimBody, msg: Message, body: ResultBody) -> bool:
         """Let ``worker`` fold the result it claims; its partial sum brings the tensors (:meth:`_on_partial`)."""
         if body.error is not None:
             raise ProtocolError(f"client could not run the task: {body.error}")
-        problem = msg.body.get("problem")
-        if isinstance(problem, str) and problem:   # the worker found the tensors unusable
-            raise ProtocolError(problem)
-        if msg.body.get("held") is not True:   # it could not read the result (no manifest yet): a re-send will come
+        if claim.problem:   # the worker found the tensors unusable
+            raise ProtocolError(claim.problem)
+        if not claim.held:   # it could not read the result (no manifest yet): a re-send will come
             return False
         book.granted[msg.task_id] = (worker, ClientResult(msg.sender, body.num_samples, {}, dict(body.metrics)))
         self._status(msg.sender, msg.task_id, "ack")

@@ -43,8 +43,8 @@ from edge_client.models import state_shapes
 from edge_client.registry import build_aside
 from edge_client.wire.chunking import ChunkingTransport
 from edge_client.wire.codec import SEP
-from edge_client.wire.protocol import (ManifestBody, Message, ModelBody, PartialBody, PresenceBody, ProtocolError,
-                                       ResultBody, StatusBody, Topics, decode, encode)
+from edge_client.wire.protocol import (ClaimBody, ManifestBody, Message, ModelBody, PartialBody, PresenceBody,
+                                       ProtocolError, ResultBody, StatusBody, Topics, decode, encode)
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.transport import BrokerSettings, MqttTransport, Transport, TransportError, Will
 from edge_client.wire.updates import decode_download
@@ -215,7 +215,8 @@ class AggregationWorker:
                 if result is not None:
                     self.pending[msg.task_id] = result
                     held = True
-        body = {**msg.body, "problem": problem, "held": held, "wire_bytes": incoming.wire_bytes or len(incoming.payload)}
+        claim = ClaimBody(problem, held, incoming.wire_bytes or len(incoming.payload))
+        body = {**msg.body, **claim.to_body()}
         self.transport.publish(self.topics.worker(self.worker_id, "claim"),
                                encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
                                       sender=client_id, body=body))

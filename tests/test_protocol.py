@@ -631,3 +631,15 @@ def test_a_body_parses_its_codecs_once():
     task = TaskBody.from_body({**_TASK, "codec": "fp16+zstd", "upload": {"codec": "int8+lz4"}})
     assert task.codec == parse_codec("fp16+zstd") and task.upload.codec == parse_codec("int8+lz4")
     assert task.codec.compressor == "zstd" and task.upload.codec.dtype == torch.float32
+
+
+def test_a_claim_body_is_typed_and_checked():
+    from edge_client.wire.protocol import ClaimBody
+
+    claim = ClaimBody("", True, 2048)
+    body = {"num_samples": 5, "metrics": {}, **claim.to_body()}   # beside the device's own result body
+    assert ClaimBody.from_body(body) == claim
+    assert ClaimBody.from_body({"num_samples": 5}) == ClaimBody()
+    for bad in ({"held": "yes"}, {"wire_bytes": -1}, {"wire_bytes": True}, {"problem": 3}):
+        with pytest.raises(ProtocolError, match="claim field"):
+            ClaimBody.from_body(bad)

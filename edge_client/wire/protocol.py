@@ -578,6 +578,28 @@ class ManifestBody:
 
 
 @dataclass(frozen=True)
+class ClaimBody:
+    """What an aggregation worker adds to a device's result body when it claims the result (the claim
+    carries the device's header and body, without the tensors): ``problem`` why the worker could not use
+    the tensors (``""``: none), ``held`` whether it holds them checked, ``wire_bytes`` the result's size
+    as it came, counted in the round's ``bytes_up``."""
+
+    problem: str = ""
+    held: bool = False
+    wire_bytes: int = 0
+
+    @classmethod
+    def from_body(cls, body: Any) -> ClaimBody:
+        f = _Fields("claim", body)
+        return cls(problem=f.get("problem", "a string", _is_str, ""),
+                   held=f.get("held", "true or false", lambda v: isinstance(v, bool), False),
+                   wire_bytes=f.get("wire_bytes", "a non-negative integer", lambda v: _is_int(v) and v >= 0, 0))
+
+    def to_body(self) -> dict[str, Any]:
+        return {"problem": self.problem, "held": self.held, "wire_bytes": self.wire_bytes}
+
+
+@dataclass(frozen=True)
 class PartialBody:
     """A ``partial`` body: an aggregation worker's fold of some of an exchange's results.
 
