@@ -205,6 +205,16 @@ class _IntegrationRule:
                     scope[name] = cell.cell_contents
                 except ValueError:   # an empty cell
                     pass
+        for node in ast.walk(tree):   # imports inside the function; the rule itself imports nothing
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    loaded = sys.modules.get(alias.name)
+                    if loaded is not None:
+                        scope[alias.asname or alias.name.partition(".")[0]] = (
+                            loaded if alias.asname else sys.modules.get(alias.name.partition(".")[0]))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in sys.modules:
+                for alias in node.names:
+                    scope[alias.asname or alias.name] = getattr(sys.modules[node.module], alias.name, _MISSING)
         self._seen[key] = self._scan(tree, scope, cls, getattr(obj, "__qualname__", "?"))
         return self._seen[key]
 

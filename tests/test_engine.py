@@ -321,7 +321,8 @@ def test_a_partial_bound_below_the_largest_message_is_refused():
 def test_a_round_whose_results_all_hold_nan_says_the_model_diverged(tmp_path):
     """Not "raise clients.round_timeout": every result was NaN, which is what a diverged model gives."""
     hub = InprocHub()
-    coord = make_coordinator(tmp_path, hub, expected=2, clients__max_attempts=1)
+    # The scripted peers answer at once: a second is ample for both results to be in when the round ends.
+    coord = make_coordinator(tmp_path, hub, expected=2, clients__max_attempts=1, clients__round_timeout=1.0)
 
     def nan(peer, task):
         return [peer.result(task, tensors={k: torch.full_like(v, float("nan")) for k, v in task.tensors.items()})]
