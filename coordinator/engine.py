@@ -388,7 +388,8 @@ class Coordinator:
                                     f"{announced.num_samples}")
             if claim is not None:
                 return self._grant(book, *claim, msg, body)
-            result = accept_result(plan, msg, body, self.shapes, self.downlink.upload_codec(plan), self.strategy)
+            result = accept_result(plan, msg, body, self.shapes, self.downlink.upload_codec(plan), self.strategy,
+                                   self.state.spec if plan.model is None else plan.model)
             if book.streaming:
                 result = self._fold(book, result)
         except ProtocolError as exc:

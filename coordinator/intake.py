@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -20,11 +21,12 @@ __all__ = ["accept_result", "one_torch_thread"]
 
 
 def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mapping[str, tuple[int, ...]],
-                  codec: CodecSpec, strategy: Strategy) -> ClientResult:
+                  codec: CodecSpec, strategy: Strategy, spec: dict[str, Any]) -> ClientResult:
     """The result of ``plan`` that ``msg`` carries; ProtocolError with the reason when it cannot be used.
 
     ``shapes``: the network's tensor shapes (what ``plan.up`` names must have unless ``plan.expect``
-    says otherwise); ``codec``: the upload codec the task asked for (its dtype is the values' dtype).
+    says otherwise); ``codec``: the upload codec the task asked for (its dtype is the values' dtype);
+    ``spec``: the model spec the task ran, for the strategy's own check.
     """
     if body.error is not None:
         raise ProtocolError(f"client could not run the task: {body.error}")
@@ -32,7 +34,7 @@ def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mappin
     tensors = decode_upload(msg.tensors, body, expect, plan.down)   # differences back to parameters
     check_tensors(tensors, expect, codec.dtype)   # float64 for fp64 statistics
     result = ClientResult(plan.client_id, body.num_samples, tensors, dict(body.metrics))
-    problem = strategy.check_result(plan, result)
+    problem = strategy.check_result(plan, result, spec)
     if problem:
         raise ProtocolError(problem)
     return result

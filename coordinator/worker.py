@@ -233,7 +233,8 @@ class AggregationWorker:
                 raise _NoBroadcast()
             down = self.broadcasts[manifest.broadcast]
         plan = TaskPlan(client_id=client_id, objective=manifest.phase, hyper={}, down=down, up=list(manifest.up))
-        return accept_result(plan, msg, body, self._network_shapes(manifest.model), manifest.codec, self.strategy)
+        return accept_result(plan, msg, body, self._network_shapes(manifest.model), manifest.codec, self.strategy,
+                             manifest.model)
 
     def _on_verdict(self, msg: Message) -> None:
         """The coordinator granted a claim (fold it) or not (drop it)."""

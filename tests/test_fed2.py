@@ -164,12 +164,12 @@ def test_row_weighted_sums_reduce_in_any_grouping():
 ])
 def test_results_without_a_sound_label_histogram_are_rejected(metrics, message):
     strategy = Fed2({"epochs": 1}, pairing="holders")
-    strategy.configure_train(1, _state(), ["a"])
+    spec = _state().spec   # the class count comes from the network the task ran, not from planning
     plan = TaskPlan("a", "fed2_train", {}, {}, [])
-    assert message in strategy.check_result(plan, ClientResult("a", 10, {}, metrics))
+    assert message in strategy.check_result(plan, ClientResult("a", 10, {}, metrics), spec)
     good = {f"class_count/{c}": 1.0 for c in range(10)}
-    assert strategy.check_result(plan, ClientResult("a", 10, {}, good)) is None
-    assert strategy.check_result(TaskPlan("a", "evaluate", {}, {}, []), ClientResult("a", 10, {}, {})) is None
+    assert strategy.check_result(plan, ClientResult("a", 10, {}, good), spec) is None
+    assert strategy.check_result(TaskPlan("a", "evaluate", {}, {}, []), ClientResult("a", 10, {}, {}), spec) is None
 
 
 # --------------------------------------------------------------------------- configuration

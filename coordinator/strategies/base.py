@@ -235,11 +235,12 @@ class Strategy:
         return [TaskPlan(client_id=c, objective="evaluate", hyper=hyper, down=state.params, up=[], expect={})
                 for c in clients]
 
-    def check_result(self, plan: TaskPlan, result: ClientResult) -> str | None:
+    def check_result(self, plan: TaskPlan, result: ClientResult, spec: dict[str, Any]) -> str | None:
         """Why a decoded result cannot be used (its tensors are already checked), or None.
 
         The engine rejects such a result like a malformed message, before it reaches
         :meth:`aggregate`: a method that reads facts from the metrics checks them here.
+        ``spec`` is the model spec of the network the task ran (``plan.model`` or the global one).
         """
         return None
 

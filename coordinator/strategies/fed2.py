@@ -72,7 +72,6 @@ class Fed2(FedAvg):
         self.pairing = pairing
         self.objective = "fed2_train" if pairing == "holders" else "train"   # only holders need the histograms
         self.robust = pairing == "all"   # holders weighs rows its own way
-        self.num_classes = 0    # of the model the current round trains: set when its tasks are planned
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "Fed2":
@@ -94,15 +93,11 @@ class Fed2(FedAvg):
             raise ConfigError("model.fed2_allocation and fed2.allocation differ; set only fed2.allocation")
         return {**spec, "fed2_allocation": self.allocation}
 
-    def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
-        self.num_classes = int(state.spec["num_classes"])
-        return super().configure_train(round, state, clients)
-
-    def check_result(self, plan: TaskPlan, result: ClientResult) -> str | None:
+    def check_result(self, plan: TaskPlan, result: ClientResult, spec: dict[str, Any]) -> str | None:
         """A training result must carry its label histogram: one whole count per class, summing to its samples."""
         if plan.objective != "fed2_train":
             return None
-        return histogram_problem(result, self.num_classes)
+        return histogram_problem(result, int(spec["num_classes"]))
 
     def streams(self, phase: str) -> bool:
         return self.pairing == "all" and super().streams(phase)

@@ -181,7 +181,7 @@ class FedMA(Strategy):
             out[f"{name}.weight"], out[f"{name}.bias"] = weight.contiguous(), bias.contiguous()
         return out
 
-    def check_result(self, plan: TaskPlan, result: ClientResult) -> str | None:
+    def check_result(self, plan: TaskPlan, result: ClientResult, spec: dict[str, Any]) -> str | None:
         """A classifier phase's result must carry a sound label histogram: the rows are weighted by it."""
         if plan.objective != "fedma_train" or plan.up[0] != "classifier.weight":
             return None
