@@ -118,10 +118,10 @@ def test_a_failed_evaluation_fails_the_run_and_keeps_the_rounds_before(tmp_path)
 
 
 def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "coordinator.cli", "run", "--data", "digits", "--model", "cnn",
-            "--rounds", str(rounds), "--clients", "3", "--spawn-clients", "3", "--broker", broker,
-            "--seed", "5", "--out", str(out), "--set", f"transport.prefix={prefix}", "--set", "eval.every=2",
-            "--set", "export.enabled=false", *extra]
+    return [sys.executable, "-m", "coordinator.cli", "run", "--data", "digits", "--model", "mlp",
+            "--set", "model.hidden=[32]", "--rounds", str(rounds), "--clients", "2", "--spawn-clients", "2",
+            "--broker", broker, "--seed", "5", "--out", str(out), "--set", f"transport.prefix={prefix}",
+            "--set", "eval.every=2", "--set", "export.enabled=false", *extra]
 
 
 def test_resume_after_kill_with_evaluation_every_two_rounds(tmp_path, mosquitto, prefix, kill_after_checkpoint):
