@@ -261,10 +261,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.user_properties.append(("integration", "marked"))
             continue
         why, together = rule.judge(item.obj, item.cls)
+        fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         for name in item.fixturenames if why is None else ():
-            defs = item._fixtureinfo.name2fixturedefs.get(name)
-            if defs and _followed(defs[-1].func):
-                found, names = rule.judge(defs[-1].func)
+            func = getattr((fixtures.get(name) or [None])[-1], "func", None)   # the definition the test gets
+            if func is not None and _followed(func):
+                found, names = rule.judge(func)
                 together |= names
                 if found:
                     why = f"fixture {name}: {found}"
