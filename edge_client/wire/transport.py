@@ -329,13 +329,10 @@ class Transport:
         inbox = getattr(self, "_inbox", None)
         return dict(inbox.dropped_by) if inbox is not None else {}
 
-    @property
-    def connected(self) -> bool:
-        """Whether the broker is reachable now (an in-process hub always is)."""
-        return True
-
-    # Connections to the broker lost since connect(): what a device saw of it (none in-process).
-    disconnects = 0
+    # Whether the broker is reachable now (an in-process hub always is), and the connections to it
+    # lost since connect(): what a device saw of it. A transport with a broker keeps them up to date.
+    connected: bool = True
+    disconnects: int = 0
 
     def __enter__(self) -> "Transport":
         return self
