@@ -18,13 +18,12 @@ seeds, rule settings and attack, so an interrupted measurement resumes where it 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,6 @@ from coordinator.aggregation import tolerance
 from coordinator.config import RunConfig, load_config
 from coordinator.engine import RunError
 from coordinator.run import run_federated
-from edge_client import registry
 from edge_client.objectives import LocalData, ObjectiveOutput, TaskContext, train
 
 ATTACKS = {"clean": 1.0, "scaled x20": 20.0, "scaled x1000": 1000.0, "sign-flipped x-1": -1.0,
@@ -50,29 +48,23 @@ HOSTILE = ("sim-000", "sim-001")
 ROUND_TIMEOUT = 30.0
 
 
-def hostile_train(factor: float, hostile: tuple[str, ...] = HOSTILE):
-    """The ``train`` objective, except that ``hostile`` clients send ``factor`` times their update."""
+def hostile_train(factor: float):
+    """The ``train`` objective, except that the client sends ``factor`` times its update."""
     def objective(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
         start = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
         out = train(model, data, hyper, ctx)
-        if ctx.client_id in hostile:
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    if k in start:
-                        v.copy_(start[k] + factor * (v - start[k]))
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                if k in start:
+                    v.copy_(start[k] + factor * (v - start[k]))
         return out
     return objective
 
 
-@contextlib.contextmanager
-def attacked(factor: float) -> Iterator[None]:
-    """Clients in this process run the hostile objective while the block runs."""
-    original = registry.OBJECTIVES["train"]
-    registry.OBJECTIVES["train"] = hostile_train(factor)
-    try:
-        yield
-    finally:
-        registry.OBJECTIVES["train"] = original
+def attack(factor: float, hostile: tuple[str, ...] = HOSTILE):
+    """The objectives each client runs instead of the registry's: ``hostile`` ones the scaled ``train``."""
+    scaled = {"train": hostile_train(factor)}
+    return lambda client_id: scaled if client_id in hostile else {}
 
 
 def run_config(out: Path, *, defence: Mapping[str, Any], rounds: int, seed: int) -> RunConfig:
@@ -92,11 +84,11 @@ def run(out: Path, *, factor: float, defence: Mapping[str, Any], rounds: int, se
     coordinator rejects, and the run stops: then ``stopped`` says why and the accuracy is the last
     one evaluated."""
     stopped = ""
-    with attacked(factor):
-        try:
-            run_federated(run_config(out, defence=defence, rounds=rounds, seed=seed), say=lambda s: None)
-        except RunError as exc:
-            stopped = str(exc)
+    try:
+        run_federated(run_config(out, defence=defence, rounds=rounds, seed=seed), say=lambda s: None,
+                      client_objectives=attack(factor))
+    except RunError as exc:
+        stopped = str(exc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"accuracy": rows[-1]["test_accuracy"], "by_round": [r["test_accuracy"] for r in rows],
             "norm_rejected": sum(r.get("norm_rejected", 0) for r in rows), "stopped": stopped}

@@ -16,7 +16,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from coordinator.strategies.base import Strategy
 from edge_client.data import (describe_partitions, evaluation_split, load_dataset, model_normalization,
                                partition_indices)
 from edge_client.models import federated_names
+from edge_client.objectives import Objective
 from edge_client.registry import build_model, describe_size, model_size
 from edge_client.methods.sphere_head import with_sphere_seed
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
@@ -176,15 +177,22 @@ def _close_log(handler: logging.Handler) -> None:
 def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str], None] = print,
                   on_round: Callable[[dict[str, Any]], None] | None = None,
                   strategy: Strategy | None = None,
-                  on_progress: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+                  on_progress: Callable[[dict[str, Any]], None] | None = None,
+                  client_objectives: Callable[[str], Mapping[str, Objective]] | None = None) -> RunResult:
     """Run (or resume) the training run ``config`` describes; return its directory and summary.
 
     ``strategy``: one to use instead of the configured ``run.strategy`` (a method being
     developed, before it has a registry entry); the rest of the configuration applies as is.
+    ``client_objectives(client_id)``: with in-process clients (``transport.kind = "inproc"``), the
+    objectives a client runs instead of the registry's: a device that behaves otherwise, such as a
+    hostile one in ``bench/poisoning.py``.
     ``on_round`` gets each round's metrics row; ``on_progress`` what happens in between (clients
     coming online, results coming in: :meth:`coordinator.engine.Coordinator._pump`).
     """
     strategy = strategy or make_strategy(config)   # a configuration it refuses leaves nothing behind
+    if client_objectives is not None and not (config.transport.kind == "inproc" and config.clients.spawn):
+        raise ConfigError("client objectives are for in-process clients: transport.kind = 'inproc' with "
+                          "clients.spawn > 0")
     out, run_id, done, created = _prepare_out_dir(config, resume)
     if resume and done >= config.run.rounds:
         say(f"run {run_id} finished all {done} rounds already; nothing to resume (raise --rounds to train more)")
@@ -194,7 +202,8 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
     handler = _setup_file_log(out)
     try:
         with _sigterm_as_interrupt():
-            return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy, on_progress)
+            return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy, on_progress,
+                        client_objectives)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             log.warning("run %s stopped by %s", run_id, "SIGTERM" if isinstance(exc, _Terminated) else "Ctrl-C")
@@ -212,7 +221,8 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
 
 def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[[str], None],
          on_round: Callable[[dict[str, Any]], None], strategy: Strategy,
-         on_progress: Callable[[dict[str, Any]], None] | None) -> RunResult:
+         on_progress: Callable[[dict[str, Any]], None] | None,
+         client_objectives: Callable[[str], Mapping[str, Objective]] | None) -> RunResult:
     started = time.monotonic()
     dataset = load_dataset(config.data.eval, train=config.clients.spawn > 0)   # spawned clients' partitions need it
     # As the clients see their data: attribute skew can change the channels (docs/dfl.md).
@@ -254,7 +264,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         completed = False
         try:
             if spawn and config.transport.kind == "inproc":
-                spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out)
+                spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out,
+                                        objectives=client_objectives)
             elif spawn:
                 spawned = spawn_processes(config, spawn, broker_url=reach["url"], protocol=reach["protocol"],
                                           username=reach["username"], password=reach["password"], out_dir=out,

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from coordinator.simulation import ClientPool, worker_count
 from edge_client.bundle import BundleError, read_bundle
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import Dataset, arrange_clients
-from edge_client.objectives import holdout_seed, local_data_view
+from edge_client.objectives import Objective, holdout_seed, local_data_view
 from edge_client.wire.protocol import Topics
 from edge_client.wire.transport import InprocHub
 
@@ -142,11 +143,13 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
 
 
 def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dataset,
-                  out_dir: Path | None = None) -> SpawnedClients:
+                  out_dir: Path | None = None,
+                  objectives: Callable[[str], Mapping[str, Objective]] | None = None) -> SpawnedClients:
     """Run ``count`` clients inside this process, through the in-process transport.
 
     With ``out_dir`` each gets a state directory ``OUT/clients/ID``, as spawned processes do
-    (methods that keep state on the device, like DFL, need one).
+    (methods that keep state on the device, like DFL, need one). ``objectives(client_id)``: the
+    objectives that client runs instead of the registry's (:attr:`ClientSettings.objectives`).
     """
     spawned = SpawnedClients()
     ids = [sim_client_id(i) for i in range(count)]
@@ -160,7 +163,8 @@ def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dat
                                   max_message_bytes=config.transport.max_message_bytes,
                                   max_decoded_bytes=config.transport.max_decoded_bytes,
                                   chunking=config.transport.chunking, exit_after_run=True,
-                                  state_dir=out_dir / "clients" / cid if out_dir is not None else None)
+                                  state_dir=out_dir / "clients" / cid if out_dir is not None else None,
+                                  objectives=objectives(cid) if objectives is not None else {})
         transport = hub.connect(cid, will=EdgeClient.will(settings))
         data = local_data_view(rows, i, fraction)
         if pool is None:

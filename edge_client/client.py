@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.registry import OBJECTIVES, build_model
 from edge_client.device import GpuMeter
 from edge_client.inputs import for_model
-from edge_client.objectives import LocalData, ObjectiveError, TaskContext, shuffle_seed, warm_up
+from edge_client.objectives import LocalData, Objective, ObjectiveError, TaskContext, shuffle_seed, warm_up
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, Message,
                                        ModelBody, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody,
                                        Topics, decode, encode)
@@ -60,6 +61,9 @@ class ClientSettings:
     parent_pid: int | None = None    # leave when this process is gone (spawned simulations)
     presence_echo_timeout: float = 10.0   # our own presence must come back from the broker within this
     device: str = "cpu"              # torch device the model and data live on (edge_client.device.resolve_device)
+    # Objectives this client runs instead of the registry's of the same name: the extension point for a
+    # simulated device that behaves otherwise (a hostile one in a robustness benchmark, an experiment).
+    objectives: Mapping[str, Objective] = field(default_factory=dict)
 
 
 def _task_line(msg: Message, task: TaskBody | None, answer: ResultBody, wire_bytes: int) -> str:
@@ -506,9 +510,10 @@ class EdgeClient:
 
     def _execute(self, msg: Message, task: TaskBody, profiler: Profiler) -> tuple[dict[str, torch.Tensor], ResultBody]:
         """Run the task; return the wire tensors and the result's body (without its profile)."""
-        objective = OBJECTIVES.get(task.objective)
+        known = {**OBJECTIVES, **self.settings.objectives}
+        objective = known.get(task.objective)
         if objective is None:
-            raise ObjectiveError(f"unknown objective {task.objective!r}; this client knows {sorted(OBJECTIVES)}")
+            raise ObjectiveError(f"unknown objective {task.objective!r}; this client knows {sorted(known)}")
         up = list(task.up)
         with profiler.phase("decode"):
             model = self._models.get(task.model)

@@ -147,3 +147,13 @@ def test_a_run_says_what_its_aggregation_tolerates_and_warns_when_it_is_nothing(
         said = start(tmp_path / "trimmed", **{"aggregate.rule": "trimmed_mean"})
     assert any("trimmed_mean (trim 0.2) tolerates no hostile client" in line for line in said), said
     assert any("trimmed_mean" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_client_objectives_are_for_in_process_clients_only(tmp_path):
+    from coordinator.run import run_federated
+
+    config = load_config(None, [("run", "out", str(tmp_path / "run")), ("clients", "spawn", 2),
+                                ("clients", "expected", 2)])   # transport.kind = "mqtt"
+    with pytest.raises(ConfigError, match="in-process clients"):
+        run_federated(config, say=lambda s: None, client_objectives=lambda cid: {})
+    assert not (tmp_path / "run").exists()
