@@ -119,9 +119,13 @@ def test_client_killed_mid_round_lets_the_round_finish_at_the_deadline(tmp_path,
     assert time.monotonic() - started < 120
 
 
+RESUME_CLIENTS = 2   # client processes of the kill-and-resume runs
+
+
 def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "coordinator.cli", "run", "--data", "digits", "--model", "cnn",
-            "--rounds", str(rounds), "--clients", "3", "--spawn-clients", "3", "--broker", broker,
+            "--rounds", str(rounds), "--clients", str(RESUME_CLIENTS), "--spawn-clients", str(RESUME_CLIENTS),
+            "--broker", broker,
             "--seed", "7", "--out", str(out), "--set", f"transport.prefix={prefix}",
             "--set", "train.epochs=2", *extra]
 
@@ -194,7 +198,7 @@ def test_coordinator_killed_during_aggregation_resumes_to_the_same_rows(tmp_path
     proc.kill()
     proc.wait()
     psutil.wait_procs(children, timeout=30)
-    assert mark.read_text() == "3"                      # every result of round 3 was in
+    assert mark.read_text() == str(RESUME_CLIENTS)      # every result of round 3 was in
     assert [r["round"] for r in read_metrics(out)] == [0, 1, 2]
     assert not (out / "checkpoints" / "round_0003.safetensors").exists()
 
