@@ -98,6 +98,32 @@ def client_thread() -> Callable[..., ClientThread]:
         running.stop()
 
 
+def _run_beside_device(config, device_cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """Run ``config`` (a coordinator on a thread of this process) with one ``fedge-client`` process
+    started by ``device_cmd`` (with ``--exit-after-run``); the device's stderr, once the run finished."""
+    from coordinator.run import run_federated
+
+    proc = subprocess.Popen(device_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    outcome: dict = {}
+    coordinator = threading.Thread(target=lambda: outcome.update(result=run_federated(config, say=lambda s: None)),
+                                   daemon=True)
+    coordinator.start()
+    coordinator.join(240)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "result" in outcome, f"the run did not finish; the device said:\n{err}"
+    return err
+
+
+@pytest.fixture
+def run_beside_device() -> Callable[..., str]:
+    """``run_beside_device(config, device_cmd, env=None)``: a run against one real device process; its stderr."""
+    return _run_beside_device
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread, as a device client runs: small models on a busy 2-core machine

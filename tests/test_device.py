@@ -11,14 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from coordinator.config import ConfigError, load_config
-from coordinator.run import run_federated
 from edge_client.device import GpuMeter, DeviceError, gpu_temperature, resolve_device
 from profiling.schema import clean_profile
 
@@ -74,7 +72,8 @@ def test_a_bad_device_is_one_line_and_exit_2(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-def _run_with_device(tmp_path: Path, mosquitto: str, prefix: str, device: str) -> tuple[list[dict], list[dict]]:
+def _run_with_device(run_beside_device, tmp_path: Path, mosquitto: str, prefix: str,
+                     device: str) -> tuple[list[dict], list[dict]]:
     """Two rounds with one device process training on ``device`` and the coordinator evaluating there too:
     the metrics rows and the device's task profiles as the coordinator stored them."""
     out = tmp_path / device
@@ -86,27 +85,15 @@ def _run_with_device(tmp_path: Path, mosquitto: str, prefix: str, device: str) -
            "--data", "digits", "--partition", "iid", "--num-partitions", "2", "--seed", "0", "--device", device,
            "--state-dir", str(tmp_path / f"state-{device}"), "--prefix", prefix, "--torch-threads", "1",
            "--exit-after-run"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    outcome: dict = {}
-    coordinator = threading.Thread(target=lambda: outcome.update(result=run_federated(config, say=lambda s: None)),
-                                   daemon=True)
-    coordinator.start()
-    coordinator.join(240)
-    try:
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "result" in outcome, "the run did not finish"
+    err = run_beside_device(config, cmd, {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert f"training on {resolve_device(device)}" in err, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tasks = [json.loads(line) for line in (out / "clients" / "dev-0.jsonl").read_text().splitlines()]
     return rows, tasks
 
 
-def test_a_device_training_on_the_cpu_says_so(tmp_path, mosquitto, prefix):
-    rows, tasks = _run_with_device(tmp_path, mosquitto, prefix, "cpu")
+def test_a_device_training_on_the_cpu_says_so(tmp_path, mosquitto, prefix, run_beside_device):
+    rows, tasks = _run_with_device(run_beside_device, tmp_path, mosquitto, prefix, "cpu")
     assert [r["returned"] for r in rows[1:]] == [1, 1]
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.2
     for task in tasks:
@@ -115,9 +102,9 @@ def test_a_device_training_on_the_cpu_says_so(tmp_path, mosquitto, prefix):
 
 
 @CUDA
-def test_a_device_training_on_cuda_sends_what_a_cpu_device_sends(tmp_path, mosquitto, prefix):
-    cpu_rows, _ = _run_with_device(tmp_path, mosquitto, prefix + "-cpu", "cpu")
-    rows, tasks = _run_with_device(tmp_path, mosquitto, prefix, "cuda")
+def test_a_device_training_on_cuda_sends_what_a_cpu_device_sends(tmp_path, mosquitto, prefix, run_beside_device):
+    cpu_rows, _ = _run_with_device(run_beside_device, tmp_path, mosquitto, prefix + "-cpu", "cpu")
+    rows, tasks = _run_with_device(run_beside_device, tmp_path, mosquitto, prefix, "cuda")
     assert [r["returned"] for r in rows[1:]] == [1, 1]
     # the same protocol and the same bytes: nothing on the wire says where the device trained
     assert [r["bytes_up"] for r in rows[1:]] == [r["bytes_up"] for r in cpu_rows[1:]]

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -116,7 +115,8 @@ def test_the_cards_accuracy_is_what_fedge_profile_infer_measures_on_the_same_sam
     assert f"accuracy {100 * card['test_accuracy']:.2f}% on the 2000 labelled samples" in cli.stdout
 
 
-def _run_with_device(tmp_path: Path, mosquitto: str, prefix: str, name: str, data: list[str]) -> tuple[Path, str]:
+def _run_with_device(run_beside_device, tmp_path: Path, mosquitto: str, prefix: str, name: str,
+                     data: list[str]) -> tuple[Path, str]:
     """One round on ``--data fashion-mnist`` with one ``fedge-client`` process (client id pi-01) on ``data``."""
     out = tmp_path / name
     sets = {"run.rounds": 1, "run.out": str(out), "model.name": "cnn", "model.width": 0.25,
@@ -126,29 +126,18 @@ def _run_with_device(tmp_path: Path, mosquitto: str, prefix: str, name: str, dat
     cmd = [sys.executable, "-m", "edge_client.cli", "run", "--broker", mosquitto, "--client-id", "pi-01",
            *data, "--state-dir", str(tmp_path / f"state-{name}"), "--prefix", prefix, "--torch-threads", "1",
            "--exit-after-run"]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    outcome: dict = {}
-    coordinator = threading.Thread(target=lambda: outcome.update(result=run_federated(config, say=lambda s: None)),
-                                   daemon=True)
-    coordinator.start()
-    coordinator.join(240)
-    try:
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "result" in outcome, f"the run did not finish; the device said:\n{err}"
-    return out, err
+    return out, run_beside_device(config, cmd, ENV)
 
 
-def test_over_processes_an_npz_device_trains_the_model_a_built_in_device_does(tmp_path, mosquitto, prefix):
+def test_over_processes_an_npz_device_trains_the_model_a_built_in_device_does(tmp_path, mosquitto, prefix,
+                                                                            run_beside_device):
     """The deployment case: the coordinator on fashion-mnist, the device on its own npz of the same pixels.
     The device trains on exactly the coordinator's inputs, so the round's model is bit for bit the one a
     device on the built-in loader (the same rows) returns."""
     _npz_of_partition(tmp_path / "own.npz", 0, 40)
-    npz_run, npz_err = _run_with_device(tmp_path, mosquitto, prefix + "-a", "npz",
+    npz_run, npz_err = _run_with_device(run_beside_device, tmp_path, mosquitto, prefix + "-a", "npz",
                                         ["--data", f"npz:{tmp_path / 'own.npz'}"])
-    built_run, built_err = _run_with_device(tmp_path, mosquitto, prefix + "-b", "builtin",
+    built_run, built_err = _run_with_device(run_beside_device, tmp_path, mosquitto, prefix + "-b", "builtin",
                                             ["--data", "fashion-mnist", "--partition", "iid", "--partition-index",
                                              "0", "--num-partitions", "40", "--seed", "0"])
     assert "inputs normalized as the model says: mean [0.286], std [0.353]" in npz_err, npz_err
