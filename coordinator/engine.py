@@ -296,6 +296,7 @@ class Coordinator:
             if self.absences.returned(client_id):
                 log.info("client %s announced itself again: it may be selected again", client_id)
             self.online[client_id] = body
+            self._resend_task(client_id)
         elif self.online.pop(client_id, None) is not None:
             log.info("client %s went offline", client_id)
 
@@ -614,7 +615,8 @@ class Coordinator:
         return digest
 
     def _after_reconnect(self) -> None:
-        """Publish the retained run status, the model broadcast and unanswered tasks again once the broker is back.
+        """Publish the retained run status and the model broadcast again once the broker is back (unanswered
+        tasks go again as their devices announce themselves: :meth:`_resend_task`).
 
         A broker restarted without persistence (or before its autosave) has forgotten both:
         devices would park every task for want of a running status, or wait for a broadcast
@@ -628,7 +630,6 @@ class Coordinator:
             if self._broadcast_payload:
                 self._publish(self.topics.model, self._broadcast_payload, retain=True)
             self._publish_manifest(self._round)
-            self._republish_tasks()
         self._was_connected = connected
 
     def _send_tasks(self, book: _Round, plans: list[TaskPlan]) -> None:
@@ -660,17 +661,22 @@ class Coordinator:
         book.bytes_down += sent
         self._add_bytes(plan.client_id, "down", sent)
 
-    def _republish_tasks(self) -> None:
-        """Send the tasks not yet answered again, under their ids: a broker that restarted without
-        persistence has lost those it had not delivered, and each would cost its attempt the whole
-        timeout. A device that did get one answers the copy with the result it already has."""
+    def _resend_task(self, client_id: str) -> None:
+        """Send the client's task of this attempt again, under its id, if it has not answered it.
+
+        Called when the client announces itself online again: after a reconnect its subscriptions are
+        back, and a broker that restarted without persistence (or a session that expired) has lost the
+        task it had not delivered, which would cost the attempt its whole timeout. A device that did
+        get the task answers the copy with the result it already has."""
         book = self._round
         held = {result.client_id for _, result in book.granted.values()}
-        waiting = [(t, p) for t, p in book.plans.items() if p.client_id not in book.results.keys() | book.failed | held]
-        if waiting:
-            log.warning("round %d: sending the %d unanswered task(s) of this attempt again", book.round, len(waiting))
-        for task_id, plan in waiting:
-            self._send_task(book, task_id, plan)
+        if client_id in book.results.keys() | book.failed | held:
+            return
+        for task_id, plan in book.plans.items():
+            if plan.client_id == client_id:
+                log.warning("round %d: sending %s's unanswered task again (it announced itself online)",
+                            book.round, client_id)
+                self._send_task(book, task_id, plan)
 
     def _exchange(self, round: int, phase: str) -> tuple[_Round, dict[str, int]]:
         """One task/result exchange of a phase, retried with fresh samples while results are too few."""
