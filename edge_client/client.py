@@ -392,11 +392,11 @@ class EdgeClient:
             body = ModelBody.from_body(msg.body) if msg.kind == "model" else None
         except ProtocolError as exc:
             log.warning("ignored a model broadcast: %s", exc)
-            self._seen_while_waiting.append(f"a broadcast that was refused ({exc})")
+            self._note_while_waiting(f"a broadcast that was refused ({exc})")
             return
         if body is None:
             return
-        self._seen_while_waiting.append(f"the broadcast of round {msg.round} ({digest[:16]}...)")
+        self._note_while_waiting(f"the broadcast of round {msg.round} ({digest[:16]}...)")
         self._broadcasts.add(digest, msg.tensors, body.codec)
         waiting = self._waiting
         if waiting is not None and waiting[0].body is not None and waiting[0].body.broadcast == digest:
@@ -416,6 +416,11 @@ class EdgeClient:
             self.transport.subscribe(self.topics.model, parts=True)
         self._waiting = (task, profiler, time.monotonic())
         return True
+
+    def _note_while_waiting(self, seen: str) -> None:
+        """Keep what came on the model topic for a task's error, only while one waits (a device lives long)."""
+        if self._waiting is not None:
+            self._seen_while_waiting = [*self._seen_while_waiting[-2:], seen]
 
     def _disconnects(self) -> int:
         return self.transport.disconnects
