@@ -112,7 +112,9 @@ class RoundTable:
         """Clients coming online, results coming in: a line under the table on a terminal. In a log, a
         line for every count of clients online while waiting for them, and for a round when its counts
         changed, at most every ``PIPED_EVERY`` seconds and only once it has lasted that long (a quick
-        round adds no lines)."""
+        round adds no lines). Other kinds (a round's start and end) have nothing to show."""
+        if info.get("kind") not in ("waiting", "exchange"):
+            return
         self._view.progress = info
         if self.console.is_terminal:
             self._start_live()
