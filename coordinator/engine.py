@@ -134,7 +134,16 @@ def _check_finite(state: ServerState, round: int, phase: str, rule: str) -> None
 
 
 class Coordinator:
-    """Runs the rounds of one federated training run."""
+    """Runs the rounds of one federated training run.
+
+    ``on_progress`` is how a person watching, or a benchmark, follows the run without reaching into
+    the engine. It gets dicts by ``kind`` (a consumer ignores kinds it does not know): ``waiting``
+    (``online``, ``needed``: clients before round 1), ``exchange`` (a phase's results coming in:
+    ``round``, ``phase``, ``attempt``, ``results``, ``selected``, ``bytes_down``, ``bytes_up``,
+    ``started``, ``timeout``) and ``round`` (``round``, ``phase`` ``"start"`` or ``"end"``, and at the
+    end the row's ``seconds``). The ``round`` events bound :meth:`train_round` on its own thread, so a
+    caller may read its clocks there (wall, CPU, memory) to time a round.
+    """
 
     def __init__(self, config: RunConfig, transport: Transport, *, run_id: str, out_dir: Path,
                  strategy: Strategy, state: ServerState, eval_data: EvalData,
@@ -759,6 +768,7 @@ class Coordinator:
     def train_round(self, round: int) -> dict[str, Any]:
         """Run one round's phases (training, then any the strategy adds) and return its metrics row,
         without the test-set evaluation; ``seconds`` is the phases' wall time."""
+        self.on_progress({"kind": "round", "round": round, "phase": "start"})
         started = time.monotonic()
         self._failures, self._rejections = {}, {}
         row: dict[str, Any] = {"round": round}
@@ -803,6 +813,7 @@ class Coordinator:
             row["inbox_dropped"] = dropped
         row["bytes_per_client"] = {k: self._client_bytes[k] for k in sorted(self._client_bytes)}
         row["seconds"] = time.monotonic() - started
+        self.on_progress({"kind": "round", "round": round, "phase": "end", "seconds": row["seconds"]})
         return row
 
     def run_rounds(self, first: int, last: int, complete: Callable[[dict[str, Any], ServerState], None]) -> None:
