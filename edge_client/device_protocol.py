@@ -1,0 +1,520 @@
+"""A device's side of the fedge protocol, with no I/O: what to do when a message comes, time passes
+or a task's answer is ready.
+
+The device's client (:mod:`edge_client.client`) and the fleet benchmark's stand-in devices
+(``bench/fleet.py``) must play the protocol the same way, or the benchmark measures a device that
+does not exist. So the rules live here once: presence and its echo, the coordinator's run status
+(sessions, ``stopped`` and ``finished``, tasks that came before any status), which tasks run, the
+wait for a task's model broadcast, and sending a result until it is acknowledged. Each caller keeps
+only its I/O and its work: it feeds :class:`DeviceProtocol` events (:meth:`~DeviceProtocol.handle`,
+:meth:`~DeviceProtocol.tick`, :meth:`~DeviceProtocol.answered`) with the time, and carries out the
+:class:`Actions` it gets back (publish, subscribe, execute a task, log). No clock is read here and
+nothing blocks, so every rule is testable without a broker.
+
+Nothing received is trusted: a message that does not decode or parse becomes a :class:`Note` with
+the reason, never an exception.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from edge_client.wire.codec import CodecSpec
+from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, Message,
+                                       ModelBody, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody,
+                                       Topics, decode, encode)
+
+__all__ = ["Actions", "BroadcastCache", "DeviceProtocol", "Note", "Publish", "Task", "presence_payload"]
+
+BROADCAST_PATIENCE = 0.5   # share of a task's timeout spent waiting for its model broadcast
+PARKED_PATIENCE = 15.0     # seconds tasks may wait for a run status before the device says it sees none
+KEEP_PARKED = 8            # tasks kept while no run status has come; the coordinator re-sends the others
+
+
+def presence_payload(client_id: str, body: PresenceBody) -> bytes:
+    return encode("presence", run_id="", round=0, task_id="", sender=client_id, body=body.to_body())
+
+
+class BroadcastCache:
+    """Model broadcasts by SHA-256, oldest first: their wire tensors, codec and round. Keeps the
+    current model and the one before; safe to share between clients in one process, which then
+    decode each broadcast once."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, tuple[dict[str, torch.Tensor], CodecSpec, int]] = OrderedDict()
+
+    def __contains__(self, digest: object) -> bool:
+        with self._lock:
+            return digest in self._items
+
+    def get(self, digest: str) -> tuple[dict[str, torch.Tensor], CodecSpec] | None:
+        with self._lock:
+            item = self._items.get(digest)
+        return None if item is None else (item[0], item[1])
+
+    def add(self, digest: str, tensors: dict[str, torch.Tensor], codec: CodecSpec, round: int = 0) -> None:
+        with self._lock:
+            self._items[digest] = (tensors, codec, round)
+            while len(self._items) > self.keep:
+                self._items.popitem(last=False)
+
+    def receive(self, digest: str, read: Callable[[], tuple[dict[str, torch.Tensor], CodecSpec, int] | None]
+                ) -> int | None:
+        """Take the broadcast whose bytes hash to ``digest`` and return its round; ``read()`` decodes
+        it (or says it is no broadcast: None), only if it is not held already: same hash, same bytes."""
+        with self._lock:
+            item = self._items.get(digest)
+        if item is not None:
+            return item[2]
+        got = read()
+        if got is not None:
+            self.add(digest, *got)
+        return None if got is None else got[2]
+
+
+class Broadcasts(Protocol):
+    """What the protocol needs of a broadcast store: whether this device holds one, and taking one in."""
+
+    def __contains__(self, digest: object) -> bool: ...
+
+    def receive(self, digest: str, read: Callable[[], tuple[dict[str, torch.Tensor], CodecSpec, int] | None]
+                ) -> int | None: ...
+
+
+@dataclass(eq=False)
+class Task:
+    """A task message with its body parsed once; ``body`` is None when it does not parse (``problem``: why).
+
+    ``context`` is the caller's own record of the task (a profiler, a benchmark's timings), carried
+    along while the task waits for a run status or its broadcast.
+    """
+
+    msg: Message
+    body: TaskBody | None
+    problem: str = ""
+    context: Any = None
+    fetch_seconds: float | None = None   # how long it waited for its broadcast, once the broadcast came
+    no_broadcast: str = ""               # why it runs without its broadcast: the wait was given up
+
+    @classmethod
+    def read(cls, msg: Message) -> Task:
+        try:
+            return cls(msg, TaskBody.from_body(msg.body))
+        except ProtocolError as exc:
+            return cls(msg, None, str(exc))
+
+    @property
+    def timeout(self) -> float:
+        return self.body.timeout if self.body is not None else DEFAULT_TASK_TIMEOUT
+
+    @property
+    def resend_every(self) -> float:
+        return self.body.resend_every if self.body is not None else DEFAULT_RESEND_EVERY
+
+
+@dataclass(frozen=True)
+class Publish:
+    topic: str
+    payload: bytes
+    retain: bool = False
+    announce: bool = False   # the online presence: the transport repeats it after every reconnect
+    result_of: str = ""      # a result's task id: report a failed send with DeviceProtocol.send_failed
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something to log, and what it was for a caller that counts: ``ignored`` (a message refused,
+    with the reason), ``lost`` (chunks that did not reassemble), ``dropped`` (a task not of the
+    current run or session), ``stale``, ``rejected`` (our result), ``unsent``, ``unseen`` (our
+    presence never came back), ``parked`` (no run status), ``activity`` (a line for the person at
+    the device)."""
+
+    kind: str
+    level: int
+    text: str
+
+
+@dataclass
+class Actions:
+    """What the caller does after an event, in this order: log, subscribe, publish, execute tasks."""
+
+    notes: list[Note] = field(default_factory=list)
+    subscribe: list[tuple[str, bool]] = field(default_factory=list)     # (topic filter, with chunk parts)
+    unsubscribe: list[tuple[str, bool]] = field(default_factory=list)
+    publish: list[Publish] = field(default_factory=list)
+    run: list[Task] = field(default_factory=list)        # execute each, then call answered()
+    arrived: list[Task] = field(default_factory=list)    # read from this message, before anything is decided
+    accepted: list[Task] = field(default_factory=list)   # new tasks of the current run: they will run
+    acks: list[StatusBody] = field(default_factory=list)  # the coordinator's answer to our pending result
+    run_status: tuple[str, int, str] | None = None       # (run id, round, state) of a run status taken in
+
+    def note(self, kind: str, level: int, text: str) -> None:
+        self.notes.append(Note(kind, level, text))
+
+
+@dataclass
+class _Pending:
+    """A result sent but not yet acknowledged; re-sent until ack or give-up time."""
+
+    run_id: str
+    round: int
+    task_id: str
+    payload: bytes
+    give_up_at: float
+    resend_every: float
+    next_send_at: float = 0.0
+
+
+class DeviceProtocol:
+    """One device's protocol state; every method takes the time (``now``, a monotonic clock in seconds)
+    from the caller and returns the :class:`Actions` to carry out."""
+
+    def __init__(self, client_id: str, topics: Topics, broadcasts: Broadcasts | None = None, *,
+                 max_decoded_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, exit_after_run: bool = False,
+                 presence_echo_timeout: float = 10.0) -> None:
+        self.client_id = client_id
+        self.topics = topics
+        self.broadcasts: Broadcasts = broadcasts if broadcasts is not None else BroadcastCache()
+        self.max_decoded_bytes = max_decoded_bytes
+        self.exit_after_run = exit_after_run     # finished once a run this device took part in finishes
+        self.presence_echo_timeout = presence_echo_timeout
+        self.done: dict[str, bytes | None] = {}  # task id -> result payload for re-sends; None once acknowledged
+        self.finished = False
+        self._pending: _Pending | None = None
+        self._latest_round: dict[str, int] = {}  # run id -> newest round the coordinator announced
+        self._runs_seen: set[str] = set()
+        self._runs_trained: set[str] = set()     # runs this device got a task of
+        self._runs_ended: set[str] = set()
+        # The coordinator's current running run, from its retained status ("" once it finished). Only its
+        # tasks run: a persistent session can hold tasks a dead run queued, and training them is waste.
+        self._running_run: str | None = None     # None: no status seen yet
+        self._sessions: dict[str, str] = {}      # run id -> the coordinator session last heard running it
+        self._parked: list[Task] = []            # tasks that came before any run status
+        self._parked_since: float | None = None
+        self._presence = b""                     # the presence we announced, and when it must have come back
+        self._echo_due: float | None = None
+        self._waiting: tuple[Task, float] | None = None   # a task waiting for its broadcast, since when
+        self._seen_while_waiting: list[str] = []  # what came on the model topic meanwhile, for the error
+        self._disconnects = 0
+        self._disconnects_before_wait = 0
+
+    # -- presence ---------------------------------------------------------------
+    def start(self) -> Actions:
+        """Subscribe to this device's topics, its own presence too: to see that the broker passes on what
+        it publishes. Before :meth:`announce`, so that no task sent in answer is missed."""
+        out = Actions()
+        out.subscribe = [(self.topics.client(self.client_id, kind), False) for kind in ("task", "status", "presence")]
+        out.subscribe.append((self.topics.coordinator_status, False))
+        return out
+
+    def announce(self, presence: PresenceBody, now: float) -> Actions:
+        """Say this device is online; the presence must come back from the broker within the echo timeout."""
+        out = Actions()
+        self._presence = presence_payload(self.client_id, presence)
+        self._echo_due = now + self.presence_echo_timeout
+        out.publish.append(Publish(self._presence_topic, self._presence, retain=True, announce=True))
+        return out
+
+    def leave(self) -> Actions:
+        out = Actions()
+        out.publish.append(Publish(self._presence_topic, presence_payload(self.client_id, PresenceBody("offline")),
+                                   retain=True))
+        return out
+
+    @property
+    def _presence_topic(self) -> str:
+        return self.topics.client(self.client_id, "presence")
+
+    def note_disconnects(self, total: int) -> None:
+        """The transport's count of lost connections so far: a broadcast missed meanwhile is explained by it."""
+        self._disconnects = total
+
+    # -- events -------------------------------------------------------------------
+    def handle(self, topic: str, payload: bytes, now: float) -> Actions:
+        """A message arrived on ``topic``."""
+        out = Actions()
+        if topic == self._presence_topic:
+            if payload == self._presence:
+                self._echo_due = None   # the broker passes on what we publish
+            return out
+        if topic == self.topics.model:
+            self._on_model(payload, now, out)
+            return out
+        try:
+            msg = decode(payload, max_bytes=self.max_decoded_bytes)
+        except ProtocolError as exc:
+            out.note("ignored", logging.WARNING, f"ignored a message on {topic}: {exc}")
+            return out
+        if msg.kind == "status" and topic == self.topics.coordinator_status:
+            self._on_run_status(msg, now, out)
+        elif msg.kind == "task" and topic == self.topics.client(self.client_id, "task"):
+            task = Task.read(msg)
+            out.arrived.append(task)
+            self._take(task, now, out)
+        elif msg.kind == "status":
+            self._on_ack(msg, out)
+        return out
+
+    def lost(self, topic: str, reason: str) -> Actions:
+        """A message on ``topic`` whose chunks did not make a whole one."""
+        out = Actions()
+        out.note("lost", logging.WARNING, f"lost a message on {topic}: {reason}")
+        return out
+
+    def tick(self, now: float) -> Actions:
+        """Time passed: give up waiting for a broadcast, warn once about what is missing, re-send."""
+        out = Actions()
+        self._give_up_waiting(now, out)
+        if self._echo_due is not None and now > self._echo_due:
+            self._echo_due = None
+            out.note("unseen", logging.ERROR,
+                     f"this device's presence on {self._presence_topic} did not come back from the broker within "
+                     f"{self.presence_echo_timeout:.0f} s, so no coordinator can see it: the broker drops what it "
+                     "publishes. Check the broker's ACL; with fedge's ACL (deploy/mosquitto.acl) --client-id must "
+                     "equal the MQTT --username")
+        if self._parked and self._parked_since is not None and now - self._parked_since > PARKED_PATIENCE:
+            out.note("parked", logging.WARNING,
+                     f"tasks are waiting for the coordinator's run status on {self.topics.coordinator_status}, "
+                     "which has not arrived; check that this device may read that topic (the broker's ACL)")
+            self._parked_since = None
+        self._resend_if_due(now, out)
+        return out
+
+    def due(self) -> float | None:
+        """The earliest time :meth:`tick` has something to do, for a caller that sleeps between events."""
+        times = [self._echo_due]
+        if self._parked and self._parked_since is not None:
+            times.append(self._parked_since + PARKED_PATIENCE)
+        if self._waiting is not None:
+            times.append(self._waiting[1] + BROADCAST_PATIENCE * self._waiting[0].timeout)
+        if self._pending is not None:
+            times += [self._pending.next_send_at, self._pending.give_up_at]
+        return min((t for t in times if t is not None), default=None)
+
+    def answered(self, task: Task, payload: bytes, now: float) -> Actions:
+        """The result of ``task`` is ready: send it, and again until acknowledged or given up."""
+        out = Actions()
+        self.done = {task.msg.task_id: payload}
+        self._send(task, payload, now, out)
+        return out
+
+    def send_failed(self, task_id: str, reason: str, *, too_large: bool) -> Actions:
+        """Publishing a result failed. Over the broker's limit (learned too late): say so instead of the
+        result; any other failure: stop sending it."""
+        out, p = Actions(), self._pending
+        if p is None or p.task_id != task_id:
+            return out
+        if too_large:
+            out.note("unsent", logging.ERROR, f"could not send result of {task_id}: {reason}")
+            p.payload = encode("result", run_id=p.run_id, round=p.round, task_id=p.task_id, sender=self.client_id,
+                               body=ResultBody(error=reason).to_body())
+            p.next_send_at = 0.0
+        else:
+            out.note("unsent", logging.WARNING, f"could not send result of {task_id}: {reason}")
+            self._pending = None
+        return out
+
+    # -- the run status -------------------------------------------------------------
+    def _on_run_status(self, msg: Message, now: float, out: Actions) -> None:
+        try:
+            status = StatusBody.from_body(msg.body)
+        except ProtocolError as exc:
+            out.note("ignored", logging.WARNING, f"ignored the coordinator's status: {exc}")
+            return
+        out.run_status = (msg.run_id, msg.round, status.state)
+        if status.state == "running":
+            self._on_running(msg, status, out)
+        elif status.state == "stopped":
+            # Its coordinator stopped (Ctrl-C, SIGTERM, an error) and may resume it: its queued tasks are waste.
+            if self._running_run in (None, msg.run_id):
+                self._running_run = ""
+                if msg.run_id in self._runs_trained:
+                    out.note("activity", logging.INFO, f"run {msg.run_id} stopped by its coordinator; waiting for "
+                                                       "it to resume or a new run")
+            if self._pending is not None and self._pending.run_id == msg.run_id:
+                self._pending = None
+        elif status.state == "finished":
+            self._running_run = "" if self._running_run in (None, msg.run_id) else self._running_run
+            if msg.run_id in self._runs_trained and msg.run_id not in self._runs_ended:
+                out.note("activity", logging.INFO, f"run {msg.run_id} finished")
+            self._runs_ended.add(msg.run_id)
+            if msg.run_id in self._runs_seen:
+                self._pending = None
+                self.finished = self.finished or self.exit_after_run
+        parked, self._parked = self._parked, []
+        for task in parked:
+            self._take(task, now, out)
+
+    def _on_running(self, msg: Message, status: StatusBody, out: Actions) -> None:
+        self._running_run = msg.run_id
+        self._runs_seen.add(msg.run_id)
+        known = self._sessions.get(msg.run_id)
+        if status.session and known is not None and status.session != known:
+            # The run resumed from a checkpoint: the rounds since come again, so none of them is stale.
+            out.note("activity", logging.INFO, f"run {msg.run_id} resumed by its coordinator at round {msg.round}")
+            self._latest_round[msg.run_id] = msg.round
+            self._pending = None   # counted as late by the resumed coordinator at best
+        else:
+            self._latest_round[msg.run_id] = max(self._latest_round.get(msg.run_id, 0), msg.round)
+        if status.session:
+            self._sessions[msg.run_id] = status.session
+
+    # -- tasks --------------------------------------------------------------------
+    def _take(self, task: Task, now: float, out: Actions) -> None:
+        """Run a new task if it belongs to the coordinator's current running run; park it while no run
+        status has arrived (the retained status may come after a persistent session's queued tasks)."""
+        run, task_id = task.msg.run_id, task.msg.task_id
+        if self._running_run is None:
+            if not self._parked:
+                self._parked_since = now
+            self._parked = [*self._parked[1 - KEEP_PARKED:], task]
+            return
+        if run != self._running_run:
+            out.note("dropped", logging.INFO, f"dropped task {task_id} of run {run}: it is not the coordinator's "
+                                              f"current run ({self._running_run or 'none running'})")
+            return
+        session = task.body.session if task.body is not None else ""
+        if session and session != self._sessions.get(run, session):
+            out.note("dropped", logging.INFO, f"dropped task {task_id} of run {run}: a coordinator that has since "
+                                              "stopped gave it")
+            return
+        if self._fresh(task, now, out):
+            out.accepted.append(task)
+            if not self._needs_broadcast(task, now, out):
+                out.run.append(task)
+
+    def _fresh(self, task: Task, now: float, out: Actions) -> bool:
+        """Whether the task is to run: not answered already (the stored result goes again, unless
+        acknowledged) and not of a round older than the newest announced."""
+        msg = task.msg
+        self._runs_seen.add(msg.run_id)
+        self._runs_trained.add(msg.run_id)
+        if msg.task_id in self.done:
+            payload = self.done[msg.task_id]
+            if payload is not None:
+                self._send(task, payload, now, out)
+            return False
+        if msg.round < self._latest_round.get(msg.run_id, 0):
+            out.note("stale", logging.INFO, f"skipped stale task {msg.task_id} for round {msg.round}")
+            return False
+        self._latest_round[msg.run_id] = msg.round
+        return True
+
+    def _on_ack(self, msg: Message, out: Actions) -> None:
+        try:
+            status = StatusBody.from_body(msg.body)
+        except ProtocolError as exc:
+            out.note("ignored", logging.WARNING, f"ignored a status: {exc}")
+            return
+        if self._pending is not None and status.task_id == self._pending.task_id:
+            if status.state == "rejected":
+                out.note("rejected", logging.WARNING,
+                         f"coordinator rejected result of {status.task_id}: {status.reason}")
+            self._pending = None
+            self.done[status.task_id] = None   # the coordinator has it: keep no copy (a model's size)
+            out.acks.append(status)
+
+    # -- the model broadcast ----------------------------------------------------------
+    def _on_model(self, payload: bytes, now: float, out: Actions) -> None:
+        digest = hashlib.sha256(payload).hexdigest()
+
+        def read() -> tuple[dict[str, torch.Tensor], CodecSpec, int] | None:
+            msg = decode(payload, max_bytes=self.max_decoded_bytes)
+            return (msg.tensors, ModelBody.from_body(msg.body).codec, msg.round) if msg.kind == "model" else None
+
+        try:
+            round = self.broadcasts.receive(digest, read)
+        except ProtocolError as exc:
+            out.note("ignored", logging.WARNING, f"ignored a model broadcast: {exc}")
+            self._note_while_waiting(f"a broadcast that was refused ({exc})")
+            return
+        if round is None:
+            return
+        self._note_while_waiting(f"the broadcast of round {round} ({digest[:16]}...)")
+        waiting = self._waiting
+        if waiting is not None and waiting[0].body is not None and waiting[0].body.broadcast == digest:
+            task, since = waiting
+            self._stop_waiting(out)
+            task.fetch_seconds = now - since
+            if self._fresh(task, now, out):
+                out.run.append(task)
+
+    def _needs_broadcast(self, task: Task, now: float, out: Actions) -> bool:
+        """Park a task whose broadcast is not here yet and fetch it (the retained model topic)."""
+        digest = task.body.broadcast if task.body is not None else None
+        if digest is None or digest in self.broadcasts:
+            self._stop_waiting(out)
+            return False
+        if self._waiting is None:
+            self._seen_while_waiting, self._disconnects_before_wait = [], self._disconnects
+            out.subscribe.append((self.topics.model, True))
+        self._waiting = (task, now)
+        return True
+
+    def _note_while_waiting(self, seen: str) -> None:
+        """Keep what came on the model topic for a task's error, only while one waits (a device lives long)."""
+        if self._waiting is not None:
+            self._seen_while_waiting = [*self._seen_while_waiting[-2:], seen]
+
+    def missing_broadcast(self, task: Task) -> str:
+        """Why a task's broadcast is not here, from what this device observed while it waited."""
+        digest = task.body.broadcast if task.body is not None else None
+        said = (f"the model broadcast {(digest or '')[:16]}... did not arrive within "
+                f"{BROADCAST_PATIENCE * task.timeout:.0f} s (half the task's timeout)")
+        dropped = self._disconnects - self._disconnects_before_wait
+        if dropped:
+            return (f"{said}; the connection to the broker dropped {dropped} time(s) meanwhile (a broker that "
+                    "restarts without persistence forgets the broadcast; the coordinator publishes it again on "
+                    "its retry)")
+        if self._seen_while_waiting:
+            return f"{said}; the model topic brought only {'; '.join(self._seen_while_waiting[-3:])}"
+        return (f"{said}, and nothing came on {self.topics.model}: check that this device may read that topic "
+                "(the broker's ACL)")
+
+    def _stop_waiting(self, out: Actions) -> None:
+        if self._waiting is not None:
+            self._waiting = None
+            out.unsubscribe.append((self.topics.model, True))
+
+    def _give_up_waiting(self, now: float, out: Actions) -> None:
+        """A task whose broadcast never came is answered with an error at half its timeout.
+
+        The coordinator's attempt ends at the full timeout: an error sent then would count
+        as late, while one sent halfway counts as failed and lets the coordinator retry,
+        which publishes the broadcast again.
+        """
+        if self._waiting is None:
+            return
+        task, since = self._waiting
+        if now - since > BROADCAST_PATIENCE * task.timeout:
+            self._stop_waiting(out)
+            task.no_broadcast = self.missing_broadcast(task)
+            if self._fresh(task, now, out):
+                out.run.append(task)
+
+    # -- results ---------------------------------------------------------------------
+    def _send(self, task: Task, payload: bytes, now: float, out: Actions) -> None:
+        msg = task.msg
+        self._pending = _Pending(msg.run_id, msg.round, msg.task_id, payload, give_up_at=now + task.timeout,
+                                 resend_every=max(0.5, task.resend_every))
+        self._resend_if_due(now, out)
+
+    def _resend_if_due(self, now: float, out: Actions) -> None:
+        p = self._pending
+        if p is None:
+            return
+        if now > p.give_up_at or p.round < self._latest_round.get(p.run_id, 0):
+            self._pending = None
+            return
+        if now >= p.next_send_at:
+            out.publish.append(Publish(self.topics.client(self.client_id, "result"), p.payload, result_of=p.task_id))
+            p.next_send_at = now + p.resend_every
