@@ -3,17 +3,16 @@
 The coordinator is the real one (``coordinator.run.run_federated`` in a child process:
 FedAvg, ``cnn`` on Fashion-MNIST, 1.69 MB of float32 parameters) and the broker is a
 Mosquitto of its own, started fresh for every cell so that its memory is the cell's.
-The devices are stand-ins that do not train but otherwise play the protocol as a
-device does: each has its own MQTT connection and client id (MQTT 5, persistent
-session, last will, QoS 1), subscribes to the real topics, announces itself online,
-waits for the coordinator's running status, decodes and checks each task, fetches the
-round's model broadcast over MQTT itself (subscribe, reassemble the chunks, check the
-SHA-256 the task names, unsubscribe), waits a think time drawn from ``--think`` in place
-of training, then answers with the real result encoding: the task's upload codec
-through ``encode_upload`` (differences from what was sent down), the envelope, chunks
-through ``ChunkingTransport``, re-sent every ``resend_every`` seconds until the
-coordinator's acknowledgement arrives. Devices import torch because the wire code works
-on tensors, not to train.
+The devices are stand-ins that do not train but play the protocol with the device's own
+code: each runs an ``edge_client.device_protocol.DeviceProtocol`` (presence, the run
+status, which tasks run, fetching the round's model broadcast over MQTT itself, sending
+the result every ``resend_every`` seconds until the coordinator acknowledges it) over its
+own MQTT connection and client id (MQTT 5, persistent session, last will, QoS 1). What
+is left here is the load-generation shell: a think time drawn from ``--think`` in place
+of training, then the real result encoding (the task's upload codec through
+``encode_upload``, differences from what was sent down, the envelope, chunks through
+``ChunkingTransport``), and the network loop below. Devices import torch because the
+wire code works on tensors, not to train.
 
 Why devices are cheap enough to run 250 or more per process:
 
@@ -45,7 +44,8 @@ Definitions (also written into the JSON):
   task and model delivery, decoding and encoding on the devices, the upload, the
   coordinator's decoding, folding and acknowledgements.
 * **coordinator CPU s/round**: the coordinator process's CPU time (all threads) during
-  ``Coordinator.train_round``, which the child wraps in a timer and nothing else.
+  ``Coordinator.train_round``, read at the engine's round start and end events
+  (``on_progress``, kind ``round``); the coordinator runs unmodified.
 * **peak RSS**: the highest resident set size seen by sampling the coordinator and the
   Mosquitto processes with psutil every 0.2 s, over the whole cell and during the rounds
   only (from the start of round 1 to the end of the last, which leaves out the
@@ -70,7 +70,6 @@ CPU seconds per round are reported so that share is visible.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import heapq
 import json
 import math
@@ -256,19 +255,6 @@ class TaskRecord:
     error: str | None = None
 
 
-@dataclass
-class Pending:
-    """A result sent and not acknowledged yet: re-sent every ``resend_every`` s until then, as a device does."""
-
-    task_id: str
-    run_id: str
-    round: int
-    payload: bytes
-    give_up_at: float
-    resend_every: float
-    record: TaskRecord
-
-
 class Fleet:
     """The devices of one process and what they share: the network loop, timers, caches and counters."""
 
@@ -276,6 +262,7 @@ class Fleet:
                  max_message_bytes: int = DEFAULT_PACKET_BYTES) -> None:
         import torch
 
+        from edge_client.device_protocol import BroadcastCache
         from edge_client.wire.transport import parse_broker_url
         from profiling.device import device_facts
 
@@ -287,7 +274,7 @@ class Fleet:
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self.facts = device_facts()
-        self.broadcasts: dict[str, tuple[dict[str, Any], Any]] = {}    # digest -> (wire tensors, codec), newest 2
+        self.broadcasts = BroadcastCache()                               # digest -> wire tensors, codec: newest 2
         self.decoded: dict[tuple[str, str], dict[str, Any]] = {}         # (digest, spec) -> float32 tensors
         self.shapes: dict[str, dict[str, tuple[int, ...]]] = {}          # model spec (JSON) -> shapes
         self.directions: dict[str, dict[str, Any]] = {}                  # model spec (JSON) -> perturbation
@@ -300,8 +287,12 @@ class Fleet:
         self.devices = [Device(self, cid, samples) for cid in ids]
 
     def schedule(self, delay: float, action: Callable[[], None]) -> None:
+        self.at(time.monotonic() + delay, action)
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        """Run ``action`` at monotonic time ``when`` (the process's one thread runs it: no locks)."""
         self._seq += 1
-        heapq.heappush(self.timers, (time.monotonic() + delay, self._seq, action))
+        heapq.heappush(self.timers, (when, self._seq, action))
 
     def count(self, direction: int, size: int) -> None:
         slot = self.traffic.setdefault(self.round, [0, 0, 0, 0])
@@ -328,23 +319,20 @@ class Fleet:
                                     for name, shape in sorted(self.model_shapes(spec).items())}
         return self.directions[key]
 
-    def add_broadcast(self, digest: str, wire: dict[str, Any], codec: Any) -> None:
-        self.broadcasts[digest] = (wire, codec)
-        while len(self.broadcasts) > 2:
-            gone = next(iter(self.broadcasts))
-            del self.broadcasts[gone]
-            self.decoded = {k: v for k, v in self.decoded.items() if k[0] != gone}
-
     def received(self, digest: str | None, spec: dict[str, Any]) -> dict[str, Any]:
-        """The float32 tensors of a broadcast, decoded once per process."""
+        """The float32 tensors of a broadcast, decoded once per process (while it is among the newest two)."""
+        from edge_client.wire.protocol import ProtocolError
         from edge_client.wire.updates import decode_download
 
         if digest is None:
             return {}
         key = (digest, json.dumps(spec, sort_keys=True))
         if key not in self.decoded:
-            wire, codec = self.broadcasts[digest]
-            self.decoded[key] = decode_download(wire, codec, self.model_shapes(spec))
+            shared = self.broadcasts.get(digest)
+            if shared is None:
+                raise ProtocolError(f"the model broadcast {digest[:16]}... is no longer held")
+            self.decoded = {k: v for k, v in self.decoded.items() if k[0] in self.broadcasts}
+            self.decoded[key] = decode_download(*shared, self.model_shapes(spec))
         return self.decoded[key]
 
     def run(self, stop: Callable[[], bool]) -> None:
@@ -393,10 +381,15 @@ def _device_link_class() -> type:
     class DeviceLink(Transport):
         """One device's MQTT connection, driven by the process's :class:`NetLoop`.
 
-        Session settings are a device's (MQTT 5, ``clean_start=False``, 7-day session
-        expiry, keepalive 30 s, QoS 1, retained last will; subscriptions and the online
-        presence sent again on every connect). ``get`` never waits: the process's loop
-        calls it only when something arrived.
+        Why not the product's ``MqttTransport``: it runs paho's network thread per connection
+        (``loop_start``), which at hundreds of devices per process costs a thread, a socket pair
+        and a wake-up a second each, and GIL contention in bursts (the module's docstring has the
+        figures); this link is driven by paho's external-loop calls from the process's one
+        selector instead. It only moves bytes: what a device does with them is the device
+        protocol's (:class:`Device`). Session settings are a device's (MQTT 5,
+        ``clean_start=False``, 7-day session expiry, keepalive 30 s, QoS 1, retained last will;
+        subscriptions and the online presence sent again on every connect). ``get`` never waits:
+        the process's loop calls it only when something arrived.
         """
 
         def __init__(self, fleet: Fleet, client_id: str, will: Will, on_arrival: Callable[[], None]) -> None:
@@ -406,6 +399,7 @@ def _device_link_class() -> type:
             self.filters: list[str] = []
             self.birth: tuple[str, bytes] | None = None
             self.connected = False
+            self.disconnects = 0
             self.on_arrival = on_arrival
             self.backoff = 1.0
             client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
@@ -440,6 +434,7 @@ def _device_link_class() -> type:
             was, self.connected = self.connected, False
             if was and getattr(reason, "value", 0) != 0:
                 self.fleet.counts["disconnects"] += 1
+                self.disconnects += 1
                 self.fleet.schedule(self.backoff, self._reconnect)
 
         def _reconnect(self) -> None:
@@ -488,10 +483,33 @@ def _device_link_class() -> type:
     return DeviceLink
 
 
+class _Held:
+    """The model broadcasts one stand-in device received itself, over its process's shared cache: each
+    device fetches a broadcast over MQTT as a device does, but the process decodes it only once."""
+
+    def __init__(self, shared: Any) -> None:
+        self.shared = shared
+        self.digests: deque[str] = deque(maxlen=2)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self.digests
+
+    def receive(self, digest: str, read: Callable[[], Any]) -> int | None:
+        round = self.shared.receive(digest, read)
+        if round is not None:
+            self.digests.append(digest)
+        return round
+
+
 class Device:
-    """One stand-in device: the client's protocol (edge_client/client.py) with a think time for training."""
+    """One stand-in device: the device's own protocol (``edge_client.device_protocol``) over one
+    :class:`NetLoop` connection, with a think time in place of training and a fixed perturbation of
+    what was sent down as its update."""
+
+    COUNTED = {"ignored": "undecodable", "lost": "lost_messages", "dropped": "dropped_tasks"}   # note -> counter
 
     def __init__(self, fleet: Fleet, client_id: str, samples: int) -> None:
+        from edge_client.device_protocol import DeviceProtocol, presence_payload
         from edge_client.wire.chunking import ChunkingTransport
         from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, PresenceBody, Topics
         from edge_client.wire.transport import Will
@@ -505,249 +523,162 @@ class Device:
         self.scale = rng.uniform(0.5, 1.5)        # this device's fixed perturbation: scale x the process's direction
         self.loss = rng.uniform(0.3, 0.9)
         self.rng = random.Random(f"{fleet.seed}/{client_id}/think")
-        self.max_decoded = DEFAULT_MAX_MESSAGE_BYTES
-        will = Will(self.topics.client(client_id, "presence"), self._presence(PresenceBody("offline")))
+        self.protocol = DeviceProtocol(client_id, self.topics, _Held(fleet.broadcasts),
+                                       max_decoded_bytes=DEFAULT_MAX_MESSAGE_BYTES, exit_after_run=True)
+        will = Will(self.topics.client(client_id, "presence"), presence_payload(client_id, PresenceBody("offline")))
         self.link = fleet.link_class(fleet, client_id, will, lambda: fleet.dirty.add(self))
         self.transport = ChunkingTransport(self.link, max_message_bytes=fleet.max_message_bytes,
-                                           max_decoded_bytes=self.max_decoded)
+                                           max_decoded_bytes=DEFAULT_MAX_MESSAGE_BYTES)
         self.residuals = ResidualStore(None)
-        self.running_run: str | None = None
-        self.latest_round: dict[str, int] = {}
-        self.runs_seen: set[str] = set()
-        self.parked: list[Any] = []
-        self.held: deque[str] = deque(maxlen=2)      # model broadcasts this device received
-        self.waiting: tuple[Any, Any, TaskRecord] | None = None
-        self.pending: Pending | None = None
-        self.done: dict[str, bytes | None] = {}
-        self.finished = False
         self.records: list[TaskRecord] = []
+        self.by_task: dict[str, TaskRecord] = {}
+        self.tick_at: float | None = None   # when the protocol is next due, as scheduled
 
-    def _presence(self, body: Any) -> bytes:
-        from edge_client.wire.protocol import encode
-
-        return encode("presence", run_id="", round=0, task_id="", sender=self.id, body=body.to_body())
+    @property
+    def finished(self) -> bool:
+        return self.protocol.finished
 
     def connect(self) -> None:
         from edge_client.wire.protocol import PresenceBody
 
-        for kind in ("task", "status", "presence"):
-            self.transport.subscribe(self.topics.client(self.id, kind))
-        self.transport.subscribe(self.topics.coordinator_status)
+        self.apply(self.protocol.start())
         online = PresenceBody("online", num_samples=self.samples, input_shape=(1, 28, 28), num_classes=10,
                               device=self.fleet.facts)
-        self.transport.announce(self.topics.client(self.id, "presence"), self._presence(online))
+        self.apply(self.protocol.announce(online, time.monotonic()))
         self.link.connect()
 
     def leave(self) -> None:
-        from edge_client.wire.protocol import PresenceBody
-
         if self.link.connected:
-            self.transport.publish(self.topics.client(self.id, "presence"), self._presence(PresenceBody("offline")),
-                                   retain=True)
+            self.apply(self.protocol.leave())
 
-    # -- incoming -----------------------------------------------------------------
+    # -- events -----------------------------------------------------------------
     def drain(self) -> None:
+        self.protocol.note_disconnects(self.transport.disconnects)
         while (item := self.transport.get(0.0)) is not None:
             if item.error:
-                self.fleet.counts["lost_messages"] += 1
+                self.apply(self.protocol.lost(item.topic, item.error))
             elif item.payload:
-                self.handle(item.topic, item.payload)
+                self.apply(self.protocol.handle(item.topic, item.payload, time.monotonic()))
 
-    def handle(self, topic: str, payload: bytes) -> None:
-        from edge_client.wire.protocol import ProtocolError, decode
+    def _tick(self, at: float) -> None:
+        if self.tick_at != at:   # an earlier tick took its place
+            return
+        self.tick_at = None
+        self.protocol.note_disconnects(self.transport.disconnects)
+        self.apply(self.protocol.tick(time.monotonic()))
 
-        if topic == self.topics.client(self.id, "presence"):
-            return
-        if topic == self.topics.model:
-            self.on_model(payload)
-            return
-        try:
-            msg = decode(payload, max_bytes=self.max_decoded)
-        except ProtocolError:
-            self.fleet.counts["undecodable"] += 1
-            return
-        if msg.kind == "status" and topic == self.topics.coordinator_status:
-            self.on_run_status(msg)
-        elif msg.kind == "task" and topic == self.topics.client(self.id, "task"):
-            self.take(msg)
-        elif msg.kind == "status":
-            self.on_ack(msg)
-
-    def on_run_status(self, msg: Any) -> None:
-        from edge_client.wire.protocol import ProtocolError, StatusBody
-
-        try:
-            status = StatusBody.from_body(msg.body)
-        except ProtocolError:
-            self.fleet.counts["undecodable"] += 1
-            return
-        if status.state == "running":
-            self.running_run = msg.run_id
-            self.runs_seen.add(msg.run_id)
-            self.latest_round[msg.run_id] = max(self.latest_round.get(msg.run_id, 0), msg.round)
-            if self.fleet.round >= 0:
-                self.fleet.round = max(self.fleet.round, msg.round)
-        elif status.state == "finished":
-            self.running_run = "" if self.running_run in (None, msg.run_id) else self.running_run
-            if msg.run_id in self.runs_seen:
-                self.pending = None
-                self.finished = True
+    def apply(self, actions: Any) -> None:
+        """Carry out what the protocol says, keeping this device's records, then wake it when next due."""
+        for note in actions.notes:
+            if note.kind in self.COUNTED:
+                self.fleet.counts[self.COUNTED[note.kind]] += 1
+        if actions.run_status is not None:
+            _, round, state = actions.run_status
+            if state == "running" and self.fleet.round >= 0:
+                self.fleet.round = max(self.fleet.round, round)
+            elif state == "finished" and self.protocol.finished:
                 self.fleet.round = -1   # what follows (leaving) is counted apart from the rounds
-        parked, self.parked = self.parked, []
-        for task_msg in parked:
-            self.take(task_msg)
+        for topic, parts in actions.subscribe:
+            self.transport.subscribe(topic, parts=parts)
+        for topic, parts in actions.unsubscribe:
+            self.transport.unsubscribe(topic, parts=parts)
+        for task in actions.accepted:
+            task.context = self.by_task[task.msg.task_id] = TaskRecord(self.id, task.msg.round, task.msg.task_id,
+                                                                       received=time.time())
+            self.records.append(task.context)
+        for status in actions.acks:
+            if (record := self.by_task.get(status.task_id or "")) is not None:
+                record.acked, record.ack = time.time(), status.state
+        for message in actions.publish:
+            self._publish(message)
+        for task in actions.run:
+            self.think(task)
+        due = self.protocol.due()
+        if due is not None and (self.tick_at is None or due < self.tick_at):
+            self.tick_at = due
+            self.fleet.at(due, lambda: self._tick(due))
 
-    def take(self, msg: Any) -> None:
-        """A task of the coordinator's running run starts; one before any run status waits for it."""
-        if self.running_run is None:
-            self.parked = [*self.parked[-7:], msg]
+    def think(self, task: Any) -> None:
+        """Think in place of training; a task that cannot run (no body, no broadcast) is answered at once."""
+        record = task.context
+        if task.body is None or task.no_broadcast:
+            record.error = task.problem or task.no_broadcast
+            self.answer(task)
             return
-        if msg.run_id != self.running_run:
-            self.fleet.counts["dropped_tasks"] += 1
-            return
-        self.on_task(msg)
-
-    def on_task(self, msg: Any) -> None:
-        from edge_client.wire.protocol import ProtocolError, TaskBody
-
-        self.runs_seen.add(msg.run_id)
-        if msg.task_id in self.done:   # the same task again: the stored result, unless acknowledged
-            if self.done[msg.task_id] is not None and self.pending is not None:
-                self.pending.record.resends += 1
-                self._publish_result(self.pending)
-            return
-        if msg.round < self.latest_round.get(msg.run_id, 0):
-            return
-        self.latest_round[msg.run_id] = msg.round
-        record = TaskRecord(self.id, msg.round, msg.task_id, received=time.time())
-        self.records.append(record)
-        try:
-            task = TaskBody.from_body(msg.body)
-        except ProtocolError as exc:
-            record.error = str(exc)
-            return
-        if task.broadcast is not None and task.broadcast not in self.held:
-            if self.waiting is None:
-                self.transport.subscribe(self.topics.model, parts=True)
-            self.waiting = (msg, task, record)
-            self.fleet.schedule(0.5 * task.timeout, lambda: self._give_up_waiting(record))
-            return
-        self.think(msg, task, record)
-
-    def on_model(self, payload: bytes) -> None:
-        from edge_client.wire.protocol import ModelBody, ProtocolError, decode
-
-        digest = hashlib.sha256(payload).hexdigest()
-        if digest not in self.fleet.broadcasts:   # decoded once per process: same hash, same bytes
-            try:
-                msg = decode(payload, max_bytes=self.max_decoded)
-                body = ModelBody.from_body(msg.body) if msg.kind == "model" else None
-            except ProtocolError:
-                self.fleet.counts["undecodable"] += 1
-                return
-            if body is None:
-                return
-            self.fleet.add_broadcast(digest, msg.tensors, body.codec)
-        self.held.append(digest)
-        waiting = self.waiting
-        if waiting is not None and waiting[1].broadcast == digest:
-            self._stop_waiting()
-            self.think(*waiting)
-
-    def _stop_waiting(self) -> None:
-        if self.waiting is not None:
-            self.waiting = None
-            self.transport.unsubscribe(self.topics.model, parts=True)
-
-    def _give_up_waiting(self, record: TaskRecord) -> None:
-        if self.waiting is not None and self.waiting[2] is record:
-            msg, task, _ = self.waiting
-            self._stop_waiting()
-            record.error = "the model broadcast did not arrive within half the task's timeout"
-            self.answer(msg, task, record)
-
-    def think(self, msg: Any, task: Any, record: TaskRecord) -> None:
         record.ready = time.time()
         record.think = self.fleet.think.draw(self.rng)
-        self.fleet.schedule(record.think, lambda: self.answer(msg, task, record))
+        self.fleet.schedule(record.think, lambda: self.answer(task))
 
     # -- outgoing -----------------------------------------------------------------
-    def answer(self, msg: Any, task: Any, record: TaskRecord) -> None:
-        """Encode the stored update with the task's upload codec and send it, as a trained device would."""
-        import torch
+    def answer(self, task: Any) -> None:
+        """Encode the stored update with the task's upload codec and hand it to the protocol, as a trained
+        device would."""
+        from edge_client.wire.protocol import ResultBody, encode
 
-        from edge_client.wire.protocol import ProtocolError, ResultBody, encode
-        from edge_client.wire.updates import encode_upload
-
+        record, msg = task.context, task.msg
         started = time.perf_counter()
         try:
-            if record.error is not None:
-                raise ProtocolError(record.error)
-            received = dict(self.fleet.received(task.broadcast, task.model))
-            if msg.tensors:
-                from edge_client.wire.updates import decode_download
-                received.update(decode_download(msg.tensors, task.codec, self.fleet.model_shapes(task.model)))
-            missing = sorted(set(task.up) - set(received))
-            if missing:
-                raise ProtocolError(f"this stand-in only answers with tensors it was sent; missing {missing[:3]}")
-            direction = self.fleet.direction(task.model)
-            update = {name: received[name] + self.scale * direction[name] for name in task.up}
-            wire, delta = encode_upload(update, received, task.upload, self.residuals, msg.run_id,
-                                        generator=torch.Generator().manual_seed(task.seed))
-            profile = {"seconds": time.time() - record.received,
-                       "phases": {"fetch_model": (record.ready or record.received) - record.received,
-                                  "train": record.think or 0.0}}
-            body = ResultBody(num_samples=self.samples, metrics={"train_loss": self.loss}, codec=task.upload.codec,
-                              delta=tuple(delta), profile=profile)
-            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
-                             body=body.to_body(), tensors=wire, compression=task.upload.codec)
-            self.transport.check_size(payload)
+            payload = self._result(task)
         except Exception as exc:   # like a device: a task that cannot run is answered with its error
             record.error = record.error or f"{type(exc).__name__}: {exc}"
             payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
                              body=ResultBody(error=record.error).to_body())
         record.encode_s = time.perf_counter() - started
-        self.done = {msg.task_id: payload}
-        self.pending = Pending(msg.task_id, msg.run_id, msg.round, payload,
-                               give_up_at=time.monotonic() + task.timeout,
-                               resend_every=max(0.5, task.resend_every), record=record)
-        record.answered = time.time()
-        self._publish_result(self.pending)
-        self._schedule_resend(self.pending)
+        self.apply(self.protocol.answered(task, payload, time.monotonic()))
 
-    def _publish_result(self, pending: Pending) -> None:
+    def _result(self, task: Any) -> bytes:
+        import torch
+
+        from edge_client.wire.protocol import ProtocolError, ResultBody, encode
+        from edge_client.wire.updates import decode_download, encode_upload
+
+        record, msg, body = task.context, task.msg, task.body
+        if record.error is not None:
+            raise ProtocolError(record.error)
+        received = dict(self.fleet.received(body.broadcast, body.model))
+        if msg.tensors:
+            received.update(decode_download(msg.tensors, body.codec, self.fleet.model_shapes(body.model)))
+        missing = sorted(set(body.up) - set(received))
+        if missing:
+            raise ProtocolError(f"this stand-in only answers with tensors it was sent; missing {missing[:3]}")
+        direction = self.fleet.direction(body.model)
+        update = {name: received[name] + self.scale * direction[name] for name in body.up}
+        wire, delta = encode_upload(update, received, body.upload, self.residuals, msg.run_id,
+                                    generator=torch.Generator().manual_seed(body.seed))
+        profile = {"seconds": time.time() - record.received,
+                   "phases": {"fetch_model": (record.ready or record.received) - record.received,
+                              "train": record.think or 0.0}}
+        result = ResultBody(num_samples=self.samples, metrics={"train_loss": self.loss}, codec=body.upload.codec,
+                            delta=tuple(delta), profile=profile)
+        payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
+                         body=result.to_body(), tensors=wire, compression=body.upload.codec)
+        self.transport.check_size(payload)
+        return payload
+
+    def _publish(self, message: Any) -> None:
         from edge_client.wire.chunking import HEADER_BYTES
+        from edge_client.wire.transport import MessageTooLarge, TransportError
 
-        pending.record.result_bytes = self.transport.publish(self.topics.client(self.id, "result"), pending.payload)
-        size, limit = len(pending.payload), self.transport.max_message_bytes
-        pending.record.chunks = 1 if size <= limit else -(-size // (limit - HEADER_BYTES))
-
-    def _schedule_resend(self, pending: Pending) -> None:
-        def due() -> None:
-            if self.pending is not pending:
-                return
-            if time.monotonic() > pending.give_up_at or pending.round < self.latest_round.get(pending.run_id, 0):
-                self.pending = None
-                return
-            pending.record.resends += 1
-            self._publish_result(pending)
-            self._schedule_resend(pending)
-        self.fleet.schedule(pending.resend_every, due)
-
-    def on_ack(self, msg: Any) -> None:
-        from edge_client.wire.protocol import ProtocolError, StatusBody
-
-        try:
-            status = StatusBody.from_body(msg.body)
-        except ProtocolError:
-            self.fleet.counts["undecodable"] += 1
+        if message.announce:
+            self.transport.announce(message.topic, message.payload)
             return
-        pending = self.pending
-        if pending is not None and status.task_id == pending.task_id:
-            pending.record.acked = time.time()
-            pending.record.ack = status.state
-            self.pending = None
-            self.done[status.task_id] = None
+        try:
+            sent = self.transport.publish(message.topic, message.payload, retain=message.retain)
+        except TransportError as exc:
+            if not message.result_of:
+                raise
+            self.apply(self.protocol.send_failed(message.result_of, str(exc),
+                                                 too_large=isinstance(exc, MessageTooLarge)))
+            return
+        record = self.by_task.get(message.result_of) if message.result_of else None
+        if record is not None:
+            if record.answered is None:
+                record.answered = time.time()
+            else:
+                record.resends += 1
+            size, limit = len(message.payload), self.transport.max_message_bytes
+            record.result_bytes = sent
+            record.chunks = 1 if size <= limit else -(-size // (limit - HEADER_BYTES))
 
 
 def devices_child(spec_path: Path) -> int:
@@ -774,53 +705,66 @@ def devices_child(spec_path: Path) -> int:
 
 # ----------------------------------------------------------------------------- the coordinator process
 
-def coordinator_child(spec_path: Path) -> int:
-    """The real coordinator (``run_federated``), with ``Coordinator.train_round`` wrapped in a timer."""
-    import psutil
+class CoordinatorWatch:
+    """The coordinator child's ``on_progress``: each round's wall time, CPU time and memory read at the
+    engine's round events (kind ``round``, which bound ``Coordinator.train_round`` on its thread), one
+    line per round in ``timing``; and a one-line status in ``status`` for the parent to print."""
 
+    def __init__(self, timing: Path, status: Path) -> None:
+        import psutil
+
+        self.timing, self.status = timing, status
+        self.me = psutil.Process()
+        self.marks: dict[int, dict[str, Any]] = {}   # round -> its start readings, until it ends
+        self.shown: tuple[float, Any] = (0.0, None)
+
+    def __call__(self, info: dict[str, Any]) -> None:
+        if info.get("kind") == "round":
+            self._round(info)
+        elif info.get("kind") in ("waiting", "exchange"):
+            self._status(info)
+
+    def _round(self, info: dict[str, Any]) -> None:
+        if info["phase"] == "start":
+            self.marks[info["round"]] = {"round": info["round"], "wall_start": time.time(),
+                                         "cpu_start": time.process_time(),
+                                         "rss_start_mb": self.me.memory_info().rss / 2**20}
+            return
+        mark = self.marks.pop(info["round"], None)
+        if mark is None:
+            return
+        mark.update(wall_end=time.time(), cpu_end=time.process_time(),
+                    rss_end_mb=self.me.memory_info().rss / 2**20, seconds=info["seconds"])
+        with self.timing.open("a") as fh:
+            fh.write(json.dumps(mark) + "\n")
+
+    def _status(self, info: dict[str, Any]) -> None:
+        """Clients online, or results of the round so far: a new stage at once, the same one once a second."""
+        if info["kind"] == "waiting":
+            line = {"kind": "waiting", "online": len(info["online"]), "needed": info["needed"]}
+        else:
+            line = {"kind": "exchange", "round": info["round"], "attempt": info["attempt"],
+                    "results": info["results"], "selected": info["selected"]}
+        now = time.monotonic()
+        key = (line["kind"], line.get("round"), line.get("attempt"))
+        if key != self.shown[1] or now - self.shown[0] > 1.0:
+            self.shown = (now, key)
+            self.status.write_text(json.dumps({**line, "wall": time.time()}))
+
+
+def coordinator_child(spec_path: Path) -> int:
+    """The real coordinator (``run_federated``) as it runs, watched only through its ``on_progress``."""
     from coordinator.config import load_config
-    from coordinator.engine import Coordinator
     from coordinator.run import run_federated
 
     spec = json.loads(spec_path.read_text())
-    timing, status = Path(spec["timing"]), Path(spec["status"])
     if spec.get("torch_threads"):   # a measured variant (--coordinator-torch-threads); normally left alone
         import torch
 
         torch.set_num_threads(spec["torch_threads"])
-    me = psutil.Process()
-    original = Coordinator.train_round
-
-    def timed(self: Coordinator, round: int) -> dict[str, Any]:
-        mark = {"round": round, "wall_start": time.time(), "cpu_start": time.process_time(),
-                "rss_start_mb": me.memory_info().rss / 2**20}
-        row = original(self, round)
-        mark.update(wall_end=time.time(), cpu_end=time.process_time(), rss_end_mb=me.memory_info().rss / 2**20,
-                    seconds=row["seconds"])
-        with timing.open("a") as fh:
-            fh.write(json.dumps(mark) + "\n")
-        return row
-
-    Coordinator.train_round = timed   # type: ignore[method-assign]
-    shown = {"at": 0.0, "key": None}
-
-    def on_progress(info: dict[str, Any]) -> None:
-        """A one-line status for the parent to print: clients online, or results of the round so far."""
-        if info.get("kind") == "waiting":
-            line = {"kind": "waiting", "online": len(info["online"]), "needed": info["needed"]}
-        elif info.get("kind") == "exchange":
-            line = {"kind": "exchange", "round": info["round"], "attempt": info["attempt"],
-                    "results": info["results"], "selected": info["selected"]}
-        else:
-            return
-        now = time.monotonic()
-        key = (line["kind"], line.get("round"), line.get("attempt"))
-        if key != shown["key"] or now - shown["at"] > 1.0:
-            shown.update(at=now, key=key)
-            status.write_text(json.dumps({**line, "wall": time.time()}))
-
     config = load_config(None, [tuple(k.split(".", 1)) + (v,) for k, v in spec["overrides"].items()])
-    run_federated(config, say=lambda s: print(s, flush=True), on_progress=on_progress)
+    run_federated(config, say=lambda s: print(s, flush=True),
+                  on_progress=CoordinatorWatch(Path(spec["timing"]), Path(spec["status"])))
     return 0
 
 
