@@ -60,25 +60,22 @@ class Aggregator:
         """Whether results can be folded in one at a time (only the mean is an associative reduce)."""
         return self.rule == "mean"
 
-    def combine(self, results: Sequence[tuple[Mapping[str, torch.Tensor], float]],
-                reference: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The new tensors from (tensors, sample count) per client; ``reference`` is what was sent down."""
-        if not results:
+    def combine(self, updates: Sequence[tuple[Mapping[str, torch.Tensor], float]]) -> dict[str, torch.Tensor]:
+        """The round's update (float64) from (update, sample count) per client: what the server
+        optimizer then steps on."""
+        if not updates:
             raise AggregationError("nothing to aggregate")
         if self.rule == "mean":
-            return WeightedSum.reduce(WeightedSum.of(t, w) for t, w in results).mean()
-        names = list(results[0][0])
-        updates = [{k: t[k].to(torch.float64) - reference[k].to(torch.float64) for k in names} for t, _ in results]
+            return WeightedSum.reduce(WeightedSum.of(u, w) for u, w in updates).mean(torch.float64)
+        names = list(updates[0][0])
+        wide = [{k: u[k].to(torch.float64) for k in names} for u, _ in updates]
         if self.rule == "clipped_mean":
-            norms = [_norm(u) for u in updates]
+            norms = [_norm(u) for u in wide]
             bound = float(torch.tensor(norms).median())
             scaled = [{k: v * min(1.0, bound / n) if n > 0 else v for k, v in u.items()}
-                      for u, n in zip(updates, norms)]
-            total = WeightedSum.reduce(WeightedSum.of(u, w) for u, (_, w) in zip(scaled, results))
-            combined = {k: v.to(torch.float64) for k, v in total.mean().items()}
-        else:
-            combined = {k: self._coordinatewise(torch.stack([u[k] for u in updates])) for k in names}
-        return {k: (reference[k].to(torch.float64) + v).to(torch.float32) for k, v in combined.items()}
+                      for u, n in zip(wide, norms)]
+            return WeightedSum.reduce(WeightedSum.of(u, w) for u, (_, w) in zip(scaled, updates)).mean(torch.float64)
+        return {k: self._coordinatewise(torch.stack([u[k] for u in wide])) for k in names}
 
     def _coordinatewise(self, stacked: torch.Tensor) -> torch.Tensor:
         if self.rule == "median":
@@ -103,10 +100,9 @@ def _norm(update: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((v.to(torch.float64) ** 2).sum()) for v in update.values()))
 
 
-def update_norms(results: Sequence[Mapping[str, torch.Tensor]], reference: Mapping[str, torch.Tensor]) -> list[float]:
-    """Each result's update norm over the tensors it shares with ``reference`` (what it was sent)."""
-    return [_norm({k: t[k].to(torch.float64) - reference[k].to(torch.float64) for k in t if k in reference})
-            for t in results]
+def update_norms(updates: Sequence[Mapping[str, torch.Tensor]]) -> list[float]:
+    """Each update's L2 norm over all its tensors."""
+    return [_norm(u) for u in updates]
 
 
 def norm_bound_keep(norms: Sequence[float], k: float) -> list[bool]:

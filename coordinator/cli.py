@@ -21,7 +21,8 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key, type, help); the types check ranges before torch is imported
 _FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
-    "--strategy": ("run", "strategy", str, "the method: fedavg, fedprox, spherefed, dfl, fed2, fedma (docs/methods.md)"),
+    "--strategy": ("run", "strategy", str, "the method: fedavg, fedprox, spherefed, dfl, fed2, fedma, fedadam, "
+                   "fedyogi, fedadagrad, fedavgm (docs/methods.md)"),
     "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9"),
     "--rounds": ("run", "rounds", at_least(1), "number of federated rounds"),
     "--clients": ("clients", "expected", at_least(1), "how many clients the run waits for before round 1"),

@@ -117,7 +117,8 @@ class _Trained:
 def _snapshot(state: ServerState) -> ServerState:
     """A copy of ``state`` that nothing done in later rounds can change."""
     return dataclasses.replace(state, params={k: v.detach().clone() for k, v in state.params.items()},
-                               spec=copy.deepcopy(state.spec), extra=copy.deepcopy(state.extra))
+                               spec=copy.deepcopy(state.spec), extra=copy.deepcopy(state.extra),
+                               buffers={k: v.detach().clone() for k, v in state.buffers.items()})
 
 
 def _check_finite(state: ServerState, round: int, phase: str, rule: str) -> None:
@@ -533,7 +534,7 @@ class Coordinator:
             book.partial = self.strategy.fold(book.phase, book.partial, result)
         except AggregationError as exc:
             raise ProtocolError(f"cannot aggregate this result: {exc}") from None
-        return dataclasses.replace(result, tensors={})
+        return dataclasses.replace(result, tensors={}, deltas={}, sent={})
 
     def _publish(self, topic: str, payload: bytes, *, retain: bool = False) -> int:
         """Publish (in chunks if needed) and return the bytes sent; a message too large ends the run."""
@@ -739,7 +740,7 @@ class Coordinator:
     def _norm_bound(self, results: list[ClientResult]) -> tuple[list[ClientResult], list[str]]:
         """The results whose update norm is within ``aggregate.norm_bound`` x the round's median, and the
         ids of the others (rejected before aggregation, and logged)."""
-        norms = update_norms([r.tensors for r in results], self.state.params)
+        norms = update_norms([r.deltas for r in results])
         keep = norm_bound_keep(norms, self.config.aggregate.norm_bound)
         dropped = [r.client_id for r, ok in zip(results, keep) if not ok]
         if dropped:
@@ -799,7 +800,7 @@ class Coordinator:
                     "fp32_bytes_up": self.fp32_model_bytes * len(book.plans),
                 })
                 if self.config.run.diagnostics:   # before aggregation: how far apart the clients went
-                    row.update(divergence_metrics([r.tensors for r in results], [r.num_samples for r in results]))
+                    row.update(divergence_metrics([r.values() for r in results], [r.num_samples for r in results]))
             else:
                 row.update({f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results),
                             f"{phase}_bytes_down": totals["bytes_down"], f"{phase}_bytes_up": totals["bytes_up"]})

@@ -15,7 +15,7 @@ import torch
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
 from edge_client.wire.codec import CodecSpec
 from edge_client.wire.protocol import Message, ProtocolError, ResultBody, check_tensors
-from edge_client.wire.updates import decode_upload
+from edge_client.wire.updates import decode_parts
 
 __all__ = ["accept_result", "one_torch_thread"]
 
@@ -31,9 +31,13 @@ def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mappin
     if body.error is not None:
         raise ProtocolError(f"client could not run the task: {body.error}")
     expect = plan.expect if plan.expect is not None else {k: shapes[k] for k in plan.up}
-    tensors = decode_upload(msg.tensors, body, expect, plan.down)   # differences back to parameters
-    check_tensors(tensors, expect, codec.dtype)   # float64 for fp64 statistics
-    result = ClientResult(plan.client_id, body.num_samples, tensors, dict(body.metrics))
+    values, deltas = decode_parts(msg.tensors, body, expect, plan.down)
+    check_tensors({**values, **deltas}, expect, codec.dtype)   # float64 for fp64 statistics
+    if plan.update == "delta":   # a sent parameter answered with its value is an update all the same
+        for name in [k for k in values if k in plan.down]:
+            value = values.pop(name)
+            deltas[name] = value - plan.down[name].to(value.dtype)
+    result = ClientResult(plan.client_id, body.num_samples, values, dict(body.metrics), deltas, plan.down)
     problem = strategy.check_result(plan, result, spec)
     if problem:
         raise ProtocolError(problem)

@@ -65,6 +65,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fedma", f"{_STRATEGIES}.fedma:FedMA", objectives=fedma.OBJECTIVES,
            sections={"fedma": f"{_STRATEGIES}.fedma:FedmaSection"},
            model_options={"norm": "none"}),
+    Method("fedadam", "methods.fedadam.strategy:FedAdam", sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}),
+    Method("fedyogi", "methods.fedyogi.strategy:FedYogi", sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}),
+    Method("fedadagrad", "methods.fedadagrad.strategy:FedAdagrad",
+           sections={"fedadagrad": "methods.fedadagrad.strategy:FedAdagradSection"}),
+    Method("fedavgm", "methods.fedavgm.strategy:FedAvgM", sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}),
 )}
 
 OBJECTIVES: dict[str, Objective] = {**PLAIN_OBJECTIVES,

@@ -1,8 +1,8 @@
 """Checkpoints: the server state of each completed round, one safetensors file each.
 
 This module is the one place that knows how checkpoints are named
-(``round_NNNN.safetensors``) and laid out: the tensors are the state's parameters,
-and the ``fedge`` metadata entry is a JSON object with the state's ``round``,
+(``round_NNNN.safetensors``) and laid out: the tensors are the state's parameters and
+its buffers (names prefixed ``@buffer/``), and the ``fedge`` metadata entry is a JSON object with the state's ``round``,
 ``spec`` (the model spec; ``model`` in checkpoints written before the spec was part
 of the state) and ``extra``, beside the caller's info (run id, strategy). The
 coordinator resumes from it and the export reads it, both through
@@ -42,6 +42,7 @@ __all__ = ["CheckpointError", "DamagedCheckpoint", "save_checkpoint", "load_chec
 
 _NAME = re.compile(r"^round_(\d{4,})\.safetensors$")
 DIGEST_KEY = "fedge_digest"   # metadata entry beside "fedge": "sha256:" and the hex digest
+BUFFER = "@buffer/"            # tensor-name prefix of the state's buffers (no parameter name starts with "@")
 
 
 class CheckpointError(FedgeError, RuntimeError):
@@ -94,6 +95,7 @@ def save_checkpoint(directory: Path, state: ServerState, info: dict[str, Any], *
     path = checkpoint_path(directory, state.round)
     fedge = json.dumps({**info, "round": state.round, "spec": state.spec, "extra": state.extra})
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.params.items()}
+    tensors.update({BUFFER + k: v.detach().cpu().contiguous() for k, v in state.buffers.items()})
     write_tensors_atomic(path, tensors, {"fedge": fedge, DIGEST_KEY: _digest(fedge, tensors)})
     if not keep_all:
         for old in checkpoint_rounds(directory).values():
@@ -170,8 +172,10 @@ def load_checkpoint(path: Path) -> tuple[ServerState, dict[str, Any]]:
         spec = info.pop("spec", None) or info.pop("model", None)   # "model": written before the spec was state
         if not isinstance(spec, dict):
             raise ValueError("its fedge metadata has no model spec (a JSON object under \"spec\")")
-        state = ServerState(round=int(info.pop("round")), params={k: v.to(torch.float32) for k, v in params.items()},
-                            spec=spec, extra=dict(info.pop("extra", {})))
+        state = ServerState(round=int(info.pop("round")),
+                            params={k: v.to(torch.float32) for k, v in params.items() if not k.startswith(BUFFER)},
+                            spec=spec, extra=dict(info.pop("extra", {})),
+                            buffers={k.removeprefix(BUFFER): v for k, v in params.items() if k.startswith(BUFFER)})
     except (SafetensorError, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(path, f"{type(exc).__name__}: {exc}") from None
     return state, info

@@ -26,9 +26,13 @@ class ServerState:
     method may change the network between rounds (FedMA grows layers): a strategy
     returns a state with a new spec and matching parameters, and the coordinator,
     the devices, the checkpoint and the export all follow it.
+
+    ``buffers`` are tensors a strategy keeps between rounds that are not the model (a server
+    optimizer's moments): checkpointed with the parameters, never sent to devices or exported.
     """
 
     round: int
     params: dict[str, torch.Tensor]
     spec: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)   # JSON-serializable strategy state
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -103,9 +103,10 @@ SMALL = {"name": "mlp", "hidden": [4, 4], "fed2_groups": 2, "fed2_from": 2, **DI
 
 def _result(client: str, value: float, counts: list[int]) -> ClientResult:
     model = build_model(SMALL)
-    tensors = {k: torch.full_like(v, value) for k, v in model.state_dict().items()}
+    sent = _state().params   # what the task sent: the client trained every tensor to ``value``
+    deltas = {k: torch.full_like(v, value) - sent[k] for k, v in model.state_dict().items()}
     metrics = {"train_loss": 1.0, **class_counts(torch.repeat_interleave(torch.arange(10), torch.tensor(counts)), 10)}
-    return ClientResult(client, sum(counts), tensors, metrics)
+    return ClientResult(client, sum(counts), {}, metrics, deltas, sent)
 
 
 def _state() -> ServerState:

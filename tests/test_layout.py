@@ -22,11 +22,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = ("storage", "profiling", "edge_client", "export", "coordinator")   # the packages, ground floor first
+# ``methods/`` holds one folder per method; each file stands on the floor of its role (methods/__init__.py).
+ROLE_FLOORS = {"device": "edge_client", "model": "edge_client", "common": "edge_client", "export": "export"}
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for package in FLOORS:
+    for package in (*FLOORS, "methods"):
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -101,7 +103,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _floor(module: str) -> int:
-    return FLOORS.index(module.partition(".")[0])
+    parts = module.split(".")
+    if parts[0] != "methods":
+        return FLOORS.index(parts[0])
+    if len(parts) <= 2:   # the package and its folders: containers that import nothing
+        return 0
+    return FLOORS.index(ROLE_FLOORS.get(parts[-1], "coordinator"))
 
 
 def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -167,3 +174,20 @@ def test_building_a_model_or_reading_a_message_imports_no_training_code(module):
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m in {training!r}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_method_file_stands_on_the_floor_of_its_role():
+    graph = {"methods.x.device": {"coordinator.engine"}, "methods.x.model": {"edge_client.models"},
+             "methods.x.strategy": {"coordinator.strategies.fedavg", "methods.x.device"},
+             "methods.x.export": {"export.fold"}, "edge_client.registry": {"methods.x.device"}}
+    assert _upward(graph) == [("methods.x.device", "coordinator.engine")]
+
+
+def test_every_import_path_the_registry_names_resolves():
+    from coordinator.methods import resolve
+    from edge_client.registry import METHODS
+
+    for entry in METHODS.values():
+        assert callable(getattr(resolve(entry.strategy), "from_config", None)), entry.name
+        for section, path in entry.sections.items():
+            assert callable(getattr(resolve(path)(), "checks", None)), (entry.name, section)

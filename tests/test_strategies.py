@@ -27,8 +27,11 @@ def _state(**params) -> ServerState:
     return ServerState(round=0, params={k: torch.tensor(v, dtype=torch.float32) for k, v in params.items()})
 
 
-def _result(client_id: str, n: int, **tensors) -> ClientResult:
-    return ClientResult(client_id, n, {k: torch.tensor(v, dtype=torch.float32) for k, v in tensors.items()})
+def _result(client_id: str, n: int, sent: dict[str, torch.Tensor] | None = None, **trained) -> ClientResult:
+    """A client's answer to a task that sent ``sent`` (zeros by default): its ``trained`` values as deltas."""
+    values = {k: torch.tensor(v, dtype=torch.float32) for k, v in trained.items()}
+    sent = sent if sent is not None else {k: torch.zeros_like(v) for k, v in values.items()}
+    return ClientResult(client_id, n, {}, deltas={k: v - sent[k] for k, v in values.items()}, sent=sent)
 
 
 # --------------------------------------------------------------------------- FedAvg aggregation
@@ -59,11 +62,11 @@ def test_fedavg_three_clients_counts_1_3_6():
 
 def test_fedavg_result_order_does_not_change_the_mean_beyond_rounding():
     g = torch.Generator().manual_seed(1)
-    results = [ClientResult(f"c{i}", n, {"w": torch.randn(5, 4, generator=g)}) for i, n in enumerate([1, 3, 6, 2])]
+    results = [ClientResult(f"c{i}", n, {}, deltas={"w": torch.randn(5, 4, generator=g)}) for i, n in enumerate([1, 3, 6, 2])]
     state = ServerState(round=0, params={"w": torch.zeros(5, 4)})
     strategy = FedAvg(TRAIN)
     ref = strategy.aggregate_train(1, state, results).params["w"]
-    expected = sum(r.tensors["w"].double() * r.num_samples for r in results) / 12
+    expected = sum(r.deltas["w"].double() * r.num_samples for r in results) / 12
     assert torch.allclose(ref.double(), expected, rtol=0, atol=1e-6)
     for perm in itertools.permutations(results):
         assert torch.allclose(strategy.aggregate_train(1, state, list(perm)).params["w"], ref, rtol=0, atol=1e-6)
@@ -71,14 +74,14 @@ def test_fedavg_result_order_does_not_change_the_mean_beyond_rounding():
 
 def test_fedavg_single_client_returns_its_model():
     state = _state(w=[1.0, 2.0])
-    new = FedAvg(TRAIN).aggregate_train(1, state, [_result("a", 7, w=[3.5, -1.25])])
+    new = FedAvg(TRAIN).aggregate_train(1, state, [_result("a", 7, state.params, w=[3.5, -1.25])])
     assert torch.equal(new.params["w"], torch.tensor([3.5, -1.25]))
 
 
 def test_fedavg_partial_results_keep_the_other_params():
     state = ServerState(round=2, params={"w": torch.tensor([1.0, 1.0]), "frozen": torch.tensor([9.0, 8.0]),
                                          "bias": torch.tensor([0.5])}, extra={"note": "kept"})
-    results = [_result("a", 1, w=[2.0, 4.0]), _result("b", 1, w=[4.0, 0.0])]
+    results = [_result("a", 1, state.params, w=[2.0, 4.0]), _result("b", 1, state.params, w=[4.0, 0.0])]
     new = FedAvg(TRAIN).aggregate_train(3, state, results)
     assert set(new.params) == {"w", "frozen", "bias"}
     assert torch.equal(new.params["w"], torch.tensor([3.0, 2.0]))

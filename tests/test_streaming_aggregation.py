@@ -19,14 +19,15 @@ from storage.checkpoint import latest_checkpoint, load_checkpoint
 
 def _results(n: int, seed: int = 0) -> list[ClientResult]:
     g = torch.Generator().manual_seed(seed)
-    return [ClientResult(f"c{i:03d}", int(torch.randint(1, 5_000, (1,), generator=g)),
-                         {"w": torch.randn(64, 32, generator=g) * 10 ** float(torch.randint(-3, 3, (1,), generator=g)),
-                          "b": torch.randn(64, generator=g)}) for i in range(n)]
+    return [ClientResult(f"c{i:03d}", int(torch.randint(1, 5_000, (1,), generator=g)), {},
+                         deltas={"w": torch.randn(64, 32, generator=g) * 10 ** float(torch.randint(-3, 3, (1,),
+                                                                                                  generator=g)),
+                                 "b": torch.randn(64, generator=g)}) for i in range(n)]
 
 
 def test_folding_in_any_order_gives_the_sorted_order_sum():
     results = _results(200)
-    sorted_sum = WeightedSum.reduce(WeightedSum.of(r.tensors, r.num_samples) for r in results)
+    sorted_sum = WeightedSum.reduce(WeightedSum.of(r.deltas, r.num_samples) for r in results)
     strategy = FedAvg({})
     for seed in range(5):
         arrival = results[:]
@@ -69,7 +70,7 @@ def test_a_streamed_run_holds_no_client_tensors_and_matches_the_held_one(tmp_pat
     original = FedAvg.aggregate_train
 
     def spy(self, round, state, results, partial=None):
-        seen.append((partial is not None, sum(len(r.tensors) for r in results)))
+        seen.append((partial is not None, sum(len(r.tensors) + len(r.deltas) for r in results)))
         return original(self, round, state, results, partial)
 
     monkeypatch.setattr(FedAvg, "aggregate_train", spy)
@@ -87,4 +88,4 @@ def test_a_streamed_run_holds_no_client_tensors_and_matches_the_held_one(tmp_pat
 
 def test_a_result_without_samples_cannot_be_folded():   # the engine rejects it like a malformed result
     with pytest.raises(AggregationError, match="positive weight"):
-        FedAvg({}).fold("train", None, ClientResult("c", 0, {"w": torch.ones(2)}))
+        FedAvg({}).fold("train", None, ClientResult("c", 0, {}, deltas={"w": torch.ones(2)}))

@@ -41,9 +41,9 @@ class TaskPlan:
     # Shapes of what comes back when it is not model parameters (e.g. statistics);
     # None: the model's own shapes for the names in ``up``.
     expect: dict[str, tuple[int, ...]] | None = None
-    # "delta": parameters sent down come back as differences (compact with lossy codecs);
-    # "raw": as values, dense (e.g. layers a method matches as they are). The engine
-    # turns differences back into parameters, so aggregation sees parameters either way.
+    # "delta": parameters sent down come back as differences (compact with lossy codecs), in
+    # ClientResult.deltas; "raw": as values, dense, in ClientResult.tensors (e.g. layers a
+    # method matches as they are).
     update: str = "delta"
     # The upload codec for this task instead of the run's ``codec.up``: statistics that
     # must arrive exactly (e.g. "fp64" for SphereFed's FFC sums). None: ``codec.up``.
@@ -55,10 +55,24 @@ class TaskPlan:
 
 @dataclass(frozen=True)
 class ClientResult:
+    """One client's decoded, checked answer.
+
+    The parameters a task sent come back as ``deltas`` (trained minus sent, as the device computed
+    them): strategies average updates and a server optimizer steps on them. Everything else
+    (statistics, parameters the task did not send, tasks that asked for ``update = "raw"``) is in
+    ``tensors`` as values. ``sent`` is what the task sent, for :meth:`values`.
+    """
+
     client_id: str
     num_samples: int
     tensors: dict[str, torch.Tensor]
     metrics: dict[str, Any] = field(default_factory=dict)
+    deltas: dict[str, torch.Tensor] = field(default_factory=dict)
+    sent: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a value: what was sent plus its difference (float32), the rest as it came."""
+        return {**self.tensors, **{k: self.sent[k].to(torch.float32) + d for k, d in self.deltas.items()}}
 
 
 @dataclass(frozen=True)
@@ -79,8 +93,8 @@ class WeightedSum:
             raise AggregationError("cannot add partial aggregates over different tensors")
         return WeightedSum({k: v + other.sums[k] for k, v in self.sums.items()}, self.weight + other.weight)
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        return {k: (v / self.weight).to(torch.float32) for k, v in self.sums.items()}
+    def mean(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        return {k: (v / self.weight).to(dtype) for k, v in self.sums.items()}
 
     @staticmethod
     def reduce(parts: Iterable["WeightedSum"]) -> "WeightedSum":
@@ -113,12 +127,12 @@ class RowWeightedSum:
         return RowWeightedSum({k: v + other.sums[k] for k, v in self.sums.items()},
                               {k: v + other.weights[k] for k, v in self.weights.items()})
 
-    def mean(self, previous: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def mean(self, previous: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The weighted mean of every row with weight, ``previous`` for rows without."""
         out = {}
         for k, total in self.sums.items():
             w = _rows(self.weights[k], total)
-            out[k] = torch.where(w > 0, total / w.clamp_min(1e-300), previous[k].to(torch.float64)).to(torch.float32)
+            out[k] = torch.where(w > 0, total / w.clamp_min(1e-300), previous[k].to(torch.float64)).to(dtype)
         return out
 
     @staticmethod

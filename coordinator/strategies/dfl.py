@@ -146,9 +146,11 @@ class DFL(Strategy):
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
         """Sample-weighted mean of the invariant extractors; with diversity, bank each specific one."""
         names = part_names(state.params, INVARIANT)
-        total = WeightedSum.reduce(WeightedSum.of({k: r.tensors[k] for k in names}, r.num_samples) for r in results)
+        total = WeightedSum.reduce(WeightedSum.of({k: r.deltas[k] for k in names}, r.num_samples) for r in results)
+        invariant = {k: (state.params[k].to(torch.float64) + u).to(torch.float32)
+                     for k, u in total.mean(torch.float64).items()}
         banked = {f"{BANK}/{r.client_id}/{k}": r.tensors[k] for r in results for k in self._specific(state)}
-        return dataclasses.replace(state, round=round, params={**state.params, **total.mean(), **banked})
+        return dataclasses.replace(state, round=round, params={**state.params, **invariant, **banked})
 
     def configure_evaluate(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         """The global invariant extractor to every client, tested with its own branches; with

@@ -110,10 +110,11 @@ class Fed2(FedAvg):
         owners = _row_groups(json.dumps(state.spec, sort_keys=True))
         allocation = _allocation(json.dumps(state.spec, sort_keys=True))
         total = RowWeightedSum.reduce(
-            RowWeightedSum.of(r.tensors, group_weights(r.tensors, r.num_samples, _counts(r.metrics), owners,
-                                                       allocation))
+            RowWeightedSum.of(r.deltas, group_weights(r.deltas, r.num_samples, _counts(r.metrics), owners,
+                                                      allocation))
             for r in results)
-        return dataclasses.replace(state, round=round, params={**state.params, **total.mean(state.params)})
+        still = {k: torch.zeros_like(v) for k, v in total.sums.items()}   # rows no client gave weight stay put
+        return self.server_step(round, state, total.mean(still, torch.float64))
 
 
 def group_weights(tensors: dict[str, torch.Tensor], num_samples: int, counts: torch.Tensor | None,

@@ -11,6 +11,8 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from coordinator.aggregation import Aggregator
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan, WeightedSum
 from storage.state import ServerState
@@ -59,18 +61,28 @@ class FedAvg(Strategy):
                 and "partial" in inspect.signature(self.aggregate_train).parameters)
 
     def fold(self, phase: str, partial: WeightedSum | None, result: ClientResult) -> WeightedSum:
-        part = WeightedSum.of(result.tensors, result.num_samples)
+        part = WeightedSum.of(result.deltas, result.num_samples)
         return part if partial is None else partial + part
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult],
                         partial: WeightedSum | None = None) -> ServerState:
-        """The returned models combined by ``aggregate.rule`` (FedAvg's sample-weighted mean by default),
-        in the order given (the engine sorts), or the mean of the results the engine streamed in."""
+        """The clients' updates combined by ``aggregate.rule`` (FedAvg's sample-weighted mean by default),
+        in the order given (the engine sorts), or the mean of the updates the engine streamed in; then
+        the server's step on it (:meth:`server_step`)."""
         if partial is not None:
-            combined = partial.mean()
+            update = partial.mean(torch.float64)
         else:
-            combined = self.aggregator.combine([(r.tensors, r.num_samples) for r in results], state.params)
-        return dataclasses.replace(state, round=round, params={**state.params, **combined})
+            update = self.aggregator.combine([(r.deltas, r.num_samples) for r in results])
+        return self.server_step(round, state, update)
+
+    def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+        """The state after the round's combined update (float64, by tensor name): FedAvg adds it.
+
+        Server optimizers (momentum, adaptive steps) override this and keep what they carry between
+        rounds in ``state.buffers``, which is checkpointed with the parameters.
+        """
+        params = {k: (state.params[k].to(torch.float64) + u).to(torch.float32) for k, u in update.items()}
+        return dataclasses.replace(state, round=round, params={**state.params, **params})
 
 
 class FedProx(FedAvg):

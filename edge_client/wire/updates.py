@@ -11,9 +11,10 @@ over rounds nothing is lost for good. The residuals live in the client's state
 directory and survive restarts.
 
 Both sides use this module: the client encodes (:func:`encode_upload`), the
-coordinator turns a result back into float32 parameters (:func:`decode_upload`)
-by adding each difference to the exact tensor it sent, so strategies aggregate
-parameters as before and never see the codec.
+coordinator decodes a result into its values and its differences
+(:func:`decode_parts`), so strategies average updates and never see the codec;
+:func:`decode_upload` adds each difference back to the exact tensor sent, for
+whoever wants parameters.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from storage.files import write_tensors_atomic
 
 # UPDATES and UploadSettings (the task's ``upload``) are defined with the other bodies
 # in the protocol module; they are part of this module's interface too.
-__all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_upload", "encode_download",
-           "decode_download"]
+__all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_parts", "decode_upload",
+           "encode_download", "decode_download"]
 
 log = logging.getLogger("fedge.updates")
 RESIDUAL_FILE = "residual.safetensors"
@@ -111,19 +112,30 @@ def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, to
     return wire, delta
 
 
-def decode_upload(wire: Mapping[str, torch.Tensor], body: ResultBody,
-                  expected: Mapping[str, tuple[int, ...]], sent: Mapping[str, torch.Tensor]
-                  ) -> dict[str, torch.Tensor]:
-    """Float32 values of a result: differences are added back to the exact tensors ``sent``."""
+def decode_parts(wire: Mapping[str, torch.Tensor], body: ResultBody,
+                 expected: Mapping[str, tuple[int, ...]], sent: Mapping[str, torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A result as (values, differences): the tensors that came as values, and the differences
+    from the exact tensors ``sent`` (kept as differences, so a server optimizer steps on the update the
+    device computed, not on a parameter rebuilt from it). A difference whose sum with what was sent is
+    not finite is refused here, as a value would be."""
     stray = sorted(set(body.delta) - (set(expected) & set(sent)))
     if stray:
         raise CodecError(f"differences declared for tensors the task did not send: {stray[:5]}")
     values = decode_tensors(wire, body.codec, expected, sparse=body.delta)
-    for name in body.delta:
-        values[name] = sent[name].to(torch.float32) + values[name]
-        if not all_finite(values[name]):
+    deltas = {name: values.pop(name) for name in body.delta}
+    for name, delta in deltas.items():
+        if not all_finite(sent[name].to(torch.float32) + delta):
             raise CodecError(f"tensor {name!r} is not finite after adding its difference")
-    return values
+    return values, deltas
+
+
+def decode_upload(wire: Mapping[str, torch.Tensor], body: ResultBody,
+                  expected: Mapping[str, tuple[int, ...]], sent: Mapping[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """Float32 values of a result: differences are added back to the exact tensors ``sent``."""
+    values, deltas = decode_parts(wire, body, expected, sent)
+    return {**values, **{name: sent[name].to(torch.float32) + d for name, d in deltas.items()}}
 
 
 def encode_download(tensors: Mapping[str, torch.Tensor], spec: CodecSpec, *,

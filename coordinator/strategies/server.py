@@ -1,0 +1,92 @@
+"""Server optimizers: what the coordinator does with a round's combined update.
+
+FedAvg adds the clients' mean update to the model: a server step of learning rate 1. The
+adaptive federated optimizers (Reddi et al., "Adaptive Federated Optimization", ICLR 2021,
+Algorithm 2) treat that update as a pseudo-gradient and scale each coordinate by moments
+kept across rounds, so coordinates that every round moves the same way get a steadier step
+than a noisy client sample gives them. Each optimizer is a plug-in of its own (one folder
+under ``methods/``) that only says how its second moment follows the squared update; the
+step, the moments' storage and the checks are here, once.
+
+The moments live in ``ServerState.buffers``: checkpointed with the parameters, never sent to
+devices, read back on ``--resume``, so a resumed run takes the same steps as an unbroken one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from coordinator.strategies.fedavg import FedAvg
+from storage.state import ServerState
+
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+__all__ = ["AdaptiveSection", "AdaptiveServer", "moment"]
+
+
+@dataclass(frozen=True)
+class AdaptiveSection:
+    """A section of an adaptive server optimizer: its step and moment settings.
+
+    ``tau`` keeps the step bounded where the second moment is tiny: Reddi et al. found 1e-3 a
+    good choice across their tasks (smaller values make the step erratic early on).
+    """
+
+    lr: float = 0.01        # the server learning rate (eta)
+    beta1: float = 0.9      # first-moment decay (0: no momentum)
+    beta2: float = 0.99     # second-moment decay (FedAdam, FedYogi)
+    tau: float = 1e-3       # adaptivity: added to the root of the second moment
+    section: ClassVar[str] = "adaptive"
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        s = self.section
+        return [(self.lr > 0, f"{s}.lr (the server learning rate) must be > 0, got {self.lr}"),
+                (0 <= self.beta1 < 1, f"{s}.beta1 must be in [0, 1), got {self.beta1}"),
+                (0 < self.beta2 < 1, f"{s}.beta2 must be in (0, 1), got {self.beta2}"),
+                (self.tau > 0, f"{s}.tau must be > 0 (1e-3 is the paper's choice), got {self.tau}")]
+
+
+def moment(state: ServerState, name: str, like: torch.Tensor, start: float = 0.0) -> torch.Tensor:
+    """The buffer ``name`` (float64), or ``start`` everywhere when there is none or the tensor's shape changed."""
+    kept = state.buffers.get(name)
+    if kept is None or kept.shape != like.shape:
+        return torch.full_like(like, start, dtype=torch.float64)
+    return kept.to(torch.float64)
+
+
+class AdaptiveServer(FedAvg):
+    """FedAvg whose server takes an adaptive step on the clients' mean update ``d``:
+
+    m = beta1 m + (1 - beta1) d;  v = second_moment(v, d^2);  x = x + lr m / (sqrt(v) + tau),
+
+    with m starting at 0 and v at tau^2 (the paper's v_{-1}). Subclasses set ``name``, their
+    config ``section`` and :meth:`second_moment`.
+    """
+
+    section: ClassVar[str] = ""
+
+    def __init__(self, train: dict[str, Any], settings: AdaptiveSection) -> None:
+        super().__init__(train)
+        self.settings = settings
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> AdaptiveServer:
+        return cls(dataclasses.asdict(config.train), getattr(config, cls.section))
+
+    def second_moment(self, v: torch.Tensor, square: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+        s = self.settings
+        params, buffers = dict(state.params), dict(state.buffers)
+        for name, d in update.items():
+            m = s.beta1 * moment(state, f"m/{name}", d) + (1 - s.beta1) * d
+            v = self.second_moment(moment(state, f"v/{name}", d, s.tau ** 2), d * d)
+            params[name] = (state.params[name].to(torch.float64) + s.lr * m / (v.sqrt() + s.tau)).to(torch.float32)
+            buffers[f"m/{name}"], buffers[f"v/{name}"] = m, v
+        return dataclasses.replace(state, round=round, params=params, buffers=buffers)

@@ -1,0 +1,12 @@
+"""Learning methods, one folder each.
+
+A folder holds everything of its method: the coordinator's strategy and its config
+section (``strategy.py``), and, for methods that need them, the device's objectives
+(``device.py``), the model hook that builds its network around a backbone (``model.py``)
+and the export hook (``export.py``). One entry in ``edge_client/registry.py`` wires a
+folder in; ``docs/methods.md`` walks through adding one.
+
+A file's floor follows its role, not its folder: ``device.py`` and ``model.py`` stand on
+the device package's floor (devices import them), ``export.py`` on the export's, the rest
+on the coordinator's (``tests/test_layout.py`` checks it).
+"""

@@ -1,0 +1,29 @@
+"""FedAdagrad (Reddi et al., 2021): Adagrad on the server, over the clients' mean update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from coordinator.strategies.server import AdaptiveSection, AdaptiveServer
+
+__all__ = ["FedAdagrad", "FedAdagradSection"]
+
+
+@dataclass(frozen=True)
+class FedAdagradSection(AdaptiveSection):
+    """``[fedadagrad]``: the server's Adagrad step (run.strategy = "fedadagrad"); ``beta2`` is unused."""
+
+    beta1: float = 0.0      # Adagrad keeps no momentum unless asked
+    section: ClassVar[str] = "fedadagrad"
+
+
+class FedAdagrad(AdaptiveServer):
+    name = "fedadagrad"
+    section = "fedadagrad"
+
+    def second_moment(self, v: torch.Tensor, square: torch.Tensor) -> torch.Tensor:
+        """Every squared update summed: a coordinate's step only shrinks."""
+        return v + square

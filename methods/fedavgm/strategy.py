@@ -1,0 +1,55 @@
+"""FedAvgM (Hsu et al., "Measuring the Effects of Non-Identical Data Distribution", 2019):
+FedAvg with momentum on the server, over the clients' mean update."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coordinator.strategies.fedavg import FedAvg
+from coordinator.strategies.server import moment
+from storage.state import ServerState
+
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+__all__ = ["FedAvgM", "FedAvgMSection"]
+
+
+@dataclass(frozen=True)
+class FedAvgMSection:
+    """``[fedavgm]``: the server's momentum step (run.strategy = "fedavgm"). With lr 1 and momentum 0 it
+    is FedAvg."""
+
+    lr: float = 1.0         # the server learning rate
+    momentum: float = 0.9
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        return [(self.lr > 0, f"fedavgm.lr (the server learning rate) must be > 0, got {self.lr}"),
+                (0 <= self.momentum < 1, f"fedavgm.momentum must be in [0, 1), got {self.momentum}")]
+
+
+class FedAvgM(FedAvg):
+    """v = momentum v + d;  x = x + lr v, with d the clients' mean update and v kept in the state's buffers."""
+
+    name = "fedavgm"
+
+    def __init__(self, train: dict[str, Any], settings: FedAvgMSection) -> None:
+        super().__init__(train)
+        self.settings = settings
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> FedAvgM:
+        return cls(dataclasses.asdict(config.train), config.fedavgm)
+
+    def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+        s = self.settings
+        params, buffers = dict(state.params), dict(state.buffers)
+        for name, d in update.items():
+            v = s.momentum * moment(state, f"momentum/{name}", d) + d
+            params[name] = (state.params[name].to(torch.float64) + s.lr * v).to(torch.float32)
+            buffers[f"momentum/{name}"] = v
+        return dataclasses.replace(state, round=round, params=params, buffers=buffers)
