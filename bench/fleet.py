@@ -86,10 +86,13 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from bench_io import RESULTS, write_result
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES
+
+if TYPE_CHECKING:   # annotations only: a device process imports these when it starts
+    from edge_client.device_protocol import Actions, Publish, Task
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = RESULTS / "fleet.json"
@@ -567,7 +570,7 @@ class Device:
         self.protocol.note_disconnects(self.transport.disconnects)
         self.apply(self.protocol.tick(time.monotonic()))
 
-    def apply(self, actions: Any) -> None:
+    def apply(self, actions: Actions) -> None:
         """Carry out what the protocol says, keeping this device's records, then wake it when next due."""
         for note in actions.notes:
             if note.kind in self.COUNTED:
@@ -598,7 +601,7 @@ class Device:
             self.tick_at = due
             self.fleet.at(due, lambda: self._tick(due))
 
-    def think(self, task: Any) -> None:
+    def think(self, task: Task) -> None:
         """Think in place of training; a task that cannot run (no body, no broadcast) is answered at once."""
         record = task.context
         if task.body is None or task.no_broadcast:
@@ -610,7 +613,7 @@ class Device:
         self.fleet.schedule(record.think, lambda: self.answer(task))
 
     # -- outgoing -----------------------------------------------------------------
-    def answer(self, task: Any) -> None:
+    def answer(self, task: Task) -> None:
         """Encode the stored update with the task's upload codec and hand it to the protocol, as a trained
         device would."""
         from edge_client.wire.protocol import ResultBody, encode
@@ -626,7 +629,9 @@ class Device:
         record.encode_s = time.perf_counter() - started
         self.apply(self.protocol.answered(task, payload, time.monotonic()))
 
-    def _result(self, task: Any) -> bytes:
+    def _result(self, task: Task) -> bytes:
+        """What a trained device would send: the tensors sent down plus this device's fixed perturbation,
+        in the task's upload codec."""
         import torch
 
         from edge_client.wire.protocol import ProtocolError, ResultBody, encode
@@ -655,7 +660,7 @@ class Device:
         self.transport.check_size(payload)
         return payload
 
-    def _publish(self, message: Any) -> None:
+    def _publish(self, message: Publish) -> None:
         from edge_client.wire.chunking import HEADER_BYTES
         from edge_client.wire.transport import MessageTooLarge, TransportError
 
