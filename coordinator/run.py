@@ -34,7 +34,6 @@ from edge_client.data import (describe_partitions, evaluation_split, load_datase
 from edge_client.models import federated_names
 from edge_client.objectives import Objective
 from edge_client.registry import build_model, describe_size, model_size
-from edge_client.methods.sphere_head import with_sphere_seed
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
 from storage.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from storage.files import read_jsonl, write_jsonl_atomic
@@ -231,12 +230,9 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))  # type: ignore[arg-type]
         say(f"resuming run {run_id} after round {state.round}")
     else:
-        spec = strategy.model_spec(with_sphere_seed({**config.model, "num_classes": dataset.num_classes,
-                                                     "in_channels": int(x_eval.shape[1]),
-                                                     "image_size": dataset.image_size,
-                                                     "normalization": model_normalization(
-                                                         dataset, config.data.partition).to_spec()},
-                                                    config.run.seed))
+        spec = strategy.model_spec({**config.model, "num_classes": dataset.num_classes,
+                                    "in_channels": int(x_eval.shape[1]), "image_size": dataset.image_size,
+                                    "normalization": model_normalization(dataset, config.data.partition).to_spec()})
         torch.manual_seed(config.run.seed)
         model = build_model(spec)
         params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}

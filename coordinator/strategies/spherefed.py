@@ -98,6 +98,10 @@ class SphereFed(FedProx):
             self._fixed = fixed_classifier(classes, dim, self.sphere_seed).to(torch.float32)
         return self._fixed
 
+    def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The configured network with the seed of its fixed classifier: every party rebuilds the same one."""
+        return with_sphere_seed(spec, self.sphere_seed)
+
     @staticmethod
     def extractor(state: ServerState) -> dict[str, torch.Tensor]:
         """What travels: everything but the classifier."""
