@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, positive
+from edge_client.registry import strategies
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,8 +22,7 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key, type, help); the types check ranges before torch is imported
 _FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
-    "--strategy": ("run", "strategy", str, "the method: fedavg, fedprox, spherefed, dfl, fed2, fedma, fedadam, "
-                   "fedyogi, fedadagrad, fedavgm (docs/methods.md)"),
+    "--strategy": ("run", "strategy", str, f"the method: {', '.join(strategies())} (docs/methods.md)"),
     "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9"),
     "--rounds": ("run", "rounds", at_least(1), "number of federated rounds"),
     "--clients": ("clients", "expected", at_least(1), "how many clients the run waits for before round 1"),

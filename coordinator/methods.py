@@ -9,26 +9,22 @@ Its strategy is built by :mod:`coordinator.strategy_setup`.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
 from coordinator.errors import ConfigError
-from edge_client.registry import METHODS, Method
+from edge_client.registry import METHODS, Method, resolve, strategies
 
 __all__ = ["method", "resolve", "method_sections", "requirements"]
 
 
-def resolve(path: str) -> Any:
-    """The object an import path ``"package.module:attribute"`` names."""
-    module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
 def method(name: str) -> Method:
-    if name not in METHODS:
-        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(METHODS)} (docs/methods.md)")
-    return METHODS[name]
+    """The registry entry of the strategy ``run.strategy`` names."""
+    entry = METHODS.get(name)
+    if entry is None or not entry.strategy:
+        what = f"unknown strategy {name!r}" if entry is None else f"{name!r} is a model option, not a strategy"
+        raise ConfigError(f"{what}; available: {', '.join(strategies())} (docs/methods.md)")
+    return entry
 
 
 @functools.cache

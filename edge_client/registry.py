@@ -1,44 +1,42 @@
 """Every learning method fedge runs, each registered here and only here.
 
-An entry names the whole method: the coordinator's strategy, the device objectives
-its tasks ask for, the networks it adds around the backbones, its config sections,
-the model options it needs and the defaults it brings. Nothing registers itself
-by being imported. Devices install only ``edge_client``, so the coordinator's
-parts (the strategy class and the config dataclasses) are named by import path
-(``"module:attribute"``, as Python entry points do) and resolved by the
-coordinator alone (:mod:`coordinator.methods`).
+An entry names the whole method by import paths (``"module:attribute"``, as Python entry
+points do): the coordinator's strategy and its config sections, the device objectives its
+tasks ask for, the networks it adds around the backbones, the model options it needs and the
+defaults it brings. Nothing registers itself by being imported, and naming a part imports
+nothing: this module imports no torch, so a command line lists the methods at once, and a
+device, which installs no coordinator, never resolves a strategy. A part is imported the first
+time it is used, and only once (:func:`resolve`).
 
-Adding a method: a device module in :mod:`edge_client.methods`, a strategy module in
-``coordinator/strategies/``, and an entry in :data:`METHODS` (``docs/methods.md``).
+Adding a method: a folder under ``methods/`` and one entry in :data:`METHODS` (``docs/methods.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import importlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
-from edge_client import models
-from edge_client.methods import dfl, fed2, fedma, sphere
-from edge_client.methods.dfl_model import two_branch
-from edge_client.models import ModelFactory
-from edge_client.objectives import OBJECTIVES as PLAIN_OBJECTIVES
-from edge_client.objectives import Objective
-from edge_client.seeding import global_rng, private_rng
+    from edge_client.models import ModelFactory
+    from edge_client.objectives import Objective
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "NETWORKS", "build_model", "build_aside", "model_size", "describe_size"]
+__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "networks", "build_model", "build_aside",
+           "model_size", "describe_size"]
 
 
 @dataclass(frozen=True)
 class Method:
-    """One learning method, end to end."""
+    """One learning method, end to end; every part is an import path resolved on first use."""
 
     name: str
-    strategy: str                                        # "module:Class" of its coordinator strategy
-    objectives: Mapping[str, Objective] = field(default_factory=dict)   # what its tasks ask devices to run
-    networks: Mapping[str, ModelFactory] = field(default_factory=dict)  # model names it adds to the backbones
+    strategy: str = ""                                   # "module:Class" of its coordinator strategy
+    objectives: str = ""                                 # "module:MAPPING": objective name -> function
+    networks: Mapping[str, str] = field(default_factory=dict)   # model names it adds -> "module:factory"
     sections: Mapping[str, str] = field(default_factory=dict)   # config section -> "module:Dataclass"
     # Model options the strategy needs: applied when the user set none, an error when the user set another.
     model_options: Mapping[str, Any] = field(default_factory=dict)
@@ -52,17 +50,18 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fedavg", f"{_STRATEGIES}.fedavg:FedAvg"),
     Method("fedprox", f"{_STRATEGIES}.fedavg:FedProx",
            sections={"fedprox": f"{_STRATEGIES}.fedavg:FedProxSection"}),
-    Method("spherefed", f"{_STRATEGIES}.spherefed:SphereFed", objectives=sphere.OBJECTIVES,
+    Method("spherefed", f"{_STRATEGIES}.spherefed:SphereFed", objectives="edge_client.methods.sphere:OBJECTIVES",
            sections={"spherefed": f"{_STRATEGIES}.spherefed:SphereFedSection",
                      "ffc": f"{_STRATEGIES}.spherefed:FfcSection"},
            model_options={"head": "sphere"}),
-    Method("dfl", f"{_STRATEGIES}.dfl:DFL", objectives=dfl.OBJECTIVES, networks={"dfl": two_branch},
+    Method("dfl", f"{_STRATEGIES}.dfl:DFL", objectives="edge_client.methods.dfl:OBJECTIVES",
+           networks={"dfl": "edge_client.methods.dfl_model:two_branch"},
            sections={"dfl": f"{_STRATEGIES}.dfl:DflSection"},
            defaults={"data.local_test_fraction": 0.2}),
-    Method("fed2", f"{_STRATEGIES}.fed2:Fed2", objectives=fed2.OBJECTIVES,
+    Method("fed2", f"{_STRATEGIES}.fed2:Fed2", objectives="edge_client.methods.fed2:OBJECTIVES",
            sections={"fed2": f"{_STRATEGIES}.fed2:Fed2Section"},
            defaults={"model.fed2_groups": 10}),
-    Method("fedma", f"{_STRATEGIES}.fedma:FedMA", objectives=fedma.OBJECTIVES,
+    Method("fedma", f"{_STRATEGIES}.fedma:FedMA", objectives="edge_client.methods.fedma:OBJECTIVES",
            sections={"fedma": f"{_STRATEGIES}.fedma:FedmaSection"},
            model_options={"norm": "none"}),
     Method("fedadam", "methods.fedadam.strategy:FedAdam", sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}),
@@ -72,10 +71,55 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fedavgm", "methods.fedavgm.strategy:FedAvgM", sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}),
 )}
 
-OBJECTIVES: dict[str, Objective] = {**PLAIN_OBJECTIVES,
-                                    **{k: v for m in METHODS.values() for k, v in m.objectives.items()}}
-NETWORKS: dict[str, ModelFactory] = {**models.MODELS,
-                                     **{k: v for m in METHODS.values() for k, v in m.networks.items()}}
+
+@functools.cache
+def resolve(path: str) -> Any:
+    """The object an import path ``"package.module:attribute"`` names, imported once."""
+    module, _, attribute = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"the method registry names {path!r}, which does not import ({exc}); fix the entry in "
+                          "edge_client/registry.py or install the package that provides it") from exc
+
+
+def strategies() -> list[str]:
+    """The names ``run.strategy`` takes, in registry order."""
+    return [name for name, entry in METHODS.items() if entry.strategy]
+
+
+@functools.cache
+def _objectives() -> dict[str, Objective]:
+    from edge_client.objectives import OBJECTIVES as PLAIN
+
+    return {**PLAIN, **{k: v for m in METHODS.values() if m.objectives for k, v in resolve(m.objectives).items()}}
+
+
+class _Objectives(Mapping[str, "Objective"]):
+    """Every objective a task can name: plain training and evaluation, and each method's.
+
+    A mapping that imports the methods' device code when first read, not when the registry is imported.
+    """
+
+    def __getitem__(self, name: str) -> Objective:
+        return _objectives()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_objectives())
+
+    def __len__(self) -> int:
+        return len(_objectives())
+
+
+OBJECTIVES: Mapping[str, Objective] = _Objectives()
+
+
+@functools.cache
+def networks() -> dict[str, ModelFactory]:
+    """Every model name a spec may carry: the backbones and the networks methods build around them."""
+    from edge_client.models import MODELS
+
+    return {**MODELS, **{k: resolve(v) for m in METHODS.values() for k, v in m.networks.items()}}
 
 
 def build_model(spec: Mapping[str, Any]) -> nn.Module:
@@ -83,20 +127,27 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
 
     Building draws from torch's global generator, so it holds that generator (edge_client.seeding).
     """
+    from edge_client import models
+    from edge_client.seeding import global_rng
+
     with global_rng():
-        return models.build_model(spec, NETWORKS)
+        return models.build_model(spec, networks())
 
 
 def build_aside(spec: Mapping[str, Any]) -> nn.Module:
     """``build_model`` leaving torch's global generator as it was: for a network only measured, or
     whose tensors are all loaded next, so that building it does not move a run's seeded stream."""
+    from edge_client.seeding import private_rng
+
     with private_rng():
         return build_model(spec)
 
 
 def model_size(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Parameters and multiply-adds per image of the network a spec builds, and, for a model a
-    method adapted (Fed2's groups), of the original beside it (``original``)."""
+    method adapted, of the original beside it (``original``)."""
+    from edge_client import models
+
     def cost(s: Mapping[str, Any]) -> dict[str, int]:
         return models.model_cost(build_aside(s), int(s["in_channels"]), int(s["image_size"]))
 

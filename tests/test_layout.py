@@ -157,6 +157,14 @@ def test_storage_and_serving_load_without_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_the_registry_and_the_command_lines_load_without_torch():
+    """The registry names every part by import path, so listing the methods (``--help``) imports none."""
+    code = ("import sys, edge_client.registry, coordinator.cli, coordinator.methods; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_wire_and_methods_are_where_the_layout_says():
     graph = _graph()
     for name in ("protocol", "transport", "chunking", "compression", "codec", "updates"):
