@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, positive
-from edge_client.registry import strategies
+from edge_client.registry import model_options, strategies
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,7 +23,8 @@ __all__ = ["main", "build_parser"]
 # flag -> (section, key, type, help); the types check ranges before torch is imported
 _FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
     "--strategy": ("run", "strategy", str, f"the method: {', '.join(strategies())} (docs/methods.md)"),
-    "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9"),
+    "--model": ("model", "name", str, "model from the registry: mlp, cnn, vgg9; any strategy also takes the model "
+                f"options of {', '.join(model_options())} (docs/methods.md)"),
     "--rounds": ("run", "rounds", at_least(1), "number of federated rounds"),
     "--clients": ("clients", "expected", at_least(1), "how many clients the run waits for before round 1"),
     "--clients-per-round": ("clients", "per_round", at_least(0), "clients sampled each round (0: all)"),

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.methods.pans import PositionAwareReLU
+from methods.pans.model import PositionAwareReLU
 from storage.errors import FedgeError
 
 __all__ = [

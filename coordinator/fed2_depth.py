@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edge_client.methods.pans import PositionAwareReLU
+from methods.pans.model import PositionAwareReLU
 from storage.errors import FedgeError
 
 __all__ = ["DEFAULT_THRESHOLD", "Fed2Depth", "LayerPreference", "Fed2DepthError", "weight_layers",

@@ -2,8 +2,9 @@
 
 An entry names the whole method by import paths (``"module:attribute"``, as Python entry
 points do): the coordinator's strategy and its config sections, the device objectives its
-tasks ask for, the networks it adds around the backbones, the model options it needs and the
-defaults it brings. Nothing registers itself by being imported, and naming a part imports
+tasks ask for, the model hook that changes the networks every party builds, the model
+options it needs and the defaults it brings. A method may be a model hook alone, which any
+strategy trains with. Nothing registers itself by being imported, and naming a part imports
 nothing: this module imports no torch, so a command line lists the methods at once, and a
 device, which installs no coordinator, never resolves a strategy. A part is imported the first
 time it is used, and only once (:func:`resolve`).
@@ -22,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-    from edge_client.models import ModelFactory
+    from edge_client.models import ModelHook
     from edge_client.objectives import Objective
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "networks", "build_model", "build_aside",
+__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "model_options", "model_hooks", "build_model", "build_aside",
            "model_size", "describe_size"]
 
 
@@ -34,9 +35,9 @@ class Method:
     """One learning method, end to end; every part is an import path resolved on first use."""
 
     name: str
-    strategy: str = ""                                   # "module:Class" of its coordinator strategy
-    objectives: str = ""                                 # "module:MAPPING": objective name -> function
-    networks: Mapping[str, str] = field(default_factory=dict)   # model names it adds -> "module:factory"
+    strategy: str = ""          # "module:Class" of its coordinator strategy; "" for a model hook alone
+    objectives: str = ""        # "module:MAPPING": objective name -> function, what its tasks ask devices to run
+    model: str = ""             # "module:HOOK": an edge_client.models.ModelHook
     sections: Mapping[str, str] = field(default_factory=dict)   # config section -> "module:Dataclass"
     # Model options the strategy needs: applied when the user set none, an error when the user set another.
     model_options: Mapping[str, Any] = field(default_factory=dict)
@@ -51,19 +52,22 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fedprox", f"{_STRATEGIES}.fedavg:FedProx",
            sections={"fedprox": f"{_STRATEGIES}.fedavg:FedProxSection"}),
     Method("spherefed", f"{_STRATEGIES}.spherefed:SphereFed", objectives="edge_client.methods.sphere:OBJECTIVES",
+           model="methods.spherefed.model:HOOK",
            sections={"spherefed": f"{_STRATEGIES}.spherefed:SphereFedSection",
                      "ffc": f"{_STRATEGIES}.spherefed:FfcSection"},
            model_options={"head": "sphere"}),
     Method("dfl", f"{_STRATEGIES}.dfl:DFL", objectives="edge_client.methods.dfl:OBJECTIVES",
-           networks={"dfl": "edge_client.methods.dfl_model:two_branch"},
+           model="methods.dfl.model:HOOK",
            sections={"dfl": f"{_STRATEGIES}.dfl:DflSection"},
            defaults={"data.local_test_fraction": 0.2}),
     Method("fed2", f"{_STRATEGIES}.fed2:Fed2", objectives="edge_client.methods.fed2:OBJECTIVES",
+           model="methods.fed2.model:HOOK",
            sections={"fed2": f"{_STRATEGIES}.fed2:Fed2Section"},
            defaults={"model.fed2_groups": 10}),
     Method("fedma", f"{_STRATEGIES}.fedma:FedMA", objectives="edge_client.methods.fedma:OBJECTIVES",
            sections={"fedma": f"{_STRATEGIES}.fedma:FedmaSection"},
            model_options={"norm": "none"}),
+    Method("pans", model="methods.pans.model:HOOK"),
     Method("fedadam", "methods.fedadam.strategy:FedAdam", sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}),
     Method("fedyogi", "methods.fedyogi.strategy:FedYogi", sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}),
     Method("fedadagrad", "methods.fedadagrad.strategy:FedAdagrad",
@@ -86,6 +90,11 @@ def resolve(path: str) -> Any:
 def strategies() -> list[str]:
     """The names ``run.strategy`` takes, in registry order."""
     return [name for name, entry in METHODS.items() if entry.strategy]
+
+
+def model_options() -> list[str]:
+    """The methods that are a model hook alone: options any strategy trains with."""
+    return [name for name, entry in METHODS.items() if entry.model and not entry.strategy]
 
 
 @functools.cache
@@ -115,11 +124,14 @@ OBJECTIVES: Mapping[str, Objective] = _Objectives()
 
 
 @functools.cache
-def networks() -> dict[str, ModelFactory]:
-    """Every model name a spec may carry: the backbones and the networks methods build around them."""
-    from edge_client.models import MODELS
-
-    return {**MODELS, **{k: resolve(v) for m in METHODS.values() for k, v in m.networks.items()}}
+def model_hooks() -> tuple[ModelHook, ...]:
+    """Every method's model hook, in registry order (the order their layer plans compose in)."""
+    hooks = tuple(resolve(m.model) for m in METHODS.values() if m.model)
+    owned = [key for hook in hooks for key in hook.options]
+    twice = sorted({key for key in owned if owned.count(key) > 1})
+    if twice:
+        raise TypeError(f"model options {twice} are claimed by two model hooks; give each its own")
+    return hooks
 
 
 def build_model(spec: Mapping[str, Any]) -> nn.Module:
@@ -131,7 +143,7 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
     from edge_client.seeding import global_rng
 
     with global_rng():
-        return models.build_model(spec, networks())
+        return models.build_model(spec, model_hooks())
 
 
 def build_aside(spec: Mapping[str, Any]) -> nn.Module:
@@ -152,7 +164,9 @@ def model_size(spec: Mapping[str, Any]) -> dict[str, Any]:
         return models.model_cost(build_aside(s), int(s["in_channels"]), int(s["image_size"]))
 
     size: dict[str, Any] = cost(spec)
-    original = models.without_fed2(spec)
+    original = dict(spec)
+    for hook in model_hooks():
+        original = hook.original(original) if hook.original is not None else original
     if original != dict(spec):
         size["original"] = cost(original)
     return size

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edge_client.methods.fed2_model import GroupedLinear
-from edge_client.methods.pans import PositionAwareReLU
+from methods.fed2.model import GroupedLinear
+from methods.pans.model import PositionAwareReLU
 
 __all__ = ["FoldedPan", "ChannelConstant", "fold_pans"]
 

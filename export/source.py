@@ -223,7 +223,7 @@ def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
                           "no personalized parts on its devices that fedge can export; export the global model "
                           "(without --client-state)")
     from edge_client.methods.dfl import STATE_FILE, DeviceState
-    from edge_client.methods.dfl_model import INVARIANT, PREDICTOR, SPECIFIC, part_names
+    from methods.dfl.model import INVARIANT, PREDICTOR, SPECIFIC, part_names
 
     model = _build(spec)
     invariant = {k: checkpoint.params[k] for k in part_names(checkpoint.params, INVARIANT)}
@@ -240,7 +240,7 @@ def _sphere_personalized(checkpoint: Checkpoint, state_dir: Path) -> Personalize
     """SphereFed: the global model (extractor and calibrated classifier) with the sphere head's classifier
     replaced by the one the device solved from its own FFC statistics (``ffc.personalize``)."""
     from edge_client.methods.sphere import PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, sphere_head
-    from edge_client.methods.sphere_head import CLASSIFIER
+    from methods.spherefed.model import CLASSIFIER
 
     path = state_dir / PERSONAL_CLASSIFIER_FILE
     if not path.is_file():

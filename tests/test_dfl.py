@@ -26,11 +26,12 @@ from edge_client.data import (client_split, domain_palette, evaluation_split, lo
                               partition_indices)
 from edge_client.methods.dfl import (STATE_FILE, DeviceState, DflHyper, device_seed, dfl_evaluate, dfl_train,
                                      global_stage, local_stage)
-from edge_client.methods.dfl_model import part_names
+from methods.dfl.model import part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.seeding import seed_global_rng
-from edge_client.methods.mutual_info import PairCritic, jsd_mutual_information
+from edge_client.methods.mutual_info import jsd_mutual_information
+from methods.dfl.model import PairCritic
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext, TrainHyper
 from edge_client.wire.protocol import Topics, decode, encode
 from edge_client.wire.transport import InprocHub

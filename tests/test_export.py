@@ -23,7 +23,7 @@ from edge_client.methods.dfl import STATE_FILE, DeviceState
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
-from edge_client.methods.pans import PanSettings, PositionAwareReLU
+from methods.pans.model import PanSettings, PositionAwareReLU
 from export.card import card_path, sha256
 from export.cli import main as export_main
 from export.errors import ParityError, QuantizationError, SourceError

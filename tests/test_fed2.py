@@ -14,7 +14,7 @@ from coordinator.run import run_federated
 from coordinator.strategies.base import ClientResult, RowWeightedSum, TaskPlan
 from coordinator.strategies.fed2 import Fed2
 from edge_client.methods.fed2 import class_counts
-from edge_client.methods.fed2_model import DecoupledClassifier, row_groups
+from methods.fed2.model import DecoupledClassifier, row_groups
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_model, model_size
 from export.cli import main as export_main

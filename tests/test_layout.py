@@ -171,8 +171,10 @@ def test_wire_and_methods_are_where_the_layout_says():
         assert f"edge_client.wire.{name}" in graph
     for name in ("files", "checkpoint", "pixels", "state"):
         assert f"storage.{name}" in graph
-    for name in ("pans", "sphere", "sphere_head", "dfl", "dfl_model", "mutual_info"):
+    for name in ("sphere", "dfl", "mutual_info"):
         assert f"edge_client.methods.{name}" in graph
+    for name in ("pans", "spherefed", "fed2", "dfl"):
+        assert f"methods.{name}.model" in graph
     assert "coordinator.diagnostics" in graph and "edge_client.diagnostics" not in graph
 
 
@@ -192,10 +194,15 @@ def test_a_method_file_stands_on_the_floor_of_its_role():
 
 
 def test_every_import_path_the_registry_names_resolves():
-    from coordinator.methods import resolve
-    from edge_client.registry import METHODS
+    from edge_client.models import ModelHook
+    from edge_client.registry import METHODS, resolve
 
     for entry in METHODS.values():
-        assert callable(getattr(resolve(entry.strategy), "from_config", None)), entry.name
+        if entry.strategy:
+            assert callable(getattr(resolve(entry.strategy), "from_config", None)), entry.name
+        if entry.objectives:
+            assert all(callable(f) for f in resolve(entry.objectives).values()), entry.name
+        if entry.model:
+            assert isinstance(resolve(entry.model), ModelHook), entry.name
         for section, path in entry.sections.items():
             assert callable(getattr(resolve(path)(), "checks", None)), (entry.name, section)

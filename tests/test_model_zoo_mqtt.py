@@ -28,7 +28,7 @@ from edge_client.data import DIGITS_MEAN, DIGITS_STD, client_split, load_dataset
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData
-from edge_client.methods.pans import PositionAwareReLU
+from methods.pans.model import PositionAwareReLU
 from edge_client.wire.chunking import ChunkingTransport
 from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, Topics, decode
 from edge_client.wire.transport import BrokerSettings, MqttTransport

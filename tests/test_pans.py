@@ -10,7 +10,7 @@ from torch import nn
 
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_model
-from edge_client.methods.pans import PanSettings, PositionAwareReLU, pan_encoding
+from methods.pans.model import PanSettings, PositionAwareReLU, pan_encoding
 
 CNN28 = {"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28}
 VGG28 = {"name": "vgg9", "num_classes": 10, "in_channels": 1, "image_size": 28}

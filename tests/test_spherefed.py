@@ -36,7 +36,7 @@ from edge_client.objectives import LocalData, ObjectiveError, TaskContext
 from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ResultBody, decode, encode
 from edge_client.methods.sphere import (STAT_NAMES, FfcStats, ffc_stats, pack_upper, packed_size, sphere_accuracies,
                                         sphere_loss, sphere_train, unpack_upper, wire_numbers)
-from edge_client.methods.sphere_head import CLASSIFIER, SphereError, SphereHead, fixed_classifier
+from methods.spherefed.model import CLASSIFIER, SphereError, SphereHead, fixed_classifier
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport
 from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
 from profiling.profiler import Profiler

@@ -1,6 +1,6 @@
 """Disentangled FL (DFL): only the invariant extractor is aggregated; the rest stays on the devices.
 
-The clients run a two-branch model (``edge_client/methods/dfl_model.py``) around the
+The clients run a two-branch model (``methods/dfl/model.py``) around the
 configured backbone; :meth:`DFL.model_spec` wraps the spec. Each round:
 
 - ``train``: every selected client gets the global invariant extractor and runs
@@ -34,7 +34,7 @@ from torch import nn
 
 from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, PersonalizedEval, Strategy, TaskPlan, WeightedSum
-from edge_client.methods.dfl_model import INVARIANT, SPECIFIC, part_names
+from methods.dfl.model import INVARIANT, SPECIFIC, part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_aside
 from storage.state import ServerState

@@ -1,6 +1,6 @@
 """Fed2 (Yu et al., ICLR 2021): feature paired averaging over a model whose upper layers are split into groups.
 
-The clients train the Fed2 structure (:mod:`edge_client.methods.fed2_model`: from
+The clients train the Fed2 structure (:mod:`methods.fed2.model`: from
 ``model.fed2_from`` up, ``model.fed2_groups`` groups that never mix, group ``g``
 feeding only the logits of its classes) with ``fed2_train``, which also reports
 the label histogram they trained on. Aggregation:
@@ -36,7 +36,7 @@ from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, RowWeightedSum, TaskPlan, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
 from edge_client.methods.fed2 import CLASS_COUNT
-from edge_client.methods.fed2_model import row_groups
+from methods.fed2.model import row_groups
 from edge_client.registry import build_aside
 from storage.state import ServerState
 

@@ -28,7 +28,7 @@ from coordinator.strategies.base import ClientResult, TaskPlan, WeightedSum, sum
 from coordinator.strategies.fedavg import FedProx
 from edge_client.methods.sphere import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
                                         sphere_head, wire_numbers, wire_shapes)
-from edge_client.methods.sphere_head import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
+from methods.spherefed.model import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class SphereFed(FedProx):
             raise ConfigError('spherefed needs a model with head = "sphere" (its state has no classifier.weight)')
         if not torch.equal(params[CLASSIFIER], self.fixed(state)):
             raise ConfigError(f"the model's sphere classifier was not built from sphere_seed {self.sphere_seed}; "
-                              "build the model spec with edge_client.methods.sphere_head.with_sphere_seed and the "
+                              "build the model spec with methods.spherefed.model.with_sphere_seed and the "
                               "run's seed")
         return state
 

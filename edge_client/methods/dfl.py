@@ -48,7 +48,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from edge_client.methods.dfl_model import DEVICE_PARTS, TwoBranchModel
+from methods.dfl.model import DEVICE_PARTS, TwoBranchModel
 from edge_client.optim import DeviceAdam, DeviceSGD
 from edge_client.methods.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,

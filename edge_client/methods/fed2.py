@@ -1,7 +1,7 @@
 """Fed2 on the device: ordinary training that also reports the label histogram it trained on.
 
 That histogram is the one extra fact a Fed2 device reveals: the coordinator weights
-each group of the feature-aligned model (:mod:`edge_client.methods.fed2_model`) by
+each group of the feature-aligned model (:mod:`methods.fed2.model`) by
 the device's samples of that group's classes (:mod:`coordinator.strategies.fed2`).
 """
 

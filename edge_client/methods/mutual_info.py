@@ -30,32 +30,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-__all__ = ["PairCritic", "jsd_mutual_information", "mi_penalty", "STANDARDIZE_EPS"]
+from methods.dfl.model import PairCritic
+
+__all__ = ["jsd_mutual_information", "mi_penalty"]
 
 _LOG2 = math.log(2.0)
-STANDARDIZE_EPS = 1e-2   # added to each feature's batch standard deviation
-
-
-class PairCritic(nn.Module):
-    """``T(a, b)``: an MLP on the concatenated pair, each side standardized over the batch; one score per pair."""
-
-    def __init__(self, dim_a: int, dim_b: int, hidden: int = 128) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim_a + dim_b, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        pair = [_standardize(a.flatten(1)), _standardize(b.flatten(1))]
-        return self.net(torch.cat(pair, dim=1)).squeeze(1)
-
-
-def _standardize(x: torch.Tensor) -> torch.Tensor:
-    """Each feature centred and scaled over the batch (a feature constant in the batch becomes 0)."""
-    if len(x) < 2:
-        return torch.zeros_like(x)
-    return (x - x.mean(0)) / (x.std(0) + STANDARDIZE_EPS)
 
 
 def jsd_mutual_information(critic: PairCritic, a: torch.Tensor, b: torch.Tensor,

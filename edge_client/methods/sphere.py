@@ -19,7 +19,7 @@ Here: the objectives ``sphere_train`` and ``ffc_stats`` and :class:`FfcStats`
 (packing, summing, the Cholesky solve), which the coordinator's
 ``coordinator/strategies/spherefed.py`` uses too. The head itself (:class:`SphereHead`,
 put on any registry model by the spec's ``head = "sphere"``) is in
-:mod:`edge_client.methods.sphere_head`, so building a model never imports training code.
+:mod:`methods.spherefed.model`, so building a model never imports training code.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_client.methods.sphere_head import CLASSIFIER, SphereError, SphereHead
+from methods.spherefed.model import CLASSIFIER, SphereError, SphereHead
 from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
 from storage.files import write_tensors_atomic
 

@@ -7,11 +7,12 @@ into the network instead: from a chosen layer up, the hidden units are split int
 GroupNorm whose groups are the same), and the classifier is decoupled so that group
 ``g`` feeds only the logits of the classes allocated to it. Group ``g`` on every
 client then learns features for the same classes, and the coordinator averages it
-only among the clients that hold those classes (:mod:`coordinator.strategies.fed2`).
+only among the clients that hold those classes (:mod:`methods.fed2.strategy`).
 
 A model spec turns Fed2 on with ``fed2_groups = G`` (and optionally ``fed2_from``,
-``fed2_allocation``); :class:`Fed2Plan` reads those options and the model builders in
-:mod:`edge_client.models` ask it, layer by layer, how to build each one.
+``fed2_allocation``): the model hook :data:`HOOK` reads those options into a
+:class:`Fed2Plan`, and the backbones of :mod:`edge_client.models` ask it, layer by layer,
+how to build each one (:class:`GroupedLayers`).
 
 Layers are numbered as Fed2 numbers them: the weight layers (convolutions and linear
 layers) in forward order from 1, the classifier last. ``fed2_from = L`` keeps layers
@@ -19,25 +20,29 @@ below ``L`` dense and shared; layer ``L``'s filters read all the shared features
 their outputs are split into the groups; above it, group ``g`` reads only group
 ``g``'s outputs. A grouped layer's width is rounded up to a multiple of ``G``.
 
-The device's training objective is in :mod:`edge_client.methods.fed2`.
+The device's training objective is in :mod:`methods.fed2.device`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from storage.errors import FedgeError
+from edge_client.models import LayerPlan, ModelHook, ModelSpecError
 
-__all__ = ["Fed2Error", "Fed2Plan", "GroupedLinear", "DecoupledClassifier", "row_groups"]
+__all__ = ["Fed2Error", "Fed2Plan", "GroupedLayers", "GroupedLinear", "DecoupledClassifier", "row_groups", "OPTIONS",
+           "HOOK"]
+
+OPTIONS = ("fed2_groups", "fed2_from", "fed2_allocation")   # the spec keys of the grouped structure
 
 
-class Fed2Error(FedgeError, ValueError):
+class Fed2Error(ModelSpecError):
     """Fed2 options that cannot build a model; the message says which to change."""
 
 
@@ -117,6 +122,10 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv1d(x.unsqueeze(-1), self.weight.unsqueeze(-1), self.bias, groups=self.groups).squeeze(-1)
 
+    def multiply_adds(self, output: torch.Tensor) -> int:
+        """Every stored weight is one connection (the blocks off the diagonal are not stored)."""
+        return self.weight.numel()
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, groups={self.groups}"
 
@@ -143,6 +152,10 @@ class DecoupledClassifier(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight * self.mask, self.bias)
 
+    def multiply_adds(self, output: torch.Tensor) -> int:
+        """Only the connections the mask keeps are computed."""
+        return int(self.mask.sum())
+
 
 def row_groups(model: nn.Module) -> dict[str, torch.Tensor]:
     """For every parameter of the grouped layers, the group of each of its rows (dimension 0).
@@ -164,3 +177,52 @@ def row_groups(model: nn.Module) -> dict[str, torch.Tensor]:
             groups = owner if owner is not None else torch.arange(rows) // (rows // module.fed2_groups)
             out[f"{prefix}.{name}" if prefix else name] = groups
     return out
+
+
+def _grouped(module: nn.Module, groups: int) -> nn.Module:
+    module.fed2_groups = groups   # read by row_groups
+    return module
+
+
+class GroupedLayers(LayerPlan):
+    """A backbone built as a :class:`Fed2Plan` says: grouped from its first grouped layer up."""
+
+    def __init__(self, base: LayerPlan, fed2: Fed2Plan) -> None:
+        super().__init__(base)
+        self.fed2 = fed2
+
+    def width(self, units: int, index: int) -> int:
+        return self.fed2.width(super().width(units, index), index)
+
+    def conv(self, channels: int, width: int, index: int) -> nn.Module:
+        groups = self.fed2.input_groups(index)
+        layer = super().conv(channels, width, index) if groups == 1 else nn.Conv2d(channels, width, 3, padding=1,
+                                                                                    groups=groups)
+        return _grouped(layer, self.fed2.groups) if self.fed2.grouped(index) else layer
+
+    def linear(self, features: int, width: int, index: int) -> nn.Module:
+        groups = self.fed2.input_groups(index)
+        layer = super().linear(features, width, index) if groups == 1 else GroupedLinear(features, width, groups)
+        return _grouped(layer, self.fed2.groups) if self.fed2.grouped(index) else layer
+
+    def norm(self, kind: str, width: int, conv: bool, index: int) -> nn.Module | None:
+        if not self.fed2.grouped(index) or kind == "none":
+            return super().norm(kind, width, conv, index)
+        return _grouped(nn.GroupNorm(self.fed2.groups, width), self.fed2.groups)   # normalization groups = Fed2's
+
+    def classifier(self, features: int, num_classes: int) -> nn.Module:
+        """Each group connected only to its classes' logits."""
+        return DecoupledClassifier(features, self.fed2.allocation, self.fed2.groups)
+
+
+def _plan(base: LayerPlan, options: Mapping[str, Any], num_classes: int, layers: int) -> LayerPlan:
+    fed2 = Fed2Plan.from_options(num_classes, layers, **options)
+    return base if fed2 is None else GroupedLayers(base, fed2)
+
+
+def without_groups(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec of the original model a grouped one was adapted from."""
+    return {k: v for k, v in spec.items() if k not in OPTIONS}
+
+
+HOOK = ModelHook(options=OPTIONS, plan=_plan, original=without_groups)

@@ -12,25 +12,31 @@ activation), which breaks that permutation symmetry:
 The encoding is a function of (mode, T, A, J) only, so every party rebuilds it
 identically. It lives in a non-persistent buffer: it is never trained, never in
 the state dict, and therefore never in a message.
+
+Any strategy trains with PANs: the model hook :data:`HOOK` reads a spec's ``pan``
+(``none``, ``add``, ``mul``), ``pan_period`` and ``pan_amplitude`` and gives every hidden
+unit of a backbone a :class:`PositionAwareReLU` in its ReLU's place.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from storage.errors import FedgeError
+from edge_client.models import LayerPlan, ModelHook, ModelSpecError
 
-__all__ = ["PAN_MODES", "DEFAULT_AMPLITUDE", "PanError", "PanSettings", "PositionAwareReLU", "pan_encoding"]
+__all__ = ["PAN_MODES", "DEFAULT_AMPLITUDE", "PanError", "PanSettings", "PositionAwareReLU", "pan_encoding", "HOOK"]
 
 PAN_MODES = ("none", "add", "mul")
 DEFAULT_AMPLITUDE = {"add": 0.05, "mul": 0.1}   # the PANs paper's usual choices
 
 
-class PanError(FedgeError, ValueError):
+class PanError(ModelSpecError):
     """Invalid PAN options; the message names the valid ones."""
 
 
@@ -71,11 +77,12 @@ def pan_encoding(mode: str, period: float, amplitude: float, num_neurons: int) -
     raise PanError(f"no encoding for pan mode {mode!r}; use add or mul")
 
 
-class PositionAwareReLU(nn.Module):
+class PositionAwareReLU(nn.ReLU):
     """ReLU of the position-encoded pre-activation: ``relu(z + e)`` or ``relu(z * e)``.
 
-    It takes the place of a hidden layer's ReLU, so a model's parameter names are
-    the same with PANs off, additive or multiplicative. ``z`` is ``[N, J]`` or
+    It takes the place of a hidden layer's ReLU, and is one (a subclass), so a model's
+    parameter names are the same with PANs off, additive or multiplicative, and code that
+    finds a network's activations finds these too. ``z`` is ``[N, J]`` or
     ``[N, J, H, W]`` (the encoding broadcasts over space). The encoding is a
     non-persistent buffer, so ``state_dict()`` (and with it every upload, download
     and checkpoint) never holds it.
@@ -99,3 +106,22 @@ class PositionAwareReLU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.mode}, T={self.period}, A={self.amplitude}, J={self.encoding.numel()}"
+
+
+class _PanPlan(LayerPlan):
+    """A backbone whose hidden units end in position-aware ReLUs."""
+
+    def __init__(self, base: LayerPlan, settings: PanSettings) -> None:
+        super().__init__(base)
+        self.settings = settings
+
+    def activation(self, width: int, index: int) -> nn.Module:
+        return PositionAwareReLU(self.settings, width)
+
+
+def _plan(base: LayerPlan, options: Mapping[str, Any], num_classes: int, layers: int) -> LayerPlan:
+    settings = PanSettings.from_options(**options)
+    return _PanPlan(base, settings) if settings.enabled else base
+
+
+HOOK = ModelHook(options=("pan", "pan_period", "pan_amplitude"), plan=_plan)

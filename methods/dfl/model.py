@@ -1,16 +1,15 @@
 """DFL's client model: an invariant and a specific extractor side by side, a predictor on both.
 
-The network ``dfl`` of the method registry (``{"name": "dfl", "backbone": "cnn", ...}``,
-:mod:`edge_client.registry`); any backbone of :mod:`edge_client.models` works, through
-its ``features`` (the extractor) and the input size of its ``classifier`` (the
-representation size). Parameter names say which
+The network ``dfl`` that DFL's model hook :data:`HOOK` adds (``{"name": "dfl", "backbone": "cnn", ...}``);
+any backbone of :mod:`edge_client.models` works, through its ``features`` (the extractor)
+and the input size of its ``classifier`` (the representation size). Parameter names say which
 branch a tensor belongs to, which is all the protocol and the strategy need:
 
 - ``invariant.*``: the backbone's extractor; the only part that is ever aggregated.
 - ``specific.*``: the same backbone at ``specific_width`` times its width; stays on the device.
 - ``predictor.*``: one linear layer on ``[invariant(x); specific(x)]``; stays on the device.
-- ``mi.spe.*``, ``mi.glob.*``: critics estimating MI(invariant; specific) and
-  MI(invariant; global invariant) (:mod:`edge_client.methods.mutual_info`); stay on the device.
+- ``mi.spe.*``, ``mi.glob.*``: critics (:class:`PairCritic`) estimating MI(invariant; specific)
+  and MI(invariant; global invariant) (:mod:`methods.dfl.device`); stay on the device.
 - ``peers.K.*`` (``peers = M > 0``): slots for M other clients' specific extractors,
   filled by diversity transferring; never trained, never saved.
 
@@ -19,20 +18,41 @@ Options of the backbone (``norm``, ``pan``, ...) apply to both extractors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from edge_client.models import MODELS, ModelSpecError, build_model
-from edge_client.methods.mutual_info import PairCritic
+from edge_client.models import MODELS, ModelHook, ModelSpecError
 
-__all__ = ["TwoBranchModel", "two_branch", "INVARIANT", "SPECIFIC", "PREDICTOR", "CRITICS", "PEERS",
-           "DEVICE_PARTS", "part_names"]
+__all__ = ["TwoBranchModel", "PairCritic", "two_branch", "INVARIANT", "SPECIFIC", "PREDICTOR", "CRITICS", "PEERS",
+           "DEVICE_PARTS", "STANDARDIZE_EPS", "part_names", "HOOK"]
 
 INVARIANT, SPECIFIC, PREDICTOR, CRITICS, PEERS = "invariant", "specific", "predictor", "mi", "peers"
 DEVICE_PARTS = (SPECIFIC, PREDICTOR, CRITICS)   # what never leaves the device (without diversity)
+STANDARDIZE_EPS = 1e-2   # added to each feature's batch standard deviation (methods/dfl/device.py says why)
+Build = Callable[[Mapping[str, Any]], nn.Module]
+
+
+class PairCritic(nn.Module):
+    """``T(a, b)``: an MLP on the concatenated pair, each side standardized over the batch; one score per pair."""
+
+    def __init__(self, dim_a: int, dim_b: int, hidden: int = 128) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim_a + dim_b, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        pair = [_standardize(a.flatten(1)), _standardize(b.flatten(1))]
+        return self.net(torch.cat(pair, dim=1)).squeeze(1)
+
+
+def _standardize(x: torch.Tensor) -> torch.Tensor:
+    """Each feature centred and scaled over the batch (a feature constant in the batch becomes 0)."""
+    if len(x) < 2:
+        return torch.zeros_like(x)
+    return (x - x.mean(0)) / (x.std(0) + STANDARDIZE_EPS)
 
 
 class TwoBranchModel(nn.Module):
@@ -56,8 +76,8 @@ class TwoBranchModel(nn.Module):
         return self.predict(self.invariant(x), self.specific(x))
 
 
-def _extractor(spec: dict[str, Any]) -> tuple[nn.Module, int]:
-    model = build_model(spec)
+def _extractor(spec: dict[str, Any], build: Build) -> tuple[nn.Module, int]:
+    model = build(spec)
     features, classifier = getattr(model, "features", None), getattr(model, "classifier", None)
     if features is None or not isinstance(classifier, nn.Linear):
         raise ModelSpecError(f"dfl needs a backbone with .features and a linear .classifier; "
@@ -65,10 +85,11 @@ def _extractor(spec: dict[str, Any]) -> tuple[nn.Module, int]:
     return features, classifier.in_features
 
 
-def two_branch(num_classes: int, in_channels: int, image_size: int, backbone: str = "cnn",
+def two_branch(num_classes: int, in_channels: int, image_size: int, build: Build, backbone: str = "cnn",
                specific_width: float = 1.0, mi_hidden: int = 128, peers: int = 0,
                **options: Any) -> TwoBranchModel:
-    """The DFL model over ``backbone``; ``options`` are the backbone's own (norm, pan, width, ...)."""
+    """The DFL model over ``backbone``, whose specs ``build`` builds; ``options`` are the backbone's own
+    (norm, width, the options of other methods' model hooks, ...)."""
     if backbone not in MODELS:
         raise ModelSpecError(f"dfl backbone must be one of {', '.join(sorted(MODELS))}, "
                              f"got {backbone!r}")
@@ -80,9 +101,9 @@ def two_branch(num_classes: int, in_channels: int, image_size: int, backbone: st
     base = {"name": backbone, "num_classes": num_classes, "in_channels": in_channels, "image_size": image_size,
             **options}
     specific_spec = {**base, "width": float(options.get("width", 1.0)) * specific_width}
-    invariant, d_inv = _extractor(base)
-    specific, d_spe = _extractor(specific_spec)
-    peer_branches = [_extractor(specific_spec)[0] for _ in range(peers)]
+    invariant, d_inv = _extractor(base, build)
+    specific, d_spe = _extractor(specific_spec, build)
+    peer_branches = [_extractor(specific_spec, build)[0] for _ in range(peers)]
     return TwoBranchModel(invariant, specific, peer_branches, (d_inv, d_spe), num_classes, mi_hidden)
 
 
@@ -90,3 +111,6 @@ def part_names(names: Iterable[str], *parts: str) -> list[str]:
     """The names (sorted) that belong to any of ``parts`` (``invariant``, ``specific``, ...)."""
     prefixes = tuple(p + "." for p in parts)
     return sorted(n for n in names if n.startswith(prefixes))
+
+
+HOOK = ModelHook(networks={"dfl": two_branch})

@@ -1,9 +1,9 @@
 """SphereFed's head: a fixed orthonormal classifier on L2-normalized features.
 
-Any registry model takes it through its spec (``head = "sphere"``, ``sphere_seed``):
-:func:`apply_head` swaps the model's last linear layer for :class:`SphereHead`.
-Building a model needs only this module, never the training code of
-:mod:`edge_client.methods.sphere`.
+Any backbone takes it through its spec (``head = "sphere"``, ``sphere_seed``): the model
+hook :data:`HOOK` swaps the model's last linear layer for :class:`SphereHead`
+(:func:`apply_head`). Building a model needs only this module, never the training code of
+:mod:`methods.spherefed.device`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_client.models import ModelHook, ModelSpecError
 from storage.errors import FedgeError
 
-__all__ = ["HEADS", "CLASSIFIER", "SphereError", "SphereHead", "fixed_classifier", "apply_head", "with_sphere_seed"]
+__all__ = ["HEADS", "CLASSIFIER", "SphereError", "SphereHead", "fixed_classifier", "apply_head", "with_sphere_seed",
+           "HOOK"]
 
 HEADS = ("linear", "sphere")
 CLASSIFIER = "classifier.weight"                       # the head's state: the classifier in use
@@ -101,6 +103,9 @@ def apply_head(model: nn.Module, head: Any = "linear", sphere_seed: Any = None) 
     if not isinstance(linear, nn.Linear):
         raise SphereError(f"head = sphere replaces a model's last linear layer `classifier`, which "
                           f"{type(model).__name__} does not have")
+    if type(linear) is not nn.Linear:
+        raise SphereError(f"head = sphere and the model option that made the last layer a {type(linear).__name__} "
+                          "both replace the last layer; remove one of them")
     model.classifier = SphereHead(linear.in_features, linear.out_features, seed)
     return model
 
@@ -111,3 +116,13 @@ def with_sphere_seed(spec: Mapping[str, Any], seed: int) -> dict[str, Any]:
     if out.get("head") == "sphere":
         out.setdefault("sphere_seed", seed)
     return out
+
+
+def _finish(model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+    try:
+        return apply_head(model, **options)
+    except SphereError as exc:
+        raise ModelSpecError(str(exc)) from None
+
+
+HOOK = ModelHook(options=("head", "sphere_seed"), finish=_finish)
