@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from edge_client.models import ModelHook
     from edge_client.objectives import Objective
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "model_options", "model_hooks", "build_model", "build_aside",
+__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "commands", "model_options", "model_hooks", "build_model", "build_aside",
            "model_size", "describe_size"]
 
 
@@ -38,6 +38,8 @@ class Method:
     strategy: str = ""          # "module:Class" of its coordinator strategy; "" for a model hook alone
     objectives: str = ""        # "module:MAPPING": objective name -> function, what its tasks ask devices to run
     model: str = ""             # "module:HOOK": an edge_client.models.ModelHook
+    # fedge-coordinator subcommand -> "module:function" that adds it: function(subparsers, name)
+    commands: Mapping[str, str] = field(default_factory=dict)
     sections: Mapping[str, str] = field(default_factory=dict)   # config section -> "module:Dataclass"
     # Model options the strategy needs: applied when the user set none, an error when the user set another.
     model_options: Mapping[str, Any] = field(default_factory=dict)
@@ -60,9 +62,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            model="methods.dfl.model:HOOK",
            sections={"dfl": f"{_STRATEGIES}.dfl:DflSection"},
            defaults={"data.local_test_fraction": 0.2}),
-    Method("fed2", f"{_STRATEGIES}.fed2:Fed2", objectives="edge_client.methods.fed2:OBJECTIVES",
-           model="methods.fed2.model:HOOK",
-           sections={"fed2": f"{_STRATEGIES}.fed2:Fed2Section"},
+    Method("fed2", "methods.fed2.strategy:Fed2", objectives="methods.fed2.device:OBJECTIVES",
+           model="methods.fed2.model:HOOK", commands={"fed2-depth": "methods.fed2.cli:add_command"},
+           sections={"fed2": "methods.fed2.strategy:Fed2Section"},
            defaults={"model.fed2_groups": 10}),
     Method("fedma", f"{_STRATEGIES}.fedma:FedMA", objectives="edge_client.methods.fedma:OBJECTIVES",
            sections={"fedma": f"{_STRATEGIES}.fedma:FedmaSection"},
@@ -90,6 +92,11 @@ def resolve(path: str) -> Any:
 def strategies() -> list[str]:
     """The names ``run.strategy`` takes, in registry order."""
     return [name for name, entry in METHODS.items() if entry.strategy]
+
+
+def commands() -> dict[str, str]:
+    """The methods' ``fedge-coordinator`` subcommands: name -> import path of the function that adds it."""
+    return {name: path for entry in METHODS.values() for name, path in entry.commands.items()}
 
 
 def model_options() -> list[str]:

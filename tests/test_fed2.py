@@ -12,8 +12,8 @@ from coordinator.config import ConfigError, load_config
 from coordinator.strategy_setup import make_strategy
 from coordinator.run import run_federated
 from coordinator.strategies.base import ClientResult, RowWeightedSum, TaskPlan
-from coordinator.strategies.fed2 import Fed2
-from edge_client.methods.fed2 import class_counts
+from methods.fed2.strategy import Fed2
+from methods.common import class_counts
 from methods.fed2.model import DecoupledClassifier, row_groups
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_model, model_size

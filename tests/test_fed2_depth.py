@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from coordinator.cli import build_parser, main
-from coordinator.fed2_depth import (DEFAULT_THRESHOLD, Fed2DepthError, class_preferences, preference_variance,
+from methods.fed2.diagnostics import (DEFAULT_THRESHOLD, Fed2DepthError, class_preferences, preference_variance,
                                     suggest_depth, weight_layers)
 from edge_client.data import load_dataset
 from edge_client.models import ImageClassifier

@@ -11,7 +11,7 @@ from coordinator.config import load_config
 from coordinator.run import run_federated
 from coordinator.strategies.base import AggregationError, ClientResult, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
-from coordinator.strategies.fed2 import Fed2
+from methods.fed2.strategy import Fed2
 from coordinator.strategies.fedma import FedMA
 from coordinator.aggregation import Aggregator
 from storage.checkpoint import latest_checkpoint, load_checkpoint

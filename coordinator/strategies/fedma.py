@@ -49,7 +49,7 @@ from coordinator.errors import ConfigError
 from coordinator.fedma_matching import (combine_classifier, layer_from_vectors, match_layer, neuron_vectors,
                                         prior_mean_vector)
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
-from coordinator.strategies.fed2 import histogram_problem, label_histogram
+from methods.common import histogram_problem, label_histogram
 from edge_client.methods.fedma_layers import client_slice, weight_layers
 from edge_client.registry import build_aside
 from storage.state import ServerState
@@ -185,7 +185,7 @@ class FedMA(Strategy):
         """A classifier phase's result must carry a sound label histogram: the rows are weighted by it."""
         if plan.objective != "fedma_train" or plan.up[0] != "classifier.weight":
             return None
-        return histogram_problem(result, int(plan.expect["classifier.weight"][0]))
+        return histogram_problem(result.metrics, result.num_samples, int(plan.expect["classifier.weight"][0]))
 
     def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
                   partial: Any = None) -> tuple[ServerState, dict[str, Any]]:
@@ -199,7 +199,7 @@ class FedMA(Strategy):
         members = [r.client_id for r in results]
         started = time.monotonic()
         if layer == count:
-            counts = [label_histogram(r) for r in results]
+            counts = [label_histogram(r.metrics, r.client_id) for r in results]
             weight, bias = combine_classifier(weights, biases, counts)
             seconds = time.monotonic() - started
             return self._finish_pass(round, state, names, weight, bias, members), {

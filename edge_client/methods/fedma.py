@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from edge_client.methods.fed2 import class_counts
+from methods.common import class_counts
 from edge_client.methods.fedma_layers import FedMAError, reindex_next_layer, weight_layers
 from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
 from storage.files import write_tensors_atomic

@@ -2,7 +2,7 @@
 
 That histogram is the one extra fact a Fed2 device reveals: the coordinator weights
 each group of the feature-aligned model (:mod:`methods.fed2.model`) by
-the device's samples of that group's classes (:mod:`coordinator.strategies.fed2`).
+the device's samples of that group's classes (:mod:`methods.fed2.strategy`).
 """
 
 from __future__ import annotations
@@ -10,20 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from edge_client.objectives import LocalData, Objective, ObjectiveOutput, TaskContext, train
+from methods.common import class_counts
 
-__all__ = ["fed2_train", "class_counts", "CLASS_COUNT", "OBJECTIVES"]
-
-CLASS_COUNT = "class_count/"   # result metrics "class_count/C": samples of class C the device trained on
-
-
-def class_counts(y: torch.Tensor, num_classes: int) -> dict[str, float]:
-    """The label histogram as result metrics: ``class_count/C`` for every class."""
-    counts = torch.bincount(y.to(torch.int64), minlength=num_classes)
-    return {f"{CLASS_COUNT}{c}": float(n) for c, n in enumerate(counts[:num_classes].tolist())}
+__all__ = ["fed2_train", "OBJECTIVES"]
 
 
 def fed2_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:

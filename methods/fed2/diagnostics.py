@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from methods.pans.model import PositionAwareReLU
 from storage.errors import FedgeError
 
 __all__ = ["DEFAULT_THRESHOLD", "Fed2Depth", "LayerPreference", "Fed2DepthError", "weight_layers",
@@ -41,7 +40,7 @@ __all__ = ["DEFAULT_THRESHOLD", "Fed2Depth", "LayerPreference", "Fed2DepthError"
 # random weights put fully connected layers at 0.25 to 0.31. 0.3 sits in the gap.
 DEFAULT_THRESHOLD = 0.3
 
-_ACTIVATIONS = (nn.ReLU, PositionAwareReLU)
+_ACTIVATIONS = (nn.ReLU,)   # position-aware ReLUs are ReLUs too
 
 
 class Fed2DepthError(FedgeError, ValueError):

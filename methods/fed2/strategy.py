@@ -35,15 +35,15 @@ import torch
 from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, RowWeightedSum, TaskPlan, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
-from edge_client.methods.fed2 import CLASS_COUNT
-from methods.fed2.model import row_groups
 from edge_client.registry import build_aside
+from methods.common import counts_of, histogram_problem
+from methods.fed2.model import row_groups
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS", "histogram_problem", "label_histogram"]
+__all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS"]
 
 PAIRINGS = ("all", "holders")
 
@@ -97,7 +97,7 @@ class Fed2(FedAvg):
         """A training result must carry its label histogram: one whole count per class, summing to its samples."""
         if plan.objective != "fed2_train":
             return None
-        return histogram_problem(result, int(spec["num_classes"]))
+        return histogram_problem(result.metrics, result.num_samples, int(spec["num_classes"]))
 
     def streams(self, phase: str) -> bool:
         return self.pairing == "all" and super().streams(phase)
@@ -110,7 +110,7 @@ class Fed2(FedAvg):
         owners = _row_groups(json.dumps(state.spec, sort_keys=True))
         allocation = _allocation(json.dumps(state.spec, sort_keys=True))
         total = RowWeightedSum.reduce(
-            RowWeightedSum.of(r.deltas, group_weights(r.deltas, r.num_samples, _counts(r.metrics), owners,
+            RowWeightedSum.of(r.deltas, group_weights(r.deltas, r.num_samples, counts_of(r.metrics), owners,
                                                       allocation))
             for r in results)
         still = {k: torch.zeros_like(v) for k, v in total.sums.items()}   # rows no client gave weight stay put
@@ -130,40 +130,6 @@ def group_weights(tensors: dict[str, torch.Tensor], num_samples: int, counts: to
     return {k: per_group[owners[k]] if k in owners else torch.full((v.shape[0],), float(num_samples),
                                                                      dtype=torch.float64)
             for k, v in tensors.items()}
-
-
-def histogram_problem(result: ClientResult, num_classes: int) -> str | None:
-    """Why a result's label histogram cannot be used, or None: one whole count >= 0 per class, adding up
-    to its samples (what Fed2's holders pairing and FedMA's classifier weigh by)."""
-    counts = _counts(result.metrics)
-    if counts is None or len(counts) != num_classes:
-        return (f"the result must report its samples of each of the {num_classes} classes as metrics "
-                f"{CLASS_COUNT}0, {CLASS_COUNT}1, ...")
-    whole = bool((counts >= 0).all()) and bool((counts == counts.round()).all())
-    if not whole or int(counts.sum()) != result.num_samples:
-        return (f"the result's class counts must be whole numbers >= 0 that add up to its "
-                f"{result.num_samples} samples, got {counts.tolist()}")
-    return None
-
-
-def label_histogram(result: ClientResult) -> torch.Tensor:
-    """The class counts of a result :func:`histogram_problem` accepted."""
-    counts = _counts(result.metrics)
-    if counts is None:
-        raise ValueError(f"result of {result.client_id} has no label histogram")
-    return counts
-
-
-def _counts(metrics: dict[str, Any]) -> torch.Tensor | None:
-    """The client's class counts from its metrics, in class order; None if any class is missing."""
-    keys = [k for k in metrics if k.startswith(CLASS_COUNT)]
-    try:
-        classes = sorted(int(k.removeprefix(CLASS_COUNT)) for k in keys)
-    except ValueError:
-        return None
-    if not classes or classes != list(range(len(classes))):
-        return None
-    return torch.tensor([float(metrics[f"{CLASS_COUNT}{c}"]) for c in classes], dtype=torch.float64)
 
 
 @functools.lru_cache(maxsize=4)
