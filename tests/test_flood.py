@@ -5,14 +5,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from edge_client.wire.transport import Incoming, _Inbox
+from edge_client.wire.inbox import Inbox
+from edge_client.wire.transport import Incoming
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from flood import flooded_run  # noqa: E402
 
 
 def test_the_inbox_serves_topics_in_turn_and_caps_each_topics_share():
-    inbox = _Inbox(maxsize=100, max_bytes=10_000, share=0.25)
+    inbox = Inbox(maxsize=100, max_bytes=10_000, share=0.25)
     for i in range(1_000):
         inbox.put(Incoming("fedge/clients/flood/result", b"x" * 10))
     inbox.put(Incoming("fedge/clients/a/result", b"a"))
@@ -20,7 +21,7 @@ def test_the_inbox_serves_topics_in_turn_and_caps_each_topics_share():
     assert inbox.dropped_by == {"one topic over its share of the inbox": 975}
     first = [inbox.get(0.1).topic for _ in range(3)]
     assert first == ["fedge/clients/flood/result", "fedge/clients/a/result", "fedge/clients/b/result"]
-    big = _Inbox(maxsize=100, max_bytes=1_000, share=0.5)
+    big = Inbox(maxsize=100, max_bytes=1_000, share=0.5)
     big.put(Incoming("t/1", b"x" * 400))
     big.put(Incoming("t/1", b"x" * 400))            # over the topic's 500 bytes
     big.put(Incoming("t/2", b"x" * 400))
@@ -30,7 +31,7 @@ def test_the_inbox_serves_topics_in_turn_and_caps_each_topics_share():
 
 
 def test_a_topic_publishing_faster_than_its_rate_is_cut_off_and_refills_with_time():
-    inbox = _Inbox(maxsize=10_000, rate=10.0, burst=5)
+    inbox = Inbox(maxsize=10_000, rate=10.0, burst=5)
     for i in range(20):                        # all at one instant: the burst passes, the rest is dropped
         inbox.put(Incoming("fedge/clients/flood/result", b"x", received_at=100.0))
     inbox.put(Incoming("fedge/clients/calm/result", b"y", received_at=100.0))
@@ -43,7 +44,7 @@ def test_a_topic_publishing_faster_than_its_rate_is_cut_off_and_refills_with_tim
 
 
 def test_the_selected_clients_results_are_read_first():
-    inbox = _Inbox(maxsize=100)
+    inbox = Inbox(maxsize=100)
     for topic in ("t/idle/presence", "t/b/result", "t/idle/presence", "t/a/result", "t/b/result"):
         inbox.put(Incoming(topic, b"."))
     inbox.prefer(["t/a/result", "t/b/result"])

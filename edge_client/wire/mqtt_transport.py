@@ -1,0 +1,338 @@
+"""The one place that talks MQTT (paho-mqtt 2.x): persistent sessions, QoS 1, reconnects, and the
+broker's refusals (a login, a topic, a packet too large) turned into errors and log lines that
+say what to fix, since MQTT itself reports most of them by silence.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+import time
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edge_client.wire.broker_settings import PROTOCOLS, BrokerSettings
+from edge_client.wire.connect_failures import (LOGIN_REFUSED, LoginRefused, NoConnack, login_refused,
+                                               scheme_mismatch, tls_failure)
+from edge_client.wire.inbox import Inbox
+from edge_client.wire.transport_base import Incoming, Transport, Will
+from edge_client.wire.transport_errors import MessageTooLarge, TlsError, TransportError
+
+__all__ = ["MqttTransport"]
+
+log = logging.getLogger("fedge.transport")
+
+
+class MqttTransport(Transport):
+    """paho-mqtt client with a persistent session, QoS 1 and automatic reconnects.
+
+    Subscriptions are remembered and renewed on every (re)connect, so a broker that
+    lost our session still delivers. Call :meth:`connect` explicitly; the
+    constructor does no I/O.
+    """
+
+    def __init__(self, settings: BrokerSettings, client_id: str, *, will: Will | None = None,
+                 queue_size: int = 10_000) -> None:
+        if settings.protocol not in PROTOCOLS:
+            raise TransportError(f"MQTT protocol must be one of {PROTOCOLS}, got {settings.protocol!r}")
+        self.settings = settings
+        self.client_id = client_id
+        self.will = will
+        self.protocol: str | None = None
+        self._inbox = Inbox(queue_size)
+        self._filters: list[str] = []
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._refused: str | None = None
+        self._refused_login: str | None = None   # why the broker refused our user name and password
+        self._client: mqtt.Client | None = None
+        self._birth: tuple[str, bytes] | None = None
+        self._broker_max: int | None = None   # the broker's maximum packet size, when it tells (MQTT 5)
+        self._subscribing: dict[int, str] = {}   # SUBSCRIBE packet id -> topic filter, until its SUBACK
+        self.denied: set[str] = set()            # topic filters the broker refused to let us read or write
+        # PUBLISH packet id -> topic until its PUBACK, and refusals whose PUBACK beat publish() returning.
+        # No lock: paho calls on_publish holding its own lock, which publish() takes too.
+        self._publishing: dict[int, str] = {}
+        self._sizes: dict[int, int] = {}             # in-flight publish -> its packet size
+        self._connected_at = 0.0
+        self.disconnects = 0                 # connections lost since connect(): what a device saw of the broker
+        self._oversize_strikes: dict[int, int] = {}  # packet size -> disconnects right after sending it
+        self._too_large: int | None = None           # smallest packet the broker was seen to refuse
+        self._refused_early: dict[int, object] = {}
+        self._ssl_context: ssl.SSLContext | None = None
+
+    # -- connection -------------------------------------------------------------
+    def connect(self) -> "MqttTransport":
+        """Connect, trying MQTT 5 then 3.1.1 when the protocol is ``auto``."""
+        candidates = ["5", "3.1.1"] if self.settings.protocol == "auto" else [self.settings.protocol]
+        self._ssl_context = self.settings.ssl_context()   # TlsError now for a missing or bad file
+        reasons: list[str] = []
+        refused: list[str] = []
+        listening = False   # a connection was made but nothing answered it as MQTT
+        for protocol in candidates:
+            # Some 3.1.1-only brokers never answer a v5 CONNECT that carries credentials,
+            # so the v5 probe of ``auto`` gets a short timeout.
+            timeout = min(5.0, self.settings.connect_timeout) if len(candidates) > 1 and protocol == "5" \
+                else self.settings.connect_timeout
+            try:
+                self._connect_with(protocol, timeout)
+                return self
+            except TlsError:
+                raise   # the other protocol version would fail the same handshake
+            except TransportError as exc:
+                reasons.append(f"MQTT {protocol}: {exc}")
+                refused += [str(exc)] if isinstance(exc, LoginRefused) else []
+                listening |= isinstance(exc, NoConnack)
+        if refused:
+            raise TransportError(login_refused(self.settings, refused[-1]))
+        mismatch = scheme_mismatch(self.settings, *self.settings.host_port()) if listening else None
+        if mismatch is not None:
+            raise TlsError(mismatch)
+        raise TransportError(f"could not connect to {self.settings.url} as {self.client_id!r} ("
+                             + "; ".join(reasons) + "). Is the broker running and are the credentials right?")
+
+    def _connect_with(self, protocol: str, timeout: float) -> None:
+        v5 = protocol == "5"
+        client = mqtt.Client(
+            callback_api_version=CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
+            clean_session=None if v5 else False,
+        )
+        if self.settings.username is not None:
+            client.username_pw_set(self.settings.username, self.settings.password)
+        if self.will is not None:
+            client.will_set(self.will.topic, self.will.payload, qos=1, retain=self.will.retain)
+        client.reconnect_delay_set(min_delay=1, max_delay=30)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
+        client.on_publish = self._on_publish
+        if self._ssl_context is not None:
+            client.tls_set_context(self._ssl_context)
+        props = None
+        if v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.settings.session_expiry
+        host, port = self.settings.host_port()
+        self._connected.clear()
+        self._refused = None
+        self._refused_login = None
+        self._client = client
+        try:
+            client.connect(host, port, keepalive=self.settings.keepalive,
+                           clean_start=False if v5 else mqtt.MQTT_CLEAN_START_FIRST_ONLY, properties=props)
+        except ssl.SSLError as exc:
+            self._client = None
+            fix = tls_failure(exc, self.settings, host, port)
+            if fix is not None:
+                raise TlsError(fix) from None
+            raise NoConnack(f"{host}:{port} closed the TLS handshake ({exc})") from None
+        except OSError as exc:
+            self._client = None
+            cut = isinstance(exc, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError))
+            raise (NoConnack if cut else TransportError)(f"{host}:{port} unreachable ({exc})") from None
+        client.loop_start()
+        deadline = time.monotonic() + timeout
+        while not self._connected.wait(0.05):
+            if self._refused or time.monotonic() > deadline:
+                client.loop_stop()
+                client.disconnect()
+                self._client = None
+                if self._refused_login:
+                    raise LoginRefused(self._refused_login)
+                raise NoConnack(self._refused or "no CONNACK in time")
+        self.protocol = protocol
+        log.debug("connected to %s as %s with MQTT %s", self.settings.url, self.client_id, protocol)
+
+    def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
+                    properties: object) -> None:
+        if getattr(reason, "is_failure", False):
+            self._refused = f"broker refused the connection: {reason}"
+            self._refused_login = LOGIN_REFUSED.get(getattr(reason, "value", 0))
+            return
+        self._broker_max = getattr(properties, "MaximumPacketSize", None)
+        self._connected_at = time.monotonic()
+        if self._too_large is not None:
+            self._drop_oversize(client)
+        with self._lock:
+            filters = list(self._filters)
+        for f in filters:
+            self._subscribe_with(client, f)
+        if self._birth is not None:
+            client.publish(self._birth[0], self._birth[1], qos=1, retain=True)
+        self._connected.set()
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
+                       properties: object) -> None:
+        if not self._connected.is_set() and not self._refused:
+            self._refused = f"connection closed before CONNACK ({reason})"
+        elif self._connected.is_set():
+            self.disconnects += 1
+        self._connected.clear()
+        if getattr(reason, "value", 0) != 0:
+            self._check_oversize(client)
+            log.info("disconnected from broker (%s); reconnecting with backoff", reason)
+
+    def _drop_oversize(self, client: mqtt.Client) -> None:
+        """Take the in-flight messages over the learned limit out of paho's queue before it resends them.
+
+        Called on connect: paho resends its queue right after this callback returns, and
+        the queue must not change while it does (so not from the disconnect callback)."""
+        with self._lock:
+            doomed = [mid for mid, size in self._sizes.items() if size >= (self._too_large or 0)]
+            for mid in doomed:
+                self._sizes.pop(mid, None)
+                self._publishing.pop(mid, None)
+        with client._out_message_mutex:   # paho keeps in-flight messages here; no public way to drop one
+            for mid in doomed:
+                client._out_messages.pop(mid, None)
+
+    def _check_oversize(self, client: mqtt.Client) -> None:
+        """A broker over whose packet limit a publish goes closes the connection, and paho sends the
+        message again after every reconnect, for ever. MQTT 5 brokers announce the limit (checked in
+        :meth:`publish`); MQTT 3.1.1 ones do not. So: the same large packet in flight when the broker
+        hangs up right after connecting, twice, is taken as over the limit; it is dropped from paho's
+        queue, and :meth:`publish` refuses packets of that size from then on with an error naming the fix.
+        """
+        with self._lock:
+            sizes = dict(self._sizes)
+        if not sizes or time.monotonic() - self._connected_at > 2.0:
+            return
+        largest = max(sizes.values())
+        strikes = self._oversize_strikes[largest] = self._oversize_strikes.get(largest, 0) + 1
+        if strikes < 2:
+            return
+        self._too_large = largest if self._too_large is None else min(self._too_large, largest)
+        log.error("the broker closes the connection whenever a %d-byte packet is sent: it is over the broker's "
+                  "packet limit (max_packet_size); lower max_message_bytes so such messages are chunked",
+                  self._too_large)
+
+    def _subscribe_with(self, client: mqtt.Client, topic_filter: str) -> None:
+        _, mid = client.subscribe(topic_filter, qos=1)
+        if mid is not None:
+            with self._lock:
+                self._subscribing[mid] = topic_filter
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: object, mid: int, reasons: list[Any],
+                      properties: object) -> None:
+        """A refused subscription fails silently in MQTT: nothing ever arrives. Say so, and what to fix."""
+        with self._lock:
+            topic_filter = self._subscribing.pop(mid, "?")
+        refused = [r for r in reasons if getattr(r, "is_failure", False)]
+        if refused:
+            self._denied(topic_filter, "read", refused[0])
+
+    def _on_publish(self, client: mqtt.Client, userdata: object, mid: int, reason: object,
+                    properties: object) -> None:
+        topic = self._publishing.pop(mid, None)
+        with self._lock:
+            self._sizes.pop(mid, None)
+        if getattr(reason, "is_failure", False):   # MQTT 5 says so; 3.1.1 brokers drop it silently
+            if topic is None:
+                self._refused_early[mid] = reason
+            else:
+                self._denied(topic, "write", reason)
+
+    def _denied(self, topic: str, access: str, reason: object) -> None:
+        """Refused access fails silently in MQTT (nothing arrives, nothing is delivered): say it, once."""
+        if topic not in self.denied:
+            self.denied.add(topic)
+            log.error("the broker refused to let %s %s %s (%s): check the broker's ACL; with fedge's ACL "
+                      "(deploy/mosquitto.acl) a device's client id must equal its MQTT user name",
+                      self.client_id, access, topic, reason)
+
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        self._inbox.put(Incoming(msg.topic, bytes(msg.payload)))
+
+    # -- messaging --------------------------------------------------------------
+    def subscribe(self, topic_filter: str) -> None:
+        with self._lock:
+            if topic_filter not in self._filters:
+                self._filters.append(topic_filter)
+        if self._client is not None:
+            self._subscribe_with(self._client, topic_filter)
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        with self._lock:
+            if topic_filter in self._filters:
+                self._filters.remove(topic_filter)
+        if self._client is not None:
+            self._client.unsubscribe(topic_filter)
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
+        """Publish at QoS 1; refuse what our limit or the broker's maximum packet size forbids.
+
+        paho ignores the broker's limit: an oversize publish gets us disconnected and is
+        resent forever, so it must never leave.
+        """
+        if self._client is None:
+            raise TransportError("publish before connect(): call connect() first")
+        if len(payload) > self.settings.max_message_bytes:
+            raise MessageTooLarge(f"message of {len(payload)} bytes to {topic} exceeds "
+                                  f"max_message_bytes={self.settings.max_message_bytes}")
+        packet = len(payload) + len(topic.encode()) + 16   # fixed header, topic length, packet id, properties
+        if self._broker_max is not None and packet > self._broker_max:
+            raise MessageTooLarge(f"a {len(payload)}-byte message to {topic} does not fit the broker's maximum "
+                                  f"packet size of {self._broker_max} bytes; set max_message_bytes "
+                                  f"(transport.max_message_bytes, --max-message-bytes) to at most "
+                                  f"{self._broker_max - len(topic.encode()) - 16} so larger messages are chunked")
+        if self._too_large is not None and packet >= self._too_large:
+            raise MessageTooLarge(f"a {len(payload)}-byte message to {topic} is over the broker's packet limit: "
+                                  f"it closed the connection each time a {self._too_large}-byte packet was sent "
+                                  f"(MQTT 3.1.1 does not announce the limit); set max_message_bytes "
+                                  f"(transport.max_message_bytes, --max-message-bytes) to the broker's limit "
+                                  f"(Mosquitto's max_packet_size) or lower, so larger messages are chunked")
+        info = self._client.publish(topic, payload, qos=1, retain=retain)
+        if info.rc == mqtt.MQTT_ERR_SUCCESS:
+            self._publishing[info.mid] = topic
+            with self._lock:
+                self._sizes[info.mid] = packet
+            if info.mid in self._refused_early:   # its PUBACK came first
+                self._publishing.pop(info.mid, None)
+                self._denied(topic, "write", self._refused_early.pop(info.mid))
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN, mqtt.MQTT_ERR_QUEUE_SIZE):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+
+    def announce(self, topic: str, payload: bytes) -> None:
+        self._birth = (topic, payload)
+        self.publish(topic, payload, retain=True)
+
+    def get(self, timeout: float) -> Incoming | None:
+        return self._inbox.get(timeout)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def close(self, flush_timeout: float = 5.0) -> None:
+        """Disconnect cleanly (no last will); the broker keeps our session.
+
+        Publishes still in flight (a coordinator's last "finished" status, a device's
+        offline presence) get up to ``flush_timeout`` seconds to be acknowledged first:
+        paho drops what it has not sent when it disconnects, and devices waiting for
+        that status would never leave.
+        """
+        deadline = time.monotonic() + flush_timeout
+        while self._publishing and self._connected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client, self._client = self._client, None
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+
+    def drop(self) -> None:
+        """Vanish without DISCONNECT, as a crashed device would (the will fires)."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.loop_stop()
+            sock = client.socket()
+            if sock is not None:
+                sock.close()
+
