@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from coordinator.fedma_matching import match_layer, neuron_vectors
+from methods.fedma.matching import match_layer, neuron_vectors
 from edge_client.registry import build_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -14,8 +14,8 @@ import torch
 from coordinator.config import ConfigError, load_config
 from coordinator.strategy_setup import make_strategy
 from coordinator.run import run_federated
-from coordinator.strategies.fedma import MATCHED
-from edge_client.methods.fedma_layers import weight_layers
+from methods.fedma.strategy import MATCHED
+from methods.fedma.device import weight_layers
 from edge_client.registry import build_model
 
 

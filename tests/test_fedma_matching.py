@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.fedma_matching import (
+from methods.fedma.matching import (
     FedMAError,
     Matching,
     client_slice,

@@ -171,7 +171,7 @@ def test_wire_and_methods_are_where_the_layout_says():
         assert f"edge_client.wire.{name}" in graph
     for name in ("files", "checkpoint", "pixels", "state"):
         assert f"storage.{name}" in graph
-    for name in ("sphere", "dfl", "mutual_info", "fedma", "fedma_layers"):
+    for name in ("sphere", "dfl", "mutual_info"):
         assert f"edge_client.methods.{name}" in graph
     for name in ("pans", "spherefed", "fed2", "dfl"):
         assert f"methods.{name}.model" in graph

@@ -12,7 +12,7 @@ from coordinator.run import run_federated
 from coordinator.strategies.base import AggregationError, ClientResult, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
 from methods.fed2.strategy import Fed2
-from coordinator.strategies.fedma import FedMA
+from methods.fedma.strategy import FedMA
 from coordinator.aggregation import Aggregator
 from storage.checkpoint import latest_checkpoint, load_checkpoint
 

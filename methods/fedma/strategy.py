@@ -9,7 +9,7 @@ number of passes (the paper's FedMA with communication repeats the pass).
   assignments of the last pass, once it has them), trains it for ``train.epochs``
   and sends layer 1.
 - Phase ``l`` (a hidden layer): the coordinator matched layer ``l - 1`` in the
-  phase before (:func:`coordinator.fedma_matching.match_layer`: BBP-MAP, Hungarian
+  phase before (:func:`methods.fedma.matching.match_layer`: BBP-MAP, Hungarian
   assignment, ``fedma.sweeps`` sweeps, width capped at ``fedma.max_growth`` times the
   layer's first width); each client that sent it gets the global layer and its own
   assignment, re-indexes its layer ``l``, freezes the layers below and retrains the
@@ -46,12 +46,12 @@ import torch
 from torch import nn
 
 from coordinator.errors import ConfigError
-from coordinator.fedma_matching import (combine_classifier, layer_from_vectors, match_layer, neuron_vectors,
-                                        prior_mean_vector)
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
-from methods.common import histogram_problem, label_histogram
-from edge_client.methods.fedma_layers import client_slice, weight_layers
 from edge_client.registry import build_aside
+from methods.common import histogram_problem, label_histogram
+from methods.fedma.device import client_slice, weight_layers
+from methods.fedma.matching import (combine_classifier, layer_from_vectors, match_layer, neuron_vectors,
+                                    prior_mean_vector)
 from storage.state import ServerState
 
 if TYPE_CHECKING:

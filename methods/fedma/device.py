@@ -1,6 +1,6 @@
 """FedMA on the device: train, then freeze the matched layers and retrain the rest, phase after phase.
 
-A FedMA pass has one phase per weight layer (:mod:`coordinator.strategies.fedma`).
+A FedMA pass has one phase per weight layer (:mod:`methods.fedma.strategy`).
 In phase 1 the device trains its whole network (the global model, cut to its own
 width by the coordinator) and sends layer 1. In phase ``l > 1`` the task brings the
 matched global layer ``l - 1`` and this device's assignment of its neurons to the
@@ -16,6 +16,11 @@ files are removed when a pass starts). A coordinator resumed after a crash resta
 from its last checkpoint, which may lie two phases behind what the devices did (its
 evaluation and checkpoint trail the training by a round): a phase asked again is
 answered from its saved file without training, so the resumed run gets the same layers.
+
+The weight layers in order and their re-indexing to matched neurons (:func:`weight_layers`,
+:func:`reindex_next_layer`, :func:`client_slice`) are here too: the coordinator's matching
+(:mod:`methods.fedma.matching`) cuts a grown global model back to one device's width with
+the inverse, and a device installs no coordinator code.
 """
 
 from __future__ import annotations
@@ -29,16 +34,90 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
+from torch import Tensor, nn
 
-from methods.common import class_counts
-from edge_client.methods.fedma_layers import FedMAError, reindex_next_layer, weight_layers
 from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
+from methods.common import class_counts
+from storage.errors import FedgeError
 from storage.files import write_tensors_atomic
 
-__all__ = ["STATE_DIR", "FedmaHyper", "fedma_train", "OBJECTIVES", "phase_file"]
+__all__ = ["STATE_DIR", "FedmaHyper", "fedma_train", "OBJECTIVES", "phase_file", "FedMAError", "weight_layers",
+           "reindex_next_layer", "client_slice"]
 
 STATE_DIR = "fedma"     # under the device's state directory: one file per phase of the current pass
+
+
+class FedMAError(FedgeError, ValueError):
+    """Inputs FedMA cannot work with; the message says how to fix them."""
+
+
+def weight_layers(model: nn.Module) -> list[str]:
+    """Module names of the network's weight layers in forward order: the extractor's convolutions
+    and linear layers (``features.N``), then ``classifier``. FedMA's layer ``l`` is entry ``l - 1``."""
+    features = getattr(model, "features", None)
+    if not isinstance(features, nn.Sequential) or not isinstance(getattr(model, "classifier", None), nn.Linear):
+        raise FedMAError(f"FedMA matches the layers of a registry model (features + classifier); "
+                         f"{type(model).__name__} is not one")
+    names = [f"features.{i}" for i, m in enumerate(features) if isinstance(m, (nn.Conv2d, nn.Linear))]
+    return [*names, "classifier"]
+
+
+def _checked_assignment(assignment: Tensor, global_width: int) -> Tensor:
+    if not isinstance(assignment, Tensor) or assignment.dim() != 1 or assignment.is_floating_point() \
+            or assignment.dtype == torch.bool:
+        raise FedMAError("assignment must be a 1-D integer tensor (one of Matching.assignments)")
+    if assignment.numel() and (int(assignment.min()) < 0 or int(assignment.max()) >= global_width):
+        raise FedMAError(f"assignment holds indices outside 0..{global_width - 1}: pass the global width of "
+                         "the matching the assignment came from")
+    if assignment.unique().numel() != assignment.numel():
+        raise FedMAError("assignment maps two neurons to the same global neuron: pass one client's assignment "
+                         "from match_layer, whose indices are distinct")
+    return assignment.to(torch.int64)
+
+
+def reindex_next_layer(weight: Tensor, assignment: Tensor, global_width: int, per_channel: int = 1) -> Tensor:
+    """The next layer's weight with its inputs moved to the global neurons, zeros where the client had none.
+
+    The client then computes what it did before at the global width: the inputs it
+    never had are multiplied by zero. ``per_channel`` is H*W when a conv layer is
+    flattened into a linear one, so that each channel's block of columns moves together.
+    """
+    if weight.dim() < 2:
+        raise FedMAError(f"weight has shape {tuple(weight.shape)}: pass the next layer's Linear or Conv2d weight")
+    if not (isinstance(per_channel, int) and per_channel >= 1):
+        raise FedMAError(f"per_channel must be a whole number >= 1 (H*W after a flatten, else 1); got {per_channel!r}")
+    assignment = _checked_assignment(assignment, global_width)
+    own = assignment.numel()
+    if weight.shape[1] != own * per_channel:
+        raise FedMAError(f"the weight has {weight.shape[1]} inputs but the assignment covers {own} neurons x "
+                         f"per_channel {per_channel} = {own * per_channel}: pass per_channel = H*W when a "
+                         "flatten sits between the layers, and the layer right after the matched one")
+    out, rest = weight.shape[0], tuple(weight.shape[2:])
+    moved = weight.new_zeros((out, global_width, per_channel, *rest))
+    moved[:, assignment] = weight.detach().reshape(out, own, per_channel, *rest)
+    return moved.reshape(out, global_width * per_channel, *rest)
+
+
+def client_slice(global_weight_next: Tensor, assignment: Tensor, per_channel: int = 1) -> Tensor:
+    """The next layer's global weight cut back to one client's own width (the inverse of reindex_next_layer).
+
+    FedMA with communication hands each client the global model at its own width:
+    the matched layer's rows are ``global_vectors[assignment]``, and this gives the
+    columns of the layer after it.
+    """
+    if global_weight_next.dim() < 2:
+        raise FedMAError(f"weight has shape {tuple(global_weight_next.shape)}: pass the next layer's global "
+                         "Linear or Conv2d weight")
+    if not (isinstance(per_channel, int) and per_channel >= 1):
+        raise FedMAError(f"per_channel must be a whole number >= 1 (H*W after a flatten, else 1); got {per_channel!r}")
+    if global_weight_next.shape[1] % per_channel:
+        raise FedMAError(f"the weight's {global_weight_next.shape[1]} inputs are not a multiple of per_channel "
+                         f"{per_channel}: pass per_channel = H*W of the matched conv layer's output")
+    global_width = global_weight_next.shape[1] // per_channel
+    assignment = _checked_assignment(assignment, global_width)
+    out, rest = global_weight_next.shape[0], tuple(global_weight_next.shape[2:])
+    blocks = global_weight_next.detach().reshape(out, global_width, per_channel, *rest)[:, assignment]
+    return blocks.reshape(out, assignment.numel() * per_channel, *rest).contiguous()
 
 
 @dataclass(frozen=True)

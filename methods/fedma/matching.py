@@ -25,7 +25,7 @@ times in a seeded random order, each taking its own contribution out and being
 matched again. The next layer's inputs are then re-indexed to the global neurons,
 and the classifier, whose rows are classes and need no matching, is averaged per
 class by how much of that class each client saw. Re-indexing runs on the devices
-too, so it lives in :mod:`edge_client.methods.fedma_layers`.
+too, so it lives in :mod:`methods.fedma.device`.
 
 Everything here is a pure function over tensors: no networking, no training.
 """
@@ -41,7 +41,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from edge_client.methods.fedma_layers import FedMAError, client_slice, reindex_next_layer
+from methods.fedma.device import FedMAError, client_slice, reindex_next_layer
 
 __all__ = [
     "FedMAError",

@@ -1,0 +1,1 @@
+"""FedMA: layer-wise matched averaging with a global model that may grow (docs/fedma.md)."""
