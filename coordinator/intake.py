@@ -1,23 +1,46 @@
-"""What makes a result usable: its tensors decoded back to values, checked, and accepted by the strategy.
+"""The coordinator's result intake: the one place that decides what becomes of a result.
 
-The coordinator runs this on every result it takes itself; an aggregation worker runs
-the same on its share, so both accept and refuse exactly the same results.
+Every result reaches :class:`ResultIntake`, straight from a device or as an aggregation
+worker's claim (the device's header and body without the tensors, which the worker checked
+and holds). The intake sorts it (which run, round, task and client it answers; late,
+duplicate, unexpected), decodes and checks it (:func:`accept_result`: its tensors back to
+values, against the network's shapes, then the strategy's own check), and folds it into the
+round's partial aggregate, keeps it, or grants it to the worker that holds it; it answers
+the device (``ack`` or ``rejected``) and counts and logs what it refused. An aggregation
+worker runs :func:`accept_result` on its share, so both accept and refuse the same results.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
+from coordinator.round_book import Network, RoundBook, RoundNotes
+from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan
 from edge_client.wire.codec import CodecSpec
-from edge_client.wire.protocol import Message, ProtocolError, ResultBody, check_tensors
+from edge_client.wire.protocol import ClaimBody, Message, ProtocolError, ResultBody, Topics, check_tensors, decode
+from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.updates import decode_parts
+from profiling.schema import clean_profile
 
-__all__ = ["accept_result", "one_torch_thread"]
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+    from coordinator.downlink import Downlink
+    from coordinator.outbox import Outbox
+    from coordinator.presence import Roster
+    from coordinator.profiles import ProfileStore
+    from coordinator.selection import RoundTimes
+
+__all__ = ["Claim", "ResultIntake", "accept_result", "one_torch_thread"]
+
+log = logging.getLogger("fedge.coordinator")
 
 
 def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mapping[str, tuple[int, ...]],
@@ -42,6 +65,246 @@ def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mappin
     if problem:
         raise ProtocolError(problem)
     return result
+
+
+@dataclass(frozen=True)
+class Claim:
+    """An aggregation worker's claim on a result: the worker, and what it says of the tensors it holds."""
+
+    worker: str
+    body: ClaimBody
+
+
+class ResultIntake:
+    """Sorts, checks and keeps the results of the round in progress (:attr:`book`).
+
+    The round loop opens a new book for each attempt (:meth:`open`) and a fresh :attr:`notes`
+    for each round; between exchanges the book collects strays (late results) for the next row.
+    """
+
+    def __init__(self, config: RunConfig, *, outbox: Outbox, topics: Topics, strategy: Strategy,
+                 downlink: Downlink, roster: Roster, round_times: RoundTimes, profile_store: ProfileStore,
+                 network: Callable[[], Network], warn: ThrottledLog, started_after: int) -> None:
+        self.config = config
+        self.run_id = outbox.run_id
+        self.outbox = outbox
+        self.topics = topics
+        self.strategy = strategy
+        self.downlink = downlink
+        self.roster = roster
+        self.round_times = round_times
+        self.profile_store = profile_store
+        self.network = network              # what results are checked against, as it is now
+        self._warn = warn
+        self.started_after = started_after  # the last round done before this session (0: a new run)
+        self.book = RoundBook(round=0, attempt=-1)   # between rounds: collects strays for the next row
+        self.notes = RoundNotes()
+        self.sent_tasks: set[str] = set()           # every task this coordinator process gave
+        self._earlier_tasks: set[str] = set()       # tasks of an earlier session whose results came (resume)
+        self._other_runs: set[str] = set()          # results of other runs already acknowledged and logged
+
+    # -- the round's book --------------------------------------------------------------
+    def open(self, book: RoundBook) -> RoundBook:
+        """Make ``book`` the one results go to (a new attempt, or strays between exchanges)."""
+        self.book = book
+        return book
+
+    def issued(self, book: RoundBook, task_id: str, plan: TaskPlan) -> None:
+        """A task is about to go out: its result is expected in ``book``, and timed from now."""
+        book.plans[task_id] = plan
+        self.sent_tasks.add(task_id)
+        self.round_times.sent(task_id, plan.client_id, plan.objective, time.monotonic())
+
+    def close(self, book: RoundBook) -> None:
+        """An attempt ended: its unanswered tasks took at least the timeout, for selection and the records."""
+        timeout = self.config.clients.round_timeout
+        missed = self.round_times.missed(book.plans, timeout)
+        for task_id, client_id, objective in missed:
+            self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
+                                   round_seconds=timeout, missed=True, device=self.roster.device(client_id))
+        for client_id in self.roster.absences.missed(c for _, c, _ in missed):
+            log.warning("client %s left %d tasks in a row unanswered: it is left out of selection until it "
+                        "answers or reconnects (clients.max_misses)", client_id, self.roster.absences.limit)
+
+    # -- what arrives ----------------------------------------------------------------------
+    def on_result(self, client_id: str, payload: bytes, wire_bytes: int) -> None:
+        """A whole message on a client's result topic."""
+        try:
+            msg = decode(payload, max_bytes=self.config.transport.max_decoded_bytes)
+        except ProtocolError as exc:
+            self.add_up(client_id, wire_bytes)
+            self.count("rejected", client_id, str(exc))
+            return
+        if not self._of_another_run(client_id, msg):
+            self.add_up(client_id, wire_bytes)
+            self._sort(client_id, msg)
+
+    def on_broken(self, client_id: str, wire_bytes: int, reason: str) -> None:
+        """Chunks on a client's result topic that did not make a whole message."""
+        self.add_up(client_id, wire_bytes)
+        self.count("rejected", client_id, reason)
+
+    def on_claim(self, msg: Message, claim: Claim) -> bool:
+        """A worker's claim on a result (sorted as the result itself); True when granted: the worker folds it."""
+        if self._of_another_run(msg.sender, msg):
+            return False
+        self.add_up(msg.sender, claim.body.wire_bytes)   # the result's bytes, as it came
+        return self._sort(msg.sender, msg, claim)
+
+    def add_up(self, client_id: str, n: int) -> None:
+        """Bytes that came on a client's result topic for this run: the round's and the client's."""
+        self.book.tally.bytes_up += n
+        self.notes.add_bytes(client_id, "up", n)
+
+    def count(self, what: str, client_id: str, reason: str) -> None:
+        """One refused result, logged (throttled) with its reason; failures and rejections also explain a
+        round that got too few results."""
+        self.book.tally.counts[what] += 1
+        if what == "failed":
+            self.notes.failures[client_id] = reason
+        elif what == "rejected":
+            self.notes.rejections[client_id] = reason
+        self._warn.warning("%s result from %s: %s", what, client_id, reason)
+
+    # -- sorting -----------------------------------------------------------------------
+    def _sort(self, client_id: str, msg: Message, claim: Claim | None = None) -> bool:
+        """Count, acknowledge and keep (or fold, or grant) one result; True when it was kept or granted.
+        With a ``claim`` it is the result without tensors, which the worker checked and holds until granted."""
+        book = self.book
+        if msg.kind != "result" or msg.sender != client_id:
+            self.count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
+            return False
+        try:   # a body that does not parse is rejected below, once the result is sorted
+            body: ResultBody | None = ResultBody.from_body(msg.body)
+            problem = ""
+        except ProtocolError as exc:
+            body, problem = None, str(exc)
+        profile = clean_profile(body.profile if body is not None else None)
+        self._record_answer(client_id, msg, body, profile)
+        plan = self._waiting_plan(client_id, msg)
+        if plan is None:
+            return False
+        book.profiles[client_id] = profile
+        try:
+            if body is None:
+                raise ProtocolError(problem)
+            self._check_samples(client_id, body)
+            if claim is not None:
+                return self._grant(claim, msg, body)
+            result = self._take(plan, msg, body)
+        except ProtocolError as exc:
+            self._refuse(client_id, msg.task_id, body, str(exc))
+            return False
+        book.results[client_id] = result
+        self._answer(client_id, msg.task_id, "ack")
+        return True
+
+    def _of_another_run(self, client_id: str, msg: Message) -> bool:
+        """A result of another run (one a dead coordinator gave): acknowledged so that the device stops
+        re-sending it, logged once, and counted nowhere: this run's bytes and ``late`` are its own."""
+        if msg.run_id == self.run_id:
+            return False
+        if msg.task_id not in self._other_runs:
+            self._other_runs.add(msg.task_id)
+            log.info("ignored a result from %s of another run (%s, task %s)", client_id, msg.run_id, msg.task_id)
+        self._answer(client_id, msg.task_id, "ack")
+        return True
+
+    def _record_answer(self, client_id: str, msg: Message, body: ResultBody | None, profile: dict[str, Any]) -> None:
+        """Any answer brings a benched client back; the first answer to a task this coordinator gave this
+        client is recorded with its profile and the round time measured here (late ones included)."""
+        if self.roster.absences.returned(client_id):
+            log.info("client %s answered again: it may be selected again", client_id)
+        answered = self.round_times.answered(msg.task_id, client_id, time.monotonic())
+        if answered is None:
+            return
+        seconds, objective = answered
+        error = body.error if body is not None else None
+        self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, objective=objective,
+                               round_seconds=seconds, late=msg.task_id not in self.book.plans,
+                               error=None if error is None else error[:500], profile=profile,
+                               device=self.roster.device(client_id))
+
+    def _waiting_plan(self, client_id: str, msg: Message) -> TaskPlan | None:
+        """The plan of the task ``msg`` answers, if that task still waits for this client's answer; else
+        None, with the answer counted (late, unexpected, duplicate) and the device told."""
+        book, task_id = self.book, msg.task_id
+        plan = book.plans.get(task_id)
+        if plan is None and task_id in self.sent_tasks:
+            self.count("late", client_id, f"task {task_id} of round {msg.round} is over")
+            self._answer(client_id, task_id, "ack")
+            return None
+        if plan is None and self._given_before_resume(client_id, msg):
+            self._answer(client_id, task_id, "ack")
+            return None
+        if plan is None or plan.client_id != client_id:
+            self.count("unexpected", client_id, f"task {task_id} was not given to this client")
+            self._answer(client_id, task_id, "rejected", "this coordinator did not give you that task")
+            return None
+        if client_id in book.results or task_id in book.granted:
+            book.tally.counts["duplicates"] += 1
+            self._answer(client_id, task_id, "ack")
+            return None
+        return plan
+
+    def _given_before_resume(self, client_id: str, msg: Message) -> bool:
+        """A task the coordinator gave before it stopped (the round after the checkpoint, or the one after
+        that, which trained while the first one's evaluation ran): expected after --resume, late, and
+        counted once however often the device re-sends it before the acknowledgement reaches it."""
+        if not (self.started_after and msg.round <= self.started_after + 2 and msg.task_id not in self.sent_tasks):
+            return False
+        if msg.task_id not in self._earlier_tasks:
+            self._earlier_tasks.add(msg.task_id)
+            self.book.tally.counts["late"] += 1
+            log.info("late result from %s: task %s of round %d was given before this coordinator resumed",
+                     client_id, msg.task_id, msg.round)
+        return True
+
+    def _check_samples(self, client_id: str, body: ResultBody) -> None:
+        """The count is the result's weight in the mean: a device must not claim more than it announced."""
+        announced = self.roster.online.get(client_id)
+        if body.error is None and announced is not None and body.num_samples > announced.num_samples:
+            raise ProtocolError(f"it claims {body.num_samples} samples but the device announced "
+                                f"{announced.num_samples}")
+
+    def _take(self, plan: TaskPlan, msg: Message, body: ResultBody) -> ClientResult:
+        """The checked result, folded into the round's partial aggregate when the phase streams."""
+        network = self.network()
+        result = accept_result(plan, msg, body, network.shapes, self.downlink.upload_codec(plan), self.strategy,
+                               network.spec if plan.model is None else plan.model)
+        return self._fold(result) if self.book.streaming else result
+
+    def _fold(self, result: ClientResult) -> ClientResult:
+        """Fold ``result`` into the round's partial aggregate; what is kept of it has no tensors."""
+        book = self.book
+        try:
+            book.partial = self.strategy.fold(book.phase, book.partial, result)
+        except AggregationError as exc:
+            raise ProtocolError(f"cannot aggregate this result: {exc}") from None
+        return dataclasses.replace(result, tensors={}, deltas={}, sent={})
+
+    def _grant(self, claim: Claim, msg: Message, body: ResultBody) -> bool:
+        """Let the claiming worker fold the result; its partial sum brings the tensors (the worker exchange)."""
+        if body.error is not None:
+            raise ProtocolError(f"client could not run the task: {body.error}")
+        if claim.body.problem:   # the worker found the tensors unusable
+            raise ProtocolError(claim.body.problem)
+        if not claim.body.held:   # it could not read the result (no manifest yet): a re-send will come
+            return False
+        self.book.granted[msg.task_id] = (claim.worker, ClientResult(msg.sender, body.num_samples, {},
+                                                                     dict(body.metrics)))
+        self._answer(msg.sender, msg.task_id, "ack")
+        return True
+
+    def _refuse(self, client_id: str, task_id: str, body: ResultBody | None, reason: str) -> None:
+        what = "failed" if body is not None and body.error is not None else "rejected"
+        self.count(what, client_id, reason)
+        if what == "failed":   # the client said it cannot run the task: it will send nothing else
+            self.book.failed.add(client_id)
+        self._answer(client_id, task_id, "rejected", reason)
+
+    def _answer(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:
+        self.outbox.status(self.topics.client(client_id, "status"), self.book.round, task_id, state, reason)
 
 
 @contextmanager

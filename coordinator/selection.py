@@ -26,13 +26,22 @@ would only queue behind the old one.
 
 from __future__ import annotations
 
+import logging
+import random
 import statistics
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["RoundTimes", "DeadlineFilter", "Skipped", "Absences", "SELECTIONS", "SAFETY", "WINDOW", "PROBE_AFTER",
-           "BUSY_HORIZON"]
+if TYPE_CHECKING:   # the config imports SELECTIONS from here
+    from coordinator.config import RunConfig
+
+__all__ = ["RoundTimes", "DeadlineFilter", "Skipped", "Absences", "Draw", "Sampler", "SELECTIONS", "SAFETY", "WINDOW",
+           "PROBE_AFTER", "BUSY_HORIZON"]
+
+log = logging.getLogger("fedge.coordinator")
 
 SELECTIONS = ("random", "deadline")
 SAFETY = 1.25        # skip when predicted * SAFETY > deadline: leaves room for jitter
@@ -169,3 +178,38 @@ class Absences:
             if len(fresh) >= needed:
                 return fresh
         return pool
+
+
+@dataclass(frozen=True)
+class Draw:
+    """The clients an attempt gives tasks to, and those deadline selection left out."""
+
+    clients: list[str]
+    skipped: list[str] = field(default_factory=list)
+
+
+class Sampler:
+    """Draws an attempt's clients: ``clients.per_round`` of those selection may draw from, at random but
+    seeded by the run's seed, the round and the attempt, so a run draws the same clients again."""
+
+    def __init__(self, config: RunConfig, absences: Absences, times: RoundTimes) -> None:
+        self.config = config
+        self.absences = absences
+        self._deadline_filter = DeadlineFilter(times)
+
+    def draw(self, online: Iterable[str], round: int, attempt: int) -> Draw:
+        c = self.config
+        pool = self.absences.pool(online, c.required_results, retry=attempt > 0)
+        skipped: list[str] = []
+        if c.clients.selection == "deadline":
+            pool, skipped = self._skip_predicted_late(pool, round)
+        rng = random.Random(f"{c.run.seed}/{round}/{attempt}")
+        return Draw(sorted(rng.sample(pool, min(c.selected_per_round, len(pool)))), skipped)
+
+    def _skip_predicted_late(self, pool: list[str], round: int) -> tuple[list[str], list[str]]:
+        timeout = self.config.clients.round_timeout
+        keep, skipped = self._deadline_filter(pool, timeout, self.config.required_results, time.monotonic())
+        if skipped:
+            log.info("round %d: deadline selection skipped %s (round_timeout %.1f s)", round,
+                     ", ".join(f"{s.client_id} (predicted {s.predicted_seconds:.1f} s)" for s in skipped), timeout)
+        return keep, [s.client_id for s in skipped]

@@ -15,7 +15,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from coordinator import engine
+from coordinator import broadcast, tasks
 from coordinator.config import load_config
 from coordinator.mosquitto import LocalMosquitto
 from coordinator.run import run_federated
@@ -26,7 +26,7 @@ def test_a_broker_restart_at_the_broadcast_loses_no_round(tmp_path, monkeypatch,
     broker = LocalMosquitto(workdir=tmp_path / "broker", persistence=persistence)
     broker.start()
     restarts: list[int] = []
-    original = engine.Coordinator._broadcast
+    original = broadcast.Broadcast.publish_model
 
     def broadcast_then_restart(self, book, tensors):
         digest = original(self, book, tensors)
@@ -37,7 +37,7 @@ def test_a_broker_restart_at_the_broadcast_loses_no_round(tmp_path, monkeypatch,
             broker.start(same_port=True)
         return digest
 
-    monkeypatch.setattr(engine.Coordinator, "_broadcast", broadcast_then_restart)
+    monkeypatch.setattr(broadcast.Broadcast, "publish_model", broadcast_then_restart)
     out = tmp_path / "run"
     overrides = {"run.rounds": 3, "run.out": str(out), "model.name": "cnn", "data.eval": "digits",
                  "clients.expected": 2, "clients.spawn": 2, "clients.round_timeout": 30.0,
@@ -78,26 +78,26 @@ def test_tasks_a_restarted_broker_lost_are_sent_again_after_the_reconnect(tmp_pa
     broker = LocalMosquitto(workdir=tmp_path / "broker", persistence=False)
     broker.start()
     restarts: list[int] = []
-    original = engine.Coordinator._send_tasks
+    original = tasks.TaskSender.send_all
 
     def tasks_lost_in_a_restart(self, book, plans):
         if book.round != 2 or restarts:
             return original(self, book, plans)
         restarts.append(book.round)
-        publish = self.transport.publish
+        publish = self.outbox.transport.publish
 
         def lost(topic, payload, **kw):   # what the restart takes with it: accepted, never delivered
             return len(payload) if topic.endswith("/task") else publish(topic, payload, **kw)
 
-        monkeypatch.setattr(self.transport, "publish", lost)
+        monkeypatch.setattr(self.outbox.transport, "publish", lost)
         try:
             original(self, book, plans)
         finally:
-            monkeypatch.setattr(self.transport, "publish", publish)
+            monkeypatch.setattr(self.outbox.transport, "publish", publish)
         broker.stop()
         broker.start(same_port=True)
 
-    monkeypatch.setattr(engine.Coordinator, "_send_tasks", tasks_lost_in_a_restart)
+    monkeypatch.setattr(tasks.TaskSender, "send_all", tasks_lost_in_a_restart)
     out, timeout = tmp_path / "run", 60.0
     overrides = {"run.rounds": 3, "run.out": str(out), "model.name": "cnn", "data.eval": "digits",
                  "clients.expected": 2, "clients.spawn": 2, "clients.round_timeout": timeout,

@@ -294,9 +294,9 @@ def test_after_resume_a_result_of_the_interrupted_round_is_late_not_unexpected(t
     before = encode("result", run_id="run1", round=3, task_id="given-before", sender="a", body=body)
     forged = encode("result", run_id="run1", round=7, task_id="never-given", sender="a", body=body)
     for _ in range(3):   # re-sent until the acknowledgement reaches the device: counted once
-        coord._on_result("a", before, len(before))
-    coord._on_result("a", forged, len(forged))
-    assert coord._round.counts["late"] == 1 and coord._round.counts["unexpected"] == 1
+        coord.intake.on_result("a", before, len(before))
+    coord.intake.on_result("a", forged, len(forged))
+    assert coord.intake.book.tally.counts["late"] == 1 and coord.intake.book.tally.counts["unexpected"] == 1
 
 
 def test_the_coordinator_holds_a_whole_round_of_chunked_results(tmp_path):
@@ -339,12 +339,12 @@ def test_a_round_whose_results_all_hold_nan_says_the_model_diverged(tmp_path):
 
 
 def test_a_non_finite_aggregate_ends_the_run_before_it_is_sent():
-    from coordinator.engine import _check_finite
+    from coordinator.guards import check_finite
     from storage.state import ServerState
 
     state = ServerState(params={"fc.weight": torch.tensor([1.0, float("inf")]), "fc.bias": torch.zeros(2)},
                         spec=SPEC, round=3)
     with pytest.raises(RunError, match=r"round 4 \(train\) aggregated to a model with NaN or infinite values in "
                                        r"fc.weight.*aggregate.norm_bound"):
-        _check_finite(state, 4, "train", "mean")
-    _check_finite(dataclasses.replace(state, params={"fc.bias": torch.zeros(2)}), 4, "train", "mean")
+        check_finite(state, 4, "train", "mean")
+    check_finite(dataclasses.replace(state, params={"fc.bias": torch.zeros(2)}), 4, "train", "mean")

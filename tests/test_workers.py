@@ -61,7 +61,7 @@ def test_two_workers_give_the_single_coordinators_aggregate(tmp_path, mosquitto,
 def test_a_result_claimed_by_two_workers_counts_once_and_receipts_are_checked(tmp_path):
     """A device's re-send can reach a second worker: only the first claim is granted. A partial sum is
     merged only with receipts for what its worker was granted and their total weight."""
-    from coordinator.engine import _Round
+    from coordinator.round_book import RoundBook
     from coordinator.strategies.base import TaskPlan
     from edge_client.wire.codec import FP32
     from edge_client.wire.protocol import ManifestBody, ResultBody, Topics, decode, encode
@@ -75,7 +75,7 @@ def test_a_result_claimed_by_two_workers_counts_once_and_receipts_are_checked(tm
     for worker in ("w0", "w1"):
         listener.subscribe(Topics().worker(worker, "status"))
     names = sorted(coord.state.params)
-    book = coord._round = _Round(round=1, attempt=0, streaming=True)
+    book = coord.intake.open(RoundBook(round=1, attempt=0, streaming=True))
     book.plans["t1"] = TaskPlan("c1", "train", {}, coord.state.params, names)
     book.manifest = ManifestBody("x1", "train", coord.state.spec, tuple(names), FP32, {"t1": "c1"})
     coord.sent_tasks.add("t1")
@@ -88,10 +88,10 @@ def test_a_result_claimed_by_two_workers_counts_once_and_receipts_are_checked(tm
             out.append((msg.topic.split("/")[-2], decode(msg.payload).body["state"]))
         return out
 
-    coord._on_claim("w0", claim)
-    coord._on_claim("w1", claim)   # the same result, re-sent and handed to the other worker
+    coord.workers.on_claim("w0", claim)
+    coord.workers.on_claim("w1", claim)   # the same result, re-sent and handed to the other worker
     assert verdicts() == [("w0", "ack"), ("w1", "rejected")]
-    assert book.counts["duplicates"] == 1 and list(book.granted) == ["t1"] and book.answered
+    assert book.tally.counts["duplicates"] == 1 and list(book.granted) == ["t1"] and book.answered
 
     sums = {k: v.to(torch.float64) * 5 for k, v in coord.state.params.items()}
 
@@ -99,10 +99,10 @@ def test_a_result_claimed_by_two_workers_counts_once_and_receipts_are_checked(tm
         return encode("partial", run_id="run1", round=1, task_id="", sender=worker,
                       body={"exchange": "x1", "weight": weight, "tasks": ["t1"]}, tensors=sums)
 
-    coord._on_partial("w1", partial("w1", 5.0))    # not granted to w1
-    coord._on_partial("w0", partial("w0", 6.0))    # weight is not the receipts' samples
+    coord.workers.on_partial("w1", partial("w1", 5.0))    # not granted to w1
+    coord.workers.on_partial("w0", partial("w0", 6.0))    # weight is not the receipts' samples
     assert book.partial is None and "c1" not in book.results
-    coord._on_partial("w0", partial("w0", 5.0))
+    coord.workers.on_partial("w0", partial("w0", 5.0))
     assert list(book.results) == ["c1"] and not book.granted and book.partial.weight == 5.0
     for key, value in book.partial.mean().items():
         assert torch.equal(value, coord.state.params[key])
@@ -112,7 +112,7 @@ def test_results_held_by_a_worker_that_never_sends_its_partial_are_counted_lost(
     """A worker that dies between the grant and its partial sum costs the round those results (their
     devices were acknowledged at the grant): after workers.flush_timeout the round goes on, and the
     row says how many were lost."""
-    from coordinator.engine import _Round
+    from coordinator.round_book import RoundBook
     from coordinator.strategies.base import TaskPlan
     from edge_client.wire.codec import FP32
     from edge_client.wire.protocol import ManifestBody, ResultBody, Topics, decode, encode
@@ -125,17 +125,17 @@ def test_results_held_by_a_worker_that_never_sends_its_partial_are_counted_lost(
     listener = hub.connect("listener")
     listener.subscribe(Topics().manifest)
     names = sorted(coord.state.params)
-    book = coord._round = _Round(round=1, attempt=0, streaming=True)
+    book = coord.intake.open(RoundBook(round=1, attempt=0, streaming=True))
     book.plans["t1"] = TaskPlan("c1", "train", {}, coord.state.params, names)
     book.manifest = ManifestBody("x1", "train", coord.state.spec, tuple(names), FP32, {"t1": "c1"})
     body = {**ResultBody(num_samples=5).to_body(), "problem": "", "held": True}
-    coord._on_claim("w0", encode("result", run_id="run1", round=1, task_id="t1", sender="c1", body=body))
+    coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t1", sender="c1", body=body))
     assert book.answered and not book.complete
 
-    coord._collect_partials(book)   # asks for the partial sums (flush), waits 0.5 s, gives up
+    coord.workers.collect(book)   # asks for the partial sums (flush), waits 0.5 s, gives up
     flush = decode(listener.get(1.0).payload)
     assert flush.kind == "manifest" and flush.body["flush"] is True
-    assert book.worker_lost == 1 and not book.granted and not book.results
+    assert book.tally.worker_lost == 1 and not book.granted and not book.results
 
 
 def test_worker_command_says_what_is_missing(capsys):

@@ -1,0 +1,68 @@
+"""Which clients are online, as their retained presence messages say, and which of them may be drawn.
+
+A presence that does not decode or parse is logged and dropped; the last word of each
+client (``online`` with the facts of its data and device, or ``offline``, which may be
+the broker speaking its last will) is kept. Clients benched for leaving tasks unanswered
+(:class:`~coordinator.selection.Absences`) stay online but are not drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from coordinator.selection import Absences
+from edge_client.wire.protocol import PresenceBody, ProtocolError, decode
+from edge_client.wire.throttle import ThrottledLog
+
+__all__ = ["Roster", "PRESENCE_BYTES"]
+
+log = logging.getLogger("fedge.coordinator")
+PRESENCE_BYTES = 1024 * 1024   # the largest presence (or claim) read: neither carries tensors
+
+
+class Roster:
+    """The clients online and what each announced."""
+
+    def __init__(self, absences: Absences, warn: ThrottledLog) -> None:
+        self.absences = absences
+        self.online: dict[str, PresenceBody] = {}
+        self._warn = warn
+
+    def on_presence(self, client_id: str, payload: bytes) -> bool:
+        """Take a client's presence; True when it announced itself online (its unanswered task may go again)."""
+        try:
+            msg = decode(payload, max_bytes=PRESENCE_BYTES)
+        except ProtocolError as exc:
+            self._warn.warning("ignored presence of %s: %s", client_id, exc)
+            return False
+        if msg.sender != client_id or msg.kind != "presence":
+            return False
+        try:
+            body = PresenceBody.from_body(msg.body)
+        except ProtocolError as exc:
+            self._warn.warning("ignored presence of %s: %s", client_id, exc)
+            return False
+        if body.state == "online":
+            if client_id not in self.online:
+                log.info("client %s online (%s samples)", client_id, body.num_samples)
+            if self.absences.returned(client_id):
+                log.info("client %s announced itself again: it may be selected again", client_id)
+            self.online[client_id] = body
+            return True
+        if self.online.pop(client_id, None) is not None:
+            log.info("client %s went offline", client_id)
+        return False
+
+    def answering(self) -> list[str]:
+        """The online clients selection may draw from: not those benched for unanswered tasks."""
+        return self.absences.pool(self.online, 0, retry=False)
+
+    def benched_online(self) -> list[str]:
+        """Clients online but benched: they announced themselves and left their tasks unanswered."""
+        return sorted(set(self.online) - set(self.answering()))
+
+    def device(self, client_id: str) -> dict[str, Any] | None:
+        """The device facts a client announced with its presence, if it is online."""
+        presence = self.online.get(client_id)
+        return presence.device if presence is not None else None

@@ -1,0 +1,132 @@
+"""What the parts of the round engine share about the round in progress.
+
+One :class:`RoundBook` per attempt at a phase of a round: the tasks given, the results
+taken, what the aggregation workers hold, the bytes moved. The intake fills it, the task
+sender and the worker exchange add to it, the round loop reads it. :class:`RoundNotes`
+lasts a whole round (all its phases and attempts): why clients failed or were refused,
+and the bytes each client moved, for the row and for the error that ends a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.strategies.base import ClientResult, TaskPlan
+from edge_client.wire.protocol import ManifestBody
+
+__all__ = ["COUNTERS", "Network", "Tally", "RoundBook", "RoundNotes"]
+
+COUNTERS = ("late", "rejected", "duplicates", "unexpected", "failed")   # outcomes counted in the row
+
+
+@dataclass(frozen=True)
+class Network:
+    """The network results are checked against: the global state's model spec and its tensor shapes."""
+
+    spec: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+
+
+@dataclass
+class Tally:
+    """Outcomes and bytes of one attempt, or summed over a phase's attempts or a round's phases."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    bytes_down: int = 0
+    bytes_up: int = 0
+    bytes_broadcast: int = 0
+    worker_lost: int = 0   # results acknowledged but lost with a worker's partial sum
+
+    def add(self, other: Tally) -> None:
+        for key, value in other.counts.items():
+            self.counts[key] = self.counts.get(key, 0) + value
+        self.bytes_down += other.bytes_down
+        self.bytes_up += other.bytes_up
+        self.bytes_broadcast += other.bytes_broadcast
+        self.worker_lost += other.worker_lost
+
+    def carried(self) -> Tally:
+        """What strays between two exchanges leave to the next one: their counts and the bytes they came in."""
+        return Tally(counts=dict(self.counts), bytes_up=self.bytes_up)
+
+    def row(self) -> dict[str, int]:
+        """The row's columns; ``worker_lost`` only when a worker lost results (runs without workers lack it)."""
+        row = {**self.counts, "bytes_down": self.bytes_down, "bytes_up": self.bytes_up,
+               "bytes_broadcast": self.bytes_broadcast}
+        if self.worker_lost:
+            row["worker_lost"] = self.worker_lost
+        return row
+
+
+@dataclass
+class RoundBook:
+    """Book-keeping for one attempt at one phase of a round (``attempt`` -1: between exchanges, collecting strays)."""
+
+    round: int
+    attempt: int
+    phase: str = "train"
+    streaming: bool = False        # results are folded into ``partial`` on arrival and their tensors dropped
+    partial: Any = None            # the strategy's partial aggregate of the results so far (streaming only)
+    plans: dict[str, TaskPlan] = field(default_factory=dict)       # task id -> plan
+    results: dict[str, ClientResult] = field(default_factory=dict)  # client id -> result (no tensors if streaming)
+    failed: set[str] = field(default_factory=set)    # clients that answered with an error
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)               # left out by deadline selection
+    tally: Tally = field(default_factory=Tally)
+    # With aggregation workers: the exchange's id in their manifest, and the results a worker holds
+    # folded whose partial sum has not arrived (task id -> (worker, the result without tensors)).
+    manifest: ManifestBody | None = None
+    granted: dict[str, tuple[str, ClientResult]] = field(default_factory=dict)
+    shared: frozenset[str] = frozenset()   # the tensors the tasks leave to the model broadcast
+    broadcast: str | None = None           # ... and its hash
+
+    @property
+    def complete(self) -> bool:
+        """Every client has answered (a result, or an error: waiting on would only burn the deadline).
+
+        A rejected result does not count: the client may still send a good one."""
+        return len(self.results.keys() | self.failed) >= len(self.plans)
+
+    @property
+    def answered(self) -> bool:
+        """Every client has answered, counting results an aggregation worker folded but has not sent yet."""
+        return len(self.answered_by) >= len(self.plans)
+
+    @property
+    def answered_by(self) -> set[str]:
+        """The clients with an answer in this attempt: a result, an error, or a result a worker holds."""
+        held = {result.client_id for _, result in self.granted.values()}
+        return self.results.keys() | self.failed | held
+
+
+@dataclass
+class RoundNotes:
+    """What a round's clients said and moved over all its phases and attempts."""
+
+    failures: dict[str, str] = field(default_factory=dict)     # client -> why it could not run its task
+    rejections: dict[str, str] = field(default_factory=dict)   # client -> why its last result was rejected
+    client_bytes: dict[str, dict[str, int]] = field(default_factory=dict)   # client id -> down/up bytes
+
+    def add_bytes(self, client_id: str, direction: str, n: int) -> None:
+        self.client_bytes.setdefault(client_id, {"down": 0, "up": 0})[direction] += n
+
+    def bytes_per_client(self) -> dict[str, dict[str, int]]:
+        return {k: self.client_bytes[k] for k in sorted(self.client_bytes)}
+
+    def why_too_few(self) -> str:
+        """What the round's clients said or sent, which explains a round without enough results better
+        than the timeout does."""
+        said = "; ".join(f"{cid}: {why}" for cid, why in sorted(self.failures.items())[:3])
+        rejected = sorted(self.rejections.items())
+        if rejected and all("NaN or infinite" in why or "non-finite" in why for _, why in rejected):
+            return (f"the results of {len(rejected)} client(s) held NaN or infinite values, which is what training "
+                    "a diverged global model gives: a hostile or broken update (set aggregate.rule or "
+                    "aggregate.norm_bound, docs/robustness.md) or a learning rate too high; resume from an earlier "
+                    f"checkpoint once fixed (first: {rejected[0][0]}: {rejected[0][1]})")
+        if said:
+            return f"the clients said: {said}"
+        if rejected:
+            shown = "; ".join(f"{cid}: {why}" for cid, why in rejected[:3])
+            return f"results were rejected: {shown}"
+        return "check the clients' logs, raise clients.round_timeout or lower clients.min_results"

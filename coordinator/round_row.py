@@ -1,0 +1,41 @@
+"""The columns each phase of a round adds to the round's metrics row (``metrics.jsonl``).
+
+The training phase gives the row its main columns (clients selected and returned, the
+sample-weighted training loss, the slowest client, bytes per client and the float32
+reference they are measured against); any other phase (a personalized evaluation, a
+FedMA layer) adds its own, prefixed with its name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.round_book import RoundBook, Tally
+from coordinator.strategies.base import ClientResult
+
+__all__ = ["train_columns", "phase_columns"]
+
+
+def train_columns(book: RoundBook, results: list[ClientResult], totals: Tally, fp32_model_bytes: int) -> dict[str, Any]:
+    """The training phase's columns: ``book`` is its last attempt, ``results`` the ones aggregated,
+    ``totals`` its traffic over all attempts."""
+    n = sum(r.num_samples for r in results)
+    slowest = max(book.profiles.items(), key=lambda kv: kv[1].get("seconds") or 0, default=(None, {}))
+    return {
+        "selected": len(book.plans), "returned": len(book.results), "attempts": book.attempt + 1,
+        "train_samples": n,
+        "train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n,
+        "slowest_client": slowest[0], "slowest_seconds": slowest[1].get("seconds"),
+        "skipped": book.skipped,
+        "bytes_down_per_client": totals.bytes_down // max(len(book.plans), 1),
+        "bytes_up_per_client": totals.bytes_up // max(len(book.results), 1),
+        # the reference: the whole float32 model to and from every selected client
+        "fp32_bytes_down": fp32_model_bytes * len(book.plans),
+        "fp32_bytes_up": fp32_model_bytes * len(book.plans),
+    }
+
+
+def phase_columns(phase: str, book: RoundBook, totals: Tally) -> dict[str, Any]:
+    """Any other phase's columns, named after it."""
+    return {f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results),
+            f"{phase}_bytes_down": totals.bytes_down, f"{phase}_bytes_up": totals.bytes_up}

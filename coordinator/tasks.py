@@ -1,0 +1,88 @@
+"""Sending an exchange's tasks: one new task id per selected client, each task in its own message.
+
+What every task would carry with the same values goes once, as the model broadcast
+(``codec.broadcast``); with aggregation workers the manifest goes before the tasks, so a
+worker knows a task before its result can reach it. A task its device has not answered
+goes again, under its id, when the device announces itself online: after a reconnect
+its subscriptions are back, and a broker that restarted without persistence (or a session
+that expired) lost the task it had not delivered, which would cost the attempt its whole
+timeout. A device that did get the task answers the copy with the result it already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from coordinator.broadcast import Broadcast
+from coordinator.downlink import Downlink, shared_tensors
+from coordinator.intake import ResultIntake
+from coordinator.round_book import Network, RoundBook
+from coordinator.strategies.base import TaskPlan
+from coordinator.worker_exchange import WorkerExchange
+from edge_client.wire.protocol import TaskBody, Topics
+
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+    from coordinator.outbox import Outbox
+
+__all__ = ["TaskSender"]
+
+log = logging.getLogger("fedge.coordinator")
+
+
+class TaskSender:
+    """Publishes the tasks of each exchange, with the broadcast and the manifest they depend on."""
+
+    def __init__(self, config: RunConfig, *, outbox: Outbox, topics: Topics, downlink: Downlink,
+                 broadcast: Broadcast, workers: WorkerExchange, intake: ResultIntake,
+                 network: Callable[[], Network]) -> None:
+        self.config = config
+        self.outbox = outbox
+        self.topics = topics
+        self.downlink = downlink
+        self.broadcast = broadcast
+        self.workers = workers
+        self.intake = intake
+        self.network = network
+
+    def send_all(self, book: RoundBook, plans: list[TaskPlan]) -> None:
+        """The exchange's tasks, after the broadcast they share and (with workers) the manifest."""
+        shared = shared_tensors(plans) if self.config.codec.broadcast else {}
+        digest = self.broadcast.publish_model(book, shared) if shared else ""
+        self.outbox.transport.prefer(self.topics.client(plan.client_id, "result") for plan in plans)
+        task_ids = [uuid.uuid4().hex[:16] for _ in plans]
+        if self.config.workers.count and plans:   # the workers learn the tasks before any result can come
+            self.workers.open(book, plans, task_ids, self.downlink.upload_codec(plans[0]), digest or None)
+        book.shared, book.broadcast = frozenset(shared), digest or None
+        for task_id, plan in zip(task_ids, plans):
+            self.intake.issued(book, task_id, plan)
+            self.send(book, task_id, plan)
+
+    def send(self, book: RoundBook, task_id: str, plan: TaskPlan) -> None:
+        """One client's task message: its own tensors, the broadcast named by hash."""
+        c = self.config.clients
+        body = TaskBody(objective=plan.objective, model=self.network().spec if plan.model is None else plan.model,
+                        up=tuple(plan.up), hyper=plan.hyper, upload=self.downlink.upload(plan),
+                        codec=self.downlink.spec, broadcast=book.broadcast, seed=self.config.run.seed,
+                        timeout=c.round_timeout, resend_every=c.resend_every, deadline=time.time() + c.round_timeout,
+                        session=self.broadcast.session)
+        own = {k: v for k, v in plan.down.items() if k not in book.shared}
+        sent = self.outbox.publish(self.topics.client(plan.client_id, "task"),
+                                   self.downlink.task(book.round, task_id, body, own))
+        book.tally.bytes_down += sent
+        self.intake.notes.add_bytes(plan.client_id, "down", sent)
+
+    def resend_unanswered(self, book: RoundBook, client_id: str) -> None:
+        """Send the client's task of this attempt again, under its id, if it has not answered it (it has
+        just announced itself online)."""
+        if client_id in book.answered_by:
+            return
+        for task_id, plan in book.plans.items():
+            if plan.client_id == client_id:
+                log.warning("round %d: sending %s's unanswered task again (it announced itself online)",
+                            book.round, client_id)
+                self.send(book, task_id, plan)
