@@ -42,7 +42,7 @@ from bench_io import RESULTS, write_result
 from coordinator.config import load_config
 from coordinator.mosquitto import LocalMosquitto
 from coordinator.run import run_federated
-from edge_client.data import FASHION_MNIST_DIR, _fashion_mnist_raw
+from edge_client.data import FASHION_MNIST_DIR, read_fashion_mnist
 
 MB = 2**20
 PHASES = ("start-up", "idle", "receive + decode", "train", "encode + send")
@@ -75,7 +75,7 @@ def baseline(code: str) -> dict[str, float]:
 
 def device_npz(path: Path, samples: int, seed: int = 0) -> Path:
     """A device's own data: ``samples`` Fashion-MNIST training images (uint8) and labels."""
-    images, labels = _fashion_mnist_raw(Path(FASHION_MNIST_DIR), "train")
+    images, labels = read_fashion_mnist(Path(FASHION_MNIST_DIR), "train")
     rows = np.sort(np.random.default_rng(seed).choice(len(labels), samples, replace=False))
     np.savez(path, x=images[rows], y=labels[rows])
     return path

@@ -81,7 +81,7 @@ def check_data_spec(spec: str) -> None:
 
 def check_partition_spec(spec: str) -> None:
     """Raise DataError when ``spec`` is not a partition spec (iid, dirichlet:ALPHA, shards:K, attribute:...)."""
-    from edge_client.data import _parse_partition_spec, parse_attribute_skew
+    from edge_client.data import parse_attribute_skew, parse_label_spec
 
     if parse_attribute_skew(spec) is None:
-        _parse_partition_spec(spec)
+        parse_label_spec(spec)

@@ -10,6 +10,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from edge_client import data as D
+from edge_client.datasets import _fixed_split
 from edge_client.data import (
     DataError,
     Dataset,
@@ -87,7 +88,7 @@ def test_digits_split_is_fixed_and_stratified(digits: Dataset) -> None:
 
 def test_digits_constants_match_train_split() -> None:
     bunch = load_digits()
-    train_idx, _ = D._fixed_split(bunch.target)
+    train_idx, _ = _fixed_split(bunch.target)
     x = bunch.images[train_idx] / 16.0
     assert abs(x.mean() - D.DIGITS_MEAN) < 1e-4
     assert abs(x.std() - D.DIGITS_STD) < 1e-4
@@ -199,7 +200,7 @@ def test_npz_uint8_hw_roundtrip(tmp_path: Path) -> None:
     x = (bunch.images * 15).astype(np.uint8)  # real digits as 0..240 bytes
     np.savez(tmp_path / "d.npz", x=x, y=bunch.target.astype(np.int32))
     ds = load_dataset(f"npz:{tmp_path / 'd.npz'}")
-    tr, te = D._fixed_split(bunch.target)
+    tr, te = _fixed_split(bunch.target)
     assert ds.name == "npz" and ds.num_classes == 10
     assert ds.x_train.shape == (1438, 1, 8, 8) and ds.x_test.shape == (359, 1, 8, 8)
     assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64

@@ -1,0 +1,160 @@
+"""Attribute skew (``attribute:KIND:DOMAINS[+LABEL_SPEC]``): clients whose images differ in a non-causal
+attribute (colour, rotation, contrast) rather than in their labels, for methods that must tell the
+two apart; and the normalization and evaluation split a model trained under such a partition needs.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_client.datasets import Dataset
+from edge_client.label_partitions import parse_label_spec
+from storage.pixels import DataError, Normalization
+
+__all__ = ["ATTRIBUTE_KINDS", "COLOR_NORMALIZATION", "AttributeSkew", "parse_attribute_skew", "domain_palette",
+           "model_normalization", "pixel_normalization", "intensity_range", "evaluation_split"]
+
+ATTRIBUTE_KINDS = ("color", "rotate", "invert")
+# Colour domains (attribute:color) are RGB centred on 0.5: their own normalization, whatever the data set's.
+COLOR_NORMALIZATION = Normalization((0.5,) * 3, (0.5,) * 3)
+
+
+@dataclass(frozen=True)
+class AttributeSkew:
+    """``attribute:KIND:DOMAINS[+LABEL_SPEC]``: clients differ in how their images look, not in labels.
+
+    Client ``i`` belongs to domain ``i % DOMAINS``; its domain changes one attribute
+    that does not decide the label: ``color`` paints background and foreground of a
+    grayscale image with the domain's two colours (3 channels), ``rotate`` turns the
+    image by ``360 * domain / DOMAINS`` degrees, ``invert`` shows the odd domains' images
+    with inverted contrast (light background, dark ink) and the even domains' as they
+    are. Who owns which sample is decided by
+    LABEL_SPEC (``iid`` when absent, or e.g. ``dirichlet:0.5`` to add label skew).
+    """
+
+    kind: str
+    domains: int
+    labels: str = "iid"
+
+    def domain_of(self, index: int) -> int:
+        return index % self.domains
+
+    def apply(self, x: np.ndarray, domains: np.ndarray, intensity: tuple[float, float]) -> np.ndarray:
+        """Images ``x`` [N, C, H, W] as seen in ``domains`` [N] (one domain per image)."""
+        if self.kind == "color":
+            return _colorize(x, domains, self.domains, intensity)
+        if self.kind == "invert":
+            lo, hi = intensity
+            return np.where((domains % 2 == 1)[:, None, None, None], np.float32(lo + hi) - x, x).astype(np.float32)
+        return _rotate(x, domains, self.domains, fill=intensity[0])
+
+
+def parse_attribute_skew(spec: str) -> AttributeSkew | None:
+    """The attribute skew a partition spec asks for; None for a plain label partition."""
+    if not spec.startswith("attribute:"):
+        return None
+    head, plus, labels = spec.partition("+")
+    parts = head.split(":")
+    valid = (len(parts) == 3 and parts[1] in ATTRIBUTE_KINDS and parts[2].isdigit() and int(parts[2]) >= 1
+             and (not plus or (labels != "" and not labels.startswith("attribute:"))))
+    if not valid:
+        raise DataError(f"bad partition spec {spec!r}; attribute skew is attribute:KIND:DOMAINS[+LABEL_SPEC] "
+                        f"with KIND one of {', '.join(ATTRIBUTE_KINDS)}, DOMAINS >= 1 and LABEL_SPEC a plain "
+                        f"spec (iid, dirichlet:ALPHA, shards:K), e.g. attribute:color:5+dirichlet:0.5")
+    if plus:
+        parse_label_spec(labels)
+    return AttributeSkew(parts[1], int(parts[2]), labels or "iid")
+
+
+def domain_palette(domain: int, domains: int) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """(foreground, background) RGB in [0, 1] of a colour domain.
+
+    Backgrounds are dark and evenly spread around the hue circle; each foreground
+    is a light colour of the opposite hue, so every domain stays readable.
+    """
+    hue = (domain % domains) / domains
+    return colorsys.hsv_to_rgb((hue + 0.5) % 1.0, 0.5, 1.0), colorsys.hsv_to_rgb(hue, 0.8, 0.5)
+
+
+def model_normalization(dataset: Dataset, partition_spec: str) -> Normalization | None:
+    """The normalization of the inputs a model trained on ``dataset`` under ``partition_spec`` gets, for its
+    spec: the data set's, except colour domains, which are RGB with their own. Rotation and inverted
+    contrast keep the data set's (they move and mirror intensities within its range)."""
+    skew = parse_attribute_skew(partition_spec)
+    if skew is not None and skew.kind == "color":
+        return COLOR_NORMALIZATION
+    return dataset.normalization
+
+
+def pixel_normalization(model: Normalization | None, partition_spec: str) -> Normalization | None:
+    """What to normalize a data set's pixels with so that, under ``partition_spec``, they become the inputs
+    of a model whose spec says ``model``: ``model`` itself, except under colour domains, which set their
+    own (None: the data set's own, as the run loaded it)."""
+    skew = parse_attribute_skew(partition_spec)
+    return None if skew is not None and skew.kind == "color" else model
+
+
+def intensity_range(dataset: Dataset) -> tuple[float, float]:
+    """Darkest and brightest value of the dataset's train split (its test split when the train split was
+    not loaded; Fashion-MNIST's have the same): background and full ink."""
+    x = dataset.x_train if len(dataset.x_train) else dataset.x_test
+    return float(x.min()), float(x.max())
+
+
+def _colorize(x: np.ndarray, domains: np.ndarray, count: int, intensity: tuple[float, float]) -> np.ndarray:
+    if x.shape[1] != 1:
+        raise DataError(f"attribute:color needs grayscale images (1 channel), got {x.shape[1]} channels; "
+                        "use attribute:rotate for colour images")
+    lo, hi = intensity
+    ink = np.clip((x - lo) / max(hi - lo, 1e-12), 0.0, 1.0)            # [N, 1, H, W] in [0, 1]
+    palettes = [domain_palette(d, count) for d in range(count)]
+    fg = np.array([p[0] for p in palettes], np.float32)[domains][:, :, None, None]   # [N, 3, 1, 1]
+    bg = np.array([p[1] for p in palettes], np.float32)[domains][:, :, None, None]
+    rgb = bg + (fg - bg) * ink
+    return COLOR_NORMALIZATION.apply(rgb, 1.0)                         # centred, in [-1, 1]
+
+
+def _rotate(x: np.ndarray, domains: np.ndarray, count: int, fill: float) -> np.ndarray:
+    """Each image turned counter-clockwise by its domain's angle about its centre (bilinear)."""
+    out = x.copy()
+    size = x.shape[2]
+    centre = (size - 1) / 2.0
+    rows, cols = np.meshgrid(np.arange(size) - centre, np.arange(size) - centre, indexing="ij")
+    for d in np.unique(domains):
+        angle = 2 * math.pi * int(d) / count
+        if angle == 0:
+            continue
+        cos, sin = round(math.cos(angle), 12), round(math.sin(angle), 12)
+        # Where each output pixel comes from: the inverse rotation of its position.
+        src_r = cos * rows + sin * cols + centre
+        src_c = -sin * rows + cos * cols + centre
+        r0, c0 = np.floor(src_r).astype(int), np.floor(src_c).astype(int)
+        fr, fc = (src_r - r0).astype(np.float32), (src_c - c0).astype(np.float32)
+        pick = domains == d
+        images = x[pick]
+        acc = np.zeros_like(images)
+        for dr, dc, w in ((0, 0, (1 - fr) * (1 - fc)), (0, 1, (1 - fr) * fc), (1, 0, fr * (1 - fc)), (1, 1, fr * fc)):
+            rr, cc = r0 + dr, c0 + dc
+            inside = (rr >= 0) & (rr < size) & (cc >= 0) & (cc < size)
+            values = images[:, :, np.clip(rr, 0, size - 1), np.clip(cc, 0, size - 1)]
+            acc += w * np.where(inside, values, np.float32(fill))
+        out[pick] = acc
+    return out
+
+
+def evaluation_split(dataset: Dataset, partition_spec: str) -> tuple[np.ndarray, np.ndarray]:
+    """The coordinator's test split, as the clients' data looks under ``partition_spec``.
+
+    With attribute skew every domain is equally present (test image ``i`` is shown in
+    domain ``i % DOMAINS``), so the global model is judged on all domains, and the
+    images have the clients' channel count; otherwise the test split as it is.
+    """
+    skew = parse_attribute_skew(partition_spec)
+    if skew is None:
+        return dataset.x_test, dataset.y_test
+    domains = np.arange(len(dataset.y_test)) % skew.domains
+    return skew.apply(dataset.x_test, domains, intensity_range(dataset)), dataset.y_test
