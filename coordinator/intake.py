@@ -262,10 +262,9 @@ class ResultIntake:
 
     def _check_samples(self, client_id: str, body: ResultBody) -> None:
         """The count is the result's weight in the mean: a device must not claim more than it announced."""
-        announced = self.roster.online.get(client_id)
-        if body.error is None and announced is not None and body.num_samples > announced.num_samples:
-            raise ProtocolError(f"it claims {body.num_samples} samples but the device announced "
-                                f"{announced.num_samples}")
+        announced = self.roster.announced_samples(client_id)
+        if body.error is None and announced is not None and body.num_samples > announced:
+            raise ProtocolError(f"it claims {body.num_samples} samples but the device announced {announced}")
 
     def _take(self, plan: TaskPlan, msg: Message, body: ResultBody) -> ClientResult:
         """The checked result, folded into the round's partial aggregate when the phase streams."""

@@ -66,3 +66,8 @@ class Roster:
         """The device facts a client announced with its presence, if it is online."""
         presence = self.online.get(client_id)
         return presence.device if presence is not None else None
+
+    def announced_samples(self, client_id: str) -> int | None:
+        """The training samples a client announced, if it is online and said."""
+        presence = self.online.get(client_id)
+        return presence.num_samples if presence is not None else None

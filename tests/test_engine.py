@@ -348,3 +348,20 @@ def test_a_non_finite_aggregate_ends_the_run_before_it_is_sent():
                                        r"fc.weight.*aggregate.norm_bound"):
         check_finite(state, 4, "train", "mean")
     check_finite(dataclasses.replace(state, params={"fc.bias": torch.zeros(2)}), 4, "train", "mean")
+
+
+def test_a_result_from_a_device_that_announced_no_sample_count_is_taken(tmp_path):
+    """The sample count is optional in a presence: with none announced there is nothing to hold a result's
+    count against (it used to raise TypeError in the coordinator's loop)."""
+    from coordinator.round_book import RoundBook
+    from coordinator.strategies.base import TaskPlan
+
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1)
+    assert coord.roster.on_presence("a", presence_payload("a", PresenceBody("online")))
+    book = coord.intake.open(RoundBook(round=1, attempt=0))
+    coord.intake.issued(book, "t1", TaskPlan("a", "train", {}, coord.state.params, sorted(coord.state.params)))
+    result = encode("result", run_id="run1", round=1, task_id="t1", sender="a",
+                    body=ResultBody(num_samples=5).to_body(), tensors=dict(coord.state.params))
+    coord.intake.on_result("a", result, len(result))
+    assert list(book.results) == ["a"] and book.results["a"].num_samples == 5
