@@ -42,17 +42,16 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
-import warnings
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from collections.abc import Sequence
 from typing import Any
 
-from storage.errors import FedgeError
+from coordinator.amqtt_config import amqtt_config, hash_password, topic_acl
+from coordinator.amqtt_quirks import SnapshotDict, configure_amqtt_logging, debug_requested, quiet_connection_errors
+from coordinator.broker_endpoint import BrokerEndpoint, BrokerError, free_port
 
 __all__ = [
     "BrokerEndpoint",
@@ -63,73 +62,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Set (to anything but "", "0", "false", "no", "off") to see amqtt's own logs at DEBUG.
-DEBUG_ENV_VAR = "FEDGE_BROKER_DEBUG"
-
-# Loggers that are chatty at INFO: amqtt logs every connection and state change,
-# and the `transitions` state-machine library (used by amqtt) logs every callback.
-_NOISY_LOGGERS = ("amqtt", "transitions")
-
 # How often start() retries when the port it picked was taken in the meantime.
 _BIND_ATTEMPTS = 5
-
-
-class BrokerError(FedgeError, RuntimeError):
-    """The embedded broker could not be started or stopped."""
-
-
-@dataclass(frozen=True)
-class BrokerEndpoint:
-    """Everything a client needs to reach a broker.
-
-    Credentials are kept out of :attr:`url` and out of ``repr()`` so that the
-    endpoint can be logged or shown in a dashboard without leaking the
-    password.
-    """
-
-    host: str
-    port: int
-    username: str | None
-    password: str | None = field(repr=False)
-    protocol: str = "3.1.1"
-    """MQTT protocol version the broker speaks ("3.1.1" or "5")."""
-    devices: dict[str, str] = field(default_factory=dict, repr=False)
-    """Device id -> password: each device's own login, confined to its own topics."""
-
-    @property
-    def url(self) -> str:
-        """``mqtt://HOST:PORT`` -- deliberately without credentials."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"mqtt://{host}:{self.port}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on *host* that was free a moment ago.
-
-    The OS picks it (bind to port 0), so it will not collide with well-known
-    ports.  Another process may still grab it before the caller binds, so
-    callers must be ready to retry; :meth:`EmbeddedBroker.start` does.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _debug_requested() -> bool:
-    value = os.environ.get(DEBUG_ENV_VAR, "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
-
-
-def _configure_amqtt_logging() -> None:
-    """Keep amqtt quiet unless the user asked for broker debugging.
-
-    amqtt logs each connect/disconnect at INFO, which would drown the
-    coordinator's own progress output in a federation with many clients.
-    """
-    level = logging.DEBUG if _debug_requested() else logging.WARNING
-    for name in _NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(level)
 
 
 def _is_loopback(host: str) -> bool:
@@ -139,27 +73,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _hash_password(password: str) -> str:
-    """Hash *password* in the Argon2 format amqtt's FileAuthPlugin verifies.
-
-    amqtt 0.12 reads ``user:hash`` lines and verifies them with pwdlib's
-    Argon2 hasher (legacy ``$6$`` sha512-crypt lines are still accepted but
-    deprecated, and cannot be generated).  The parameters are intentionally
-    cheap: the password is 256 random bits, so a slow hash adds no security,
-    whereas the default cost (64 MiB, 3 passes, ~100 ms) would be paid inside
-    the broker's event loop on every CONNECT and stall message delivery while
-    a fleet of clients (re)connects.
-    """
-    try:
-        from pwdlib.hashers.argon2 import Argon2Hasher
-    except ImportError as exc:  # pragma: no cover - dependency problem
-        raise BrokerError(
-            "the embedded broker needs 'pwdlib' with argon2 support "
-            "(installed with amqtt>=0.12; try: pip install 'pwdlib[argon2]')"
-        ) from exc
-    return Argon2Hasher(time_cost=1, memory_cost=8192, parallelism=1).hash(password)
 
 
 def _bind_in_use(exc: BaseException) -> bool:
@@ -172,45 +85,6 @@ def _bind_in_use(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
-
-
-def _quiet_connection_errors(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """Loop exception handler that keeps per-connection noise out of the console.
-
-    amqtt lets some socket errors escape its connection callback (e.g. it
-    half-closes a transport the client already dropped), and connection tasks
-    still stuck in the CONNECT handshake are cancelled at shutdown; asyncio
-    would print a traceback for each.  Those concern one client only, so they
-    are logged at DEBUG; anything else goes to the default handler.
-    """
-    exc = context.get("exception")
-    if isinstance(exc, (asyncio.CancelledError, OSError)):
-        log.debug("embedded broker: %s: %r", context.get("message"), exc)
-        return
-    loop.default_exception_handler(context)
-
-
-class _SnapshotDict(dict):
-    """A dict whose loops walk a copy of its keys or items, taken when the loop begins.
-
-    amqtt 0.12.1, the latest release, loops over its subscription table with an ``await`` inside
-    (sending retained messages to a reconnecting persistent session): a client subscribing a new
-    filter meanwhile grows the table, the loop dies with "dictionary changed size during iteration",
-    that client's connection handler dies with it, and asyncio prints the traceback. Walking a
-    snapshot gives the loop the table as it was when it began, which is what the loop means.
-    """
-
-    def __iter__(self):  # type: ignore[override]
-        return iter(list(super().keys()))
-
-    def keys(self):  # type: ignore[override]
-        return list(super().keys())
-
-    def values(self):  # type: ignore[override]
-        return list(super().values())
-
-    def items(self):  # type: ignore[override]
-        return list(super().items())
 
 
 class EmbeddedBroker:
@@ -306,7 +180,7 @@ class EmbeddedBroker:
         with self._lock:
             if self._endpoint is not None:
                 return self._endpoint
-            _configure_amqtt_logging()
+            configure_amqtt_logging()
 
             username = "fedge-" + secrets.token_hex(4)
             password = secrets.token_urlsafe(32)
@@ -389,51 +263,11 @@ class EmbeddedBroker:
     # -------------------------------------------------------------- internals
 
     def _config(self, port: int) -> dict[str, Any]:
-        """amqtt 0.12 broker configuration.
-
-        Only the two auth plugins are loaded: the default plugin set also
-        contains packet/event loggers (noise) and the $SYS plugin, which
-        publishes every 20 s and warns about its psutil dependency.  Listing
-        ``plugins`` explicitly also keeps amqtt from falling back to the
-        deprecated entry-point plugin discovery.  Both auth plugins must agree
-        (amqtt ANDs the answers of all auth plugins that give one), so a
-        client without a username is refused by AnonymousAuthPlugin and a
-        wrong password by FileAuthPlugin.
-        """
-        host = f"[{self._host}]" if ":" in self._host else self._host
+        """With device logins, each device is confined to its own topics; without, all share one login."""
         assert self._password_file is not None
-        return {
-            "listeners": {
-                "default": {"type": "tcp", "bind": f"{host}:{port}"},
-            },
-            # None: sessions of clean_session=False clients never expire while the
-            # broker runs, so an edge device may be offline for a whole round.
-            "session_expiry_interval": None,
-            "plugins": {
-                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": False},
-                "amqtt.plugins.authentication.FileAuthPlugin": {
-                    "password_file": str(self._password_file),
-                },
-                **({"amqtt.plugins.topic_checking.TopicAccessControlListPlugin": self._acl()}
-                   if self._device_passwords else {}),
-            },
-        }
-
-    def _acl(self) -> dict[str, Any]:
-        """Topic rules by user: the coordinator anywhere, each device on its own topics only.
-
-        Without them any spawned client could answer for another or forge its errors;
-        the rules are by user name, which the password proves (a client id proves nothing).
-        """
-        own = {d: f"{self._prefix}/clients/{d}/#" for d in self._device_passwords}
-        # amqtt 0.12's plugin Config names the subscribe rules `acl` (and warns that the name is
-        # deprecated in favour of a `subscribe-acl` its Config does not accept yet).
-        warnings.filterwarnings("ignore", message="The 'acl' option is deprecated", category=DeprecationWarning)
-        return {
-            "publish_acl": {self._coordinator_user: ["#"], **{d: [topic] for d, topic in own.items()}},
-            "acl": {self._coordinator_user: ["#"],
-                    **{d: [topic, f"{self._prefix}/coordinator/#"] for d, topic in own.items()}},
-        }
+        devices = self._device_passwords
+        acl = topic_acl(self._prefix, self._coordinator_user, devices) if devices else None
+        return amqtt_config(self._host, port, self._password_file, acl)
 
     def _write_password_file(self, logins: dict[str, str]) -> None:
         if self._workdir is not None:
@@ -447,7 +281,7 @@ class EmbeddedBroker:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         self._password_file = path
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.writelines(f"{user}:{_hash_password(secret)}\n" for user, secret in logins.items())
+            fh.writelines(f"{user}:{hash_password(secret)}\n" for user, secret in logins.items())
 
     def _remove_files(self) -> None:
         if self._password_file is not None:
@@ -489,8 +323,8 @@ class EmbeddedBroker:
     def _thread_main(self, port: int, ready: threading.Event, outcome: dict[str, Any]) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        if not _debug_requested():
-            loop.set_exception_handler(_quiet_connection_errors)
+        if not debug_requested():
+            loop.set_exception_handler(quiet_connection_errors)
         outcome["loop"] = loop  # lets a timed-out start() stop this loop
         try:
             loop.run_until_complete(self._serve(port, ready, outcome))
@@ -525,7 +359,7 @@ class EmbeddedBroker:
         stop_event = asyncio.Event()
         outcome["stop_event"] = stop_event
         broker = Broker(self._config(port))  # must be created inside the running loop
-        broker._subscriptions = _SnapshotDict()   # amqtt's own table, empty until clients subscribe
+        broker._subscriptions = SnapshotDict()   # amqtt's own table, empty until clients subscribe
         await broker.start()
         ready.set()
         try:
