@@ -1,0 +1,146 @@
+"""Checking a run configuration as a whole before anything starts: ranges, combinations that cannot
+work together, the broker URL and TLS files, codecs, and each method's own checks.
+
+Each failure is a ConfigError in one line that names the key and what it must be, raised
+before the run directory exists, so a mistake costs no cleanup and no retry loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coordinator.config_sections import CodecSection, TransportSection
+from coordinator.errors import ConfigError
+from coordinator.methods import requirements
+from coordinator.selection import SELECTIONS
+from edge_client.device import DeviceError, resolve_device
+from edge_client.wire.broker_settings import parse_broker_address
+from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES
+from edge_client.wire.codec import CodecError, parse_codec
+from edge_client.wire.transport_errors import BrokerUrlError
+
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+__all__ = ["check_config"]
+
+
+def check_config(config: RunConfig) -> None:
+    """Raise ConfigError for the first thing wrong with ``config``."""
+    c, r, t = config.clients, config.run, config.transport
+    train, ev, agg = config.train, config.eval, config.aggregate
+    checks = [
+        (r.rounds >= 1, "run.rounds must be at least 1"),
+        (c.max_attempts >= 1, "clients.max_attempts must be at least 1"),
+        (c.max_misses >= 0, "clients.max_misses must be 0 (never leave a client out) or more"),
+        (train.epochs >= 1 and train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
+        (train.lr > 0 and train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
+        (0.0 <= config.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),
+        (ev.every >= 1 and ev.finetune_epochs >= 0, "eval.every must be >= 1, eval.finetune_epochs >= 0"),
+        (agg.rule in ("mean", "median", "trimmed_mean", "clipped_mean"),
+         "aggregate.rule is one of mean, median, trimmed_mean, clipped_mean"),
+        (0 <= agg.trim < 0.5 and agg.norm_bound >= 0,
+         "aggregate.trim must be in [0, 0.5) and aggregate.norm_bound >= 0 (0 turns the bound off)"),
+        (not ev.personalized or config.data.local_test_fraction > 0 or c.spawn == 0,
+         "eval.personalized needs data.local_test_fraction > 0 for spawned clients"),
+        (c.expected >= 1, "clients.expected must be at least 1"),
+        (0 <= c.per_round <= c.expected, "clients.per_round must be between 0 (all) and clients.expected"),
+        (c.min_results >= 0, "clients.min_results must be >= 0"),
+        (c.round_timeout > 0 and c.presence_timeout > 0, "timeouts must be positive"),
+        (c.spawn >= 0, "clients.spawn must be >= 0"),
+        (config.sim.workers >= -1, "sim.workers must be >= 1, 0 (one per core) or -1 (a thread per client)"),
+        (c.selection in SELECTIONS, f"clients.selection must be one of {', '.join(SELECTIONS)}"),
+        (t.kind in ("mqtt", "inproc"), "transport.kind must be mqtt or inproc"),
+        (t.kind == "mqtt" or c.spawn > 0, "the inproc transport needs spawned clients (--spawn-clients N)"),
+        (t.protocol in ("auto", "5", "3.1.1"), "transport.protocol must be auto, 5 or 3.1.1"),
+        (_broker_problem(t) == "", _broker_problem(t)),
+        (t.max_message_bytes >= MIN_MESSAGE_BYTES, f"transport.max_message_bytes must be at least "
+                                                   f"{MIN_MESSAGE_BYTES}"),
+        (t.max_decoded_bytes >= MIN_MESSAGE_BYTES, f"transport.max_decoded_bytes must be at least "
+                                                   f"{MIN_MESSAGE_BYTES}"),
+        (t.max_partial_bytes == 0 or t.max_partial_bytes >= t.max_decoded_bytes,
+         "transport.max_partial_bytes must be 0 (sized by the run) or at least transport.max_decoded_bytes, "
+         "or the largest accepted result could never be reassembled"),
+        (config.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
+        *_workers_checks(config),
+        ("name" in config.model, "model.name is required"),
+        *(check for section in config.methods.values() for check in section.checks(config)),
+    ]
+    model_options, _ = requirements(r.strategy, config.model, config.explicit)   # an unknown strategy fails here
+    checks += [(config.model.get(k) == v, f"run.strategy = {r.strategy!r} needs model.{k} = {v!r}")
+               for k, v in model_options.items()]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    _check_codecs(config.codec)
+    try:
+        resolve_device(ev.device)
+    except DeviceError as exc:
+        raise ConfigError(f"eval.device: {exc}") from None
+    if config.selected_per_round < config.required_results:
+        raise ConfigError(f"clients.min_results={c.min_results} exceeds the {config.selected_per_round} "
+                          f"clients selected per round")
+
+
+def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    w = config.workers
+    if w.count == 0:
+        return [(w.flush_timeout > 0, "workers.flush_timeout must be > 0")]
+    need = "aggregation workers (workers.count > 0) need"
+    return [
+        (w.count >= 0, "workers.count must be >= 0"),
+        (w.flush_timeout > 0, "workers.flush_timeout must be > 0"),
+        (bool(w.group) and not any(ch in w.group for ch in "/+#"), "workers.group must be a name without / + #"),
+        (config.transport.kind == "mqtt" and bool(config.transport.broker),
+         f"{need} a broker they can reach too: set transport.broker (mqtt://HOST:PORT)"),
+        (config.run.strategy in ("fedavg", "fedprox"),
+         f"{need} a strategy whose every result folds into one weighted sum: fedavg or fedprox, "
+         f"not {config.run.strategy!r}"),
+        (config.aggregate.rule == "mean" and config.aggregate.norm_bound == 0,
+         f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need every result at once)"),
+        (not config.run.diagnostics, f"{need} run.diagnostics = false (it reads every result's tensors)"),
+        (config.codec.broadcast, f"{need} codec.broadcast = true: they read the model results are differences from"),
+    ]
+
+
+def _check_codecs(codec: CodecSection) -> None:
+    specs = {}
+    for key in ("up", "down"):
+        try:
+            specs[key] = parse_codec(getattr(codec, key))
+        except CodecError as exc:
+            raise ConfigError(f"codec.{key}: {exc}") from None
+    if specs["down"].topk is not None:
+        raise ConfigError("codec.down cannot use topk: it would zero most weights of the model sent down; "
+                          "use topk in codec.up")
+
+
+def _broker_problem(t: TransportSection) -> str:
+    """What is wrong with the broker URL and its TLS and provisioning files ("" when nothing): checked before
+    the run directory exists, so a typo costs no cleanup and no retry loop."""
+    if t.broker:
+        try:
+            tls = parse_broker_address(t.broker).tls
+        except BrokerUrlError as exc:
+            return f"transport.broker: {exc}"
+    else:
+        tls = False
+    tls_keys = [f"transport.{key}" for key in ("ca_file", "cert_file", "key_file") if getattr(t, key)]
+    if tls_keys and not tls:
+        return (f"{', '.join(tls_keys)} need a TLS broker: set transport.broker = \"mqtts://HOST:8883\" "
+                "(the embedded broker and mqtt:// URLs do not use TLS)")
+    if t.key_file and not t.cert_file:
+        return "transport.key_file needs transport.cert_file (the client certificate it belongs to)"
+    for key in ("ca_file", "cert_file", "key_file"):
+        path = getattr(t, key)
+        if path and not Path(path).is_file():
+            return f"transport.{key}: {path} does not exist; give the path of a PEM file"
+    if t.provision_dir:
+        if not t.broker:
+            return ("transport.provision_dir needs transport.broker (the provisioned broker); the embedded broker "
+                    "makes its own credentials")
+        if not (Path(t.provision_dir) / "devices").is_dir():
+            return (f"transport.provision_dir: {t.provision_dir} has no devices/ directory; give the --out "
+                    "directory of fedge-coordinator provision")
+    return ""

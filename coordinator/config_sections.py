@@ -1,0 +1,132 @@
+"""The runtime's configuration sections (``[run]``, ``[clients]``, ``[transport]``, ...): frozen dataclasses,
+so a typo is an error naming the valid keys, not a silently ignored setting.
+
+Each method brings its own sections beside its strategy (:mod:`edge_client.registry`);
+:class:`coordinator.config.RunConfig` holds them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.aggregation import DEFAULT_TRIM
+from edge_client.hyper import LocalTraining
+
+__all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
+           "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection"]
+
+
+@dataclass(frozen=True)
+class RunSection:
+    strategy: str = "fedavg"
+    rounds: int = 5
+    seed: int = 0
+    out: str = ""                   # empty: runs/<run id>
+    diagnostics: bool = False       # record per-layer weight divergence of each round's client models
+
+
+@dataclass(frozen=True)
+class DataSection:
+    eval: str = "digits"            # the coordinator's evaluation data (its test split)
+    partition: str = "iid"          # for clients the coordinator spawns
+    local_test_fraction: float = 0.0  # share of each spawned client's data held out for personalized evaluation
+
+
+@dataclass(frozen=True)
+class ClientsSection:
+    expected: int = 4               # how many clients the run waits for
+    per_round: int = 0              # 0: all expected clients
+    min_results: int = 0            # 0: as many as were selected
+    round_timeout: float = 300.0    # seconds a round waits for results
+    presence_timeout: float = 300.0  # seconds to wait for enough clients to be online
+    max_attempts: int = 3           # retries of a round that got too few results
+    max_misses: int = 2             # tasks left unanswered in a row that take a client out of selection (0: never)
+    resend_every: float = 10.0      # how often a client re-sends an unacknowledged result
+    spawn: int = 0                  # local client processes (or threads with inproc)
+    torch_threads: int = 1          # per spawned client, to avoid oversubscription
+    selection: str = "random"       # random | deadline (skip clients predicted to miss round_timeout)
+
+
+TrainSection = LocalTraining   # [train]: the local training every task's hyperparameters start from
+
+
+@dataclass(frozen=True)
+class TransportSection:
+    kind: str = "mqtt"              # mqtt | inproc
+    broker: str = ""                # mqtt://HOST:PORT or mqtts://HOST:PORT (TLS); empty: the embedded broker
+    protocol: str = "auto"          # 5 | 3.1.1 | auto
+    prefix: str = "fedge"
+    username: str = ""
+    password_env: str = "FEDGE_MQTT_PASSWORD"   # the password is read from this variable, never stored
+    max_message_bytes: int = 256 * 1024          # largest publish; longer messages go in chunks (broker limit)
+    max_decoded_bytes: int = 64 * 1024 * 1024    # largest whole message accepted (reassembled, decompressed)
+    chunking: bool = True                        # off: a message over max_message_bytes is an error
+    # Chunk data the coordinator holds for results still arriving, all clients together; past it the
+    # oldest incomplete ones are dropped (and re-sent by their devices). 0: the larger of 64 MiB,
+    # max_decoded_bytes and clients per round x the float32 model, so a round's results all fit.
+    max_partial_bytes: int = 0
+    # TLS, with an mqtts:// broker: the CA that signed the broker's certificate (empty: the system's CAs),
+    # and a client certificate and key for brokers that require one.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    # A directory written by `fedge-coordinator provision`: spawned clients log in with its device bundles
+    # (one user each), as a broker with use_username_as_clientid requires.
+    provision_dir: str = ""
+
+
+@dataclass(frozen=True)
+class CodecSection:
+    up: str = "fp32"                # codec of results, e.g. int8, topk:0.1+int8+zstd (docs/codecs.md)
+    down: str = "fp32"              # codec of the global model sent down (no topk)
+    error_feedback: bool = True     # keep what a lossy upload codec dropped and send it next time
+    broadcast: bool = True          # tensors common to all of a round's tasks go once, as a retained message
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """When rounds are evaluated: the coordinator's test split (in the background while the next round
+    trains; round 0 before training) and, with ``personalized``, the clients' local splits."""
+
+    personalized: bool = False      # also ask clients for accuracy on their local test split
+    every: int = 1                  # both evaluations every this many rounds, and always in the last round
+    finetune_epochs: int = 0        # local fine-tuning epochs before the personalized evaluation (0: none)
+    device: str = "auto"            # torch device of the test-set evaluation: auto (CUDA if torch sees it), cpu, cuda
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    keep: str = "all"               # all | last
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    """ONNX export of the final global model into RUN_DIR/export/ (docs/export.md)."""
+
+    enabled: bool = True            # after the last round; skipped with a warning without the export extra
+
+
+@dataclass(frozen=True)
+class SimSection:
+    """How this process runs the clients it spawns with the inproc transport (coordinator/simulation.py)."""
+
+    workers: int = 0                # tasks run on this many workers; 0: one per core; -1: a thread per client
+
+
+@dataclass(frozen=True)
+class AggregateSection:
+    """How results are combined when some clients may be wrong or hostile (coordinator/aggregation.py)."""
+
+    rule: str = "mean"              # mean | median | trimmed_mean | clipped_mean
+    trim: float = DEFAULT_TRIM      # trimmed_mean: floor(trim x results) dropped at each end (0.2: 2 of 10)
+    norm_bound: float = 0.0         # reject updates above this multiple of the round's median norm; 0: off
+
+
+@dataclass(frozen=True)
+class WorkersSection:
+    """Aggregation workers (``fedge-coordinator worker``): processes sharing the devices' results through
+    an MQTT 5 shared subscription, each checking and folding its share (docs/scale.md)."""
+
+    count: int = 0                  # workers the coordinator waits for before round 1; 0: it takes every result itself
+    group: str = "fedge-aggregators"   # the shared subscription's group name
+    flush_timeout: float = 30.0     # seconds to wait for the workers' partial sums once a round's results are in
