@@ -1,22 +1,23 @@
-"""Alignment diagnostics: how far clients' neurons drift apart, and whether PANs hold them.
+"""Alignment diagnostics: how far clients' neurons drift apart, and whether a method holds them in place.
 
-These are the measurements the PANs, Fed2 and FedMA papers use, shared by the round
-engine (weight divergence per round), the benchmarks and later methods:
+These are the measurements the papers on neuron alignment use, shared by the round
+engine (weight divergence per round), the benchmarks and the methods:
 
 - :func:`permute_hidden` reorders hidden neurons without changing what a plain
   network computes (a layer's output rows and the next layer's input columns move
   together, with bias and normalization); :func:`shuffle_error` measures how much
-  the output changes anyway, which is what PANs are for.
+  the output changes anyway, which is what an activation tied to neuron positions is for.
 - :func:`weight_divergence`: per layer, mean over clients of
   ``||W_k - W_avg|| / ||W_avg||``.
 - :func:`neuron_matching`: Hungarian assignment of a client's neurons to the global
   model's by their activations; the fraction that keep their index.
 - :func:`class_preferences`: per neuron and class, activation times the gradient of
-  that class's score, summed over the batch (Fed2's class preference vectors).
+  that class's score, summed over the batch (class preference vectors).
 
 All of them work on the registry's feed-forward models: a chain of Linear/Conv2d
-layers, each followed by optional normalization, optional PAN and a ReLU, with
-max-pools and a flatten in between, ending in the classifier.
+layers, each followed by optional normalization and a ReLU (or a subclass of it,
+such as one that encodes the neuron's position), with max-pools and a flatten in
+between, ending in the classifier.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from methods.pans.model import PositionAwareReLU
 from storage.errors import FedgeError
 
 __all__ = [
@@ -63,7 +63,6 @@ class HiddenLayer:
     name: str                          # module name of the producing layer, e.g. "features.0"
     layer: nn.Linear | nn.Conv2d
     norm: nn.Module | None = None
-    pan: PositionAwareReLU | None = None         # the activation, when it is position-aware
     activation: nn.Module | None = None
     consumer: nn.Linear | nn.Conv2d | None = None
 
@@ -97,9 +96,8 @@ def hidden_layers(model: nn.Module) -> list[HiddenLayer]:
             continue
         elif isinstance(module, _NORMS) and current.activation is None:
             current.norm = module
-        elif isinstance(module, (nn.ReLU, PositionAwareReLU)) and current.activation is None:
+        elif isinstance(module, nn.ReLU) and current.activation is None:
             current.activation = module
-            current.pan = module if isinstance(module, PositionAwareReLU) else None
         else:
             raise DiagnosticsError(f"{name}: {type(module).__name__} after {current.name} is not supported; "
                                    "expected normalization, ReLU, pooling or flatten")
@@ -110,7 +108,8 @@ def hidden_layers(model: nn.Module) -> list[HiddenLayer]:
 
 
 def shuffle_permutation(n: int, p_sf: float, rng: np.random.Generator) -> np.ndarray:
-    """The PANs paper's shuffle: each position j, with probability ``p_sf``, swaps with a later one."""
+    """The position-aware neurons paper's shuffle: each position j, with probability ``p_sf``, swaps with a
+    later one."""
     perm = np.arange(n)
     for j in range(n - 1):
         if rng.random() < p_sf:
@@ -144,11 +143,12 @@ def random_permutations(model: nn.Module, p_sf: float = 1.0, seed: int = 0) -> d
 
 @torch.no_grad()
 def permute_hidden(model: nn.Module, perms: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Reorder hidden neurons in place; with PANs off the network computes the same function.
+    """Reorder hidden neurons in place; with plain ReLUs the network computes the same function.
 
     Moves a layer's output rows (weight, bias), its normalization's per-neuron
-    parameters and running statistics, and the next layer's input columns. The PAN
-    encodings stay where they are: they belong to positions, not to neurons.
+    parameters and running statistics, and the next layer's input columns. Encodings
+    an activation keeps of its positions stay where they are: they belong to positions,
+    not to neurons.
     """
     for h in hidden_layers(model):
         perm = perms.get(h.name)
@@ -176,7 +176,7 @@ def permute_hidden(model: nn.Module, perms: Mapping[str, torch.Tensor]) -> nn.Mo
 def shuffle_error(model: nn.Module, x: torch.Tensor, p_sf: float = 1.0, seed: int = 0) -> float:
     """Output change after shuffling hidden neurons: mean over samples of ||y_shuffled - y|| / output_dim.
 
-    Zero up to rounding for a plain network; positive when PANs tie neurons to positions.
+    Zero up to rounding for a plain network; positive when the activations tie neurons to positions.
     The model itself is not changed (a copy is shuffled), and both run in eval mode.
     """
     shuffled = permute_hidden(copy.deepcopy(model), random_permutations(model, p_sf, seed)).eval()

@@ -2,8 +2,9 @@
 
 An entry names the whole method by import paths (``"module:attribute"``, as Python entry
 points do): the coordinator's strategy and its config sections, the device objectives its
-tasks ask for, the model hook that changes the networks every party builds, the model
-options it needs and the defaults it brings. A method may be a model hook alone, which any
+tasks ask for, the model hook that changes the networks every party builds, the export hook,
+the commands it adds to ``fedge-coordinator``, the model options it needs and the defaults it
+brings. A method may be a model hook alone, which any
 strategy trains with. Nothing registers itself by being imported, and naming a part imports
 nothing: this module imports no torch, so a command line lists the methods at once, and a
 device, which installs no coordinator, never resolves a strategy. A part is imported the first
@@ -38,6 +39,7 @@ class Method:
     strategy: str = ""          # "module:Class" of its coordinator strategy; "" for a model hook alone
     objectives: str = ""        # "module:MAPPING": objective name -> function, what its tasks ask devices to run
     model: str = ""             # "module:HOOK": an edge_client.models.ModelHook
+    export: str = ""            # "module:HOOK": an export.hooks.ExportHook
     # fedge-coordinator subcommand -> "module:function" that adds it: function(subparsers, name)
     commands: Mapping[str, str] = field(default_factory=dict)
     sections: Mapping[str, str] = field(default_factory=dict)   # config section -> "module:Dataclass"
@@ -54,12 +56,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fedprox", f"{_STRATEGIES}.fedavg:FedProx",
            sections={"fedprox": f"{_STRATEGIES}.fedavg:FedProxSection"}),
     Method("spherefed", f"{_STRATEGIES}.spherefed:SphereFed", objectives="edge_client.methods.sphere:OBJECTIVES",
-           model="methods.spherefed.model:HOOK",
+           model="methods.spherefed.model:HOOK", export="methods.spherefed.export:HOOK",
            sections={"spherefed": f"{_STRATEGIES}.spherefed:SphereFedSection",
                      "ffc": f"{_STRATEGIES}.spherefed:FfcSection"},
            model_options={"head": "sphere"}),
     Method("dfl", f"{_STRATEGIES}.dfl:DFL", objectives="edge_client.methods.dfl:OBJECTIVES",
-           model="methods.dfl.model:HOOK",
+           model="methods.dfl.model:HOOK", export="methods.dfl.export:HOOK",
            sections={"dfl": f"{_STRATEGIES}.dfl:DflSection"},
            defaults={"data.local_test_fraction": 0.2}),
     Method("fed2", "methods.fed2.strategy:Fed2", objectives="methods.fed2.device:OBJECTIVES",
@@ -69,7 +71,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fedma", "methods.fedma.strategy:FedMA", objectives="methods.fedma.device:OBJECTIVES",
            sections={"fedma": "methods.fedma.strategy:FedmaSection"},
            model_options={"norm": "none"}),
-    Method("pans", model="methods.pans.model:HOOK"),
+    Method("pans", model="methods.pans.model:HOOK", export="methods.pans.export:HOOK"),
     Method("fedadam", "methods.fedadam.strategy:FedAdam", sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}),
     Method("fedyogi", "methods.fedyogi.strategy:FedYogi", sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}),
     Method("fedadagrad", "methods.fedadagrad.strategy:FedAdagrad",

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from edge_client.argcheck import OneLineParser, at_least, check_data_spec
+from export import hooks
 
 __all__ = ["main", "build_parser"]
 
@@ -25,7 +26,7 @@ progress = logging.getLogger("fedge.export.progress")   # which step runs: an in
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="fedge-export",
-        description="Export a run's model to ONNX (PANs folded, dynamic batch), check it against torch on real "
+        description="Export a run's model to ONNX (dynamic batch), check it against torch on real "
                     "test data and write a model card beside it. See docs/export.md.")
     parser.add_argument("source", type=Path, nargs="?", metavar="RUN_DIR",
                         help="run directory, or one checkpoints/round_NNNN.safetensors file; may be omitted with "
@@ -36,9 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ONNX file to write (default RUN_DIR/export/model.onnx, or "
                              "STATE_DIR/export/model.onnx with --client-state)")
     parser.add_argument("--client-state", type=Path, default=None, metavar="DIR",
-                        help="a device's state directory: export its personalized model (DFL: the global invariant "
-                             "branch with this device's specific branch and predictor; SphereFed with "
-                             "ffc.personalize: the global extractor with this device's own classifier)")
+                        help="a device's state directory: export its personalized model, the run's global part with "
+                             "the parts that stayed on this device (for the methods that keep some: docs/export.md)")
     parser.add_argument("--data", default=None, metavar="SPEC",
                         help="data for the parity check, the test accuracy and int8 calibration "
                              "(default: the run's data.eval)")
@@ -65,9 +65,7 @@ def _describe(exported) -> list[str]:   # exported: export.pipeline.Exported
     what = f"client {card['personalized']['client']} of " if card.get("personalized") else ""
     lines.append(f"  {what}run {run['run_id']}, round {run['round']}, strategy {card['strategy']['name']}, "
                  f"model {card['model'].get('name')}")
-    if card["pans"]:
-        places = sorted({p["folded_into"] for p in card["pans"]})
-        lines.append(f"  PANs: {len(card['pans'])} ({card['pans'][0]['mode']}) folded into: {', '.join(places)}")
+    lines += hooks.describe(card)   # what the methods' export hooks did
     p = card["parity"]
     lines.append(f"  parity with torch on {p['samples']} test samples: max |difference| {p['max_abs_diff']:.2g}, "
                  f"same prediction on {p['argmax_agreement']:.2%}")

@@ -1,15 +1,16 @@
-"""Export a run's model: fold PANs, write ONNX, verify it against torch, write its card; optionally int8.
+"""Export a run's model: prepare it, write ONNX, verify it against torch, write its card; optionally int8.
 
 Every export goes the same way, whether from ``fedge-export`` or at the end of a
 training run:
 
 1. the model comes from a checkpoint (the global model) or a checkpoint plus a
    device's state directory (a personalized model), see :mod:`export.source`;
-2. PANs are folded into the layers before them (:mod:`export.fold`);
-3. the folded model is exported to ONNX (:mod:`export.onnx_graph`);
-4. ONNX Runtime runs it on real test samples and must match the torch model *with*
-   its PANs (max |difference| <= 1e-4, same argmax on >= 99.9%), which checks the
-   export and the folding at once; otherwise nothing is written;
+2. the methods' export hooks prepare it for ONNX (:mod:`export.hooks`: folding a
+   method's constants into the weights, for one) and add their entries to the card;
+3. the prepared model is exported to ONNX (:mod:`export.onnx_graph`);
+4. ONNX Runtime runs it on real test samples and must match the torch model as it
+   was before the hooks (max |difference| <= 1e-4, same argmax on >= 99.9%), which checks
+   the export and the hooks at once; otherwise nothing is written;
 5. the file and its model card are written atomically, the card with the test
    accuracy ONNX Runtime measured on the test split.
 
@@ -34,9 +35,9 @@ from torch import nn
 from edge_client.data import (DataError, client_split, evaluation_split, load_dataset, parse_attribute_skew,
                                pixel_normalization)
 from edge_client.registry import model_size
+from export import hooks
 from export.card import class_names, input_normalization, sha256, strategy_config, write_card
 from export.errors import ExportError, SourceError
-from export.fold import FoldedPan, fold_pans
 from export.onnx_graph import (EXPORTER, INPUT_NAME, OPSET, OUTPUT_NAME, Parity, ParityLimits, check_parity, predict,
                                session, to_onnx)
 from export.quantize import QuantResult, QuantSettings, quantize_int8
@@ -115,10 +116,6 @@ def _versions() -> dict[str, str]:
             "onnxruntime": ort.__version__}
 
 
-def _pan_report(folds: list[FoldedPan]) -> list[dict[str, str]]:
-    return [{"module": f.name, "mode": f.mode, "folded_into": f.into, "target": f.target} for f in folds]
-
-
 def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportData, options: ExportOptions,
                  personalized: dict[str, Any] | None = None) -> Exported:
     """Steps 2 to 5 of the module docstring for an assembled torch ``model`` (eval mode)."""
@@ -127,14 +124,10 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
     num_classes = int(spec["num_classes"])
     classes = class_names(data.spec, num_classes)
     normalization = input_normalization(data.spec, data.partition, shape[0], data.normalization)
-    folded, folds = fold_pans(model)
-    kept = [f.name for f in folds if f.into == "kept"]
-    if kept:
-        log.warning("PANs of %s could not be folded (no affine parameters to absorb them); they stay as a "
-                    "per-channel constant in the graph", ", ".join(kept))
+    prepared, entries = hooks.prepare(model, spec)
     metadata = {"fedge.run_id": source.checkpoint.run_id, "fedge.round": str(source.checkpoint.round),
                 "fedge.classes": json.dumps(classes), "fedge.normalization": json.dumps(normalization)}
-    blob = to_onnx(folded, shape, metadata)
+    blob = to_onnx(prepared, shape, metadata)
     sess = session(blob)
     parity: Parity = check_parity(model, sess, data.x_test[:max(options.parity_samples, 1)], options.parity)
     n_test = options.test_samples or len(data.y_test)
@@ -144,8 +137,7 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
         "file": out.name, "sha256": sha256(blob), "bytes": len(blob), "precision": "float32",
         "input": {"name": INPUT_NAME, "dtype": "float32", "shape": ["batch", *shape], "normalization": normalization},
         "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": ["batch", num_classes],
-                   "meaning": "class scores; the predicted class is the argmax",
-                   "head": spec.get("head", "linear")},
+                   "meaning": "class scores; the predicted class is the argmax"},
         "classes": classes,
         "run": {"run_id": source.checkpoint.run_id, "round": source.checkpoint.round,
                 "checkpoint": str(source.checkpoint.path.resolve()),
@@ -158,9 +150,9 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
         "test_data": {"spec": data.spec, "partition": data.partition, "samples": n_test,
                       "run_reported_accuracy": source.metrics.get("test_accuracy")},
         "parity": parity.as_dict(),
-        "pans": _pan_report(folds),
         "export": _versions(),
     }
+    card = hooks.merged(card, entries)
     card_file = write_card(out, card)
     log.info("exported %s (%d bytes, test accuracy %.4f, parity max diff %.2g)", out, len(blob), test_acc,
              parity.max_abs_diff)
@@ -181,9 +173,8 @@ def export_personalized(source_path: Path | None, state_dir: Path, *, round: int
                         options: ExportOptions = ExportOptions()) -> Exported:
     """One device's model (the run's global part with its own parts) to ``STATE_DIR/export/model.onnx``.
 
-    DFL: the global invariant extractor with the device's specific extractor and predictor; SphereFed
-    with ``ffc.personalize``: the global extractor with the device's own classifier. The card's
-    ``personalized`` entry names the parts (:class:`export.source.Personalized`).
+    Which parts come from where is the business of the method that kept some on the device (its export
+    hook); the card's ``personalized`` entry names them (:class:`export.source.Personalized`).
 
     ``source_path`` may be omitted for a spawned client, whose state directory is ``RUN_DIR/clients/ID``.
     """
@@ -235,9 +226,8 @@ def export_after_run(run_dir: Path) -> dict[str, Any]:
     """
     try:
         source = open_run(Path(run_dir))
-        if source.checkpoint.model_spec.get("name") == "dfl":
-            reason = ("DFL has no global model (predictors stay on the devices); export a device's model with "
-                      "fedge-export RUN_DIR --client-state STATE_DIR")
+        reason = hooks.no_global(source.checkpoint.model_spec)
+        if reason:
             log.info("no automatic export: %s", reason)
             return {"skipped": reason}
         exported = export_global(Path(run_dir))

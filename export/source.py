@@ -30,6 +30,7 @@ from torch import nn
 
 from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_aside
+from export import hooks
 from export.errors import SourceError
 from storage.checkpoint import CheckpointError, checkpoint_rounds, load_checkpoint
 from storage.files import read_jsonl
@@ -193,10 +194,9 @@ def load_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], required
 def global_model(checkpoint: Checkpoint) -> nn.Module:
     """The run's global model in eval mode, with every exchanged tensor from the checkpoint."""
     spec = checkpoint.model_spec
-    if spec.get("name") == "dfl":
-        raise SourceError(f"run {checkpoint.run_id} trained DFL: the coordinator holds only the invariant "
-                          "extractor (each predictor stays on its device), so there is no global model to export; "
-                          "export a device's model with fedge-export RUN_DIR --client-state STATE_DIR")
+    reason = hooks.no_global(spec)
+    if reason:
+        raise SourceError(f"run {checkpoint.run_id}: {reason}")
     model = _build(spec)
     load_tensors(model, checkpoint.params, federated_names(model), origin=f"checkpoint {checkpoint.path}")
     return model.eval()

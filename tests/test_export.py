@@ -27,7 +27,7 @@ from methods.pans.model import PanSettings, PositionAwareReLU
 from export.card import card_path, sha256
 from export.cli import main as export_main
 from export.errors import ParityError, QuantizationError, SourceError
-from export.fold import fold_pans
+from methods.pans.export import fold_pans
 from export.onnx_graph import ParityLimits, check_parity, op_counts, predict, session, to_onnx
 from export.pipeline import ExportData, export_global, export_int8, export_personalized
 from export.quantize import QuantSettings

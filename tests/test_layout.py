@@ -189,13 +189,14 @@ def test_building_a_model_or_reading_a_message_imports_no_training_code(module):
 def test_a_method_file_stands_on_the_floor_of_its_role():
     graph = {"methods.x.device": {"coordinator.engine"}, "methods.x.model": {"edge_client.models"},
              "methods.x.strategy": {"coordinator.strategies.fedavg", "methods.x.device"},
-             "methods.x.export": {"export.fold"}, "edge_client.registry": {"methods.x.device"}}
+             "methods.x.export": {"export.hooks"}, "edge_client.registry": {"methods.x.device"}}
     assert _upward(graph) == [("methods.x.device", "coordinator.engine")]
 
 
 def test_every_import_path_the_registry_names_resolves():
     from edge_client.models import ModelHook
     from edge_client.registry import METHODS, resolve
+    from export.hooks import ExportHook
 
     for entry in METHODS.values():
         if entry.strategy:
@@ -204,5 +205,8 @@ def test_every_import_path_the_registry_names_resolves():
             assert all(callable(f) for f in resolve(entry.objectives).values()), entry.name
         if entry.model:
             assert isinstance(resolve(entry.model), ModelHook), entry.name
+        if entry.export:
+            assert isinstance(resolve(entry.export), ExportHook), entry.name
+        assert all(callable(resolve(path)) for path in entry.commands.values()), entry.name
         for section, path in entry.sections.items():
             assert callable(getattr(resolve(path)(), "checks", None)), (entry.name, section)

@@ -109,6 +109,8 @@ class GroupedLinear(nn.Module):
     group convolution, which ONNX has as a standard ``Conv`` with ``group``.
     """
 
+    row_outputs = True   # output j is row j of the weight plus bias j: an export may scale or shift it there
+
     def __init__(self, in_features: int, out_features: int, groups: int) -> None:
         super().__init__()
         if in_features % groups or out_features % groups:

@@ -1,12 +1,13 @@
-"""Fold position-aware neurons (PANs) into the layers before them, for export.
+"""PANs' export hook: fold position-aware neurons into the layers before them.
 
 A PAN applies a fixed per-neuron constant ``e`` to the pre-activation just before
 the ReLU: ``relu(z * e)`` or ``relu(z + e)``. ``z`` is an affine function of the
 layer's parameters, so the constant can live in those parameters instead of in
 an extra operator (docs/export.md, "Folded PANs"):
 
-- after a Linear or Conv2d (grouped or not): multiplicative ``W <- diag(e) W, b <- e * b``;
-  additive ``b <- b + e`` (a bias is created when the layer has none);
+- after a Linear or Conv2d (grouped or not), or any layer that says its output neuron ``j`` is
+  row ``j`` of its weight plus bias ``j`` (``row_outputs = True``): multiplicative
+  ``W <- diag(e) W, b <- e * b``; additive ``b <- b + e`` (a bias is created when the layer has none);
 - after an affine normalization (BatchNorm in eval mode, GroupNorm; both have a
   per-channel scale ``gamma`` and shift ``beta`` as their last step):
   multiplicative ``gamma <- e * gamma, beta <- e * beta``; additive ``beta <- beta + e``.
@@ -14,21 +15,27 @@ an extra operator (docs/export.md, "Folded PANs"):
 Where neither applies (a normalization without affine parameters, or a PAN that
 does not follow its layer inside an ``nn.Sequential``), the constant stays as an
 explicit per-channel multiply or add before a plain ReLU, and the fold report says
-so. Folding works on a copy in eval mode; the model it was given is untouched.
+so. Folding works on a copy in eval mode; the model it was given is untouched. The card's
+``pans`` entry lists every PAN and where its constant went.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from methods.fed2.model import GroupedLinear
+from export.hooks import ExportHook
 from methods.pans.model import PositionAwareReLU
 
-__all__ = ["FoldedPan", "ChannelConstant", "fold_pans"]
+__all__ = ["FoldedPan", "ChannelConstant", "fold_pans", "HOOK"]
+
+log = logging.getLogger("fedge.export")
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)
 
@@ -64,7 +71,7 @@ def _per_output(e: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _fold_into_layer(layer: nn.Linear | nn.Conv2d | GroupedLinear, mode: str, e: torch.Tensor) -> None:
+def _fold_into_layer(layer: nn.Module, mode: str, e: torch.Tensor) -> None:
     if mode == "mul":
         layer.weight.mul_(_per_output(e, layer.weight))
         if layer.bias is not None:
@@ -86,7 +93,8 @@ def _fold_into_norm(norm: nn.Module, mode: str, e: torch.Tensor) -> None:
 
 def _foldable(module: nn.Module, neurons: int) -> str | None:
     """``"layer"`` or ``"norm"`` when ``module`` can absorb a PAN over ``neurons`` channels, else None."""
-    if isinstance(module, (nn.Linear, nn.Conv2d, GroupedLinear)) and module.weight.shape[0] == neurons:
+    rows = isinstance(module, (nn.Linear, nn.Conv2d)) or getattr(module, "row_outputs", False)
+    if rows and module.weight.shape[0] == neurons:
         return "layer"
     if isinstance(module, _NORMS) and getattr(module, "affine", False) and module.weight.shape[0] == neurons:
         return "norm"
@@ -130,3 +138,24 @@ def _previous_sibling(parent: nn.Module, key: str) -> nn.Module | None:
     keys = [k for k, _ in parent.named_children()]
     i = keys.index(key)
     return parent[i - 1] if i > 0 else None
+
+
+def _prepare(model: nn.Module, spec: Mapping[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    folded, report = fold_pans(model)
+    kept = [f.name for f in report if f.into == "kept"]
+    if kept:
+        log.warning("PANs of %s could not be folded (no affine parameters to absorb them); they stay as a "
+                    "per-channel constant in the graph", ", ".join(kept))
+    return folded, {"pans": [{"module": f.name, "mode": f.mode, "folded_into": f.into, "target": f.target}
+                             for f in report]}
+
+
+def _describe(card: Mapping[str, Any]) -> list[str]:
+    pans = card.get("pans") or []
+    if not pans:
+        return []
+    places = sorted({p["folded_into"] for p in pans})
+    return [f"  PANs: {len(pans)} ({pans[0]['mode']}) folded into: {', '.join(places)}"]
+
+
+HOOK = ExportHook(prepare=_prepare, describe=_describe)
