@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.provision_texts import COORDINATOR_USER, broker_acl, bundle_comment, coordinator_toml, mosquitto_conf
 from edge_client.bundle import Bundle, BundleError, bundle_toml, read_bundle
 from edge_client.wire.protocol import ProtocolError, Topics, valid_client_id
 from storage.errors import FedgeError
@@ -36,7 +37,6 @@ from storage.errors import FedgeError
 __all__ = ["ProvisionError", "Provisioned", "provision", "rotate_password", "device_ids", "read_names",
            "password_line", "COORDINATOR_USER"]
 
-COORDINATOR_USER = "coordinator"
 CA_DAYS = 3650
 SERVER_DAYS = 825
 # Mosquitto 2's default iteration count. The passwords are 192 random bits, which no amount of
@@ -184,102 +184,6 @@ def _make_server_cert(hosts: list[str], ca_crt: Path, ca_key: Path, crt: Path, k
     _write(crt, pem, 0o644)
 
 
-def _worker_acl(prefix: str, workers: list[str]) -> str:
-    """Each aggregation worker reads every result (through the shared subscription), what the coordinator
-    publishes, and reads and writes its own topics; it logs in as its own user, whose name is its id."""
-    return "".join(f"""
-# Aggregation worker {w} (fedge-coordinator worker --id {w}).
-user {w}
-topic read {prefix}/clients/+/result
-topic read {prefix}/coordinator/#
-topic readwrite {prefix}/workers/{w}/#
-""" for w in workers)
-
-
-def _acl(prefix: str, workers: list[str] = ()) -> str:
-    p = prefix
-    return f"""# Mosquitto ACL written by fedge-coordinator provision for the topic prefix "{p}".
-# The coordinator reads and writes everything under the prefix.
-user {COORDINATOR_USER}
-topic readwrite {p}/#
-
-# "pattern" lines apply to every user; %u is the user name, which use_username_as_clientid
-# makes the client id too, so a device cannot pose as another. A device writes only its own
-# presence and results, reads its own tasks, status and presence (to see the broker passes it
-# on), and reads what the coordinator publishes for all (run status, model broadcast). It
-# cannot write its tasks or anything of the coordinator's, nor touch other devices' topics.
-# The "/#" also covers the topic itself, and the parts of a chunked retained message.
-pattern readwrite {p}/clients/%u/presence/#
-pattern write {p}/clients/%u/result/#
-pattern read {p}/clients/%u/task/#
-pattern read {p}/clients/%u/status/#
-pattern read {p}/coordinator/#
-
-# Optional: a read-only user for watching a run with mosquitto_sub without taking over the
-# coordinator's or a device's client id. Uncomment, then add its password with
-# sudo mosquitto_passwd /etc/mosquitto/fedge/fedge.passwd monitor
-#user monitor
-#topic read {p}/#
-""" + _worker_acl(p, list(workers))
-
-
-def _mosquitto_conf(port: int, listen: str, broker_dir: str) -> str:
-    d = broker_dir.rstrip("/")
-    bind = f" {listen}" if listen else ""
-    return f"""# Mosquitto 2.x configuration written by fedge-coordinator provision.
-# Install as /etc/mosquitto/conf.d/fedge.conf with the other files of this directory in {d}/
-# (docs/deploy.md shows the commands). The stock /etc/mosquitto/mosquitto.conf sets
-# pid_file, persistence_location and log_dest.
-
-# Keep sessions and queued messages across broker restarts (fedge uses persistent sessions).
-persistence true
-
-# Every client must log in; passwords (PBKDF2-SHA512) in password_file, topic rights in acl_file.
-allow_anonymous false
-password_file {d}/fedge.passwd
-acl_file {d}/fedge.acl
-
-# One TLS listener; its options follow this line. Devices check that the certificate names
-# the host in their broker URL and was signed by the CA in their bundle.
-listener {port}{bind}
-cafile {d}/ca.crt
-certfile {d}/server.crt
-keyfile {d}/server.key
-tls_version tlsv1.2
-
-# The broker replaces a client's id with its user name: the ACL's %u confines each device,
-# and no client can knock another off by reusing its id.
-use_username_as_clientid true
-
-# Mosquitto's default of 1000 silently drops QoS 1 messages for a slow subscriber; results
-# travel in many chunks, so keep a wide margin. Cap memory with max_queued_bytes if needed.
-max_queued_messages 100000
-max_inflight_messages 100
-"""
-
-
-def _coordinator_toml(url: str, prefix: str, out_dir: Path) -> str:
-    return f"""# fedge coordinator settings for the broker provisioned in {out_dir}.
-# Run with:  export FEDGE_MQTT_PASSWORD="$(cat {out_dir / 'coordinator' / 'password'})"
-#            fedge-coordinator run --config {out_dir / 'coordinator' / 'coordinator.toml'} ...
-# or copy this section into your own config file.
-[transport]
-broker = "{url}"
-prefix = "{prefix}"
-username = "{COORDINATOR_USER}"
-password_env = "FEDGE_MQTT_PASSWORD"
-ca_file = "{out_dir / 'ca.crt'}"
-# Spawned simulation clients (--spawn-clients N) log in with the device bundles of this directory.
-provision_dir = "{out_dir}"
-"""
-
-
-def _bundle_comment(device: str) -> str:
-    return (f"fedge device bundle for {device}: broker, identity, password and CA of one device.\n"
-            "It holds a password: keep it mode 0600 and readable only by the user that runs fedge-client.\n"
-            "Use: fedge-client run --bundle THIS_FILE --data SPEC (docs/deploy.md)")
-
-
 def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int = 8883, prefix: str = "fedge",
               ca_cert: Path | None = None, ca_key: Path | None = None, broker_dir: str = "/etc/mosquitto/fedge",
               listen: str = "", workers: int = 0) -> Provisioned:
@@ -290,6 +194,40 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
     ``fedge.conf`` refers to. ``listen``: the address the listener binds (empty: all).
     """
     out_dir = Path(out_dir).resolve()
+    agents = _check_request(out_dir, devices, workers, hosts, port, prefix, ca_cert, ca_key)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(out_dir, 0o700)   # it holds every secret of the deployment
+    broker = out_dir / "broker"
+    ca_pem = _write_certificates(out_dir, hosts, ca_cert, ca_key)
+
+    host = hosts[0]
+    url = f"mqtts://{f'[{host}]' if ':' in host else host}:{port}"
+    passwords = {COORDINATOR_USER: _new_password(), **{d: _new_password() for d in devices + agents}}
+    _write(broker / "fedge.passwd", "".join(password_line(u, pw) + "\n" for u, pw in passwords.items()), 0o600)
+    _write(broker / "fedge.acl", broker_acl(prefix, agents), 0o644)
+    _write(broker / "fedge.conf", mosquitto_conf(port, listen, broker_dir), 0o644)
+    coordinator = out_dir / "coordinator"
+    _write(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
+    _write(coordinator / "coordinator.toml", coordinator_toml(url, prefix, out_dir), 0o644)
+    bundles = {}
+    for device in devices:
+        path = out_dir / "devices" / f"{device}.toml"
+        bundle = Bundle(broker=url, client_id=device, username=device, password=passwords[device], prefix=prefix,
+                        ca_cert=ca_pem)
+        _write(path, bundle_toml(bundle, comment=bundle_comment(device)), 0o600)
+        bundles[device] = path
+    worker_passwords = {}
+    for agent in agents:   # the worker reads it from the variable transport.password_env names
+        worker_passwords[agent] = out_dir / "workers" / f"{agent}.password"
+        _write(worker_passwords[agent], passwords[agent] + "\n", 0o600)
+    return Provisioned(out_dir, broker / "fedge.conf", coordinator / "coordinator.toml", coordinator / "password",
+                       bundles, ca_created=ca_cert is None, workers=worker_passwords)
+
+
+def _check_request(out_dir: Path, devices: list[str], workers: int, hosts: list[str], port: int, prefix: str,
+                   ca_cert: Path | None, ca_key: Path | None) -> list[str]:
+    """Refuse a provisioning request before anything is written, so a mistake leaves no half-made
+    deployment behind; return the aggregation workers' user names."""
     _check_ids(devices)
     agents = worker_ids(workers)
     if set(agents) & set(devices):
@@ -308,42 +246,24 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ProvisionError(f"{out_dir} is not empty: give a new --out directory (to change one device's "
                              "password there, use --rotate ID)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(out_dir, 0o700)   # it holds every secret of the deployment
+    return agents
+
+
+def _write_certificates(out_dir: Path, hosts: list[str], ca_cert: Path | None, ca_key: Path | None) -> str:
+    """The CA (made here, or the given pair copied after checking they belong together) and the broker's
+    certificate signed by it; return the CA certificate's PEM text, which every bundle carries."""
     broker = out_dir / "broker"
-    if ca_cert is None:
+    if ca_cert is None or ca_key is None:
         _make_ca(out_dir / "ca.crt", out_dir / "ca.key")
         ca_crt_path, ca_key_path = out_dir / "ca.crt", out_dir / "ca.key"
     else:
-        _check_ca(Path(ca_cert), Path(ca_key))   # type: ignore[arg-type]
+        _check_ca(Path(ca_cert), Path(ca_key))
         _write(out_dir / "ca.crt", Path(ca_cert).read_text(encoding="utf-8"), 0o644)
-        ca_crt_path, ca_key_path = out_dir / "ca.crt", Path(ca_key)   # type: ignore[arg-type]
+        ca_crt_path, ca_key_path = out_dir / "ca.crt", Path(ca_key)
     ca_pem = ca_crt_path.read_text(encoding="utf-8")
     _write(broker / "ca.crt", ca_pem, 0o644)
     _make_server_cert(hosts, ca_crt_path, ca_key_path, broker / "server.crt", broker / "server.key")
-
-    host = hosts[0]
-    url = f"mqtts://{f'[{host}]' if ':' in host else host}:{port}"
-    passwords = {COORDINATOR_USER: _new_password(), **{d: _new_password() for d in devices + agents}}
-    _write(broker / "fedge.passwd", "".join(password_line(u, pw) + "\n" for u, pw in passwords.items()), 0o600)
-    _write(broker / "fedge.acl", _acl(prefix, agents), 0o644)
-    _write(broker / "fedge.conf", _mosquitto_conf(port, listen, broker_dir), 0o644)
-    coordinator = out_dir / "coordinator"
-    _write(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
-    _write(coordinator / "coordinator.toml", _coordinator_toml(url, prefix, out_dir), 0o644)
-    bundles = {}
-    for device in devices:
-        path = out_dir / "devices" / f"{device}.toml"
-        bundle = Bundle(broker=url, client_id=device, username=device, password=passwords[device], prefix=prefix,
-                        ca_cert=ca_pem)
-        _write(path, bundle_toml(bundle, comment=_bundle_comment(device)), 0o600)
-        bundles[device] = path
-    worker_passwords = {}
-    for agent in agents:   # the worker reads it from the variable transport.password_env names
-        worker_passwords[agent] = out_dir / "workers" / f"{agent}.password"
-        _write(worker_passwords[agent], passwords[agent] + "\n", 0o600)
-    return Provisioned(out_dir, broker / "fedge.conf", coordinator / "coordinator.toml", coordinator / "password",
-                       bundles, ca_created=ca_cert is None, workers=worker_passwords)
+    return ca_pem
 
 
 def rotate_password(out_dir: Path, user: str) -> Path:
@@ -369,7 +289,7 @@ def rotate_password(out_dir: Path, user: str) -> Path:
             raise ProvisionError(str(exc)) from None
         fresh = Bundle(broker=old.broker, client_id=old.client_id, username=old.username, password=password,
                        prefix=old.prefix, ca_cert=old.ca_cert)
-        _write(target, bundle_toml(fresh, comment=_bundle_comment(user)), 0o600)
+        _write(target, bundle_toml(fresh, comment=bundle_comment(user)), 0o600)
     lines[users.index(user)] = password_line(user, password)
     _write(passwd, "\n".join(lines) + "\n", 0o600)
     return target

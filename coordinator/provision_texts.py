@@ -1,0 +1,111 @@
+"""The text of the files ``fedge-coordinator provision`` writes: the broker's ACL and Mosquitto
+configuration, the coordinator's ``[transport]`` section, and the comment atop each device bundle.
+
+Kept apart from the provisioning steps so what a deployment's files say can be read,
+and reviewed, in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["COORDINATOR_USER", "broker_acl", "mosquitto_conf", "coordinator_toml", "bundle_comment"]
+
+COORDINATOR_USER = "coordinator"
+
+
+def _worker_acl(prefix: str, workers: list[str]) -> str:
+    """Each aggregation worker reads every result (through the shared subscription), what the coordinator
+    publishes, and reads and writes its own topics; it logs in as its own user, whose name is its id."""
+    return "".join(f"""
+# Aggregation worker {w} (fedge-coordinator worker --id {w}).
+user {w}
+topic read {prefix}/clients/+/result
+topic read {prefix}/coordinator/#
+topic readwrite {prefix}/workers/{w}/#
+""" for w in workers)
+
+
+def broker_acl(prefix: str, workers: Sequence[str] = ()) -> str:
+    p = prefix
+    return f"""# Mosquitto ACL written by fedge-coordinator provision for the topic prefix "{p}".
+# The coordinator reads and writes everything under the prefix.
+user {COORDINATOR_USER}
+topic readwrite {p}/#
+
+# "pattern" lines apply to every user; %u is the user name, which use_username_as_clientid
+# makes the client id too, so a device cannot pose as another. A device writes only its own
+# presence and results, reads its own tasks, status and presence (to see the broker passes it
+# on), and reads what the coordinator publishes for all (run status, model broadcast). It
+# cannot write its tasks or anything of the coordinator's, nor touch other devices' topics.
+# The "/#" also covers the topic itself, and the parts of a chunked retained message.
+pattern readwrite {p}/clients/%u/presence/#
+pattern write {p}/clients/%u/result/#
+pattern read {p}/clients/%u/task/#
+pattern read {p}/clients/%u/status/#
+pattern read {p}/coordinator/#
+
+# Optional: a read-only user for watching a run with mosquitto_sub without taking over the
+# coordinator's or a device's client id. Uncomment, then add its password with
+# sudo mosquitto_passwd /etc/mosquitto/fedge/fedge.passwd monitor
+#user monitor
+#topic read {p}/#
+""" + _worker_acl(p, list(workers))
+
+
+def mosquitto_conf(port: int, listen: str, broker_dir: str) -> str:
+    d = broker_dir.rstrip("/")
+    bind = f" {listen}" if listen else ""
+    return f"""# Mosquitto 2.x configuration written by fedge-coordinator provision.
+# Install as /etc/mosquitto/conf.d/fedge.conf with the other files of this directory in {d}/
+# (docs/deploy.md shows the commands). The stock /etc/mosquitto/mosquitto.conf sets
+# pid_file, persistence_location and log_dest.
+
+# Keep sessions and queued messages across broker restarts (fedge uses persistent sessions).
+persistence true
+
+# Every client must log in; passwords (PBKDF2-SHA512) in password_file, topic rights in acl_file.
+allow_anonymous false
+password_file {d}/fedge.passwd
+acl_file {d}/fedge.acl
+
+# One TLS listener; its options follow this line. Devices check that the certificate names
+# the host in their broker URL and was signed by the CA in their bundle.
+listener {port}{bind}
+cafile {d}/ca.crt
+certfile {d}/server.crt
+keyfile {d}/server.key
+tls_version tlsv1.2
+
+# The broker replaces a client's id with its user name: the ACL's %u confines each device,
+# and no client can knock another off by reusing its id.
+use_username_as_clientid true
+
+# Mosquitto's default of 1000 silently drops QoS 1 messages for a slow subscriber; results
+# travel in many chunks, so keep a wide margin. Cap memory with max_queued_bytes if needed.
+max_queued_messages 100000
+max_inflight_messages 100
+"""
+
+
+def coordinator_toml(url: str, prefix: str, out_dir: Path) -> str:
+    return f"""# fedge coordinator settings for the broker provisioned in {out_dir}.
+# Run with:  export FEDGE_MQTT_PASSWORD="$(cat {out_dir / 'coordinator' / 'password'})"
+#            fedge-coordinator run --config {out_dir / 'coordinator' / 'coordinator.toml'} ...
+# or copy this section into your own config file.
+[transport]
+broker = "{url}"
+prefix = "{prefix}"
+username = "{COORDINATOR_USER}"
+password_env = "FEDGE_MQTT_PASSWORD"
+ca_file = "{out_dir / 'ca.crt'}"
+# Spawned simulation clients (--spawn-clients N) log in with the device bundles of this directory.
+provision_dir = "{out_dir}"
+"""
+
+
+def bundle_comment(device: str) -> str:
+    return (f"fedge device bundle for {device}: broker, identity, password and CA of one device.\n"
+            "It holds a password: keep it mode 0600 and readable only by the user that runs fedge-client.\n"
+            "Use: fedge-client run --bundle THIS_FILE --data SPEC (docs/deploy.md)")
