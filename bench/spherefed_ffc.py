@@ -48,7 +48,7 @@ from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext
 from edge_client.wire.protocol import ResultBody, decode, encode
-from edge_client.methods.sphere import WIRE_CODECS, FfcStats, ffc_stats, wire_numbers, wire_shapes
+from methods.spherefed.device import WIRE_CODECS, FfcStats, ffc_stats, wire_numbers, wire_shapes
 from methods.spherefed.model import CLASSIFIER
 from edge_client.wire.updates import ResidualStore, UploadSettings, decode_upload, encode_upload
 from profiling.profiler import Profiler

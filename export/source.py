@@ -16,7 +16,6 @@ from its own FFC statistics, ``STATE_DIR/sphere_classifier.safetensors``.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
@@ -216,8 +215,9 @@ def _read_state_file(path: Path) -> dict[str, torch.Tensor]:
 def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
     """One device's model: the run's global part with the parts that stayed on that device."""
     spec = checkpoint.model_spec
-    if spec.get("head") == "sphere":
-        return _sphere_personalized(checkpoint, Path(state_dir))
+    found = hooks.personalized(checkpoint, Path(state_dir))
+    if found is not None:
+        return found
     if spec.get("name") != "dfl":
         raise SourceError(f"run {checkpoint.run_id} ({checkpoint.strategy}, model {spec.get('name')!r}) keeps "
                           "no personalized parts on its devices that fedge can export; export the global model "
@@ -234,54 +234,3 @@ def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
     load_tensors(model, device, DeviceState.tensors(model), origin=str(path))  # type: ignore[arg-type]
     return Personalized(model.eval(), {"global_parts": [INVARIANT], "device_parts": [SPECIFIC, PREDICTOR],
                                        "device_file": path.name})
-
-
-def _sphere_personalized(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
-    """SphereFed: the global model (extractor and calibrated classifier) with the sphere head's classifier
-    replaced by the one the device solved from its own FFC statistics (``ffc.personalize``)."""
-    from edge_client.methods.sphere import PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, sphere_head
-    from methods.spherefed.model import CLASSIFIER
-
-    path = state_dir / PERSONAL_CLASSIFIER_FILE
-    if not path.is_file():
-        raise SourceError(f"{path} does not exist: a SphereFed device keeps its own classifier there only when "
-                          "the run calibrates with ffc.personalize = true (devices then solve and keep their own "
-                          "classifier); check that --client-state is the device's state directory (its "
-                          "--state-dir; for a spawned client RUN_DIR/clients/ID), or export the global model "
-                          "without --client-state")
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            names = list(fh.keys())
-            info = json.loads((fh.metadata() or {}).get(PERSONAL_METADATA, "{}"))
-            weight = fh.get_tensor(CLASSIFIER) if CLASSIFIER in names else None
-        if not isinstance(info, dict):
-            raise ValueError(f"its {PERSONAL_METADATA} metadata is not a JSON object")
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise SourceError(f"{path} is not a readable safetensors file ({exc}); the device rewrites it at the "
-                          "run's next FFC with ffc.personalize = true (delete it if it is damaged)") from None
-    if weight is None or names != [CLASSIFIER]:
-        raise SourceError(f"{path} holds {names}, not the one tensor {CLASSIFIER!r} of a device's sphere "
-                          "classifier; it was not written by fedge's ffc_stats (ffc.personalize = true)")
-    model = global_model(checkpoint)
-    head = sphere_head(model)
-    expected = tuple(head.weight.shape)
-    if tuple(weight.shape) != expected:
-        raise SourceError(f"{path}: {CLASSIFIER} has shape {tuple(weight.shape)}, the model of run "
-                          f"{checkpoint.run_id} expects C x d = {expected}; the device solved it for another "
-                          "model spec (another run?): pass the state directory of a device of this run")
-    if not weight.is_floating_point():
-        raise SourceError(f"{path}: {CLASSIFIER} is {weight.dtype}, not a float tensor; it was not written by "
-                          "fedge's ffc_stats, rerun the FFC with ffc.personalize = true")
-    if not bool(torch.isfinite(weight).all()):
-        raise SourceError(f"{path}: {CLASSIFIER} holds NaN or infinity; the device's features diverged, "
-                          "export the global model (without --client-state) or an earlier round")
-    solved = info.get("round")
-    if solved is not None and solved != checkpoint.round:
-        raise SourceError(f"{path} was solved in round {solved} on that round's extractor, but the checkpoint is "
-                          f"of round {checkpoint.round}; export with --round {solved} (if the run kept that "
-                          "checkpoint), or let this device take part in the run's last FFC")
-    with torch.no_grad():
-        head.weight.copy_(weight.to(head.weight.dtype))
-    parts = {"global_parts": ["extractor"], "device_parts": ["classifier"], "device_file": path.name,
-             "device_classifier": {k: info[k] for k in ("round", "ridge", "samples") if k in info}}
-    return Personalized(model, parts)

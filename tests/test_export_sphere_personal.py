@@ -21,7 +21,7 @@ from coordinator.run import run_federated
 from edge_client.data import load_dataset
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext
-from edge_client.methods.sphere import PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, ffc_stats
+from methods.spherefed.device import PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, ffc_stats
 from methods.spherefed.model import CLASSIFIER, fixed_classifier
 from export.cli import main as export_main
 from export.errors import SourceError

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from coordinator.config import ConfigError, load_config
-from coordinator.strategies.spherefed import FfcSection
+from methods.spherefed.strategy import FfcSection
 from coordinator.engine import Coordinator, EvalData
 from coordinator.run import run_federated
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ClientResult
-from coordinator.strategies.spherefed import SphereFed
+from methods.spherefed.strategy import SphereFed
 from edge_client.wire.chunking import ChunkingTransport
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.wire.codec import parse_codec
@@ -34,7 +34,7 @@ from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, ObjectiveError, TaskContext
 from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, ResultBody, decode, encode
-from edge_client.methods.sphere import (STAT_NAMES, FfcStats, ffc_stats, pack_upper, packed_size, sphere_accuracies,
+from methods.spherefed.device import (STAT_NAMES, FfcStats, ffc_stats, pack_upper, packed_size, sphere_accuracies,
                                         sphere_loss, sphere_train, unpack_upper, wire_numbers)
 from methods.spherefed.model import CLASSIFIER, SphereError, SphereHead, fixed_classifier
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport

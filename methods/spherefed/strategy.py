@@ -5,7 +5,7 @@ Training is FedAvg on the feature extractor only (FedProx's proximal term with
 orthonormal matrix that every party rebuilds from the model spec's
 ``sphere_seed``, so it is in no download and no upload. After the last round (and
 every ``ffc.every`` rounds) an ``ffc`` phase asks every online client for the sums
-G, B and n of its features (the ``ffc_stats`` objective, :mod:`edge_client.methods.sphere`).
+G, B and n of its features (the ``ffc_stats`` objective, :mod:`methods.spherefed.device`).
 Their sum gives the least-squares classifier, which replaces the fixed one in the
 global model that the coordinator evaluates and checkpoints. The next training
 round starts again from the fixed classifier: it is the one clients train against.
@@ -26,7 +26,7 @@ from torch import nn
 from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, TaskPlan, WeightedSum, summarize_personalized
 from coordinator.strategies.fedavg import FedProx
-from edge_client.methods.sphere import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
+from methods.spherefed.device import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
                                         sphere_head, wire_numbers, wire_shapes)
 from methods.spherefed.model import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
 from storage.state import ServerState
@@ -113,8 +113,8 @@ class SphereFed(FedProx):
             raise ConfigError('spherefed needs a model with head = "sphere" (its state has no classifier.weight)')
         if not torch.equal(params[CLASSIFIER], self.fixed(state)):
             raise ConfigError(f"the model's sphere classifier was not built from sphere_seed {self.sphere_seed}; "
-                              "build the model spec with methods.spherefed.model.with_sphere_seed and the "
-                              "run's seed")
+                              "build the network from the spec this strategy's model_spec returns, which "
+                              "carries the seed")
         return state
 
     # -- phases -----------------------------------------------------------------

@@ -13,11 +13,11 @@ With ``personalize``, each device also solves the same closed form on its own
 sums and keeps that classifier in its state directory
 (``STATE_DIR/sphere_classifier.safetensors``, :data:`PERSONAL_CLASSIFIER_FILE`); it
 never travels. ``fedge-export RUN_DIR --client-state STATE_DIR`` puts it on the
-run's extractor (:mod:`export.source`).
+run's extractor (:mod:`methods.spherefed.export`).
 
 Here: the objectives ``sphere_train`` and ``ffc_stats`` and :class:`FfcStats`
-(packing, summing, the Cholesky solve), which the coordinator's
-``coordinator/strategies/spherefed.py`` uses too. The head itself (:class:`SphereHead`,
+(packing, summing, the Cholesky solve), which the coordinator's strategy
+(:mod:`methods.spherefed.strategy`) uses too. The head itself (:class:`SphereHead`,
 put on any registry model by the spec's ``head = "sphere"``) is in
 :mod:`methods.spherefed.model`, so building a model never imports training code.
 """
