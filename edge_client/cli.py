@@ -10,8 +10,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, fraction
+
+if TYPE_CHECKING:
+    from edge_client.client import ClientSettings
+    from edge_client.objectives import LocalData
+    from edge_client.wire.broker_settings import BrokerSettings
 
 __all__ = ["main", "build_parser"]
 
@@ -27,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="connect to the broker and serve tasks until stopped",
                          description="Connect to the MQTT broker, announce this device, and run the training "
                                      "tasks the coordinator sends, sending back only what each task asks for.")
+    _add_broker_options(run)
+    _add_data_options(run)
+    _add_runtime_options(run)
+    return parser
+
+
+def _add_broker_options(run: argparse.ArgumentParser) -> None:
+    """Where the broker is and who this device is to it."""
     run.add_argument("--bundle", type=Path, default=None,
                      help="device bundle from fedge-coordinator provision (broker, client id, user name, password, "
                           "CA); the options below override what it says")
@@ -42,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--client-id", default=None,
                      help="unique id of this device (letters, digits, '_', '.', '-'); also its MQTT client id "
                           "(required unless the bundle gives it)")
+
+
+def _add_data_options(run: argparse.ArgumentParser) -> None:
+    """What this device trains on, and what it keeps across restarts."""
     run.add_argument("--data", required=True,
                      help="this device's data: digits, fashion-mnist[:DIR] or npz:PATH (its train split is used)")
     run.add_argument("--partition", default=None,
@@ -54,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hold out this share of the local data for personalized evaluation (default 0)")
     run.add_argument("--state-dir", type=Path, default=Path(os.environ.get("FEDGE_STATE_DIR", "fedge-state")),
                      help="directory kept across restarts (profile history, local state); default ./fedge-state")
+
+
+def _add_runtime_options(run: argparse.ArgumentParser) -> None:
+    """Topics, login, protocol, compute, message sizes and when to stop."""
     run.add_argument("--prefix", default=None,
                      help="MQTT topic prefix shared with the coordinator (default: the bundle's, else fedge)")
     run.add_argument("--username", default=None,
@@ -79,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("-v", "--verbose", action="store_true",
                      help="log every event at INFO level; without it: connecting, one line per task, a run's end")
-    return parser
 
 
 def _load_data(args: argparse.Namespace):  # -> LocalData
@@ -217,10 +238,9 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         import torch
 
-        from edge_client.client import ClientSettings, EdgeClient
+        from edge_client.client import ClientSettings
         from edge_client.data import DataError
         from edge_client.wire.protocol import Topics, valid_client_id
-        from edge_client.wire.transport import MqttTransport, TlsError
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in _CLIENT_EXTRA:
             raise
@@ -249,8 +269,16 @@ def _run(args: argparse.Namespace) -> int:
                               max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
                               chunking=args.chunking, exit_after_run=args.exit_after_run,
                               parent_pid=args.parent_pid, device=str(device))
+    return _serve(broker, settings, data)
+
+
+def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) -> int:
+    """Connect and serve tasks until stopped; every way out says this device is offline first."""
+    from edge_client.client import EdgeClient
+    from edge_client.wire.transport import MqttTransport, TlsError
+
     offline = EdgeClient.will(settings)
-    transport = MqttTransport(broker, args.client_id, will=offline)
+    transport = MqttTransport(broker, settings.client_id, will=offline)
     stop = _Stop()
     stop.install()
     try:
