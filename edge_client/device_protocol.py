@@ -13,152 +13,33 @@ nothing blocks, so every rule is testable without a broker.
 
 Nothing received is trusted: a message that does not decode or parse becomes a :class:`Note` with
 the reason, never an exception.
+
+The types passed to and fro live in :mod:`edge_client.device_actions`, the broadcasts a device holds
+in :mod:`edge_client.broadcast_cache` and the wait for one in :mod:`edge_client.broadcast_wait`;
+callers keep importing them from here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
 
-import torch
+from edge_client.broadcast_cache import Broadcast, BroadcastCache, Broadcasts
+from edge_client.broadcast_wait import BROADCAST_PATIENCE, BroadcastWait  # noqa: F401  (re-exported)
+from edge_client.device_actions import Actions, Note, Publish, Task
+from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, ModelBody, PresenceBody, ProtocolError,
+                                       ResultBody, StatusBody, Topics, decode, encode)
 
-from edge_client.wire.codec import CodecSpec
-from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, Message,
-                                       ModelBody, PresenceBody, ProtocolError, ResultBody, StatusBody, TaskBody,
-                                       Topics, decode, encode)
+__all__ = ["Actions", "BroadcastCache", "Broadcasts", "DeviceProtocol", "Note", "Publish", "Task", "presence_payload"]
 
-__all__ = ["Actions", "BroadcastCache", "DeviceProtocol", "Note", "Publish", "Task", "presence_payload"]
-
-BROADCAST_PATIENCE = 0.5   # share of a task's timeout spent waiting for its model broadcast
 PARKED_PATIENCE = 15.0     # seconds tasks may wait for a run status before the device says it sees none
 KEEP_PARKED = 8            # tasks kept while no run status has come; the coordinator re-sends the others
 
 
 def presence_payload(client_id: str, body: PresenceBody) -> bytes:
+    """A presence in the envelope every device message has; the client and the fleet's devices send the same bytes."""
     return encode("presence", run_id="", round=0, task_id="", sender=client_id, body=body.to_body())
-
-
-class BroadcastCache:
-    """Model broadcasts by SHA-256, oldest first: their wire tensors, codec and round. Keeps the
-    current model and the one before; safe to share between clients in one process, which then
-    decode each broadcast once."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._lock = threading.Lock()
-        self._items: OrderedDict[str, tuple[dict[str, torch.Tensor], CodecSpec, int]] = OrderedDict()
-
-    def __contains__(self, digest: object) -> bool:
-        with self._lock:
-            return digest in self._items
-
-    def get(self, digest: str) -> tuple[dict[str, torch.Tensor], CodecSpec] | None:
-        with self._lock:
-            item = self._items.get(digest)
-        return None if item is None else (item[0], item[1])
-
-    def add(self, digest: str, tensors: dict[str, torch.Tensor], codec: CodecSpec, round: int = 0) -> None:
-        with self._lock:
-            self._items[digest] = (tensors, codec, round)
-            while len(self._items) > self.keep:
-                self._items.popitem(last=False)
-
-    def receive(self, digest: str, read: Callable[[], tuple[dict[str, torch.Tensor], CodecSpec, int] | None]
-                ) -> int | None:
-        """Take the broadcast whose bytes hash to ``digest`` and return its round; ``read()`` decodes
-        it (or says it is no broadcast: None), only if it is not held already: same hash, same bytes."""
-        with self._lock:
-            item = self._items.get(digest)
-        if item is not None:
-            return item[2]
-        got = read()
-        if got is not None:
-            self.add(digest, *got)
-        return None if got is None else got[2]
-
-
-class Broadcasts(Protocol):
-    """What the protocol needs of a broadcast store: whether this device holds one, and taking one in."""
-
-    def __contains__(self, digest: object) -> bool: ...
-
-    def receive(self, digest: str, read: Callable[[], tuple[dict[str, torch.Tensor], CodecSpec, int] | None]
-                ) -> int | None: ...
-
-
-@dataclass(eq=False)
-class Task:
-    """A task message with its body parsed once; ``body`` is None when it does not parse (``problem``: why).
-
-    ``context`` is the caller's own record of the task (a profiler, a benchmark's timings), carried
-    along while the task waits for a run status or its broadcast.
-    """
-
-    msg: Message
-    body: TaskBody | None
-    problem: str = ""
-    context: Any = None
-    fetch_seconds: float | None = None   # how long it waited for its broadcast, once the broadcast came
-    no_broadcast: str = ""               # why it runs without its broadcast: the wait was given up
-
-    @classmethod
-    def read(cls, msg: Message) -> Task:
-        try:
-            return cls(msg, TaskBody.from_body(msg.body))
-        except ProtocolError as exc:
-            return cls(msg, None, str(exc))
-
-    @property
-    def timeout(self) -> float:
-        return self.body.timeout if self.body is not None else DEFAULT_TASK_TIMEOUT
-
-    @property
-    def resend_every(self) -> float:
-        return self.body.resend_every if self.body is not None else DEFAULT_RESEND_EVERY
-
-
-@dataclass(frozen=True)
-class Publish:
-    topic: str
-    payload: bytes
-    retain: bool = False
-    announce: bool = False   # the online presence: the transport repeats it after every reconnect
-    result_of: str = ""      # a result's task id: report a failed send with DeviceProtocol.send_failed
-
-
-@dataclass(frozen=True)
-class Note:
-    """Something to log, and what it was for a caller that counts: ``ignored`` (a message refused,
-    with the reason), ``lost`` (chunks that did not reassemble), ``dropped`` (a task not of the
-    current run or session), ``stale``, ``rejected`` (our result), ``unsent``, ``unseen`` (our
-    presence never came back), ``parked`` (no run status), ``activity`` (a line for the person at
-    the device)."""
-
-    kind: str
-    level: int
-    text: str
-
-
-@dataclass
-class Actions:
-    """What the caller does after an event, in this order: log, subscribe, publish, execute tasks."""
-
-    notes: list[Note] = field(default_factory=list)
-    subscribe: list[tuple[str, bool]] = field(default_factory=list)     # (topic filter, with chunk parts)
-    unsubscribe: list[tuple[str, bool]] = field(default_factory=list)
-    publish: list[Publish] = field(default_factory=list)
-    run: list[Task] = field(default_factory=list)        # execute each, then call answered()
-    arrived: list[Task] = field(default_factory=list)    # read from this message, before anything is decided
-    accepted: list[Task] = field(default_factory=list)   # new tasks of the current run: they will run
-    acks: list[StatusBody] = field(default_factory=list)  # the coordinator's answer to our pending result
-    run_status: tuple[str, int, str] | None = None       # (run id, round, state) of a run status taken in
-
-    def note(self, kind: str, level: int, text: str) -> None:
-        self.notes.append(Note(kind, level, text))
 
 
 @dataclass
@@ -202,10 +83,7 @@ class DeviceProtocol:
         self._parked_since: float | None = None
         self._presence = b""                     # the presence we announced, and when it must have come back
         self._echo_due: float | None = None
-        self._waiting: tuple[Task, float] | None = None   # a task waiting for its broadcast, since when
-        self._seen_while_waiting: list[str] = []  # what came on the model topic meanwhile, for the error
-        self._disconnects = 0
-        self._disconnects_before_wait = 0
+        self._wait = BroadcastWait(topics.model)   # a task waiting for its broadcast
 
     # -- presence ---------------------------------------------------------------
     def start(self) -> Actions:
@@ -225,6 +103,7 @@ class DeviceProtocol:
         return out
 
     def leave(self) -> Actions:
+        """Say this device is offline, retained: else the retained online presence outlives the device."""
         out = Actions()
         out.publish.append(Publish(self._presence_topic, presence_payload(self.client_id, PresenceBody("offline")),
                                    retain=True))
@@ -236,7 +115,7 @@ class DeviceProtocol:
 
     def note_disconnects(self, total: int) -> None:
         """The transport's count of lost connections so far: a broadcast missed meanwhile is explained by it."""
-        self._disconnects = total
+        self._wait.disconnects = total
 
     # -- events -------------------------------------------------------------------
     def handle(self, topic: str, payload: bytes, now: float) -> Actions:
@@ -273,7 +152,9 @@ class DeviceProtocol:
     def tick(self, now: float) -> Actions:
         """Time passed: give up waiting for a broadcast, warn once about what is missing, re-send."""
         out = Actions()
-        self._give_up_waiting(now, out)
+        expired = self._wait.expired(now, out)
+        if expired is not None and self._fresh(expired, now, out):
+            out.run.append(expired)
         if self._echo_due is not None and now > self._echo_due:
             self._echo_due = None
             out.note("unseen", logging.ERROR,
@@ -291,11 +172,9 @@ class DeviceProtocol:
 
     def due(self) -> float | None:
         """The earliest time :meth:`tick` has something to do, for a caller that sleeps between events."""
-        times = [self._echo_due]
+        times = [self._echo_due, self._wait.due()]
         if self._parked and self._parked_since is not None:
             times.append(self._parked_since + PARKED_PATIENCE)
-        if self._waiting is not None:
-            times.append(self._waiting[1] + BROADCAST_PATIENCE * self._waiting[0].timeout)
         if self._pending is not None:
             times += [self._pending.next_send_at, self._pending.give_up_at]
         return min((t for t in times if t is not None), default=None)
@@ -427,7 +306,7 @@ class DeviceProtocol:
     def _on_model(self, payload: bytes, now: float, out: Actions) -> None:
         digest = hashlib.sha256(payload).hexdigest()
 
-        def read() -> tuple[dict[str, torch.Tensor], CodecSpec, int] | None:
+        def read() -> Broadcast | None:
             msg = decode(payload, max_bytes=self.max_decoded_bytes)
             return (msg.tensors, ModelBody.from_body(msg.body).codec, msg.round) if msg.kind == "model" else None
 
@@ -435,71 +314,27 @@ class DeviceProtocol:
             round = self.broadcasts.receive(digest, read)
         except ProtocolError as exc:
             out.note("ignored", logging.WARNING, f"ignored a model broadcast: {exc}")
-            self._note_while_waiting(f"a broadcast that was refused ({exc})")
+            self._wait.saw(f"a broadcast that was refused ({exc})")
             return
         if round is None:
             return
-        self._note_while_waiting(f"the broadcast of round {round} ({digest[:16]}...)")
-        waiting = self._waiting
-        if waiting is not None and waiting[0].body is not None and waiting[0].body.broadcast == digest:
-            task, since = waiting
-            self._stop_waiting(out)
-            task.fetch_seconds = now - since
-            if self._fresh(task, now, out):
-                out.run.append(task)
+        self._wait.saw(f"the broadcast of round {round} ({digest[:16]}...)")
+        task = self._wait.came(digest, now, out)
+        if task is not None and self._fresh(task, now, out):
+            out.run.append(task)
 
     def _needs_broadcast(self, task: Task, now: float, out: Actions) -> bool:
         """Park a task whose broadcast is not here yet and fetch it (the retained model topic)."""
         digest = task.body.broadcast if task.body is not None else None
         if digest is None or digest in self.broadcasts:
-            self._stop_waiting(out)
+            self._wait.stop(out)
             return False
-        if self._waiting is None:
-            self._seen_while_waiting, self._disconnects_before_wait = [], self._disconnects
-            out.subscribe.append((self.topics.model, True))
-        self._waiting = (task, now)
+        self._wait.begin(task, now, out)
         return True
 
-    def _note_while_waiting(self, seen: str) -> None:
-        """Keep what came on the model topic for a task's error, only while one waits (a device lives long)."""
-        if self._waiting is not None:
-            self._seen_while_waiting = [*self._seen_while_waiting[-2:], seen]
-
     def missing_broadcast(self, task: Task) -> str:
-        """Why a task's broadcast is not here, from what this device observed while it waited."""
-        digest = task.body.broadcast if task.body is not None else None
-        said = (f"the model broadcast {(digest or '')[:16]}... did not arrive within "
-                f"{BROADCAST_PATIENCE * task.timeout:.0f} s (half the task's timeout)")
-        dropped = self._disconnects - self._disconnects_before_wait
-        if dropped:
-            return (f"{said}; the connection to the broker dropped {dropped} time(s) meanwhile (a broker that "
-                    "restarts without persistence forgets the broadcast; the coordinator publishes it again on "
-                    "its retry)")
-        if self._seen_while_waiting:
-            return f"{said}; the model topic brought only {'; '.join(self._seen_while_waiting[-3:])}"
-        return (f"{said}, and nothing came on {self.topics.model}: check that this device may read that topic "
-                "(the broker's ACL)")
-
-    def _stop_waiting(self, out: Actions) -> None:
-        if self._waiting is not None:
-            self._waiting = None
-            out.unsubscribe.append((self.topics.model, True))
-
-    def _give_up_waiting(self, now: float, out: Actions) -> None:
-        """A task whose broadcast never came is answered with an error at half its timeout.
-
-        The coordinator's attempt ends at the full timeout: an error sent then would count
-        as late, while one sent halfway counts as failed and lets the coordinator retry,
-        which publishes the broadcast again.
-        """
-        if self._waiting is None:
-            return
-        task, since = self._waiting
-        if now - since > BROADCAST_PATIENCE * task.timeout:
-            self._stop_waiting(out)
-            task.no_broadcast = self.missing_broadcast(task)
-            if self._fresh(task, now, out):
-                out.run.append(task)
+        """Why a task's broadcast is not here, for the error a task run without it answers with."""
+        return self._wait.explain(task)
 
     # -- results ---------------------------------------------------------------------
     def _send(self, task: Task, payload: bytes, now: float, out: Actions) -> None:
