@@ -61,7 +61,7 @@ from coordinator.strategy_setup import make_strategy
 from coordinator.run import run_federated
 from coordinator.spawn import sim_client_id
 from edge_client.data import arrange_clients, load_dataset
-from edge_client.methods.dfl import STATE_FILE, dfl_evaluate, refresh, stage_hyper
+from methods.dfl.device import STATE_FILE, dfl_evaluate, refresh, stage_hyper
 from edge_client.models import state_shapes
 from edge_client.objectives import TaskContext, evaluate, holdout_seed, local_data_view, shuffle_seed
 from edge_client.registry import build_model

@@ -4,7 +4,7 @@ Each objective is a function of the model (already holding the weights the task
 sent down), the device's private data, the task's hyperparameters and a seed; it
 returns how many samples it used and a few metrics. The client then sends back
 exactly the tensors the task asked for. Methods from papers keep their client side
-in :mod:`edge_client.methods` and are listed in :mod:`edge_client.registry`.
+in their folder under ``methods/`` (``device.py``) and are listed in :mod:`edge_client.registry`.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
     """SGD on the local data; with ``mu > 0`` adds FedProx's (mu/2)||w - w_global||^2.
 
     A fresh optimizer each round, so momentum never leaks between rounds.
-    ``criterion(scores, labels)``: the loss; a method with its own (SphereFed's
-    squared error) reuses this loop through it.
+    ``criterion(scores, labels)``: the loss; a method with its own (a squared error
+    against fixed class vectors, say) reuses this loop through it.
     """
     h = TrainHyper.from_dict(hyper)
     if len(data) == 0:

@@ -8,10 +8,8 @@ is checked against the model the spec builds (name, shape, finiteness) before it
 loaded.
 
 A device's personalized model combines the run's global part with what never left
-the device: for DFL, the global invariant extractor with the device's specific
-extractor and predictor from ``STATE_DIR/dfl_state.safetensors``; for SphereFed with
-``ffc.personalize``, the global extractor with the classifier the device solved
-from its own FFC statistics, ``STATE_DIR/sphere_classifier.safetensors``.
+the device; the method that kept parts there assembles it (its export hook,
+:mod:`export.hooks`) with the readers and checks here.
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Checkpoint", "RunSource", "Personalized", "open_run", "find_checkpoint", "read_checkpoint",
-           "global_model", "personalized_model", "load_tensors", "run_dir_of_state"]
+__all__ = ["Checkpoint", "RunSource", "Personalized", "open_run", "find_checkpoint", "read_checkpoint", "build",
+           "global_model", "personalized_model", "load_tensors", "read_state_file", "run_dir_of_state"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +160,8 @@ def run_dir_of_state(state_dir: Path) -> Path | None:
         else None
 
 
-def _build(spec: Mapping[str, Any]) -> nn.Module:
+def build(spec: Mapping[str, Any]) -> nn.Module:
+    """The checkpoint's network, untrained; SourceError when its spec does not build."""
     try:
         return build_aside(spec)
     except ModelSpecError as exc:
@@ -196,12 +195,13 @@ def global_model(checkpoint: Checkpoint) -> nn.Module:
     reason = hooks.no_global(spec)
     if reason:
         raise SourceError(f"run {checkpoint.run_id}: {reason}")
-    model = _build(spec)
+    model = build(spec)
     load_tensors(model, checkpoint.params, federated_names(model), origin=f"checkpoint {checkpoint.path}")
     return model.eval()
 
 
-def _read_state_file(path: Path) -> dict[str, torch.Tensor]:
+def read_state_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a file in a device's state directory; SourceError says what to do when it cannot be read."""
     if not path.is_file():
         raise SourceError(f"{path} does not exist; --client-state takes the state directory of a device that "
                           "has trained in the run (its --state-dir; for a spawned client RUN_DIR/clients/ID)")
@@ -213,24 +213,11 @@ def _read_state_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def personalized_model(checkpoint: Checkpoint, state_dir: Path) -> Personalized:
-    """One device's model: the run's global part with the parts that stayed on that device."""
-    spec = checkpoint.model_spec
+    """One device's model: the run's global part with the parts that stayed on that device, assembled by the
+    export hook of the method that kept them there."""
     found = hooks.personalized(checkpoint, Path(state_dir))
-    if found is not None:
-        return found
-    if spec.get("name") != "dfl":
-        raise SourceError(f"run {checkpoint.run_id} ({checkpoint.strategy}, model {spec.get('name')!r}) keeps "
-                          "no personalized parts on its devices that fedge can export; export the global model "
-                          "(without --client-state)")
-    from edge_client.methods.dfl import STATE_FILE, DeviceState
-    from methods.dfl.model import INVARIANT, PREDICTOR, SPECIFIC, part_names
-
-    model = _build(spec)
-    invariant = {k: checkpoint.params[k] for k in part_names(checkpoint.params, INVARIANT)}
-    load_tensors(model, invariant, part_names(federated_names(model), INVARIANT),
-                 origin=f"checkpoint {checkpoint.path}")
-    path = Path(state_dir) / STATE_FILE
-    device = _read_state_file(path)
-    load_tensors(model, device, DeviceState.tensors(model), origin=str(path))  # type: ignore[arg-type]
-    return Personalized(model.eval(), {"global_parts": [INVARIANT], "device_parts": [SPECIFIC, PREDICTOR],
-                                       "device_file": path.name})
+    if found is None:
+        raise SourceError(f"run {checkpoint.run_id} ({checkpoint.strategy}, model "
+                          f"{checkpoint.model_spec.get('name')!r}) keeps no personalized parts on its devices that "
+                          "fedge can export; export the global model (without --client-state)")
+    return found

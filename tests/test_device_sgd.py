@@ -70,7 +70,7 @@ def test_the_same_steps_as_torch_adam():
 def test_dfl_training_on_the_device_never_imports_torch_dynamo():
     code = ("import sys, torch; from edge_client.registry import build_model; from edge_client.objectives import "
             "warm_up, LocalData, TrainHyper; from profiling.profiler import Profiler; "
-            "from edge_client.methods.dfl import DflHyper, local_stage, global_stage; warm_up(); "
+            "from methods.dfl.device import DflHyper, local_stage, global_stage; warm_up(); "
             "m = build_model({'name': 'dfl', 'backbone': 'cnn', 'num_classes': 10, 'in_channels': 3, 'image_size': 8}); "
             "d = LocalData(torch.randn(32, 3, 8, 8), torch.randint(0, 10, (32,))); g = torch.Generator().manual_seed(0); "
             "local_stage(m, d, TrainHyper(batch_size=16), DflHyper(), g, Profiler()); "

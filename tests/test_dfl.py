@@ -24,16 +24,14 @@ from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import (client_split, domain_palette, evaluation_split, load_dataset, parse_attribute_skew,
                               partition_indices)
-from edge_client.methods.dfl import (STATE_FILE, DeviceState, DflHyper, device_seed, dfl_evaluate, dfl_train,
-                                     global_stage, local_stage)
-from methods.dfl.model import part_names
 from edge_client.models import federated_names
+from edge_client.objectives import LocalData, ObjectiveError, TaskContext, TrainHyper
 from edge_client.registry import build_model
 from edge_client.seeding import seed_global_rng
-from edge_client.methods.mutual_info import jsd_mutual_information
-from methods.dfl.model import PairCritic
-from edge_client.objectives import LocalData, ObjectiveError, TaskContext, TrainHyper
 from edge_client.wire.protocol import Topics, decode, encode
+from methods.dfl.device import (STATE_FILE, DeviceState, DflHyper, device_seed, dfl_evaluate, dfl_train,
+                                global_stage, local_stage)
+from methods.dfl.model import PairCritic, jsd_mutual_information, part_names
 from edge_client.wire.transport import InprocHub
 from profiling.history import read_jsonl
 from profiling.profiler import Profiler

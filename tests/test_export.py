@@ -19,7 +19,7 @@ from torch import nn
 from coordinator.config import dump_config, load_config
 from coordinator.run import run_federated
 from edge_client.data import load_dataset
-from edge_client.methods.dfl import STATE_FILE, DeviceState
+from methods.dfl.device import STATE_FILE, DeviceState
 from edge_client.models import federated_names
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train

@@ -171,16 +171,15 @@ def test_wire_and_methods_are_where_the_layout_says():
         assert f"edge_client.wire.{name}" in graph
     for name in ("files", "checkpoint", "pixels", "state"):
         assert f"storage.{name}" in graph
-    for name in ("dfl", "mutual_info"):
-        assert f"edge_client.methods.{name}" in graph
     for name in ("pans", "spherefed", "fed2", "dfl"):
         assert f"methods.{name}.model" in graph
+    assert not any(name.startswith("edge_client.methods") for name in graph)   # methods live under methods/
     assert "coordinator.diagnostics" in graph and "edge_client.diagnostics" not in graph
 
 
 @pytest.mark.parametrize("module", ["edge_client.models", "edge_client.wire.protocol"])
 def test_building_a_model_or_reading_a_message_imports_no_training_code(module):
-    training = ("edge_client.objectives", "methods.spherefed.device", "edge_client.methods.dfl")
+    training = ("edge_client.objectives", "methods.spherefed.device", "methods.dfl.device")
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m in {training!r}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

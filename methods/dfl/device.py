@@ -13,7 +13,7 @@ has already loaded into the model's ``invariant`` branch. Then:
    with diversity transferring, the specific ones).
 
 In both stages the critics learn to raise their MI estimate
-(:mod:`edge_client.methods.mutual_info`); only the extractors' sign differs. With
+(:func:`methods.dfl.model.jsd_mutual_information`); only the extractors' sign differs. With
 diversity transferring, the task also fills ``peers`` slots with other clients'
 specific extractors, and each stage adds the mean cross-entropy of the predictor
 on ``[invariant(x); peer(x)]``.
@@ -48,12 +48,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from methods.dfl.model import DEVICE_PARTS, TwoBranchModel
-from edge_client.optim import DeviceAdam, DeviceSGD
-from edge_client.methods.mutual_info import jsd_mutual_information, mi_penalty
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
                                     minibatches, Objective)
+from edge_client.optim import DeviceAdam, DeviceSGD
 from edge_client.seeding import private_rng, task_generator
+from methods.dfl.model import DEVICE_PARTS, TwoBranchModel, jsd_mutual_information, mi_penalty
 from profiling.history import append_history
 from profiling.profiler import Profiler
 from storage.files import write_tensors_atomic

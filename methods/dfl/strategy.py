@@ -4,7 +4,7 @@ The clients run a two-branch model (``methods/dfl/model.py``) around the
 configured backbone; :meth:`DFL.model_spec` wraps the spec. Each round:
 
 - ``train``: every selected client gets the global invariant extractor and runs
-  ``dfl_train`` (``edge_client/methods/dfl.py``); it sends back its invariant extractor
+  ``dfl_train`` (``methods/dfl/device.py``); it sends back its invariant extractor
   only. The new global invariant extractor is their sample-weighted mean.
 - ``evaluate`` (every ``eval.every`` rounds and in the last): every online client
   reports the accuracy of the global invariant extractor with its own specific
@@ -34,9 +34,9 @@ from torch import nn
 
 from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, PersonalizedEval, Strategy, TaskPlan, WeightedSum
-from methods.dfl.model import INVARIANT, SPECIFIC, part_names
 from edge_client.models import federated_names
 from edge_client.registry import build_aside
+from methods.dfl.model import INVARIANT, SPECIFIC, part_names
 from storage.state import ServerState
 
 if TYPE_CHECKING:
