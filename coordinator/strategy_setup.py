@@ -24,8 +24,8 @@ def make_strategy(config: RunConfig) -> Strategy:
     a = config.aggregate
     if (a.rule != "mean" or a.norm_bound > 0) and not strategy.robust:
         raise ConfigError(f"aggregate.rule = {a.rule!r} and aggregate.norm_bound apply to strategies that average "
-                          f"updates (fedavg, fedprox, spherefed, fed2 with pairing all); {config.run.strategy!r} "
-                          "combines results its own way: leave them at mean and 0")
+                          f"updates (such as fedavg and fedprox); {config.run.strategy!r} as configured combines "
+                          "results its own way: leave them at mean and 0")
     if strategy.robust:
         strategy.aggregator = Aggregator(a.rule, a.trim)
     if config.eval.personalized:

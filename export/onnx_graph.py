@@ -68,7 +68,7 @@ def to_onnx(model: nn.Module, sample_shape: tuple[int, ...], metadata: dict[str,
 
 
 def op_counts(model: bytes | Path) -> dict[str, int]:
-    """How many nodes of each operator type the graph has (used to show PANs left nothing behind)."""
+    """How many nodes of each operator type the graph has (used to show a folded constant left nothing behind)."""
     proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(str(model))
     return dict(Counter(node.op_type for node in proto.graph.node))
 
@@ -109,7 +109,7 @@ def torch_predict(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.
 
 @dataclass(frozen=True)
 class ParityLimits:
-    max_abs_diff: float = 1e-4       # on the outputs (logits or sphere scores)
+    max_abs_diff: float = 1e-4       # on the outputs (logits, or scores of a fixed normalized head)
     min_agreement: float = 0.999     # share of samples with the same argmax
 
 

@@ -151,7 +151,7 @@ def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y
         src.write_bytes(float_model)
         try:
             progress.info("int8: preparing the graph")
-            # Symbolic shape inference fails on the Expand that F.normalize exports (the sphere head);
+            # Symbolic shape inference fails on the Expand that F.normalize exports (an L2-normalizing head);
             # ONNX's own shape inference and the graph optimization still run.
             quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
             progress.info("int8: calibrating activation ranges on %d training samples", len(calibration))
