@@ -106,8 +106,8 @@ def _floor(module: str) -> int:
     parts = module.split(".")
     if parts[0] != "methods":
         return FLOORS.index(parts[0])
-    if len(parts) <= 2:   # the package and its folders: containers that import nothing
-        return 0
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] not in ROLE_FLOORS):   # the package and its folders
+        return 0                                                                 # contain, and import, nothing
     return FLOORS.index(ROLE_FLOORS.get(parts[-1], "coordinator"))
 
 
@@ -188,8 +188,9 @@ def test_building_a_model_or_reading_a_message_imports_no_training_code(module):
 def test_a_method_file_stands_on_the_floor_of_its_role():
     graph = {"methods.x.device": {"coordinator.engine"}, "methods.x.model": {"edge_client.models"},
              "methods.x.strategy": {"coordinator.strategies.fedavg", "methods.x.device"},
-             "methods.x.export": {"export.hooks"}, "edge_client.registry": {"methods.x.device"}}
-    assert _upward(graph) == [("methods.x.device", "coordinator.engine")]
+             "methods.x.export": {"export.hooks"}, "edge_client.registry": {"methods.x.device"},
+             "methods.common": {"export.hooks"}, "methods.x.cli": {"methods.common"}}
+    assert _upward(graph) == [("methods.common", "export.hooks"), ("methods.x.device", "coordinator.engine")]
 
 
 def test_every_import_path_the_registry_names_resolves():
