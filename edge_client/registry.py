@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from edge_client.models import ModelHook
     from edge_client.objectives import Objective
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "commands", "model_options", "model_hooks", "build_model", "build_aside",
-           "model_size", "describe_size"]
+__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "commands", "model_options", "model_hooks",
+           "build_model", "build_aside", "model_size", "describe_size"]
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""Disentangled FL: an invariant branch averaged, a specific branch and a predictor kept on each device (docs/dfl.md)."""
+"""Disentangled FL: an invariant branch averaged, a specific branch and a predictor kept on
+each device (docs/dfl.md)."""

@@ -1,1 +1,2 @@
-"""SphereFed with Fast Federated Calibration: a fixed classifier on L2-normalized features, calibrated after training (docs/spherefed.md)."""
+"""SphereFed with Fast Federated Calibration: a fixed classifier on L2-normalized features,
+calibrated after training from sums the devices send (docs/spherefed.md)."""
