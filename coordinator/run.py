@@ -19,17 +19,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from coordinator.aggregation import tolerance
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.engine import Coordinator, EvalData, RunError
+from coordinator.run_summary import run_summary
 from coordinator.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import Strategy
-from edge_client.data import (describe_partitions, evaluation_split, load_dataset, model_normalization,
+from edge_client.data import (Dataset, describe_partitions, evaluation_split, load_dataset, model_normalization,
                                partition_indices)
 from edge_client.models import federated_names
 from edge_client.objectives import Objective
@@ -38,6 +39,9 @@ from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport,
 from storage.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from storage.files import read_jsonl, write_jsonl_atomic
 from storage.state import ServerState
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["RunResult", "RunInterrupted", "run_federated", "new_run_id"]
 
@@ -226,32 +230,11 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     dataset = load_dataset(config.data.eval, train=config.clients.spawn > 0)   # spawned clients' partitions need it
     # As the clients see their data: attribute skew can change the channels (docs/dfl.md).
     x_eval, y_eval = evaluation_split(dataset, config.data.partition)
-    if resume:   # the network is the checkpoint's: a strategy may have changed it since round 1
-        state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))  # type: ignore[arg-type]
-        say(f"resuming run {run_id} after round {state.round}")
-    else:
-        spec = strategy.model_spec({**config.model, "num_classes": dataset.num_classes,
-                                    "in_channels": int(x_eval.shape[1]), "image_size": dataset.image_size,
-                                    "normalization": model_normalization(dataset, config.data.partition).to_spec()})
-        torch.manual_seed(config.run.seed)
-        model = build_model(spec)
-        params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}
-        state = strategy.initialize(spec, params)
-    size = describe_size(model_size(state.spec))
-    log.info("model %s: %s", state.spec["name"], size, extra={"said": True})
-    say(f"model {state.spec['name']}: {size}")
-    if strategy.robust:
-        _say_tolerance(config, say)
+    state = _starting_state(config, out, run_id, resume, strategy, dataset, x_eval, say)
+    _say_setup(config, strategy, state, dataset, say)
     metrics_path = out / "metrics.jsonl"
     rows = _read_metrics(metrics_path, state.round) if resume else []
     eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
-    spawn = config.clients.spawn
-    if spawn:
-        parts = partition_indices(dataset.y_train, config.data.partition, spawn, config.run.seed)
-        sizes = [d["size"] for d in describe_partitions(dataset.y_train, parts, dataset.num_classes)]
-        log.info("partition %s over %d clients: sizes %s", config.data.partition, spawn, sizes, extra={"said": True})
-        say(f"partition {config.data.partition}: client sizes {sizes}")
-
     with _open_transport(config, run_id, say) as (transport, reach):
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
                                   eval_data=eval_data, on_progress=on_progress)
@@ -259,49 +242,103 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         spawned = SpawnedClients()
         completed = False
         try:
-            if spawn and config.transport.kind == "inproc":
-                spawned = spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out,
-                                        objectives=client_objectives)
-            elif spawn:
-                spawned = spawn_processes(config, spawn, broker_url=reach["url"], protocol=reach["protocol"],
-                                          username=reach["username"], password=reach["password"], out_dir=out,
-                                          device_logins=reach["devices"])
-
-            def watchdog() -> None:
-                failures = spawned.failures()
-                if failures:
-                    raise RunError("spawned clients failed: " + "; ".join(failures))
-
-            coordinator.watchdog = watchdog
-            say(f"waiting for {config.clients.expected} clients on prefix '{config.transport.prefix}'")
-            coordinator.wait_for_clients(config.clients.expected, config.clients.presence_timeout)
-            coordinator.watchdog = lambda: None
-            if not rows:
-                rows.append({"round": 0, **coordinator.evaluate(), "selected": 0, "returned": 0, "late": 0,
-                             "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
-                on_round(rows[-1])
-
-            def complete(row: dict[str, Any], trained: ServerState) -> None:
-                """A round's row is written with its evaluation, and only then its checkpoint: a resumed
-                run re-does every round whose row was not complete."""
-                rows.append(row)
-                _write_metrics(metrics_path, rows)
-                coordinator.checkpoint(trained)
-                on_round(row)
-
-            coordinator.run_rounds(state.round + 1, config.run.rounds, complete)
-            _write_metrics(metrics_path, rows)
+            spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
+            _wait_for_clients(coordinator, spawned, say)
+            _train(coordinator, rows, metrics_path, on_round)
             completed = True
         finally:
             # "stopped": the run may be resumed; devices drop what it queued instead of training it.
             coordinator.announce("finished" if completed else "stopped")
             spawned.stop()
-    summary = {**_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
-                          coordinator.started_after), **strategy.summary(rows)}
+    summary = {**run_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
+                             coordinator.started_after), **strategy.summary(rows)}
     if config.export.enabled:
         summary["export"] = _export_final(out, say)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return RunResult(out, summary)
+
+
+def _starting_state(config: RunConfig, out: Path, run_id: str, resume: bool, strategy: Strategy, dataset: Dataset,
+                    x_eval: np.ndarray, say: Callable[[str], None]) -> ServerState:
+    """The state round 1 starts from (its network fitted to the data), or the last checkpoint's on resume."""
+    if resume:   # the network is the checkpoint's: a strategy may have changed it since round 1
+        state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))  # type: ignore[arg-type]
+        say(f"resuming run {run_id} after round {state.round}")
+        return state
+    spec = strategy.model_spec({**config.model, "num_classes": dataset.num_classes,
+                                "in_channels": int(x_eval.shape[1]), "image_size": dataset.image_size,
+                                "normalization": model_normalization(dataset, config.data.partition).to_spec()})
+    torch.manual_seed(config.run.seed)
+    model = build_model(spec)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}
+    return strategy.initialize(spec, params)
+
+
+def _say_setup(config: RunConfig, strategy: Strategy, state: ServerState, dataset: Dataset,
+               say: Callable[[str], None]) -> None:
+    """What a person starting the run should know before it waits: the model's size, what the aggregation
+    withstands, and the sizes of the spawned clients' partitions."""
+    size = describe_size(model_size(state.spec))
+    log.info("model %s: %s", state.spec["name"], size, extra={"said": True})
+    say(f"model {state.spec['name']}: {size}")
+    if strategy.robust:
+        _say_tolerance(config, say)
+    spawn = config.clients.spawn
+    if spawn:
+        parts = partition_indices(dataset.y_train, config.data.partition, spawn, config.run.seed)
+        sizes = [d["size"] for d in describe_partitions(dataset.y_train, parts, dataset.num_classes)]
+        log.info("partition %s over %d clients: sizes %s", config.data.partition, spawn, sizes, extra={"said": True})
+        say(f"partition {config.data.partition}: client sizes {sizes}")
+
+
+def _spawn_clients(config: RunConfig, reach: dict[str, Any], dataset: Dataset, out: Path,
+                   client_objectives: Callable[[str], Mapping[str, Objective]] | None) -> SpawnedClients:
+    """The ``clients.spawn`` local clients: threads on the in-process hub, or processes on the broker."""
+    spawn = config.clients.spawn
+    if spawn and config.transport.kind == "inproc":
+        return spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out,
+                             objectives=client_objectives)
+    if spawn:
+        return spawn_processes(config, spawn, broker_url=reach["url"], protocol=reach["protocol"],
+                               username=reach["username"], password=reach["password"], out_dir=out,
+                               device_logins=reach["devices"])
+    return SpawnedClients()
+
+
+def _wait_for_clients(coordinator: Coordinator, spawned: SpawnedClients, say: Callable[[str], None]) -> None:
+    """Wait for ``clients.expected`` clients, ending the wait at once if spawned clients die meanwhile."""
+    config = coordinator.config
+
+    def watchdog() -> None:
+        failures = spawned.failures()
+        if failures:
+            raise RunError("spawned clients failed: " + "; ".join(failures))
+
+    coordinator.watchdog = watchdog
+    say(f"waiting for {config.clients.expected} clients on prefix '{config.transport.prefix}'")
+    coordinator.wait_for_clients(config.clients.expected, config.clients.presence_timeout)
+    coordinator.watchdog = lambda: None
+
+
+def _train(coordinator: Coordinator, rows: list[dict[str, Any]], metrics_path: Path,
+           on_round: Callable[[dict[str, Any]], None]) -> None:
+    """Round 0's row (a new run: the initial model's evaluation), then the remaining rounds, each row
+    appended to ``rows`` and written."""
+    if not rows:
+        rows.append({"round": 0, **coordinator.evaluate(), "selected": 0, "returned": 0, "late": 0,
+                     "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
+        on_round(rows[-1])
+
+    def complete(row: dict[str, Any], trained: ServerState) -> None:
+        """A round's row is written with its evaluation, and only then its checkpoint: a resumed
+        run re-does every round whose row was not complete."""
+        rows.append(row)
+        _write_metrics(metrics_path, rows)
+        coordinator.checkpoint(trained)
+        on_round(row)
+
+    coordinator.run_rounds(coordinator.started_after + 1, coordinator.config.run.rounds, complete)
+    _write_metrics(metrics_path, rows)
 
 
 def _say_tolerance(config: RunConfig, say: Callable[[str], None]) -> None:
@@ -330,45 +367,3 @@ def _export_final(out: Path, say: Callable[[str], None]) -> dict[str, Any]:
     else:
         say(f"no ONNX export: {result.get('skipped') or result.get('error')}")
     return result
-
-
-def _traffic(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Bytes on the wire over the run, and their ratio to sending the whole float32 model both ways
-    to every selected client every round (below 1: smaller than that)."""
-    keys = ("bytes_down", "bytes_up", "bytes_broadcast", "fp32_bytes_down", "fp32_bytes_up")
-    t: dict[str, Any] = {k: sum(r.get(k, 0) for r in rows) for k in keys}
-    reference = t["fp32_bytes_down"] + t["fp32_bytes_up"]
-    t["ratio_down_vs_fp32"] = t["bytes_down"] / t["fp32_bytes_down"] if t["fp32_bytes_down"] else None
-    t["ratio_up_vs_fp32"] = t["bytes_up"] / t["fp32_bytes_up"] if t["fp32_bytes_up"] else None
-    t["ratio_vs_fp32"] = (t["bytes_down"] + t["bytes_up"]) / reference if reference else None
-    return t
-
-
-def _summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any]], seconds: float,
-             spec: dict[str, Any], started_after: int) -> dict[str, Any]:
-    """The run's summary; with ``started_after > 0`` (a resumed run) ``this_session`` counts what this
-    session itself did and moved, apart from the whole run's totals."""
-    trained = [r for r in rows if r["round"] > 0]
-    session = [r for r in trained if r["round"] > started_after]
-    # the last row with a test-set evaluation (eval.every), or none (DFL has no global model to test)
-    final = next((r for r in reversed(rows) if r.get("test_accuracy") is not None), {})
-    return {
-        "run_id": run_id,
-        "out_dir": str(out),
-        "strategy": config.run.strategy,
-        "model": spec,
-        "rounds": len(trained),
-        # None for a strategy without a global model to test (DFL): see its personalized accuracy
-        "initial_accuracy": rows[0].get("test_accuracy") if rows else None,
-        "final_accuracy": final.get("test_accuracy"),
-        "best_accuracy": max((r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None), default=None),
-        "final_loss": final.get("test_loss"),
-        "final_personalized_accuracy": next((r["personalized_accuracy_mean"] for r in reversed(rows)
-                                             if "personalized_accuracy_mean" in r), None),
-        **_traffic(rows),
-        "rejected": sum(r.get("rejected", 0) for r in rows),
-        "late": sum(r.get("late", 0) for r in rows),
-        "seconds_this_session": seconds,
-        "this_session": {"resumed_after_round": started_after, "rounds": len(session),
-                         **{k: sum(r.get(k, 0) for r in session) for k in ("bytes_down", "bytes_up", "late")}},
-    }

@@ -1,0 +1,52 @@
+"""A run's ``summary.json``: what it reached and what it moved, from its metrics rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import RunConfig
+
+__all__ = ["run_summary", "traffic"]
+
+
+def traffic(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bytes on the wire over the run, and their ratio to sending the whole float32 model both ways
+    to every selected client every round (below 1: smaller than that)."""
+    keys = ("bytes_down", "bytes_up", "bytes_broadcast", "fp32_bytes_down", "fp32_bytes_up")
+    t: dict[str, Any] = {k: sum(r.get(k, 0) for r in rows) for k in keys}
+    reference = t["fp32_bytes_down"] + t["fp32_bytes_up"]
+    t["ratio_down_vs_fp32"] = t["bytes_down"] / t["fp32_bytes_down"] if t["fp32_bytes_down"] else None
+    t["ratio_up_vs_fp32"] = t["bytes_up"] / t["fp32_bytes_up"] if t["fp32_bytes_up"] else None
+    t["ratio_vs_fp32"] = (t["bytes_down"] + t["bytes_up"]) / reference if reference else None
+    return t
+
+
+def run_summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any]], seconds: float,
+                spec: dict[str, Any], started_after: int) -> dict[str, Any]:
+    """The run's summary; with ``started_after > 0`` (a resumed run) ``this_session`` counts what this
+    session itself did and moved, apart from the whole run's totals."""
+    trained = [r for r in rows if r["round"] > 0]
+    session = [r for r in trained if r["round"] > started_after]
+    # the last row with a test-set evaluation (eval.every), or none (DFL has no global model to test)
+    final = next((r for r in reversed(rows) if r.get("test_accuracy") is not None), {})
+    return {
+        "run_id": run_id,
+        "out_dir": str(out),
+        "strategy": config.run.strategy,
+        "model": spec,
+        "rounds": len(trained),
+        # None for a strategy without a global model to test (DFL): see its personalized accuracy
+        "initial_accuracy": rows[0].get("test_accuracy") if rows else None,
+        "final_accuracy": final.get("test_accuracy"),
+        "best_accuracy": max((r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None), default=None),
+        "final_loss": final.get("test_loss"),
+        "final_personalized_accuracy": next((r["personalized_accuracy_mean"] for r in reversed(rows)
+                                             if "personalized_accuracy_mean" in r), None),
+        **traffic(rows),
+        "rejected": sum(r.get("rejected", 0) for r in rows),
+        "late": sum(r.get("late", 0) for r in rows),
+        "seconds_this_session": seconds,
+        "this_session": {"resumed_after_round": started_after, "rounds": len(session),
+                         **{k: sum(r.get(k, 0) for r in session) for k in ("bytes_down", "bytes_up", "late")}},
+    }
