@@ -32,8 +32,8 @@ PATTERN = re.compile(rf"(?:(?<![A-Za-z])|(?<=[a-z])(?=[A-Z]))(?i:{'|'.join(NAMES
 # string literals are checked in them all the same; only their prose is let through, each until
 # its owner rewords it.
 PROSE_PENDING = {
-    "coordinator/config.py",            # TODO(coordinator/config.py): [dfl] and spherefed in docstrings
-    "coordinator/run.py",               # TODO(coordinator/run.py): DFL in comments
+    "coordinator/config.py",            # TODO(coordinator/config.py): [dfl], config.dfl, spherefed in prose
+    "coordinator/run.py",               # TODO(coordinator/run.py): docs/dfl.md in a comment
     "coordinator/run_summary.py",       # TODO(coordinator/run_summary.py): DFL in two comments
     "coordinator/round_row.py",         # TODO(coordinator/round_row.py): FedMA in the docstring
     "coordinator/aggregation.py",       # TODO(coordinator/aggregation.py): FedMA in the docstring
