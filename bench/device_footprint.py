@@ -40,8 +40,8 @@ import psutil
 
 from bench_io import RESULTS, write_result
 from coordinator.config import load_config
-from coordinator.mosquitto import LocalMosquitto
-from coordinator.run import run_federated
+from coordinator.ops.mosquitto import LocalMosquitto
+from coordinator.runtime.run import run_federated
 from edge_client.data import FASHION_MNIST_DIR, read_fashion_mnist
 
 MB = 2**20

@@ -56,10 +56,10 @@ from rich.table import Table
 
 from run_matrix import RESULTS, Run, expand, load_matrix, run_config
 from coordinator.config import ConfigError, RunConfig, load_config, parse_override
-from coordinator.downlink import download_generator
+from coordinator.runtime.downlink import download_generator
 from coordinator.strategy_setup import make_strategy
-from coordinator.run import run_federated
-from coordinator.spawn import sim_client_id
+from coordinator.runtime.run import run_federated
+from coordinator.ops.spawn import sim_client_id
 from edge_client.data import arrange_clients, load_dataset
 from methods.dfl.device import STATE_FILE, dfl_evaluate, refresh, stage_hyper
 from edge_client.models import state_shapes

@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from export.onnx_graph import session
 from export.pipeline import ExportOptions, Exported, export_global, export_int8
 from export.quantize import QuantSettings

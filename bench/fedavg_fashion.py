@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.config import load_config
-from coordinator.mosquitto import LocalMosquitto
-from coordinator.report import RoundTable
-from coordinator.run import run_federated
+from coordinator.ops.mosquitto import LocalMosquitto
+from coordinator.ui.report import RoundTable
+from coordinator.runtime.run import run_federated
 from storage.files import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"

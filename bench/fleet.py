@@ -1,6 +1,6 @@
 """A fleet on one coordinator: what N devices cost the coordinator and the broker.
 
-The coordinator is the real one (``coordinator.run.run_federated`` in a child process:
+The coordinator is the real one (``coordinator.runtime.run.run_federated`` in a child process:
 FedAvg, ``cnn`` on Fashion-MNIST, 1.69 MB of float32 parameters) and the broker is a
 Mosquitto of its own, started fresh for every cell so that its memory is the cell's.
 The devices are stand-ins that do not train but play the protocol with the device's own
@@ -760,7 +760,7 @@ class CoordinatorWatch:
 def coordinator_child(spec_path: Path) -> int:
     """The real coordinator (``run_federated``) as it runs, watched only through its ``on_progress``."""
     from coordinator.config import load_config
-    from coordinator.run import run_federated
+    from coordinator.runtime.run import run_federated
 
     spec = json.loads(spec_path.read_text())
     if spec.get("torch_threads"):   # a measured variant (--coordinator-torch-threads); normally left alone
@@ -861,7 +861,7 @@ def _toml_value(value: Any) -> str:
 
 def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
     """Broker, coordinator and device processes for one (N, per round, codec); their measurements."""
-    from coordinator.mosquitto import LocalMosquitto
+    from coordinator.ops.mosquitto import LocalMosquitto
 
     n, tag = cell.fleet, f"[N={cell.fleet} per round={cell.per_round} {cell.codec}" + \
         (f" coordinator torch threads={cell.threads}" if cell.threads else "") + \
@@ -894,7 +894,7 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
     failure = ""
     try:
         for i in range(cell.workers):   # before the coordinator, which waits for them
-            worker = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "worker", "--id", f"worker-{i}",
+            worker = subprocess.Popen([sys.executable, "-m", "coordinator.ui.cli", "worker", "--id", f"worker-{i}",
                                        "--exit-after-run", *(a for k, v in overrides.items()
                                                           for a in ("--set", f"{k}={_toml_value(v)}"))],
                                       cwd=ROOT, stdout=(work / f"worker-{i}.out").open("w"), stderr=subprocess.STDOUT,
@@ -1159,7 +1159,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
 
 
 def _mosquitto_version() -> str | None:
-    from coordinator.mosquitto import mosquitto_binary
+    from coordinator.ops.mosquitto import mosquitto_binary
 
     binary = mosquitto_binary()
     if binary is None:

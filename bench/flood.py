@@ -26,8 +26,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from bench_io import RESULTS, write_result
 from coordinator.config import load_config
-from coordinator.mosquitto import LocalMosquitto
-from coordinator.run import run_federated
+from coordinator.ops.mosquitto import LocalMosquitto
+from coordinator.runtime.run import run_federated
 
 FLOODED = "sim-002"
 

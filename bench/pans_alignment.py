@@ -42,7 +42,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator.config import load_config  # noqa: E402
 from coordinator.diagnostics import hidden_activations, neuron_matching, unit_rows  # noqa: E402
-from coordinator.run import run_federated  # noqa: E402
+from coordinator.runtime.run import run_federated  # noqa: E402
 from edge_client.data import load_client_split, load_dataset  # noqa: E402
 from edge_client.objectives import TaskContext, local_data, shuffle_seed, train  # noqa: E402
 from edge_client.registry import build_model  # noqa: E402

@@ -33,8 +33,8 @@ from torch import nn
 from bench_io import RESULTS, write_result
 from coordinator.aggregation import tolerance
 from coordinator.config import RunConfig, load_config
-from coordinator.engine import RunError
-from coordinator.run import run_federated
+from coordinator.runtime.engine import RunError
+from coordinator.runtime.run import run_federated
 from edge_client.objectives import LocalData, ObjectiveOutput, TaskContext, train
 
 ATTACKS = {"clean": 1.0, "scaled x20": 20.0, "scaled x1000": 1000.0, "sign-flipped x-1": -1.0,

@@ -16,7 +16,7 @@ An entry may declare ``seeds = [0]`` (with ``off_protocol`` saying why): its cel
 the matrix's seeds, a declared cut of the compute budget, and a complete matrix is then one
 without them (``subset: false``). ``--seeds`` runs the given seeds in every cell instead.
 
-Each run goes through ``coordinator.run.run_federated`` with clients as threads
+Each run goes through ``coordinator.runtime.run.run_federated`` with clients as threads
 (``transport.kind = "inproc"``) and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
 (configuration, per-round metrics, summary). The table, printed and written to
 ``bench/results/NAME.json``, is built from every run file of the matrix present:
@@ -52,8 +52,8 @@ from rich.table import Table
 
 from benchmark_protocol import Protocol, deviations, load_protocol, rounds_to_reach
 from coordinator.config import ConfigError, RunConfig, load_config
-from coordinator.report import human_bytes
-from coordinator.run import run_federated
+from coordinator.ui.report import human_bytes
+from coordinator.runtime.run import run_federated
 from storage.files import read_jsonl
 
 if sys.version_info >= (3, 11):

@@ -89,8 +89,8 @@ def pure_compute_seconds_per_image(images: int = 6000) -> float:
 def run_setting(setting: Setting, rounds: int) -> dict[str, Any]:
     """One setting, in this process: the run, its startup, round times, peak RSS and the pure compute."""
     from coordinator.config import load_config
-    from coordinator.mosquitto import LocalMosquitto
-    from coordinator.run import run_federated
+    from coordinator.ops.mosquitto import LocalMosquitto
+    from coordinator.runtime.run import run_federated
 
     out = Path(tempfile.mkdtemp(prefix="fedge-simspeed-")) / "run"
     overrides = [("run", "strategy", "fedavg"), ("run", "rounds", rounds), ("run", "seed", 0), ("run", "out", str(out)),

@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmark_protocol import rounds_to_reach
-from coordinator.report import human_bytes
+from coordinator.ui.report import human_bytes
 from edge_client.wire.codec import parse_codec
 from edge_client.data import load_dataset
 from edge_client.models import federated_names

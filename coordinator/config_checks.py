@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from coordinator.config_sections import CodecSection, TransportSection
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
-from coordinator.selection import SELECTIONS
+from coordinator.runtime.selection import SELECTIONS
 from edge_client.device import DeviceError, resolve_device
 from edge_client.wire.broker_settings import parse_broker_address
 from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES

@@ -108,7 +108,7 @@ class ExportSection:
 
 @dataclass(frozen=True)
 class SimSection:
-    """How this process runs the clients it spawns with the inproc transport (coordinator/simulation.py)."""
+    """How this process runs the clients it spawns with the inproc transport (coordinator/runtime/simulation.py)."""
 
     workers: int = 0                # tasks run on this many workers; 0: one per core; -1: a thread per client
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from coordinator.mosquitto import LocalMosquitto, mosquitto_binary
+from coordinator.ops.mosquitto import LocalMosquitto, mosquitto_binary
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +101,7 @@ def client_thread() -> Callable[..., ClientThread]:
 def _run_beside_device(config, device_cmd: list[str], env: dict[str, str] | None = None) -> str:
     """Run ``config`` (a coordinator on a thread of this process) with one ``fedge-client`` process
     started by ``device_cmd`` (with ``--exit-after-run``); the device's stderr, once the run finished."""
-    from coordinator.run import run_federated
+    from coordinator.runtime.run import run_federated
 
     proc = subprocess.Popen(device_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     outcome: dict = {}

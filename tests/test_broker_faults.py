@@ -15,10 +15,10 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from coordinator import broadcast, tasks
+from coordinator.runtime import broadcast, tasks
 from coordinator.config import load_config
-from coordinator.mosquitto import LocalMosquitto
-from coordinator.run import run_federated
+from coordinator.ops.mosquitto import LocalMosquitto
+from coordinator.runtime.run import run_federated
 
 
 @pytest.mark.parametrize("persistence", [False, True], ids=["no-persistence", "persistence"])

@@ -133,7 +133,7 @@ def test_the_export_refuses_a_damaged_checkpoint_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory) -> Path:
     """A real two-round run directory (in-process clients on digits)."""
-    from coordinator.cli import main
+    from coordinator.ui.cli import main
 
     out = tmp_path_factory.mktemp("run") / "run"
     assert main(["run", *QUICK, "--rounds", "2", "--out", str(out)]) == 0
@@ -153,7 +153,7 @@ def test_resume_refuses_a_damaged_checkpoint_in_one_line_at_once(short_run, tmp_
     newest = checkpoint_path(out / "checkpoints", 2)
     damage(newest)
     started = time.monotonic()
-    resumed = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", "--resume", "--out", str(out),
+    resumed = subprocess.run([sys.executable, "-m", "coordinator.ui.cli", "run", "--resume", "--out", str(out),
                               "--rounds", "3"], capture_output=True, text=True, timeout=120)
     lines = (resumed.stdout + resumed.stderr).strip().splitlines()
     assert resumed.returncode != 0 and len(lines) == 1, resumed.stdout + resumed.stderr
@@ -176,7 +176,7 @@ def test_fedge_export_refuses_a_damaged_run(short_run, tmp_path):
 
 
 def test_deleting_the_damaged_file_resumes_from_the_last_good_round(short_run, tmp_path):
-    from coordinator.cli import main
+    from coordinator.ui.cli import main
 
     out = _copy_run(short_run, tmp_path / "run")
     newest = checkpoint_path(out / "checkpoints", 2)

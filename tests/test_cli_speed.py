@@ -27,17 +27,17 @@ sys.exit(code)
 """
 
 BAD = [
-    ("coordinator.cli", ["run", "--config", "nope.toml"], "config file nope.toml does not exist"),
-    ("coordinator.cli", ["run", "--broker", "http://127.0.0.1:1883"], "not http://"),
-    ("coordinator.cli", ["run", "--set", "transport.broker=tcp://h:1883"], "not tcp://"),
-    ("coordinator.cli", ["run", "--set", 'data.eval="digits"', "--set", 'transport.broker="h:1"'],
+    ("coordinator.ui.cli", ["run", "--config", "nope.toml"], "config file nope.toml does not exist"),
+    ("coordinator.ui.cli", ["run", "--broker", "http://127.0.0.1:1883"], "not http://"),
+    ("coordinator.ui.cli", ["run", "--set", "transport.broker=tcp://h:1883"], "not tcp://"),
+    ("coordinator.ui.cli", ["run", "--set", 'data.eval="digits"', "--set", 'transport.broker="h:1"'],
      "broker URL 'h:1' must look like"),   # quoted --set values are read as TOML, as the configuration does
-    ("coordinator.cli", ["run", "--data", "mnist"], "unknown dataset spec 'mnist'"),
-    ("coordinator.cli", ["run", "--partition", "dirichlet:0"], "bad partition spec 'dirichlet:0'"),
-    ("coordinator.cli", ["run", "--rounds", "0"], "--rounds: 0 is out of range"),
-    ("coordinator.cli", ["run", "--resume", "--out", "no-such-run"], "no-such-run holds no run"),
-    ("coordinator.cli", ["worker", "--broker", "127.0.0.1:1883"], "the mqtt:// scheme is missing"),
-    ("coordinator.cli", ["fed2-depth", "--data", "bogus"], "unknown dataset spec 'bogus'"),
+    ("coordinator.ui.cli", ["run", "--data", "mnist"], "unknown dataset spec 'mnist'"),
+    ("coordinator.ui.cli", ["run", "--partition", "dirichlet:0"], "bad partition spec 'dirichlet:0'"),
+    ("coordinator.ui.cli", ["run", "--rounds", "0"], "--rounds: 0 is out of range"),
+    ("coordinator.ui.cli", ["run", "--resume", "--out", "no-such-run"], "no-such-run holds no run"),
+    ("coordinator.ui.cli", ["worker", "--broker", "127.0.0.1:1883"], "the mqtt:// scheme is missing"),
+    ("coordinator.ui.cli", ["fed2-depth", "--data", "bogus"], "unknown dataset spec 'bogus'"),
     ("edge_client.cli", ["run", "--client-id", "pi-01", "--data", "digits", "--broker", "http://h"], "not http://"),
     ("edge_client.cli", ["run", "--client-id", "pi-01", "--data", "npz:missing.npz"], "npz file not found"),
     ("edge_client.cli", ["run", "--data", "digits"], "give --client-id"),

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from coordinator.mosquitto import LocalMosquitto, mosquitto_binary
+from coordinator.ops.mosquitto import LocalMosquitto, mosquitto_binary
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.objectives import LocalData
 from edge_client.wire.transport import BrokerSettings, MqttTransport

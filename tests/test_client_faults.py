@@ -16,7 +16,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 
 
 def _client_cmd(broker: str, prefix: str, index: int, state_dir: Path) -> list[str]:

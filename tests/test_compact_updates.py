@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from coordinator.config import load_config
-from coordinator.downlink import shared_tensors
-from coordinator.engine import RunError
-from coordinator.mosquitto import LocalMosquitto, mosquitto_binary
-from coordinator.run import run_federated
+from coordinator.runtime.downlink import shared_tensors
+from coordinator.runtime.engine import RunError
+from coordinator.ops.mosquitto import LocalMosquitto, mosquitto_binary
+from coordinator.runtime.run import run_federated
 from coordinator.strategies.base import TaskPlan
 from edge_client.client import ClientSettings, EdgeClient, presence_payload
 from edge_client.data import load_dataset

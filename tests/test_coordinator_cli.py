@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main
+from coordinator.ui.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--transport", "inproc", "--spawn-clients", "2", "--clients", "2", "--rounds", "1", "--data", "digits",
@@ -54,7 +54,7 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
 
 def test_ctrl_c_before_round_one_says_there_is_nothing_to_resume(tmp_path, mosquitto, prefix):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "coordinator.cli", "run", "--broker", mosquitto, "--clients", "3",
+    cmd = [sys.executable, "-m", "coordinator.ui.cli", "run", "--broker", mosquitto, "--clients", "3",
            "--data", "digits", "--out", str(out), "--set", f"transport.prefix={prefix}"]
     # Ctrl-C as at a terminal: a test run started in the background of a shell without job control
     # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it.

@@ -459,7 +459,7 @@ def test_both_commands_say_what_is_wrong_with_a_truncated_npz_in_one_line(tmp_pa
     commands = {
         "fedge-client": [sys.executable, "-m", "edge_client.cli", "run", "--broker", "mqtt://127.0.0.1:1",
                          "--client-id", "pi-01", "--data", f"npz:{path}", "--state-dir", str(tmp_path / "state")],
-        "fedge-coordinator": [sys.executable, "-m", "coordinator.cli", "run", "--data", f"npz:{path}",
+        "fedge-coordinator": [sys.executable, "-m", "coordinator.ui.cli", "run", "--data", f"npz:{path}",
                               "--clients", "1", "--out", str(tmp_path / "run")],
     }
     for name, cmd in commands.items():   # (fedge-coordinator prints its errors on stdout, in its console)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, load_config
-from coordinator.engine import Coordinator, EvalData
-from coordinator.selection import PROBE_AFTER, SAFETY, DeadlineFilter, RoundTimes
+from coordinator.runtime.engine import Coordinator, EvalData
+from coordinator.runtime.selection import PROBE_AFTER, SAFETY, DeadlineFilter, RoundTimes
 from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset

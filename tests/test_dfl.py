@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.config import ConfigError, load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import (client_split, domain_palette, evaluation_split, load_dataset, parse_attribute_skew,

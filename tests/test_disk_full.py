@@ -9,8 +9,8 @@ import json
 import pytest
 
 from coordinator.config import load_config
-from coordinator.engine import RunError
-from coordinator.run import run_federated
+from coordinator.runtime.engine import RunError
+from coordinator.runtime.run import run_federated
 from storage import files
 from storage.checkpoint import latest_checkpoint, load_checkpoint
 

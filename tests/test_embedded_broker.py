@@ -1,4 +1,4 @@
-"""Tests for coordinator.broker: a real amqtt broker exercised with real paho clients.
+"""Tests for coordinator.ops.broker: a real amqtt broker exercised with real paho clients.
 
 Everything runs on loopback; every wait is bounded so a broken broker makes a
 test fail quickly instead of hanging.
@@ -19,7 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from coordinator.broker import BrokerEndpoint, BrokerError, EmbeddedBroker, free_port
+from coordinator.ops.broker import BrokerEndpoint, BrokerError, EmbeddedBroker, free_port
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -456,7 +456,7 @@ RECONNECT_STORM = """
 import sys, threading
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
-from coordinator.broker import EmbeddedBroker
+from coordinator.ops.broker import EmbeddedBroker
 
 N, ROUNDS = int(sys.argv[1]), int(sys.argv[2])
 ok = []

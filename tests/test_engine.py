@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordinator.config import load_config
-from coordinator.engine import Coordinator, EvalData, RunError
+from coordinator.runtime.engine import Coordinator, EvalData, RunError
 from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient, presence_payload
 from edge_client.data import load_dataset
@@ -339,7 +339,7 @@ def test_a_round_whose_results_all_hold_nan_says_the_model_diverged(tmp_path):
 
 
 def test_a_non_finite_aggregate_ends_the_run_before_it_is_sent():
-    from coordinator.guards import check_finite
+    from coordinator.runtime.guards import check_finite
     from storage.state import ServerState
 
     state = ServerState(params={"fc.weight": torch.tensor([1.0, float("inf")]), "fc.bias": torch.zeros(2)},
@@ -353,7 +353,7 @@ def test_a_non_finite_aggregate_ends_the_run_before_it_is_sent():
 def test_a_result_from_a_device_that_announced_no_sample_count_is_taken(tmp_path):
     """The sample count is optional in a presence: with none announced there is nothing to hold a result's
     count against (it used to raise TypeError in the coordinator's loop)."""
-    from coordinator.round_book import RoundBook
+    from coordinator.runtime.round_book import RoundBook
     from coordinator.strategies.base import TaskPlan
 
     hub = InprocHub()

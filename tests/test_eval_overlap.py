@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import load_config
-from coordinator.engine import RunError
-from coordinator.run import run_federated
+from coordinator.runtime.engine import RunError
+from coordinator.runtime.run import run_federated
 from coordinator.strategies.fedavg import FedAvg
 
 
@@ -118,7 +118,7 @@ def test_a_failed_evaluation_fails_the_run_and_keeps_the_rounds_before(tmp_path)
 
 
 def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "coordinator.cli", "run", "--data", "digits", "--model", "mlp",
+    return [sys.executable, "-m", "coordinator.ui.cli", "run", "--data", "digits", "--model", "mlp",
             "--set", "model.hidden=[32]", "--rounds", str(rounds), "--clients", "2", "--spawn-clients", "2",
             "--broker", broker, "--seed", "5", "--out", str(out), "--set", f"transport.prefix={prefix}",
             "--set", "eval.every=2", "--set", "export.enabled=false", *extra]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from coordinator.config import dump_config, load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from edge_client.data import load_dataset
 from methods.dfl.device import STATE_FILE, DeviceState
 from edge_client.models import federated_names

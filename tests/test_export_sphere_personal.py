@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from edge_client.data import load_dataset
 from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext

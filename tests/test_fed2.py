@@ -10,7 +10,7 @@ import torch
 
 from coordinator.config import ConfigError, load_config
 from coordinator.strategy_setup import make_strategy
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from coordinator.strategies.base import ClientResult, RowWeightedSum, TaskPlan
 from methods.fed2.strategy import Fed2
 from methods.common import class_counts

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.cli import build_parser, main
+from coordinator.ui.cli import build_parser, main
 from methods.fed2.diagnostics import (DEFAULT_THRESHOLD, Fed2DepthError, class_preferences, preference_variance,
                                     suggest_depth, weight_layers)
 from edge_client.data import load_dataset

@@ -15,7 +15,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 
 
 def config_for(out: Path, **sets):
@@ -123,7 +123,7 @@ RESUME_CLIENTS = 2   # client processes of the kill-and-resume runs
 
 
 def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "coordinator.cli", "run", "--data", "digits", "--model", "cnn",
+    return [sys.executable, "-m", "coordinator.ui.cli", "run", "--data", "digits", "--model", "cnn",
             "--rounds", str(rounds), "--clients", str(RESUME_CLIENTS), "--spawn-clients", str(RESUME_CLIENTS),
             "--broker", broker,
             "--seed", "7", "--out", str(out), "--set", f"transport.prefix={prefix}",
@@ -177,7 +177,7 @@ def aggregate_train(self, round, state, results, *partial):
         time.sleep(120)
     return original(self, round, state, results, *partial)
 FedAvg.aggregate_train = aggregate_train
-from coordinator.cli import main
+from coordinator.ui.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """
 
@@ -214,15 +214,15 @@ def test_coordinator_killed_during_aggregation_resumes_to_the_same_rows(tmp_path
 
 def test_demo_command_help_and_bad_input(tmp_path):
     for args in (["--help"], ["run", "--help"], ["demo", "--help"]):
-        out = subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-m", "coordinator.ui.cli", *args], capture_output=True, text=True)
         assert out.returncode == 0 and "usage" in out.stdout
     out = subprocess.run([sys.executable, "-m", "edge_client.cli", "run", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--state-dir" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", "--data", "npz:/nonexistent.npz",
+    bad = subprocess.run([sys.executable, "-m", "coordinator.ui.cli", "run", "--data", "npz:/nonexistent.npz",
                           "--spawn-clients", "1", "--clients", "1", "--transport", "inproc", "--out",
                           str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nonexistent.npz" in bad.stdout
-    bad = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", "--set", "train.lr=", "--out",
+    bad = subprocess.run([sys.executable, "-m", "coordinator.ui.cli", "run", "--set", "train.lr=", "--out",
                           str(tmp_path / "y")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "train.lr" in bad.stdout
 

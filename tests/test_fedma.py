@@ -13,7 +13,7 @@ import torch
 
 from coordinator.config import ConfigError, load_config
 from coordinator.strategy_setup import make_strategy
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from methods.fedma.strategy import MATCHED
 from methods.fedma.device import weight_layers
 from edge_client.registry import build_model
@@ -31,7 +31,7 @@ FIRST_WIDTHS = (16, 32, 64)   # a narrow cnn: matching cost grows with the width
 
 
 def _cmd(out: Path, broker: str, prefix: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "coordinator.cli", "run", "--strategy", "fedma", "--data", "digits",
+    return [sys.executable, "-m", "coordinator.ui.cli", "run", "--strategy", "fedma", "--data", "digits",
             "--model", "cnn", "--partition", "dirichlet:0.5", "--rounds", "8", "--clients", "2",
             "--spawn-clients", "2", "--broker", broker, "--seed", "3", "--out", str(out),
             "--set", f"transport.prefix={prefix}", "--set", "train.epochs=2",

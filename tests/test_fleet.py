@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.mosquitto import mosquitto_binary
+from coordinator.ops.mosquitto import mosquitto_binary
 from edge_client.data import FASHION_MNIST_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

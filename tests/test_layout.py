@@ -130,7 +130,7 @@ def test_imports_only_run_down_the_floors():
 
 def test_the_floor_check_sees_an_import_that_runs_up():
     graph = {"storage.files": {"edge_client.models"}, "export.card": {"storage.files", "edge_client.models"},
-             "coordinator.run": {"export.pipeline"}, "profiling.infer": {"storage.pixels"}}
+             "coordinator.runtime.run": {"export.pipeline"}, "profiling.infer": {"storage.pixels"}}
     assert _upward(graph) == [("storage.files", "edge_client.models")]
 
 
@@ -159,7 +159,7 @@ def test_storage_and_serving_load_without_torch():
 
 def test_the_registry_and_the_command_lines_load_without_torch():
     """The registry names every part by import path, so listing the methods (``--help``) imports none."""
-    code = ("import sys, edge_client.registry, coordinator.cli, coordinator.methods; "
+    code = ("import sys, edge_client.registry, coordinator.ui.cli, coordinator.methods; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -186,11 +186,11 @@ def test_building_a_model_or_reading_a_message_imports_no_training_code(module):
 
 
 def test_a_method_file_stands_on_the_floor_of_its_role():
-    graph = {"methods.x.device": {"coordinator.engine"}, "methods.x.model": {"edge_client.models"},
+    graph = {"methods.x.device": {"coordinator.runtime.engine"}, "methods.x.model": {"edge_client.models"},
              "methods.x.strategy": {"coordinator.strategies.fedavg", "methods.x.device"},
              "methods.x.export": {"export.hooks"}, "edge_client.registry": {"methods.x.device"},
              "methods.common": {"export.hooks"}, "methods.x.cli": {"methods.common"}}
-    assert _upward(graph) == [("methods.common", "export.hooks"), ("methods.x.device", "coordinator.engine")]
+    assert _upward(graph) == [("methods.common", "export.hooks"), ("methods.x.device", "coordinator.runtime.engine")]
 
 
 def test_every_import_path_the_registry_names_resolves():

@@ -60,7 +60,7 @@ def fleet(tmp_path, mosquitto, prefix):
 
 def coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
     """A coordinator for the fleet: it spawns nobody and waits for the three devices."""
-    return [sys.executable, "-m", "coordinator.cli", "run", "--data", "digits", "--model", "cnn",
+    return [sys.executable, "-m", "coordinator.ui.cli", "run", "--data", "digits", "--model", "cnn",
             "--rounds", str(rounds), "--clients", str(len(DEVICES)), "--broker", broker, "--seed", "7",
             "--out", str(out), "--set", f"transport.prefix={prefix}", "--set", "train.epochs=1",
             "--set", "export.enabled=false", *extra]

@@ -33,12 +33,12 @@ PATTERN = re.compile(rf"(?:(?<![A-Za-z])|(?<=[a-z])(?=[A-Z]))(?i:{'|'.join(NAMES
 # its owner rewords it.
 PROSE_PENDING = {
     "coordinator/config.py",            # TODO(coordinator/config.py): [dfl], config.dfl, spherefed in prose
-    "coordinator/run.py",               # TODO(coordinator/run.py): docs/dfl.md in a comment
-    "coordinator/run_summary.py",       # TODO(coordinator/run_summary.py): DFL in two comments
-    "coordinator/round_row.py",         # TODO(coordinator/round_row.py): FedMA in the docstring
+    "coordinator/runtime/run.py",               # TODO(coordinator/runtime/run.py): docs/dfl.md in a comment
+    "coordinator/runtime/run_summary.py",       # TODO(coordinator/runtime/run_summary.py): DFL in two comments
+    "coordinator/runtime/round_row.py",         # TODO(coordinator/runtime/round_row.py): FedMA in the docstring
     "coordinator/aggregation.py",       # TODO(coordinator/aggregation.py): FedMA in the docstring
-    "coordinator/report.py",            # TODO(coordinator/report.py): DFL in a docstring
-    "coordinator/spawn.py",             # TODO(coordinator/spawn.py): DFL in a docstring
+    "coordinator/ui/report.py",            # TODO(coordinator/ui/report.py): DFL in a docstring
+    "coordinator/ops/spawn.py",             # TODO(coordinator/ops/spawn.py): DFL in a docstring
     "coordinator/strategies/base.py",   # TODO(coordinator/strategies/base.py): SphereFed, FedMA, Fed2, DFL in docs
     "edge_client/wire/codec.py",        # TODO(edge_client/wire/codec.py): SphereFed's FFC sums in the docstring
     "edge_client/optim.py",             # TODO(edge_client/optim.py): DFL's critics in the docstring

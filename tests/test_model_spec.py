@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main as coordinator_main
+from coordinator.ui.cli import main as coordinator_main
 from coordinator.config import ConfigError, load_config
 from storage.checkpoint import load_checkpoint
 

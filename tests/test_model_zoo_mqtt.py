@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import DIGITS_MEAN, DIGITS_STD, client_split, load_dataset
 from edge_client.models import federated_names

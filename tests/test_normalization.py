@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from edge_client.data import (FASHION_MNIST_DIR, FASHION_MNIST_NORMALIZATION, client_pixels, holdout_split,
                               load_dataset, load_pixels, model_normalization)
 from edge_client.inputs import DeviceData, for_model, load_device_data

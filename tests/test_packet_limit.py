@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from coordinator.config import load_config
-from coordinator.engine import RunError
-from coordinator.mosquitto import LocalMosquitto
-from coordinator.run import run_federated
+from coordinator.runtime.engine import RunError
+from coordinator.ops.mosquitto import LocalMosquitto
+from coordinator.runtime.run import run_federated
 
 
 def test_an_oversize_device_answers_with_the_setting_to_lower_and_the_run_says_so(tmp_path):

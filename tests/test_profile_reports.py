@@ -207,7 +207,7 @@ def test_round_time_axis_keeps_to_the_data_and_draws_the_deadline():
 @pytest.fixture(scope="module")
 def sphere_run(tmp_path_factory) -> Path:
     """A real two-round SphereFed run (in-process clients on digits): training tasks, then an FFC task each."""
-    from coordinator.cli import main as coordinator_main
+    from coordinator.ui.cli import main as coordinator_main
 
     out = tmp_path_factory.mktemp("sphere") / "run"
     assert coordinator_main(["run", "--transport", "inproc", "--spawn-clients", "2", "--clients", "2", "--rounds", "2",

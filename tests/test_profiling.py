@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from coordinator.config import load_config
-from coordinator.run import _read_metrics, run_federated
+from coordinator.runtime.run import _read_metrics, run_federated
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
 from edge_client.registry import build_model

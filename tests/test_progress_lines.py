@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main as coordinator_main
+from coordinator.ui.cli import main as coordinator_main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--transport", "inproc", "--spawn-clients", "2", "--clients", "2", "--rounds", "1", "--data", "digits",
@@ -42,7 +42,7 @@ def test_an_int8_export_names_each_step_as_it_starts(run_dir):
 def test_the_model_and_partition_lines_are_printed_once_with_v(tmp_path):
     # A process of its own: in pytest's process the root logger already has handlers, and the
     # command's terminal handler would never be installed.
-    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", *QUICK, "--out", str(tmp_path / "run"),
+    done = subprocess.run([sys.executable, "-m", "coordinator.ui.cli", "run", *QUICK, "--out", str(tmp_path / "run"),
                            "-v"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = (done.stdout + done.stderr).splitlines()
@@ -52,7 +52,7 @@ def test_the_model_and_partition_lines_are_printed_once_with_v(tmp_path):
 
 def test_a_piped_log_prints_every_count_of_clients_coming_online(tmp_path):
     three = [a if a != "2" else "3" for a in QUICK]   # three spawned clients, three expected
-    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", *three, "--out", str(tmp_path / "run")],
+    done = subprocess.run([sys.executable, "-m", "coordinator.ui.cli", "run", *three, "--out", str(tmp_path / "run")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     counts = [int(line.split(": ")[1].split("/")[0]) for line in done.stdout.splitlines()

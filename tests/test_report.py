@@ -7,7 +7,7 @@ import time
 
 from rich.console import Console
 
-from coordinator.report import RoundTable
+from coordinator.ui.report import RoundTable
 
 ROWS = [
     {"round": 0, "test_accuracy": 0.1024, "test_loss": 2.3031, "returned": 0, "selected": 0, "seconds": 0.4},

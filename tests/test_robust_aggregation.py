@@ -133,7 +133,7 @@ def test_two_hostile_clients_wreck_the_mean_and_not_the_robust_rules(factor, cle
 
 
 def test_a_run_says_what_its_aggregation_tolerates_and_warns_when_it_is_nothing(tmp_path, caplog):
-    from coordinator.run import run_federated
+    from coordinator.runtime.run import run_federated
 
     def start(out, **sets):
         said: list[str] = []
@@ -152,7 +152,7 @@ def test_a_run_says_what_its_aggregation_tolerates_and_warns_when_it_is_nothing(
 
 
 def test_client_objectives_are_for_in_process_clients_only(tmp_path):
-    from coordinator.run import run_federated
+    from coordinator.runtime.run import run_federated
 
     config = load_config(None, [("run", "out", str(tmp_path / "run")), ("clients", "spawn", 2),
                                 ("clients", "expected", 2)])   # transport.kind = "mqtt"

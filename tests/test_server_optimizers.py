@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.config import ConfigError, load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from coordinator.strategies.base import ClientResult
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategy_setup import make_strategy

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
-from coordinator.simulation import ClientPool, available_cores
-from coordinator.spawn import sim_client_id, spawn_threads
+from coordinator.runtime.run import run_federated
+from coordinator.runtime.simulation import ClientPool, available_cores
+from coordinator.ops.spawn import sim_client_id, spawn_threads
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import arrange_clients, client_split, load_dataset, partition_indices
 from edge_client.objectives import LocalData, holdout_seed, local_data, local_data_view

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from coordinator.config import ConfigError, load_config
 from methods.spherefed.strategy import FfcSection
-from coordinator.engine import Coordinator, EvalData
-from coordinator.run import run_federated
+from coordinator.runtime.engine import Coordinator, EvalData
+from coordinator.runtime.run import run_federated
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ClientResult
 from methods.spherefed.strategy import SphereFed

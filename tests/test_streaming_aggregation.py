@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coordinator.config import load_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from coordinator.strategies.base import AggregationError, ClientResult, WeightedSum
 from coordinator.strategies.fedavg import FedAvg
 from methods.fed2.strategy import Fed2

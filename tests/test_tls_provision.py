@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.broker import free_port
-from coordinator.cli import main as coordinator_main
+from coordinator.ops.broker import free_port
+from coordinator.ui.cli import main as coordinator_main
 from coordinator.config import ConfigError, load_config
-from coordinator.mosquitto import LocalMosquitto, mosquitto_binary
-from coordinator.provision import COORDINATOR_USER, password_line, provision, rotate_password
-from coordinator.run import run_federated
+from coordinator.ops.mosquitto import LocalMosquitto, mosquitto_binary
+from coordinator.ops.provision import COORDINATOR_USER, password_line, provision, rotate_password
+from coordinator.runtime.run import run_federated
 from edge_client.bundle import read_bundle
 from edge_client.wire.transport import (BrokerSettings, BrokerUrlError, MqttTransport, TlsError, TransportError,
                                         parse_broker_address)
@@ -358,7 +358,7 @@ def test_provisioned_aggregation_workers_take_the_results_over_tls(own_broker, t
     for name in broker.done.workers:
         env = ENV | {"FEDGE_WORKER_PASSWORD": broker.password(name)}
         workers.append(subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "worker", "--id", name, "--exit-after-run", "--broker", broker.url,
+            [sys.executable, "-m", "coordinator.ui.cli", "worker", "--id", name, "--exit-after-run", "--broker", broker.url,
              "--set", f"transport.ca_file={broker.ca}", "--set", f"transport.prefix={PREFIX}",
              "--set", f"transport.username={name}", "--set", "transport.password_env=FEDGE_WORKER_PASSWORD"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from coordinator.config import dump_config
-from coordinator.run import run_federated
+from coordinator.runtime.run import run_federated
 from storage.checkpoint import load_checkpoint
 from test_federation import config_for, read_metrics
 
@@ -16,7 +16,7 @@ ROUNDS = 3
 
 
 def _start_worker(config_path, worker_id: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "worker", "--config", str(config_path),
+    return subprocess.Popen([sys.executable, "-m", "coordinator.ui.cli", "worker", "--config", str(config_path),
                              "--id", worker_id, "--exit-after-run"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -61,7 +61,7 @@ def test_two_workers_give_the_single_coordinators_aggregate(tmp_path, mosquitto,
 def test_a_result_claimed_by_two_workers_counts_once_and_receipts_are_checked(tmp_path):
     """A device's re-send can reach a second worker: only the first claim is granted. A partial sum is
     merged only with receipts for what its worker was granted and their total weight."""
-    from coordinator.round_book import RoundBook
+    from coordinator.runtime.round_book import RoundBook
     from coordinator.strategies.base import TaskPlan
     from edge_client.wire.codec import FP32
     from edge_client.wire.protocol import ManifestBody, ResultBody, Topics, decode, encode
@@ -112,7 +112,7 @@ def test_results_held_by_a_worker_that_never_sends_its_partial_are_counted_lost(
     """A worker that dies between the grant and its partial sum costs the round those results (their
     devices were acknowledged at the grant): after workers.flush_timeout the round goes on, and the
     row says how many were lost."""
-    from coordinator.round_book import RoundBook
+    from coordinator.runtime.round_book import RoundBook
     from coordinator.strategies.base import TaskPlan
     from edge_client.wire.codec import FP32
     from edge_client.wire.protocol import ManifestBody, ResultBody, Topics, decode, encode
@@ -139,7 +139,7 @@ def test_results_held_by_a_worker_that_never_sends_its_partial_are_counted_lost(
 
 
 def test_worker_command_says_what_is_missing(capsys):
-    from coordinator.cli import main
+    from coordinator.ui.cli import main
 
     assert main(["worker"]) == 2
     assert "--broker mqtt://HOST:PORT" in capsys.readouterr().err

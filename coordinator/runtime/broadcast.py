@@ -14,9 +14,9 @@ import logging
 
 import torch
 
-from coordinator.downlink import Downlink
-from coordinator.outbox import Outbox
-from coordinator.round_book import RoundBook
+from coordinator.runtime.downlink import Downlink
+from coordinator.runtime.outbox import Outbox
+from coordinator.runtime.round_book import RoundBook
 from edge_client.wire.protocol import StatusBody, Topics, encode
 
 __all__ = ["Broadcast"]

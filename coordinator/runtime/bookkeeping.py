@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from coordinator.run_error import RunError
+from coordinator.runtime.run_error import RunError
 from coordinator.strategies.base import Strategy
 from edge_client.registry import build_aside
 from storage.checkpoint import save_checkpoint

@@ -25,9 +25,9 @@ import torch
 
 from coordinator.aggregation import tolerance
 from coordinator.config import ConfigError, RunConfig, dump_config
-from coordinator.engine import Coordinator, EvalData, RunError
-from coordinator.run_summary import run_summary
-from coordinator.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
+from coordinator.runtime.engine import Coordinator, EvalData, RunError
+from coordinator.runtime.run_summary import run_summary
+from coordinator.ops.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import Strategy
 from edge_client.data import (Dataset, describe_partitions, evaluation_split, load_dataset, model_normalization,
@@ -128,7 +128,7 @@ def _open_transport(config: RunConfig, run_id: str,
     if t.broker:
         url, username, password, protocol = t.broker, t.username or None, os.environ.get(t.password_env), t.protocol
     else:
-        from coordinator.broker import EmbeddedBroker
+        from coordinator.ops.broker import EmbeddedBroker
 
         spawned = [sim_client_id(i) for i in range(config.clients.spawn)]   # each its own login and topics
         broker = EmbeddedBroker(devices=spawned, prefix=t.prefix)
@@ -190,7 +190,7 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
     objectives a client runs instead of the registry's: a device that behaves otherwise, such as a
     hostile one in ``bench/poisoning.py``.
     ``on_round`` gets each round's metrics row; ``on_progress`` what happens in between (clients
-    coming online, results coming in: :meth:`coordinator.engine.Coordinator._pump`).
+    coming online, results coming in: :meth:`coordinator.runtime.engine.Coordinator._pump`).
     """
     strategy = strategy or make_strategy(config)   # a configuration it refuses leaves nothing behind
     if client_objectives is not None and not (config.transport.kind == "inproc" and config.clients.spawn):

@@ -105,7 +105,7 @@ def _worker(args: argparse.Namespace) -> int:
     import threading
 
     from coordinator.config import ConfigError, load_config, parse_override
-    from coordinator.worker import default_worker_id, serve_worker
+    from coordinator.runtime.worker import default_worker_id, serve_worker
     from edge_client.wire.protocol import valid_client_id
     from edge_client.wire.transport import TransportError
 
@@ -164,7 +164,7 @@ def _add_provision(sub) -> None:  # sub: the parser's subparsers
 
 
 def _provision(args: argparse.Namespace) -> int:
-    from coordinator.provision import ProvisionError, device_ids, provision, read_names, rotate_password
+    from coordinator.ops.provision import ProvisionError, device_ids, provision, read_names, rotate_password
 
     try:
         if args.rotate:
@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     handler.addFilter(lambda record: not getattr(record, "said", False))
     logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s")
 
-    from coordinator.report import RoundTable
-    from coordinator.run import RunInterrupted, run_federated
+    from coordinator.ui.report import RoundTable
+    from coordinator.runtime.run import RunInterrupted, run_federated
     from storage.errors import FedgeError
 
     try:
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _interrupted(stop) -> str:  # stop: coordinator.run.RunInterrupted
+def _interrupted(stop) -> str:  # stop: coordinator.runtime.run.RunInterrupted
     """What is true after Ctrl-C: what can be resumed, or that nothing can."""
     if stop.checkpointed_round:
         return (f"interrupted; round {stop.checkpointed_round} is checkpointed: continue with "

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.intake import Claim, ResultIntake, one_torch_thread
-from coordinator.presence import PRESENCE_BYTES
-from coordinator.round_book import Network, RoundBook
+from coordinator.runtime.intake import Claim, ResultIntake, one_torch_thread
+from coordinator.runtime.presence import PRESENCE_BYTES
+from coordinator.runtime.round_book import Network, RoundBook
 from coordinator.strategies.base import AggregationError, TaskPlan, WeightedSum
 from edge_client.wire.codec import CodecSpec
 from edge_client.wire.protocol import (ClaimBody, ManifestBody, PartialBody, PresenceBody, ProtocolError, Topics,
@@ -34,7 +34,7 @@ from edge_client.wire.transport import Incoming
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
-    from coordinator.outbox import Outbox
+    from coordinator.runtime.outbox import Outbox
 
 __all__ = ["WorkerExchange"]
 

@@ -3,7 +3,7 @@
 Workers subscribe to every device's result topic through one MQTT 5 shared subscription
 (``$share/GROUP/PREFIX/clients/+/result``), so the broker hands each result to one of
 them. A worker decodes and checks its result exactly as the coordinator would
-(:func:`coordinator.intake.accept_result`, against the exchange's manifest and model
+(:func:`coordinator.runtime.intake.accept_result`, against the exchange's manifest and model
 broadcast), then *claims* it: it sends the coordinator the result without its tensors
 (sample count, metrics, profile, or the reason it is unusable). The coordinator sorts
 the claim like any result (late, duplicate, unexpected, failed...) and answers: granted,
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from coordinator.config import RunConfig
-from coordinator.intake import accept_result, one_torch_thread
+from coordinator.runtime.intake import accept_result, one_torch_thread
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
 from edge_client.client import presence_payload

@@ -1,7 +1,7 @@
 """amqtt's ways, worked around: its chatty logging, the connection errors it lets escape, and the
 subscription table it changes while walking it (measured against amqtt 0.12.1).
 
-Each concerns the embedded broker only (:mod:`coordinator.broker`); kept apart so the
+Each concerns the embedded broker only (:mod:`coordinator.ops.broker`); kept apart so the
 broker's lifecycle reads without them.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["DEBUG_ENV_VAR", "debug_requested", "configure_amqtt_logging", "quiet_connection_errors",
            "SnapshotDict"]
 
-log = logging.getLogger("coordinator.broker")
+log = logging.getLogger("coordinator.ops.broker")
 
 #: Set (to anything but "", "0", "false", "no", "off") to see amqtt's own logs at DEBUG.
 DEBUG_ENV_VAR = "FEDGE_BROKER_DEBUG"

@@ -49,9 +49,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from coordinator.amqtt_config import amqtt_config, hash_password, topic_acl
-from coordinator.amqtt_quirks import SnapshotDict, configure_amqtt_logging, debug_requested, quiet_connection_errors
-from coordinator.broker_endpoint import BrokerEndpoint, BrokerError, free_port
+from coordinator.ops.amqtt_config import amqtt_config, hash_password, topic_acl
+from coordinator.ops.amqtt_quirks import SnapshotDict, configure_amqtt_logging, debug_requested, quiet_connection_errors
+from coordinator.ops.broker_endpoint import BrokerEndpoint, BrokerError, free_port
 
 __all__ = [
     "BrokerEndpoint",

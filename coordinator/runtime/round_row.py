@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.round_book import RoundBook, Tally
+from coordinator.runtime.round_book import RoundBook, Tally
 from coordinator.strategies.base import ClientResult
 
 __all__ = ["train_columns", "phase_columns"]

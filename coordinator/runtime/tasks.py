@@ -17,17 +17,17 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coordinator.broadcast import Broadcast
-from coordinator.downlink import Downlink, shared_tensors
-from coordinator.intake import ResultIntake
-from coordinator.round_book import Network, RoundBook
+from coordinator.runtime.broadcast import Broadcast
+from coordinator.runtime.downlink import Downlink, shared_tensors
+from coordinator.runtime.intake import ResultIntake
+from coordinator.runtime.round_book import Network, RoundBook
 from coordinator.strategies.base import TaskPlan
-from coordinator.worker_exchange import WorkerExchange
+from coordinator.runtime.worker_exchange import WorkerExchange
 from edge_client.wire.protocol import TaskBody, Topics
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
-    from coordinator.outbox import Outbox
+    from coordinator.runtime.outbox import Outbox
 
 __all__ = ["TaskSender"]
 

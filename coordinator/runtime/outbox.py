@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from coordinator.run_error import RunError
+from coordinator.runtime.run_error import RunError
 from edge_client.wire.protocol import StatusBody, encode
 from edge_client.wire.transport import MessageTooLarge, Transport, TransportError
 

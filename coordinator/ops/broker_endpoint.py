@@ -1,7 +1,7 @@
 """What any local broker the coordinator starts hands back: how to reach it, its error, and a free port.
 
-Shared by the embedded amqtt broker (:mod:`coordinator.broker`) and a local Mosquitto
-(:mod:`coordinator.mosquitto`), so callers treat both alike.
+Shared by the embedded amqtt broker (:mod:`coordinator.ops.broker`) and a local Mosquitto
+(:mod:`coordinator.ops.mosquitto`), so callers treat both alike.
 """
 
 from __future__ import annotations

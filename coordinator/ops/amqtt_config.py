@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from coordinator.broker_endpoint import BrokerError
+from coordinator.ops.broker_endpoint import BrokerError
 
 __all__ = ["hash_password", "amqtt_config", "topic_acl"]
 

@@ -10,7 +10,7 @@ client i runs with the i-th device bundle there (its own client id, user name an
 as a broker with ``use_username_as_clientid`` requires, and is named after that device.
 
 In-process clients share one arrangement of the train split (each client's data is a
-view of it) and run their tasks on ``sim.workers`` workers (coordinator/simulation.py),
+view of it) and run their tasks on ``sim.workers`` workers (coordinator/runtime/simulation.py),
 or, with ``sim.workers = -1``, each on a thread of its own, as separate devices would.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from coordinator.config import RunConfig
 from coordinator.errors import ConfigError
-from coordinator.simulation import ClientPool, worker_count
+from coordinator.runtime.simulation import ClientPool, worker_count
 from edge_client.bundle import BundleError, read_bundle
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import Dataset, arrange_clients

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coordinator.round_book import Network, RoundBook, RoundNotes
+from coordinator.runtime.round_book import Network, RoundBook, RoundNotes
 from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan
 from edge_client.wire.codec import CodecSpec
 from edge_client.wire.protocol import ClaimBody, Message, ProtocolError, ResultBody, Topics, check_tensors, decode
@@ -32,11 +32,11 @@ from profiling.schema import clean_profile
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
-    from coordinator.downlink import Downlink
-    from coordinator.outbox import Outbox
-    from coordinator.presence import Roster
-    from coordinator.profiles import ProfileStore
-    from coordinator.selection import RoundTimes
+    from coordinator.runtime.downlink import Downlink
+    from coordinator.runtime.outbox import Outbox
+    from coordinator.runtime.presence import Roster
+    from coordinator.runtime.profiles import ProfileStore
+    from coordinator.runtime.selection import RoundTimes
 
 __all__ = ["Claim", "ResultIntake", "accept_result", "one_torch_thread"]
 

@@ -3,7 +3,7 @@
 A presence that does not decode or parse is logged and dropped; the last word of each
 client (``online`` with the facts of its data and device, or ``offline``, which may be
 the broker speaking its last will) is kept. Clients benched for leaving tasks unanswered
-(:class:`~coordinator.selection.Absences`) stay online but are not drawn.
+(:class:`~coordinator.runtime.selection.Absences`) stay online but are not drawn.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from coordinator.selection import Absences
+from coordinator.runtime.selection import Absences
 from edge_client.wire.protocol import PresenceBody, ProtocolError, decode
 from edge_client.wire.throttle import ThrottledLog
 

@@ -4,13 +4,13 @@ It speaks to clients only through a :class:`~edge_client.wire.transport.Transpor
 the protocol's encoder and decoder, and to the learning method only through a
 :class:`~coordinator.strategies.base.Strategy`. The parts, one job each:
 
-- :class:`~coordinator.presence.Roster`: which clients are online;
-- :class:`~coordinator.selection.Sampler`: which of them an attempt draws;
-- :class:`~coordinator.tasks.TaskSender` and :class:`~coordinator.broadcast.Broadcast`: what goes
+- :class:`~coordinator.runtime.presence.Roster`: which clients are online;
+- :class:`~coordinator.runtime.selection.Sampler`: which of them an attempt draws;
+- :class:`~coordinator.runtime.tasks.TaskSender` and :class:`~coordinator.runtime.broadcast.Broadcast`: what goes
   down (tasks, the model broadcast, the run status, each again when needed);
-- :class:`~coordinator.intake.ResultIntake`: what becomes of every result;
-- :class:`~coordinator.worker_exchange.WorkerExchange`: the aggregation workers' claims and partial sums;
-- :mod:`coordinator.bookkeeping`: evaluation off the critical path, rows in order, checkpoints.
+- :class:`~coordinator.runtime.intake.ResultIntake`: what becomes of every result;
+- :class:`~coordinator.runtime.worker_exchange.WorkerExchange`: the aggregation workers' claims and partial sums;
+- :mod:`coordinator.runtime.bookkeeping`: evaluation off the critical path, rows in order, checkpoints.
 
 Every received message is checked; anything unacceptable is counted and logged, never raised.
 """
@@ -28,23 +28,23 @@ from typing import Any
 
 from torch import nn
 
-from coordinator.bookkeeping import EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot, write_checkpoint
-from coordinator.broadcast import Broadcast
+from coordinator.runtime.bookkeeping import EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot, write_checkpoint
+from coordinator.runtime.broadcast import Broadcast
 from coordinator.config import RunConfig
 from coordinator.diagnostics import divergence_metrics
-from coordinator.downlink import Downlink
-from coordinator.guards import check_finite, within_norm_bound
-from coordinator.intake import ResultIntake, one_torch_thread
-from coordinator.outbox import Outbox
-from coordinator.presence import Roster
-from coordinator.profiles import ProfileStore
-from coordinator.round_book import Network, RoundBook, RoundNotes, Tally
-from coordinator.round_row import phase_columns, train_columns
-from coordinator.run_error import RunError
-from coordinator.selection import Absences, Draw, RoundTimes, Sampler
+from coordinator.runtime.downlink import Downlink
+from coordinator.runtime.guards import check_finite, within_norm_bound
+from coordinator.runtime.intake import ResultIntake, one_torch_thread
+from coordinator.runtime.outbox import Outbox
+from coordinator.runtime.presence import Roster
+from coordinator.runtime.profiles import ProfileStore
+from coordinator.runtime.round_book import Network, RoundBook, RoundNotes, Tally
+from coordinator.runtime.round_row import phase_columns, train_columns
+from coordinator.runtime.run_error import RunError
+from coordinator.runtime.selection import Absences, Draw, RoundTimes, Sampler
 from coordinator.strategies.base import Strategy
-from coordinator.tasks import TaskSender
-from coordinator.worker_exchange import WorkerExchange
+from coordinator.runtime.tasks import TaskSender
+from coordinator.runtime.worker_exchange import WorkerExchange
 from edge_client.device import resolve_device
 from edge_client.models import state_shapes
 from edge_client.registry import build_aside

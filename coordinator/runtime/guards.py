@@ -12,7 +12,7 @@ import logging
 import torch
 
 from coordinator.aggregation import norm_bound_keep, update_norms
-from coordinator.run_error import RunError
+from coordinator.runtime.run_error import RunError
 from coordinator.strategies.base import ClientResult
 from storage.state import ServerState
 

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coordinator.broker import BrokerError, free_port
+from coordinator.ops.broker import BrokerError, free_port
 
 __all__ = ["mosquitto_binary", "LocalMosquitto"]
 
