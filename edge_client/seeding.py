@@ -1,6 +1,6 @@
 """torch's global random generator, shared by every thread of a process.
 
-Simulated clients are threads of one process (``coordinator/simulation.py``), beside the
+Simulated clients are threads of one process (``coordinator/runtime/simulation.py``), beside the
 coordinator, which builds networks while they train. torch keeps one global generator per
 process, so a thread that seeds it, draws from it (building a network, ``reset_parameters``)
 or forks it (``torch.random.fork_rng`` restores it on exit) changes what another thread draws
