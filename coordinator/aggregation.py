@@ -16,8 +16,8 @@ model already is:
   the n values at each end: 0.2, the default, drops 2 of 10 per side, enough for 2
   hostile clients of 10), or ``clipped_mean`` (each update scaled down to at most the
   round's median update norm, then the sample-weighted mean). The robust rules need
-  every result of the round at once (:attr:`Aggregator.streams` is False), like FedMA's
-  matching.
+  every result of the round at once (:attr:`Aggregator.streams` is False), like a
+  strategy that matches the clients' neurons before combining them.
 
 What a defence withstands depends on how many results a round has: a trim of 0.2 drops
 nothing of 4. :func:`tolerance` says it in one line at the start of a run, and warns

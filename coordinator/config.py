@@ -3,7 +3,7 @@
 Sections are frozen dataclasses so a typo is an error naming the valid keys, not a
 silently ignored setting. The runtime's sections are in :mod:`coordinator.config_sections`
 and the checks of a whole configuration in :mod:`coordinator.config_checks`; each method brings
-its own (``[fedprox]``, ``[dfl]``, ...), named in its registry entry
+its own (``[fedprox]``, ...), named in its registry entry
 (:mod:`edge_client.registry`) and defined beside its strategy, along with the model
 options it needs and the defaults it brings. The resolved configuration is written
 to ``OUT/config.toml``, which is also what ``--resume`` reads back.
@@ -49,7 +49,7 @@ class RunConfig:
     sim: SimSection = field(default_factory=SimSection)
     aggregate: AggregateSection = field(default_factory=AggregateSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
-    # The methods' own sections (name -> dataclass), read as attributes: ``config.dfl.diversity``.
+    # The methods' own sections (name -> dataclass), read as attributes: ``config.fedprox.mu``.
     methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
     # "section.key" the user set (file or flags): a method's defaults never override these.
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
@@ -162,8 +162,8 @@ def apply_overrides(config: RunConfig, overrides: list[tuple[str, str, Any]], *,
 
 def with_method_requirements(config: RunConfig) -> RunConfig:
     """``config`` with the model options its strategy needs and the defaults it brings, where the user
-    set none (``--strategy spherefed`` alone gets ``model.head = "sphere"``); a conflicting value the
-    user set is an error that names both."""
+    set none (a strategy whose registry entry asks for a model head gets it when ``model.head`` is unset;
+    docs/methods.md); a conflicting value the user set is an error that names both."""
     model_options, defaults = requirements(config.run.strategy, config.model, config.explicit)
     overrides = [("model", k, v) for k, v in model_options.items() if k not in config.model]
     overrides += [(*key.split(".", 1), value) for key, value in defaults.items()]   # type: ignore[misc]

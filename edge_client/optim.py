@@ -5,8 +5,9 @@ more modules and 72 MB more RSS (219 to 291 MB with torch 2.13 on x86-64), and o
 on a 2-core machine, several on a Raspberry Pi. A device trains with plain SGD and has no
 use for the compiler, so it calls the functional update ``torch.optim.sgd.sgd`` (the
 function ``torch.optim.SGD.step`` calls) on momentum buffers it keeps itself: the same
-arithmetic, the same result to the bit, none of that import. DFL's critics train with
-Adam the same way (``torch.optim.adam.adam`` on moments and step counts kept here).
+arithmetic, the same result to the bit, none of that import. A method's auxiliary networks
+(critics that estimate mutual information, for one) train with Adam the same way
+(``torch.optim.adam.adam`` on moments and step counts kept here).
 """
 
 from __future__ import annotations

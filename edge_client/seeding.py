@@ -4,8 +4,8 @@ Simulated clients are threads of one process (``coordinator/runtime/simulation.p
 coordinator, which builds networks while they train. torch keeps one global generator per
 process, so a thread that seeds it, draws from it (building a network, ``reset_parameters``)
 or forks it (``torch.random.fork_rng`` restores it on exit) changes what another thread draws
-in between: a DFL device's fresh branches then depended on which other task happened to start
-at that moment, and two runs of the same seed drifted apart. Every such use goes through this
+in between: the fresh branches a device builds for itself then depended on which other task
+happened to start at that moment, and two runs of the same seed drifted apart. Every such use goes through this
 module's lock; code that must be reproducible under concurrency draws from its own
 ``torch.Generator`` as well (data order, MI shuffles).
 """

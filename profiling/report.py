@@ -110,7 +110,7 @@ def device_table(run: RunRecords, stats: list[DeviceStats]) -> TableData:
 
 
 def kinds_text(kinds: dict[str, int]) -> str:
-    """Tasks by kind in a few words ("train 10, ffc_stats 1"); absent when the records do not say."""
+    """Tasks by kind in a few words ("train 10, evaluate 1"); absent when the records do not say."""
     return ", ".join(f"{kind} {n}" for kind, n in kinds.items()) or ABSENT
 
 

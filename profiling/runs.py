@@ -261,7 +261,7 @@ class DeviceStats:
     train_device: str | None = None        # torch device(s) the tasks ran on ("cpu", "cuda:0"); None: not said
     gpu_peak_bytes: int | None = None      # largest GPU memory torch allocated in a task (CUDA only)
     gpu_temperature_c: float | None = None  # hottest GPU-therm reading (Jetson only)
-    kinds: dict[str, int] = field(default_factory=dict)   # tasks by objective (train, evaluate, ffc_stats, ...)
+    kinds: dict[str, int] = field(default_factory=dict)   # tasks by objective (train, evaluate, a method's own, ...)
 
 
 def _values(tasks: Iterable[TaskRecord], key: str) -> list[Any]:

@@ -23,7 +23,7 @@ class ServerState:
 
     ``spec`` is the model spec every party builds the network from (JSON, sent with
     each task). It belongs to the state, not to the run's configuration, because a
-    method may change the network between rounds (FedMA grows layers): a strategy
+    method may change the network between rounds (grow layers, say): a strategy
     returns a state with a new spec and matching parameters, and the coordinator,
     the devices, the checkpoint and the export all follow it.
 

@@ -28,25 +28,9 @@ ALLOWED = {"edge_client/registry.py"}   # the one place that names every method
 NAMES = ("spherefed", "sphere", "fedma", "fed2", "dfl", "pans", "pan", "ffc")
 PATTERN = re.compile(rf"(?:(?<![A-Za-z])|(?<=[a-z])(?=[A-Z]))(?i:{'|'.join(NAMES)})(?![a-z])")
 
-# Files others are editing, whose comments and docstrings still name a method. Identifiers and
-# string literals are checked in them all the same; only their prose is let through, each until
-# its owner rewords it.
-PROSE_PENDING = {
-    "coordinator/config.py",            # TODO(coordinator/config.py): [dfl], config.dfl, spherefed in prose
-    "coordinator/runtime/run.py",               # TODO(coordinator/runtime/run.py): docs/dfl.md in a comment
-    "coordinator/runtime/run_summary.py",       # TODO(coordinator/runtime/run_summary.py): DFL in two comments
-    "coordinator/runtime/round_row.py",         # TODO(coordinator/runtime/round_row.py): FedMA in the docstring
-    "coordinator/aggregation.py",       # TODO(coordinator/aggregation.py): FedMA in the docstring
-    "coordinator/ui/report.py",            # TODO(coordinator/ui/report.py): DFL in a docstring
-    "coordinator/ops/spawn.py",             # TODO(coordinator/ops/spawn.py): DFL in a docstring
-    "coordinator/strategies/base.py",   # TODO(coordinator/strategies/base.py): SphereFed, FedMA, Fed2, DFL in docs
-    "edge_client/wire/codec.py",        # TODO(edge_client/wire/codec.py): SphereFed's FFC sums in the docstring
-    "edge_client/optim.py",             # TODO(edge_client/optim.py): DFL's critics in the docstring
-    "edge_client/seeding.py",           # TODO(edge_client/seeding.py): a DFL device in the docstring
-    "storage/state.py",                 # TODO(storage/state.py): FedMA in a docstring
-    "profiling/report.py",              # TODO(profiling/report.py): ffc_stats in a docstring's example
-    "profiling/runs.py",                # TODO(profiling/runs.py): ffc_stats in a comment's example
-}
+# Files whose comments or docstrings may still name a method while they are being reworded, each with
+# the reason; identifiers and string literals are checked in them all the same. None now.
+PROSE_PENDING: set[str] = set()
 
 
 def _docstring_lines(source: str) -> set[int]:

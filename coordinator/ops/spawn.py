@@ -148,7 +148,7 @@ def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dat
     """Run ``count`` clients inside this process, through the in-process transport.
 
     With ``out_dir`` each gets a state directory ``OUT/clients/ID``, as spawned processes do
-    (methods that keep state on the device, like DFL, need one). ``objectives(client_id)``: the
+    (methods that keep state on the device, such as a client's own branches, need one). ``objectives(client_id)``: the
     objectives that client runs instead of the registry's (:attr:`ClientSettings.objectives`).
     """
     spawned = SpawnedClients()

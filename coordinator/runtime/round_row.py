@@ -3,7 +3,7 @@
 The training phase gives the row its main columns (clients selected and returned, the
 sample-weighted training loss, the slowest client, bytes per client and the float32
 reference they are measured against); any other phase (a personalized evaluation, a
-FedMA layer) adds its own, prefixed with its name.
+method's own step such as matching one layer) adds its own, prefixed with its name.
 """
 
 from __future__ import annotations

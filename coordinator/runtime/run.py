@@ -228,7 +228,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
          client_objectives: Callable[[str], Mapping[str, Objective]] | None) -> RunResult:
     started = time.monotonic()
     dataset = load_dataset(config.data.eval, train=config.clients.spawn > 0)   # spawned clients' partitions need it
-    # As the clients see their data: attribute skew can change the channels (docs/dfl.md).
+    # As the clients see their data: attribute skew can change the channels (edge_client/attribute_skew.py).
     x_eval, y_eval = evaluation_split(dataset, config.data.partition)
     state = _starting_state(config, out, run_id, resume, strategy, dataset, x_eval, say)
     _say_setup(config, strategy, state, dataset, say)

@@ -28,7 +28,8 @@ def run_summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, 
     session itself did and moved, apart from the whole run's totals."""
     trained = [r for r in rows if r["round"] > 0]
     session = [r for r in trained if r["round"] > started_after]
-    # the last row with a test-set evaluation (eval.every), or none (DFL has no global model to test)
+    # the last row with a test-set evaluation (eval.every), or none (a method whose clients keep their
+    # own predictors has no global model to test)
     final = next((r for r in reversed(rows) if r.get("test_accuracy") is not None), {})
     return {
         "run_id": run_id,
@@ -36,7 +37,7 @@ def run_summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, 
         "strategy": config.run.strategy,
         "model": spec,
         "rounds": len(trained),
-        # None for a strategy without a global model to test (DFL): see its personalized accuracy
+        # None for a strategy without a global model to test: see its personalized accuracy
         "initial_accuracy": rows[0].get("test_accuracy") if rows else None,
         "final_accuracy": final.get("test_accuracy"),
         "best_accuracy": max((r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None), default=None),

@@ -46,10 +46,12 @@ class TaskPlan:
     # method matches as they are).
     update: str = "delta"
     # The upload codec for this task instead of the run's ``codec.up``: statistics that
-    # must arrive exactly (e.g. "fp64" for SphereFed's FFC sums). None: ``codec.up``.
+    # must arrive exactly (e.g. "fp64" for a calibration's sums of feature products).
+    # None: ``codec.up``.
     codec: str | None = None
-    # The network this client builds for the task when it is not the global one (FedMA's clients
-    # hold their own widths in the middle of a pass). None: the state's spec.
+    # The network this client builds for the task when it is not the global one (a method
+    # whose clients hold layers of their own widths while layers are matched one by one).
+    # None: the state's spec.
     model: dict[str, Any] | None = None
 
 
@@ -105,10 +107,11 @@ class WeightedSum:
 class RowWeightedSum:
     """A partial aggregate in which every row (dimension 0) of a tensor has its own weight.
 
-    What methods need when a client's say differs by part of a layer: Fed2 weights a
-    group's rows by the client's samples of that group's classes, a per-class last
-    layer weights row ``c`` by class ``c``'s count. Rows no client gave weight keep
-    their previous value (:meth:`mean`). Associative like :class:`WeightedSum`.
+    What methods need when a client's say differs by part of a layer: a method whose
+    upper layers are split into groups of classes weights a group's rows by the client's
+    samples of that group's classes, a per-class last layer weights row ``c`` by class
+    ``c``'s count (docs/methods.md). Rows no client gave weight keep their previous value
+    (:meth:`mean`). Associative like :class:`WeightedSum`.
     """
 
     sums: dict[str, torch.Tensor]       # sum of row weight * tensor (float64)
@@ -190,8 +193,8 @@ class Strategy:
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The network every party builds, from the configured one (``[model]`` plus the data's
-        shape); a method whose clients run another architecture around it (DFL's two branches)
-        wraps it here."""
+        shape); a method whose clients run another architecture around it (branches of their own
+        beside the shared one) wraps it here."""
         return spec
 
     def initialize(self, spec: dict[str, Any], params: dict[str, torch.Tensor]) -> ServerState:
@@ -218,7 +221,7 @@ class Strategy:
         """Whether this phase's results can be folded into a partial aggregate as they arrive
         (:meth:`fold`), so the engine drops each result's tensors at once and a round's memory
         is that of one model, however many clients answer. Methods that need every result at
-        once (FedMA's matching, coordinate-wise medians) keep the default, False."""
+        once (matching the clients' neurons, coordinate-wise medians) keep the default, False."""
         return False
 
     def fold(self, phase: str, partial: Any, result: ClientResult) -> Any:

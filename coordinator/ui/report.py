@@ -21,7 +21,8 @@ _COLUMNS = (("round", 5), ("accuracy", 8), ("loss", 7), ("personal", 8), ("clien
 
 
 def _number(value: float | None) -> str:
-    """Absent figures show as "-": DFL has no global test accuracy, most rounds no personalized one."""
+    """Absent figures show as "-": a method without a global model has no test accuracy, most rounds
+    no personalized one."""
     return "-" if value is None else f"{value:.4f}"
 
 

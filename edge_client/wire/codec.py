@@ -4,7 +4,8 @@ A codec spec is a ``+``-joined string read from the run config (``codec.up``,
 ``codec.down``) and carried in each message body:
 
 - a value format: ``fp32`` (exact, the default), ``fp64`` (exact for float64
-  statistics such as SphereFed's FFC sums, which decode as float64), ``fp16``, ``bf16``, or ``int8``
+  statistics such as a calibration's sums of feature products, which decode as float64),
+  ``fp16``, ``bf16``, or ``int8``
   (symmetric, one float32 scale per output channel, i.e. per index of the first
   dimension; one per tensor for 0-D and 1-D tensors). ``int8:stochastic`` rounds
   up or down at random in proportion to the distance, so the rounding is unbiased.
