@@ -65,7 +65,8 @@ def _add_data_options(run: argparse.ArgumentParser) -> None:
     run.add_argument("--partition", default=None,
                      help="simulation only: take one partition of --data (iid, dirichlet:ALPHA, shards:K, "
                           "attribute:color|rotate|invert:DOMAINS[+LABEL_SPEC])")
-    run.add_argument("--partition-index", type=at_least(0), default=0, help="simulation only: which partition (0-based)")
+    run.add_argument("--partition-index", type=at_least(0), default=0,
+                     help="simulation only: which partition (0-based)")
     run.add_argument("--num-partitions", type=at_least(1), default=1, help="simulation only: how many partitions")
     run.add_argument("--seed", type=int, default=0, help="simulation only: partition seed (the run's seed)")
     run.add_argument("--local-test-fraction", type=fraction, default=0.0,

@@ -334,6 +334,7 @@ class EdgeClient:
             return
         msg = task.msg
         record = {"client_id": self.settings.client_id, "run_id": msg.run_id, "round": msg.round,
-                  "task_id": msg.task_id, "objective": task.body.objective if task.body is not None else None, **profile}
+                  "task_id": msg.task_id, "objective": task.body.objective if task.body is not None else None,
+                  **profile}
         record.pop("previous_send", None)   # this line already has its own encode and publish times
         append_history(self.settings.state_dir, "task", record)

@@ -203,7 +203,8 @@ def read_fashion_mnist(directory: Path, prefix: str) -> tuple[np.ndarray, np.nda
     """(uint8 images [N, 28, 28], int64 labels) of one split (``train`` or ``t10k``), checked."""
     if not directory.is_dir():
         raise DataError(f"{directory}: Fashion-MNIST directory not found; pass fashion-mnist:DIR with the 4 IDX files")
-    ipath, lpath = _find_idx(directory, f"{prefix}-images-idx3-ubyte"), _find_idx(directory, f"{prefix}-labels-idx1-ubyte")
+    ipath = _find_idx(directory, f"{prefix}-images-idx3-ubyte")
+    lpath = _find_idx(directory, f"{prefix}-labels-idx1-ubyte")
     images = _read_idx(ipath, 2051, 3)
     labels = _read_idx(lpath, 2049, 1)
     if len(images) != len(labels):

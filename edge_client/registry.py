@@ -72,11 +72,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            sections={"fedma": "methods.fedma.strategy:FedmaSection"},
            model_options={"norm": "none"}),
     Method("pans", model="methods.pans.model:HOOK", export="methods.pans.export:HOOK"),
-    Method("fedadam", "methods.fedadam.strategy:FedAdam", sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}),
-    Method("fedyogi", "methods.fedyogi.strategy:FedYogi", sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}),
+    Method("fedadam", "methods.fedadam.strategy:FedAdam",
+           sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}),
+    Method("fedyogi", "methods.fedyogi.strategy:FedYogi",
+           sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}),
     Method("fedadagrad", "methods.fedadagrad.strategy:FedAdagrad",
            sections={"fedadagrad": "methods.fedadagrad.strategy:FedAdagradSection"}),
-    Method("fedavgm", "methods.fedavgm.strategy:FedAvgM", sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}),
+    Method("fedavgm", "methods.fedavgm.strategy:FedAvgM",
+           sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}),
 )}
 
 

@@ -25,8 +25,9 @@ if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
     from rich.console import Console
     from rich.table import Table
 
-__all__ = ["TableData", "Note", "report_parts", "render", "render_plain", "to_text", "device_table", "resources_table", "breakdown_table", "rounds_table", "tasks_table",
-           "inference_table", "facts_line", "run_title", "to_rich", "kinds_text"]
+__all__ = ["TableData", "Note", "report_parts", "render", "render_plain", "to_text", "device_table", "resources_table",
+           "breakdown_table", "rounds_table", "tasks_table", "inference_table", "facts_line", "run_title", "to_rich",
+           "kinds_text"]
 
 
 @dataclass
@@ -186,7 +187,8 @@ def tasks_table(device: Device) -> TableData:
         parts = task_breakdown(p)
         note = "missed" if task.missed else "late" if task.late else (f"error: {task.error}" if task.error else "")
         table.add_row(*((task.run_id or ABSENT,) * with_run), str(task.round if task.round is not None else ABSENT),
-                      *((task.objective or ABSENT,) * with_objective), *((seconds(task.round_seconds),) * with_round_time), seconds(p.get("seconds")),
+                      *((task.objective or ABSENT,) * with_objective),
+                      *((seconds(task.round_seconds),) * with_round_time), seconds(p.get("seconds")),
                       *(seconds(parts.get(n), 3) for n in names), milliseconds(p.get("step_p50")),
                       milliseconds(p.get("step_p95")), number(p.get("samples_per_second"), ".0f"),
                       human_bytes(p.get("peak_rss_bytes")), number(p.get("cpu_percent"), ".0f"),

@@ -140,7 +140,8 @@ def _latest_per_task(records: list[TaskRecord]) -> list[TaskRecord]:
 
 def _history_record(line: dict[str, Any]) -> TaskRecord:
     return TaskRecord(round=_int(line.get("round")), task_id=_text(line.get("task_id")),
-                      profile=clean_profile(line), run_id=_text(line.get("run_id")), objective=_text(line.get("objective")))
+                      profile=clean_profile(line), run_id=_text(line.get("run_id")),
+                      objective=_text(line.get("objective")))
 
 
 def _with_send_times(tasks: list[TaskRecord]) -> list[TaskRecord]:
@@ -217,7 +218,8 @@ def _load_run_dir(path: Path) -> RunRecords:
         records.devices[device.client_id] = device
     if not records.is_run and not records.devices:
         raise ReportError(f"{path} holds no metrics.jsonl, summary.json or clients/*.json; "
-                          "pass a run directory (the coordinator's --out), a device's state directory or its profile.jsonl")
+                          "pass a run directory (the coordinator's --out), a device's state directory "
+                          "or its profile.jsonl")
     return records
 
 
@@ -233,7 +235,8 @@ def load(path: Path) -> RunRecords:
         return _load_history_file(path / HISTORY_FILE) if _is_state_dir(path) else _load_run_dir(path)
     if path.is_file():
         return _load_history_file(path)
-    raise ReportError(f"{path} does not exist; pass a run directory, a device's state directory or a profile.jsonl file")
+    raise ReportError(f"{path} does not exist; pass a run directory, a device's state directory "
+                      "or a profile.jsonl file")
 
 
 # -- figures --------------------------------------------------------------------

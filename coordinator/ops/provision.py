@@ -29,7 +29,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.ops.provision_texts import COORDINATOR_USER, broker_acl, bundle_comment, coordinator_toml, mosquitto_conf
+from coordinator.ops.provision_texts import (COORDINATOR_USER, broker_acl, bundle_comment, coordinator_toml,
+                                             mosquitto_conf)
 from edge_client.bundle import Bundle, BundleError, bundle_toml, read_bundle
 from edge_client.wire.protocol import ProtocolError, Topics, valid_client_id
 from storage.errors import FedgeError

@@ -28,7 +28,8 @@ from typing import Any
 
 from torch import nn
 
-from coordinator.runtime.bookkeeping import EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot, write_checkpoint
+from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
+                                             write_checkpoint)
 from coordinator.runtime.broadcast import Broadcast
 from coordinator.config import RunConfig
 from coordinator.diagnostics import divergence_metrics

@@ -38,7 +38,8 @@ _FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
                     "attribute:color|rotate|invert:DOMAINS[+LABEL_SPEC]"),
     "--transport": ("transport", "kind", str, "mqtt (default) or inproc (clients as threads, no broker)"),
     "--broker": ("transport", "broker", str,
-                 "broker URL mqtt://HOST:PORT or mqtts://HOST[:PORT] (TLS); omitted: start the embedded broker on 127.0.0.1"),
+                 "broker URL mqtt://HOST:PORT or mqtts://HOST[:PORT] (TLS); "
+                 "omitted: start the embedded broker on 127.0.0.1"),
     "--spawn-clients": ("clients", "spawn", at_least(0),
                         "start N local fedge-client processes on partitions 0..N-1 (threads with inproc)"),
     "--seed": ("run", "seed", int, "seed for model init, sampling, partitions and local shuffling"),
@@ -118,7 +119,8 @@ def _worker(args: argparse.Namespace) -> int:
             overrides.append(("transport", "broker", args.broker))
         config = load_config(args.config, overrides)
         if not config.transport.broker:
-            raise ConfigError("a worker needs the broker the devices use: --broker mqtt://HOST:PORT or transport.broker")
+            raise ConfigError("a worker needs the broker the devices use: "
+                              "--broker mqtt://HOST:PORT or transport.broker")
         worker_id = args.id or default_worker_id()
         if not valid_client_id(worker_id):
             raise ConfigError(f"--id {worker_id!r}: use up to 64 letters, digits, '.', '_' or '-'")

@@ -51,8 +51,8 @@ from edge_client.wire.errors import ProtocolError
 __all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_FORMATS", "encode_tensors", "decode_tensors",
            "wire_bytes", "all_finite", "FP32"]
 
-VALUE_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16, "bf16": torch.bfloat16,
-                                         "int8": torch.int8}
+VALUE_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16,
+                                         "bf16": torch.bfloat16, "int8": torch.int8}
 _FP16_MAX = 65504.0
 _EXACT = ("fp32", "fp64")
 _INDEX_DTYPES = ((255, torch.uint8), (32767, torch.int16), (2**31 - 1, torch.int32))
@@ -244,7 +244,8 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor], spec: CodecSpec, *, spar
             continue
         flat = x.reshape(-1)
         k = min(flat.numel(), math.ceil(spec.topk * flat.numel()))
-        idx = torch.sort(torch.topk(flat.abs(), k, sorted=False).indices).values if k else torch.zeros(0, dtype=torch.long)
+        idx = (torch.sort(torch.topk(flat.abs(), k, sorted=False).indices).values if k
+               else torch.zeros(0, dtype=torch.long))
         channels = _channels(shape)
         channel = idx // max(flat.numel() // max(channels, 1), 1)
         vals = _values(name, name + SEP + "val", flat[idx], spec, channel, channels, generator)

@@ -41,7 +41,8 @@ def add_command(sub: Any, name: str) -> None:  # sub: the parser's subparsers
     depth.add_argument("--norm", default=None, help="normalization: none, gn (Fed2 uses GroupNorm) or bn")
     depth.add_argument("--data", default="fashion-mnist",
                        help="digits, fashion-mnist[:DIR], npz:PATH (default fashion-mnist)")
-    depth.add_argument("--samples", type=at_least(1), default=5000, help="training images for the brief training (5000)")
+    depth.add_argument("--samples", type=at_least(1), default=5000,
+                       help="training images for the brief training (5000)")
     depth.add_argument("--epochs", type=at_least(1), default=1, help="epochs of the brief training (1)")
     depth.add_argument("--threshold", type=float, default=None,
                        help="variance above which a layer counts as class-specific (default 0.3)")

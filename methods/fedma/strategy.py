@@ -25,7 +25,9 @@ The server state between phases: ``params`` is the last complete global model,
 plus the layers matched so far in this pass under ``fedma/NAME``; ``extra`` holds the
 pass's assignments, the clients still in the pass (those that sent every phase so
 far) and each client's assignments from the last pass. A resumed run repeats the
-phase after its last checkpoint (up to two behind what the devices did, since the checkpoint trails the training by a round); the devices answer a repeated phase from the file they saved for it.
+phase after its last checkpoint (up to two behind what the devices did, since the
+checkpoint trails the training by a round); the devices answer a repeated phase from
+the file they saved for it.
 
 Matching runs in the engine's aggregation step; MQTT keepalives are answered by
 paho's own network thread meanwhile, and results that arrive wait in the receive queue.
