@@ -239,12 +239,28 @@ class Coordinator:
                            f"({answering()})" + (f", besides {benched}, online but not answering their tasks"
                                                  if benched else "") + "; start more clients or lower clients.expected")
 
-    def _sample(self, round: int, attempt: int) -> Draw:
-        """The attempt's clients, once enough are online to draw from."""
+    def _sample(self, round: int, attempt: int, taken: set[str]) -> Draw:
+        """The attempt's clients (besides ``taken``, which it already counts on), once enough are online."""
         c = self.config
         if len(self.roster.answering()) < c.required_results:
             self.wait_for_clients(c.required_results, c.clients.presence_timeout)
-        return self.sampler.draw(self.roster.online, round, attempt)
+        return self.sampler.draw(self.roster.online, round, attempt, taken)
+
+    def _choose(self, book: RoundBook) -> list[str]:
+        """The clients to give a task in this attempt. A retry gives none to a client whose result of an
+        earlier attempt it holds, nor to one still working on an earlier attempt's task: it waits for
+        that task's result (``book.carried``) and draws only the rest."""
+        if book.attempt:
+            book.carried = self.intake.still_working(time.monotonic()) - book.results.keys()
+            if book.carried:
+                log.info("round %d %s attempt %d: waiting for %s, still working on an earlier attempt's task",
+                         book.round, book.phase, book.attempt + 1, ", ".join(sorted(book.carried)))
+        taken = book.results.keys() | book.carried
+        if self.strategy.selects_all(book.phase):
+            return [c for c in self.roster.answering() if c not in taken]
+        draw = self._sample(book.round, book.attempt, taken)
+        book.skipped = draw.skipped
+        return draw.clients
 
     def _streams(self, phase: str) -> bool:
         """Whether a phase's results are folded in as they arrive: where the strategy can, and nothing
@@ -261,21 +277,19 @@ class Coordinator:
             book = self.intake.open(RoundBook(round=round, attempt=attempt, phase=phase,
                                               streaming=self._streams(phase)))
             self.announce("running", round)
-            if self.strategy.selects_all(phase):
-                clients = self.roster.answering()
-            else:
-                draw = self._sample(round, attempt)
-                clients, book.skipped = draw.clients, draw.skipped
-            self.tasks.send_all(book, self.strategy.configure(phase, round, self.state, clients))
+            clients = self._choose(book)
+            if clients:
+                self.tasks.send_all(book, self.strategy.configure(phase, round, self.state, clients))
             self._await_answers(book)
             self.workers.collect(book)
             self.intake.close(book)
             totals.add(book.tally)
-            if book.results and len(book.results) >= min(c.required_results, len(book.plans)):
+            if book.results and len(book.results) >= min(c.required_results, len(book.selected)):
                 self.intake.open(RoundBook(round=round, attempt=-1))   # collects strays until the next exchange
                 return book, totals
-            log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying with a fresh sample",
-                        round, phase, attempt + 1, len(book.results), len(book.plans), c.required_results)
+            log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying: results still count if "
+                        "they come, devices still working are waited for, the rest drawn afresh", round, phase,
+                        attempt + 1, len(book.results), len(book.selected), c.required_results)
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
                        + self.intake.notes.why_too_few())
 
@@ -284,7 +298,7 @@ class Coordinator:
         started, timeout = time.monotonic(), self.config.clients.round_timeout
         self._pump(started + timeout, lambda: book.answered,
                    lambda: {"kind": "exchange", "round": book.round, "phase": book.phase, "attempt": book.attempt + 1,
-                            "results": len(book.results) + len(book.granted), "selected": len(book.plans),
+                            "results": len(book.results) + len(book.granted), "selected": len(book.selected),
                             "bytes_down": book.tally.bytes_down, "bytes_up": book.tally.bytes_up,
                             "started": started, "timeout": timeout})
 
@@ -318,6 +332,7 @@ class Coordinator:
             book, totals = self._exchange(round, phase)
             tally.add(totals)
             row.update(self._aggregate(round, phase, book, totals))
+        self.intake.attempts.ended_round = round   # a late result of this round now missed it for good
         row.update(tally.row())
         dropped = self._inbox_drops()
         if dropped:

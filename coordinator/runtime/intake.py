@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coordinator.runtime.attempts import Attempts
 from coordinator.runtime.round_book import Network, RoundBook, RoundNotes
 from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan
 from edge_client.wire.codec import CodecSpec
@@ -102,17 +103,28 @@ class ResultIntake:
         self.sent_tasks: set[str] = set()           # every task this coordinator process gave
         self._earlier_tasks: set[str] = set()       # tasks of an earlier session whose results came (resume)
         self._other_runs: set[str] = set()          # results of other runs already acknowledged and logged
+        self.attempts = Attempts()                  # the phase's earlier attempts, whose results still count
 
     # -- the round's book --------------------------------------------------------------
     def open(self, book: RoundBook) -> RoundBook:
-        """Make ``book`` the one results go to (a new attempt, or strays between exchanges)."""
+        """Make ``book`` the one results go to (a new attempt, or strays between exchanges); a retry keeps
+        the earlier attempts' tasks open and, without aggregation workers, their results."""
+        self.attempts.opened(self.book, book, carry=not self.config.workers.count)
         self.book = book
         return book
+
+    def still_working(self, now: float) -> set[str]:
+        """Clients presumably still working on a task an earlier attempt of this phase gave them: a retry
+        waits for them instead of giving them a new task, which would only queue behind the old one."""
+        timeout = self.config.clients.round_timeout
+        return {client for task_id, client in self.attempts.unanswered(self.book.answered_by).items()
+                if self.round_times.working(task_id, client, now, timeout)}
 
     def issued(self, book: RoundBook, task_id: str, plan: TaskPlan) -> None:
         """A task is about to go out: its result is expected in ``book``, and timed from now."""
         book.plans[task_id] = plan
         self.sent_tasks.add(task_id)
+        self.attempts.issued(task_id, book)
         self.round_times.sent(task_id, plan.client_id, plan.objective, time.monotonic())
 
     def close(self, book: RoundBook) -> None:
@@ -181,7 +193,7 @@ class ResultIntake:
             body, problem = None, str(exc)
         profile = clean_profile(body.profile if body is not None else None)
         self._record_answer(client_id, msg, body, profile)
-        plan = self._waiting_plan(client_id, msg)
+        plan = self._waiting_plan(client_id, msg, earlier=claim is None)
         if plan is None:
             return False
         book.profiles[client_id] = profile
@@ -221,17 +233,27 @@ class ResultIntake:
         seconds, objective = answered
         error = body.error if body is not None else None
         self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, objective=objective,
-                               round_seconds=seconds, late=msg.task_id not in self.book.plans,
+                               round_seconds=seconds, late=self._plan_of(msg.task_id, True) is None,
                                error=None if error is None else error[:500], profile=profile,
                                device=self.roster.device(client_id))
 
-    def _waiting_plan(self, client_id: str, msg: Message) -> TaskPlan | None:
+    def _plan_of(self, task_id: str, earlier: bool) -> TaskPlan | None:
+        """The plan of a task of the current attempt or, with ``earlier``, of an earlier attempt of the
+        phase (same run, round, phase and global state): its result is as good now as it was then."""
+        plan = self.book.plans.get(task_id)
+        if plan is None and earlier and (found := self.attempts.find(task_id)) is not None:
+            plan = found[1]
+        return plan
+
+    def _waiting_plan(self, client_id: str, msg: Message, earlier: bool = True) -> TaskPlan | None:
         """The plan of the task ``msg`` answers, if that task still waits for this client's answer; else
-        None, with the answer counted (late, unexpected, duplicate) and the device told."""
+        None, with the answer counted (late, unexpected, duplicate) and the device told. A task of an
+        earlier attempt of the phase still waits (not with an aggregation worker's claim: the worker
+        holds the result under that attempt's exchange, whose partial sum can no longer be merged)."""
         book, task_id = self.book, msg.task_id
-        plan = book.plans.get(task_id)
+        plan = self._plan_of(task_id, earlier)
         if plan is None and task_id in self.sent_tasks:
-            self.count("late", client_id, f"task {task_id} of round {msg.round} is over")
+            self.count("late", client_id, self.attempts.why_late(task_id, msg.round))
             self._answer(client_id, task_id, "ack")
             return None
         if plan is None and self._given_before_resume(client_id, msg):

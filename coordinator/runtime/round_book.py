@@ -73,6 +73,7 @@ class RoundBook:
     failed: set[str] = field(default_factory=set)    # clients that answered with an error
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)               # left out by deadline selection
+    carried: set[str] = field(default_factory=set)   # clients still working on an earlier attempt's task, waited for
     tally: Tally = field(default_factory=Tally)
     # With aggregation workers: the exchange's id in their manifest, and the results a worker holds
     # folded whose partial sum has not arrived (task id -> (worker, the result without tensors)).
@@ -82,16 +83,28 @@ class RoundBook:
     broadcast: str | None = None           # ... and its hash
 
     @property
+    def waiting_for(self) -> set[str]:
+        """The clients the attempt waits for: those given a task now, and those still working on the task
+        an earlier attempt of the round gave them (a new task would only queue behind it)."""
+        return {plan.client_id for plan in self.plans.values()} | self.carried
+
+    @property
+    def selected(self) -> set[str]:
+        """The clients this attempt counts on: those it waits for and those whose result it already holds
+        (taken in an earlier attempt of the round, on the same global state)."""
+        return self.waiting_for | self.results.keys()
+
+    @property
     def complete(self) -> bool:
         """Every client has answered (a result, or an error: waiting on would only burn the deadline).
 
         A rejected result does not count: the client may still send a good one."""
-        return len(self.results.keys() | self.failed) >= len(self.plans)
+        return self.waiting_for <= self.results.keys() | self.failed
 
     @property
     def answered(self) -> bool:
         """Every client has answered, counting results an aggregation worker folded but has not sent yet."""
-        return len(self.answered_by) >= len(self.plans)
+        return self.waiting_for <= self.answered_by
 
     @property
     def answered_by(self) -> set[str]:

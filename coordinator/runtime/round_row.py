@@ -20,22 +20,23 @@ def train_columns(book: RoundBook, results: list[ClientResult], totals: Tally, f
     """The training phase's columns: ``book`` is its last attempt, ``results`` the ones aggregated,
     ``totals`` its traffic over all attempts."""
     n = sum(r.num_samples for r in results)
+    selected = len(book.selected)
     slowest = max(book.profiles.items(), key=lambda kv: kv[1].get("seconds") or 0, default=(None, {}))
     return {
-        "selected": len(book.plans), "returned": len(book.results), "attempts": book.attempt + 1,
+        "selected": selected, "returned": len(book.results), "attempts": book.attempt + 1,
         "train_samples": n,
         "train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n,
         "slowest_client": slowest[0], "slowest_seconds": slowest[1].get("seconds"),
         "skipped": book.skipped,
-        "bytes_down_per_client": totals.bytes_down // max(len(book.plans), 1),
+        "bytes_down_per_client": totals.bytes_down // max(selected, 1),
         "bytes_up_per_client": totals.bytes_up // max(len(book.results), 1),
         # the reference: the whole float32 model to and from every selected client
-        "fp32_bytes_down": fp32_model_bytes * len(book.plans),
-        "fp32_bytes_up": fp32_model_bytes * len(book.plans),
+        "fp32_bytes_down": fp32_model_bytes * selected,
+        "fp32_bytes_up": fp32_model_bytes * selected,
     }
 
 
 def phase_columns(phase: str, book: RoundBook, totals: Tally) -> dict[str, Any]:
     """Any other phase's columns, named after it."""
-    return {f"{phase}_selected": len(book.plans), f"{phase}_returned": len(book.results),
+    return {f"{phase}_selected": len(book.selected), f"{phase}_returned": len(book.results),
             f"{phase}_bytes_down": totals.bytes_down, f"{phase}_bytes_up": totals.bytes_up}

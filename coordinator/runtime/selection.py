@@ -31,7 +31,7 @@ import random
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,6 +58,7 @@ class RoundTimes:
     def __init__(self) -> None:
         self._pending: OrderedDict[str, tuple[str, str, float]] = OrderedDict()   # task -> client, objective, sent
         self._times: dict[tuple[str, str], OrderedDict[str, float]] = {}           # (client, objective) -> task -> s
+        self._answered: dict[tuple[str, str], OrderedDict[str, float]] = {}        # the same, real answers only
 
     def sent(self, task_id: str, client_id: str, objective: str, at: float) -> None:
         """A task was published at monotonic time ``at``."""
@@ -73,6 +74,7 @@ class RoundTimes:
         del self._pending[task_id]
         seconds = at - entry[2]
         self._record(entry[0], entry[1], task_id, seconds)
+        self._record(entry[0], entry[1], task_id, seconds, self._answered)
         return seconds, entry[1]
 
     def missed(self, task_ids: Iterable[str], timeout: float) -> list[tuple[str, str, str]]:
@@ -92,8 +94,25 @@ class RoundTimes:
         """Whether the client owes an answer to a task sent less than ``horizon`` seconds before ``now``."""
         return any(c == client_id and now - sent < horizon for c, _, sent in self._pending.values())
 
-    def _record(self, client_id: str, objective: str, task_id: str, seconds: float) -> None:
-        times = self._times.setdefault((client_id, objective), OrderedDict())
+    def working(self, task_id: str, client_id: str, now: float, timeout: float) -> bool:
+        """Whether the client is presumably still working on an unanswered task: it has answered a task of
+        this kind before, and less than :data:`SAFETY` times its usual round time (or the timeout, if
+        longer) has passed since the task went out. A client never heard from is not presumed working:
+        it may be gone, and waiting for it would cost the attempt its whole timeout."""
+        entry = self._pending.get(task_id)
+        if entry is None or entry[0] != client_id:
+            return False
+        usual = self.usual(client_id, entry[1])
+        return usual is not None and now - entry[2] < SAFETY * max(usual, timeout)
+
+    def usual(self, client_id: str, objective: str) -> float | None:
+        """Median of the client's last :data:`WINDOW` real round times for ``objective`` (misses left out)."""
+        times = self._answered.get((client_id, objective))
+        return statistics.median(list(times.values())[-WINDOW:]) if times else None
+
+    def _record(self, client_id: str, objective: str, task_id: str, seconds: float,
+                into: dict[tuple[str, str], OrderedDict[str, float]] | None = None) -> None:
+        times = (self._times if into is None else into).setdefault((client_id, objective), OrderedDict())
         times[task_id] = seconds
         while len(times) > _KEEP:
             times.popitem(last=False)
@@ -197,18 +216,23 @@ class Sampler:
         self.absences = absences
         self._deadline_filter = DeadlineFilter(times)
 
-    def draw(self, online: Iterable[str], round: int, attempt: int) -> Draw:
+    def draw(self, online: Iterable[str], round: int, attempt: int, taken: Collection[str] = ()) -> Draw:
+        """``taken``: clients the attempt already counts on (a result of an earlier attempt of the round, or
+        still working on its task): not drawn, and the draw is that much smaller, so a retry gives no more
+        work than the first attempt did."""
         c = self.config
-        pool = self.absences.pool(online, c.required_results, retry=attempt > 0)
+        need = max(0, c.required_results - len(taken))
+        pool = self.absences.pool([k for k in online if k not in taken], need, retry=attempt > 0)
         skipped: list[str] = []
         if c.clients.selection == "deadline":
-            pool, skipped = self._skip_predicted_late(pool, round)
+            pool, skipped = self._skip_predicted_late(pool, round, need)
         rng = random.Random(f"{c.run.seed}/{round}/{attempt}")
-        return Draw(sorted(rng.sample(pool, min(c.selected_per_round, len(pool)))), skipped)
+        size = max(0, c.selected_per_round - len(taken))
+        return Draw(sorted(rng.sample(pool, min(size, len(pool)))), skipped)
 
-    def _skip_predicted_late(self, pool: list[str], round: int) -> tuple[list[str], list[str]]:
+    def _skip_predicted_late(self, pool: list[str], round: int, need: int) -> tuple[list[str], list[str]]:
         timeout = self.config.clients.round_timeout
-        keep, skipped = self._deadline_filter(pool, timeout, self.config.required_results, time.monotonic())
+        keep, skipped = self._deadline_filter(pool, timeout, need, time.monotonic())
         if skipped:
             log.info("round %d: deadline selection skipped %s (round_timeout %.1f s)", round,
                      ", ".join(f"{s.client_id} (predicted {s.predicted_seconds:.1f} s)" for s in skipped), timeout)

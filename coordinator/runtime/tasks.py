@@ -78,11 +78,15 @@ class TaskSender:
 
     def resend_unanswered(self, book: RoundBook, client_id: str) -> None:
         """Send the client's task of this attempt again, under its id, if it has not answered it (it has
-        just announced itself online)."""
+        just announced itself online); for a client the attempt waits for while it works on an earlier
+        attempt's task, that task."""
         if client_id in book.answered_by:
             return
-        for task_id, plan in book.plans.items():
-            if plan.client_id == client_id:
-                log.warning("round %d: sending %s's unanswered task again (it announced itself online)",
-                            book.round, client_id)
-                self.send(book, task_id, plan)
+        books = [book, *(self.intake.attempts.earlier if client_id in book.carried else ())]
+        for given in books:
+            for task_id, plan in given.plans.items():
+                if plan.client_id == client_id and (given is book or client_id not in given.answered_by):
+                    log.warning("round %d: sending %s's unanswered task again (it announced itself online)",
+                                book.round, client_id)
+                    self.send(given, task_id, plan)
+                    return
