@@ -128,13 +128,16 @@ class ResultIntake:
         self.round_times.sent(task_id, plan.client_id, plan.objective, time.monotonic())
 
     def close(self, book: RoundBook) -> None:
-        """An attempt ended: its unanswered tasks took at least the timeout, for selection and the records."""
+        """An attempt ended: its unanswered tasks took at least the timeout, for selection and the records;
+        their clients count as missing them unless presumed still working (they answer slowly, not never)."""
         timeout = self.config.clients.round_timeout
         missed = self.round_times.missed(book.plans, timeout)
         for task_id, client_id, objective in missed:
             self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
                                    round_seconds=timeout, missed=True, device=self.roster.device(client_id))
-        for client_id in self.roster.absences.missed(c for _, c, _ in missed):
+        now = time.monotonic()   # a known slow device still on its task has not gone away: no miss for absences
+        gone = [c for task_id, c, _ in missed if not self.round_times.working(task_id, c, now, timeout)]
+        for client_id in self.roster.absences.missed(gone):
             log.warning("client %s left %d tasks in a row unanswered: it is left out of selection until it "
                         "answers or reconnects (clients.max_misses)", client_id, self.roster.absences.limit)
 
