@@ -68,7 +68,8 @@ def test_devices_slower_than_the_timeout_finish_the_run(tmp_path):
     hub = InprocHub()
     coord = make_coordinator(tmp_path, hub, expected=3, clients__round_timeout=0.8)
     logs: dict[str, list] = {}
-    peers = [ScriptedClient(hub, f"d{i}", slow(s, logs.setdefault(f"d{i}", []))) for i, s in enumerate((1.0, 1.05, 1.1))]
+    peers = [ScriptedClient(hub, f"d{i}", slow(s, logs.setdefault(f"d{i}", [])))
+             for i, s in enumerate((1.0, 1.05, 1.1))]
     for peer in peers:
         peer.start()
     coord.wait_for_clients(3, 5)
