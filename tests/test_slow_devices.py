@@ -48,18 +48,19 @@ def test_a_result_of_an_earlier_attempt_counts_in_the_current_one(tmp_path):
 
 def test_a_retry_waits_for_a_device_still_working_instead_of_restarting_it(tmp_path):
     hub = InprocHub()
-    coord = make_coordinator(tmp_path, hub, expected=1, clients__round_timeout=0.6)
+    coord = make_coordinator(tmp_path, hub, expected=1, clients__round_timeout=0.4)
+    coord.round_times.sent("before", "a", "train", 0.0)   # measured earlier: a task takes it 1 s, 2.5 timeouts
+    coord.round_times.answered("before", "a", 1.0)
     tasks: list = []
-    peer = ScriptedClient(hub, "a", slow(0.9, tasks))
+    peer = ScriptedClient(hub, "a", slow(1.0, tasks))
     peer.start()
     coord.wait_for_clients(1, 5)
-    rows = [coord.run_round(r) for r in (1, 2, 3)]
+    rows = [coord.run_round(r) for r in (1, 2)]
     peer.stop.set()
-    assert [r["returned"] for r in rows] == [1, 1, 1]
-    # round 1 knew nothing of the device and gave it a second task; from then on it was known to take
-    # about 0.9 s, so the retries waited for it: one task per round
-    assert [r for r, _ in tasks].count(3) == 1
-    assert all(r["selected"] == 1 for r in rows)
+    # attempt 1 waited 0.8 s (the most: 2 timeouts); attempt 2 gave no new task, as the device was still
+    # on its first one, and took its result 0.2 s later
+    assert [(r["returned"], r["attempts"], r["late"], r["selected"]) for r in rows] == [(1, 2, 0, 1)] * 2
+    assert [r for r, _ in tasks] == [1, 2]
 
 
 def test_devices_slower_than_the_timeout_finish_the_run(tmp_path):
@@ -77,7 +78,8 @@ def test_devices_slower_than_the_timeout_finish_the_run(tmp_path):
     for peer in peers:
         peer.stop.set()
     assert [r["returned"] for r in rows] == [3, 3, 3, 3]
-    assert all(r["attempts"] <= 3 for r in rows)
+    # once their times are measured, an attempt waits long enough for them (at most 2 timeouts)
+    assert all(r["attempts"] <= 2 for r in rows) and rows[-1]["attempts"] == 1
     for tasks in logs.values():   # known slow devices were not restarted in rounds 3 and 4
         assert [r for r, _ in tasks].count(3) == 1 and [r for r, _ in tasks].count(4) == 1
 
@@ -130,6 +132,18 @@ def test_a_device_is_presumed_working_only_if_it_answered_before_and_within_reas
     assert times.working("t1", "a", 30.0, timeout=10.0)      # the retry at the timeout waits for it
     assert not times.working("t1", "a", 20.0 + 12.0 * 1.25 + 0.1, timeout=10.0)   # long overdue
     assert not times.working("t1", "b", 30.0, timeout=10.0)
+
+
+def test_an_attempt_waits_longer_for_devices_known_to_need_it_but_not_without_bound():
+    times = RoundTimes()
+    assert times.deadline([("a", "train")], 10.0) == 10.0            # nothing measured: the timeout
+    times.sent("t0", "a", "train", 0.0)
+    times.answered("t0", "a", 12.0)
+    assert times.deadline([("a", "train"), ("b", "train")], 10.0) == 12.0 * 1.25
+    assert times.deadline([("a", "evaluate")], 10.0) == 10.0          # its training time says nothing of this
+    times.sent("t1", "a", "train", 0.0)
+    times.answered("t1", "a", 100.0)
+    assert times.deadline([("a", "train")], 10.0) == 20.0             # at most STRETCH timeouts
 
 
 def test_a_retry_draws_only_besides_the_clients_it_already_counts_on():

@@ -294,8 +294,8 @@ class Coordinator:
                        + self.intake.notes.why_too_few())
 
     def _await_answers(self, book: RoundBook) -> None:
-        """Handle messages until every selected client answered or the round timeout passed."""
-        started, timeout = time.monotonic(), self.config.clients.round_timeout
+        """Handle messages until every client the attempt waits for answered or its deadline passed."""
+        started, timeout = time.monotonic(), self.intake.deadline(book)
         self._pump(started + timeout, lambda: book.answered,
                    lambda: {"kind": "exchange", "round": book.round, "phase": book.phase, "attempt": book.attempt + 1,
                             "results": len(book.results) + len(book.granted), "selected": len(book.selected),

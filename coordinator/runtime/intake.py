@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -104,6 +105,7 @@ class ResultIntake:
         self._earlier_tasks: set[str] = set()       # tasks of an earlier session whose results came (resume)
         self._other_runs: set[str] = set()          # results of other runs already acknowledged and logged
         self.attempts = Attempts()                  # the phase's earlier attempts, whose results still count
+        self._heard: dict[str, float] = {}          # client -> its last first answer to a task of ours (monotonic)
 
     # -- the round's book --------------------------------------------------------------
     def open(self, book: RoundBook) -> RoundBook:
@@ -120,6 +122,19 @@ class ResultIntake:
         return {client for task_id, client in self.attempts.unanswered(self.book.answered_by).items()
                 if self.round_times.working(task_id, client, now, timeout)}
 
+    def deadline(self, book: RoundBook) -> float:
+        """How long the attempt waits for the clients it waits for, from their measured round times
+        (:meth:`RoundTimes.deadline`); kept in ``book.wait`` for the records of the tasks it misses."""
+        timeout = self.config.clients.round_timeout
+        waits = [(p.client_id, p.objective) for p in book.plans.values()]
+        waits += [(p.client_id, p.objective) for b in self.attempts.earlier for p in b.plans.values()
+                  if p.client_id in book.carried]
+        book.wait = self.round_times.deadline(waits, timeout)
+        if book.wait > timeout:
+            log.info("round %d %s attempt %d: waiting %.1f s instead of clients.round_timeout %.1f s: the devices' "
+                     "measured round times need longer", book.round, book.phase, book.attempt + 1, book.wait, timeout)
+        return book.wait
+
     def issued(self, book: RoundBook, task_id: str, plan: TaskPlan) -> None:
         """A task is about to go out: its result is expected in ``book``, and timed from now."""
         book.plans[task_id] = plan
@@ -129,14 +144,14 @@ class ResultIntake:
 
     def close(self, book: RoundBook) -> None:
         """An attempt ended: its unanswered tasks took at least the timeout, for selection and the records;
-        their clients count as missing them unless presumed still working (they answer slowly, not never)."""
-        timeout = self.config.clients.round_timeout
+        their clients count as missing them unless they answered something during the attempt (a device
+        slower than the timeout, answering an earlier task: it has not gone away)."""
+        timeout = book.wait or self.config.clients.round_timeout
         missed = self.round_times.missed(book.plans, timeout)
         for task_id, client_id, objective in missed:
             self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
                                    round_seconds=timeout, missed=True, device=self.roster.device(client_id))
-        now = time.monotonic()   # a known slow device still on its task has not gone away: no miss for absences
-        gone = [c for task_id, c, _ in missed if not self.round_times.working(task_id, c, now, timeout)]
+        gone = [c for _, c, _ in missed if self._heard.get(c, -math.inf) < book.opened]
         for client_id in self.roster.absences.missed(gone):
             log.warning("client %s left %d tasks in a row unanswered: it is left out of selection until it "
                         "answers or reconnects (clients.max_misses)", client_id, self.roster.absences.limit)
@@ -233,6 +248,7 @@ class ResultIntake:
         answered = self.round_times.answered(msg.task_id, client_id, time.monotonic())
         if answered is None:
             return
+        self._heard[client_id] = time.monotonic()
         seconds, objective = answered
         error = body.error if body is not None else None
         self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, objective=objective,

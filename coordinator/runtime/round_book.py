@@ -9,6 +9,7 @@ and the bytes each client moved, for the row and for the error that ends a run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,8 @@ class RoundBook:
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)               # left out by deadline selection
     carried: set[str] = field(default_factory=set)   # clients still working on an earlier attempt's task, waited for
+    wait: float = 0.0                                 # seconds the attempt waits (0: not set, clients.round_timeout)
+    opened: float = field(default_factory=time.monotonic)   # when the attempt began
     tally: Tally = field(default_factory=Tally)
     # With aggregation workers: the exchange's id in their manifest, and the results a worker holds
     # folded whose partial sum has not arrived (task id -> (worker, the result without tensors)).

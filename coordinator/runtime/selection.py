@@ -39,7 +39,7 @@ if TYPE_CHECKING:   # the config imports SELECTIONS from here
     from coordinator.config import RunConfig
 
 __all__ = ["RoundTimes", "DeadlineFilter", "Skipped", "Absences", "Draw", "Sampler", "SELECTIONS", "SAFETY", "WINDOW",
-           "PROBE_AFTER", "BUSY_HORIZON"]
+           "PROBE_AFTER", "BUSY_HORIZON", "STRETCH"]
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -48,6 +48,7 @@ SAFETY = 1.25        # skip when predicted * SAFETY > deadline: leaves room for 
 WINDOW = 3           # round times the prediction looks at
 PROBE_AFTER = 5      # consecutive skips after which a client is tried again
 BUSY_HORIZON = 10    # deadlines after which an unanswered task no longer counts as being worked on
+STRETCH = 2.0        # an attempt waits at most this many round timeouts for clients known to be slower
 _KEEP = 8            # round times kept per client and objective (a late answer may update an older one)
 _MAX_PENDING = 10_000
 
@@ -104,6 +105,14 @@ class RoundTimes:
             return False
         usual = self.usual(client_id, entry[1])
         return usual is not None and now - entry[2] < SAFETY * max(usual, timeout)
+
+    def deadline(self, clients: Iterable[tuple[str, str]], timeout: float) -> float:
+        """How long an attempt waits for ``clients`` ((client, objective) pairs): ``timeout``, or longer when
+        one of them usually needs more (:data:`SAFETY` times its usual round time), but at most
+        :data:`STRETCH` timeouts. Cutting a known slow device off at the timeout only wastes its work
+        and the attempt's; the cap keeps one very slow device from holding every round."""
+        usual = [u for client, objective in clients if (u := self.usual(client, objective)) is not None]
+        return min(max([timeout, *(SAFETY * u for u in usual)]), STRETCH * timeout)
 
     def usual(self, client_id: str, objective: str) -> float | None:
         """Median of the client's last :data:`WINDOW` real round times for ``objective`` (misses left out)."""
