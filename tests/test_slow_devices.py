@@ -115,6 +115,7 @@ def test_attempts_keep_earlier_plans_and_carry_results_only_within_a_phase():
     assert attempts.find("t1") == (first, first.plans["t1"])
     assert set(second.results) == {"b"}                    # b's result of attempt 1 still counts
     assert attempts.unanswered(second.answered_by) == {"t1": "a"}
+    assert "an aggregation worker holds it" in attempts.why_late("t1", 2)   # refused only as a worker's claim
     other = RoundBook(round=2, attempt=0, phase="evaluate")
     attempts.opened(second, other, carry=True)
     assert attempts.find("t1") is None and not other.results   # another phase: another global state

@@ -79,6 +79,9 @@ class Attempts:
         if place is None:
             return f"task {task_id} of round {round} is over (it is too old to say which attempt it missed)"
         missed = f"task {task_id} of round {place.round} attempt {place.attempt + 1}"
+        if self.find(task_id) is not None:   # the phase is still on: only an aggregation worker's claim is refused
+            return (f"{missed} is over (an aggregation worker holds it under that attempt, whose partial sums are "
+                    "no longer merged)")
         if place.round <= self.ended_round:
             return f"{missed} is over (the round ended)"
         return f"{missed} is over (the round's {place.phase} phase ended)"

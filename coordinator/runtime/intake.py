@@ -117,7 +117,10 @@ class ResultIntake:
 
     def still_working(self, now: float) -> set[str]:
         """Clients presumably still working on a task an earlier attempt of this phase gave them: a retry
-        waits for them instead of giving them a new task, which would only queue behind the old one."""
+        waits for them instead of giving them a new task, which would only queue behind the old one.
+        None with aggregation workers: a worker's claim on an earlier attempt's result cannot be taken."""
+        if self.config.workers.count:
+            return set()
         timeout = self.config.clients.round_timeout
         return {client for task_id, client in self.attempts.unanswered(self.book.answered_by).items()
                 if self.round_times.working(task_id, client, now, timeout)}
