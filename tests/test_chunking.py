@@ -10,7 +10,7 @@ import time
 import pytest
 
 from edge_client.wire.chunking import (DEFAULT_PARTIAL_BYTES, DEFAULT_PARTIAL_MESSAGES, HEADER_BYTES, Assembled,
-                                       ChunkingTransport, Reassembler, parse_chunk, split)
+                                       ChunkingTransport, Reassembler, read_header, split)
 from edge_client.wire.transport import InprocHub, MessageTooLarge
 
 
@@ -147,7 +147,7 @@ def test_retained_chunked_message_reaches_late_subscribers_and_is_replaced_clean
     assert fetch() == [first]
     parts = len(split(first, 4096))
     assert set(hub._retained) == {f"p/model/{i}" for i in range(parts)}
-    assert all(parse_chunk(hub._retained[f"p/model/{i}"]).part_topic for i in range(parts))
+    assert all(read_header(hub._retained[f"p/model/{i}"]).part_topic for i in range(parts))
     pub.publish("p/model", second, retain=True)    # fewer chunks: the stale higher parts are cleared
     assert fetch() == [second] and len(hub._retained) == len(split(second, 4096))
     pub.publish("p/model", third, retain=True)     # fits one message: all parts are cleared

@@ -25,13 +25,12 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from storage.errors import FedgeError
 
-__all__ = ["MAGIC", "HEADER_BYTES", "MIN_MESSAGE_BYTES", "ChunkError", "Chunk", "ChunkHeader", "split",
-           "read_header", "parse_chunk", "is_chunk"]
+__all__ = ["MAGIC", "HEADER_BYTES", "MIN_MESSAGE_BYTES", "ChunkError", "ChunkHeader", "split", "read_header",
+           "is_chunk"]
 
 MAGIC = b"FDC1"
 _HEADER = struct.Struct("<4sB3x16sIIQ32s")
@@ -42,17 +41,6 @@ _PART_TOPIC = 1
 
 class ChunkError(FedgeError, ValueError):
     """A chunk that cannot be accepted; ``str(err)`` is the logged reason."""
-
-
-@dataclass(frozen=True)
-class Chunk:
-    message_id: bytes
-    index: int
-    count: int
-    length: int
-    digest: bytes
-    part_topic: bool
-    data: bytes
 
 
 def is_chunk(payload: bytes) -> bool:
@@ -92,9 +80,3 @@ def read_header(payload: bytes) -> ChunkHeader:
     if count < 1 or index >= count or count > max(length, 1) or size > length:
         raise ChunkError(f"chunk {index} of {count} with {size} bytes does not fit a {length}-byte message")
     return ChunkHeader(message_id, index, count, length, digest, bool(flags & _PART_TOPIC), size)
-
-
-def parse_chunk(payload: bytes) -> Chunk:
-    head = read_header(payload)
-    return Chunk(head.message_id, head.index, head.count, head.length, head.digest, head.part_topic,
-                 bytes(payload[HEADER_BYTES:]))

@@ -19,15 +19,15 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from edge_client.wire.chunk_format import (HEADER_BYTES, MAGIC, MIN_MESSAGE_BYTES, Chunk, ChunkError, is_chunk,
-                                           parse_chunk, read_header, split)
+from edge_client.wire.chunk_format import (HEADER_BYTES, MAGIC, MIN_MESSAGE_BYTES, ChunkError, is_chunk, read_header,
+                                           split)
 from edge_client.wire.reassembly import DEFAULT_PARTIAL_MESSAGES, DEFAULT_TIMEOUT, Assembled, Reassembler
 from edge_client.wire.transport_base import Incoming, Transport
 from edge_client.wire.transport_errors import MessageTooLarge
 
 __all__ = ["MAGIC", "HEADER_BYTES", "MIN_MESSAGE_BYTES", "DEFAULT_PACKET_BYTES", "DEFAULT_TIMEOUT",
-           "DEFAULT_PARTIAL_BYTES", "DEFAULT_PARTIAL_MESSAGES", "ChunkError", "MessageTooLarge", "Chunk", "split",
-           "parse_chunk", "is_chunk", "Assembled", "Reassembler", "ChunkingTransport"]
+           "DEFAULT_PARTIAL_BYTES", "DEFAULT_PARTIAL_MESSAGES", "ChunkError", "MessageTooLarge", "split",
+           "read_header", "is_chunk", "Assembled", "Reassembler", "ChunkingTransport"]
 
 DEFAULT_PACKET_BYTES = 256 * 1024
 DEFAULT_PARTIAL_BYTES = 64 * 1024 * 1024   # data of incomplete messages a transport holds, all senders
