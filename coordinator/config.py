@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config_checks import check_config
-from coordinator.config_sections import (AggregateSection, CheckpointSection, ClientsSection, CodecSection,
-                                         DataSection, EvalSection, ExportSection, RunSection, SimSection,
+from coordinator.config_sections import (AggregateSection, AsyncSection, CheckpointSection, ClientsSection,
+                                         CodecSection, DataSection, EvalSection, ExportSection, RunSection, SimSection,
                                          TrainSection, TransportSection, WorkersSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
@@ -49,12 +49,15 @@ class RunConfig:
     sim: SimSection = field(default_factory=SimSection)
     aggregate: AggregateSection = field(default_factory=AggregateSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
+    asynchronous: AsyncSection = field(default_factory=AsyncSection)   # the [async] section
     # The methods' own sections (name -> dataclass), read as attributes: ``config.fedprox.mu``.
     methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
     # "section.key" the user set (file or flags): a method's defaults never override these.
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
     def __getattr__(self, name: str) -> Any:
+        if name in _FIELD_OF:
+            return getattr(self, _FIELD_OF[name])
         methods = self.__dict__.get("methods", {})
         if name in methods:
             return methods[name]
@@ -97,12 +100,14 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
 
 
 _NOT_SECTIONS = ("methods", "explicit")
+_FIELD_OF = {"async": "asynchronous"}   # sections whose name is a Python keyword -> their RunConfig field
+_SECTION_OF = {v: k for k, v in _FIELD_OF.items()}
 
 
 def _core_sections() -> dict[str, Any]:
     """The runtime's own sections: name -> default value (a dataclass, or the model dict)."""
-    return {f.name: f.default_factory() for f in dataclasses.fields(RunConfig)  # type: ignore[misc]
-            if f.name not in _NOT_SECTIONS}
+    return {_SECTION_OF.get(f.name, f.name): f.default_factory()  # type: ignore[misc]
+            for f in dataclasses.fields(RunConfig) if f.name not in _NOT_SECTIONS}
 
 
 def _from_dict(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> RunConfig:
@@ -127,13 +132,13 @@ def _from_dict(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> R
         if name in methods:
             method_values[name] = value
         else:
-            sections[name] = value
+            sections[_FIELD_OF.get(name, name)] = value
     return RunConfig(**sections, methods=method_values, explicit=explicit)
 
 
 def _to_dict(config: RunConfig) -> dict[str, Any]:
-    core = {name: dict(config.model) if name == "model" else dataclasses.asdict(getattr(config, name))
-            for name in _core_sections()}
+    core = {name: dict(config.model) if name == "model"
+            else dataclasses.asdict(getattr(config, _FIELD_OF.get(name, name))) for name in _core_sections()}
     return {**core, **{name: dataclasses.asdict(value) for name, value in config.methods.items()}}
 
 

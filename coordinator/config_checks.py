@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import CodecSection, TransportSection
+from coordinator.config_sections import MODES, CodecSection, TransportSection
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from coordinator.runtime.selection import SELECTIONS
@@ -64,6 +64,7 @@ def check_config(config: RunConfig) -> None:
          "or the largest accepted result could never be reassembled"),
         (config.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
         *_workers_checks(config),
+        *_async_checks(config),
         ("name" in config.model, "model.name is required"),
         *(check for section in config.methods.values() for check in section.checks(config)),
     ]
@@ -101,6 +102,29 @@ def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:
          f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need every result at once)"),
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it reads every result's tensors)"),
         (config.codec.broadcast, f"{need} codec.broadcast = true: they read the model results are differences from"),
+    ]
+
+
+def _async_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``run.mode`` and the ``[async]`` section; what asynchronous versions cannot do (each needs every
+    result of a round at once, or a worker's partial sum of one) is refused naming the key to change."""
+    a, mode = config.asynchronous, config.run.mode
+    checks = [(mode in MODES, f"run.mode must be one of {', '.join(MODES)}, got {mode!r}")]
+    if mode != "async":
+        return checks
+    need = "run.mode = 'async' needs"
+    return checks + [
+        (0 <= a.concurrency <= config.clients.expected,
+         f"async.concurrency must be between 0 (clients.per_round) and clients.expected, got {a.concurrency}"),
+        (a.buffer_size >= 0, f"async.buffer_size must be >= 0 (0: half of async.concurrency), got {a.buffer_size}"),
+        (a.max_staleness >= 0, f"async.max_staleness must be >= 0, got {a.max_staleness}"),
+        (a.staleness_exponent >= 0, f"async.staleness_exponent must be >= 0, got {a.staleness_exponent}"),
+        (a.server_lr > 0, f"async.server_lr must be > 0, got {a.server_lr}"),
+        (config.workers.count == 0, f"{need} workers.count = 0: aggregation workers fold one round's results"),
+        (config.aggregate.rule == "mean" and config.aggregate.norm_bound == 0,
+         f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need a round's every result)"),
+        (not config.run.diagnostics, f"{need} run.diagnostics = false (it compares a round's every client model)"),
+        (not config.eval.personalized, f"{need} eval.personalized = false (it asks every client in one phase)"),
     ]
 
 

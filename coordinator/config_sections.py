@@ -13,7 +13,10 @@ from coordinator.aggregation import DEFAULT_TRIM
 from edge_client.hyper import LocalTraining
 
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
-           "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection"]
+           "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
+           "AsyncSection", "MODES"]
+
+MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class RunSection:
     seed: int = 0
     out: str = ""                   # empty: runs/<run id>
     diagnostics: bool = False       # record per-layer weight divergence of each round's client models
+    mode: str = "sync"              # sync | async (buffered asynchronous aggregation, docs/async.md)
 
 
 @dataclass(frozen=True)
@@ -130,3 +134,20 @@ class WorkersSection:
     count: int = 0                  # workers the coordinator waits for before round 1; 0: it takes every result itself
     group: str = "fedge-aggregators"   # the shared subscription's group name
     flush_timeout: float = 30.0     # seconds to wait for the workers' partial sums once a round's results are in
+
+
+@dataclass(frozen=True)
+class AsyncSection:
+    """``[async]``: buffered asynchronous aggregation (``run.mode = "async"``, docs/async.md). Devices train
+    without waiting for each other; every ``buffer_size`` results make the next model version."""
+
+    concurrency: int = 0            # devices training at once; 0: clients.per_round
+    buffer_size: int = 0            # results per model version; 0: half the concurrency (at least 1)
+    max_staleness: int = 10         # results more versions behind than this are dropped (and counted)
+    staleness_exponent: float = 0.5  # a result s versions behind weighs (1 + s) ** -staleness_exponent
+    server_lr: float = 1.0          # scales the buffer's combined update before the strategy's server step
+
+    def sizes(self, selected_per_round: int) -> tuple[int, int]:
+        """(concurrency, buffer size) with the defaults resolved."""
+        concurrency = self.concurrency or selected_per_round
+        return concurrency, self.buffer_size or max(1, concurrency // 2)

@@ -26,6 +26,10 @@ def make_strategy(config: RunConfig) -> Strategy:
         raise ConfigError(f"aggregate.rule = {a.rule!r} and aggregate.norm_bound apply to strategies that average "
                           f"updates (such as fedavg and fedprox); {config.run.strategy!r} as configured combines "
                           "results its own way: leave them at mean and 0")
+    if config.run.mode == "async" and strategy.sync_only:
+        raise ConfigError(f"run.mode = 'async' cannot run run.strategy = {config.run.strategy!r}: "
+                          f"{strategy.sync_only}; use run.mode = 'sync' or a strategy that folds every result into "
+                          "one update (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm)")
     if strategy.robust:
         strategy.aggregator = Aggregator(a.rule, a.trim)
     if config.eval.personalized:

@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from coordinator.runtime.asynchronous import AsyncRun
 from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
                                              write_checkpoint)
 from coordinator.runtime.broadcast import Broadcast
@@ -377,6 +378,11 @@ class Coordinator:
                     done.evaluation = self.evaluation.in_background(done.state)
                 trained.add(done)
                 trained.complete()
+
+    def run_versions(self, first: int, last: int, complete: Callable[[dict[str, Any], ServerState], None]) -> None:
+        """``run.mode = "async"``: model versions ``first`` to ``last`` instead of rounds, each completed as
+        :meth:`run_rounds` completes a round (:mod:`coordinator.runtime.asynchronous`)."""
+        AsyncRun(self, pump=self._pump).run(last, complete)
 
     def evaluate(self) -> dict[str, Any]:
         """The strategy's evaluation of the current global state on the coordinator's test split, here and now

@@ -337,7 +337,8 @@ def _train(coordinator: Coordinator, rows: list[dict[str, Any]], metrics_path: P
         coordinator.checkpoint(trained)
         on_round(row)
 
-    coordinator.run_rounds(coordinator.started_after + 1, coordinator.config.run.rounds, complete)
+    run = coordinator.run_versions if coordinator.config.run.mode == "async" else coordinator.run_rounds
+    run(coordinator.started_after + 1, coordinator.config.run.rounds, complete)
     _write_metrics(metrics_path, rows)
 
 

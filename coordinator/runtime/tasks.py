@@ -49,9 +49,10 @@ class TaskSender:
         self.intake = intake
         self.network = network
 
-    def send_all(self, book: RoundBook, plans: list[TaskPlan]) -> None:
-        """The exchange's tasks, after the broadcast they share and (with workers) the manifest."""
-        shared = shared_tensors(plans) if self.config.codec.broadcast else {}
+    def send_all(self, book: RoundBook, plans: list[TaskPlan], *, broadcast: bool = True) -> list[str]:
+        """The exchange's tasks, after the broadcast they share and (with workers) the manifest; their ids.
+        ``broadcast=False``: each task carries all its tensors (asynchronous versions outlive a broadcast)."""
+        shared = shared_tensors(plans) if self.config.codec.broadcast and broadcast else {}
         digest = self.broadcast.publish_model(book, shared) if shared else ""
         self.outbox.transport.prefer(self.topics.client(plan.client_id, "result") for plan in plans)
         task_ids = [uuid.uuid4().hex[:16] for _ in plans]
@@ -61,6 +62,7 @@ class TaskSender:
         for task_id, plan in zip(task_ids, plans):
             self.intake.issued(book, task_id, plan)
             self.send(book, task_id, plan)
+        return task_ids
 
     def send(self, book: RoundBook, task_id: str, plan: TaskPlan) -> None:
         """One client's task message: its own tensors, the broadcast named by hash."""

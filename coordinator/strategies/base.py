@@ -190,6 +190,10 @@ class Strategy:
     # Whether the strategy averages what clients send as updates of what it sent, so that
     # aggregate.rule and aggregate.norm_bound apply (coordinator/aggregation.py).
     robust = False
+    # Why the strategy cannot run with run.mode = "async" (docs/async.md), "" when it can: buffered
+    # asynchronous versions need every result to fold into one weighted update of the model that the
+    # strategy's ``server_step`` applies, whenever it comes.
+    sync_only = "its aggregation needs every client's result of a phase at once"
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The network every party builds, from the configured one (``[model]`` plus the data's

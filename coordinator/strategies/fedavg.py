@@ -37,6 +37,7 @@ class FedAvg(Strategy):
     name = "fedavg"
     objective = "train"     # the device objective its training tasks run
     robust = True           # takes aggregate.rule and aggregate.norm_bound
+    sync_only = ""          # runs in run.mode = "async": every result is one update for server_step
     aggregator = Aggregator()
 
     def __init__(self, train: dict[str, Any]) -> None:

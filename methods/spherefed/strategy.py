@@ -76,6 +76,7 @@ class FfcSection:
 
 class SphereFed(FedProx):
     name = "spherefed"
+    sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, mu: float = 0.0, sphere_seed: int = 0,
                  ffc: FfcSection = FfcSection(), broadcast: bool = True) -> None:

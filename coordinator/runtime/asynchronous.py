@@ -1,0 +1,230 @@
+"""Asynchronous buffered aggregation (``run.mode = "async"``, FedBuff-style; docs/async.md).
+
+Rounds wait for their slowest device; here nobody waits. Up to ``async.concurrency`` devices
+train at once, each from the model version that was current when it got its task; every result
+is folded into a buffer with a weight discounted by its staleness (:mod:`async_buffer`), and
+every ``async.buffer_size`` results the strategy's ``server_step`` makes the next version. A
+version is what a round is elsewhere: ``run.rounds`` counts them, ``eval.every`` applies to
+them, each has one row in ``metrics.jsonl`` and one checkpoint.
+
+The driver reuses the round engine's parts as they are: the sampler draws idle devices (those in
+flight are ``taken``), the task sender sends, the intake sorts, checks and acknowledges every
+result into one long-lived book, the roster and absences bench devices that miss their tasks.
+Tasks of version ``v`` travel as round ``v + 1`` (what they train towards) and carry their own
+tensors: a retained model broadcast lasts one version, while a task may start after the next.
+The run status keeps the round it announced at the start, so devices never take a task or a
+result of an older version for a stale round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from coordinator.runtime.async_buffer import AsyncBuffer
+from coordinator.runtime.bookkeeping import snapshot
+from coordinator.runtime.guards import check_finite
+from coordinator.runtime.round_book import RoundBook, RoundNotes, Tally
+from coordinator.runtime.run_error import RunError
+from coordinator.runtime.selection import Sampler
+from coordinator.strategies.base import AggregationError, ClientResult, TaskPlan
+from coordinator.strategies.fedavg import FedAvg
+from storage.state import ServerState
+
+if TYPE_CHECKING:
+    from coordinator.runtime.engine import Coordinator
+
+__all__ = ["AsyncRun", "Flight"]
+
+log = logging.getLogger("fedge.coordinator")
+
+Pump = Callable[..., None]                                   # Coordinator._pump(until, done, progress)
+Complete = Callable[[dict[str, Any], ServerState], None]    # a version's row and the state to checkpoint
+POLL = 0.25   # seconds between looks at idle devices and expired tasks while no result comes
+
+
+@dataclass(frozen=True)
+class Flight:
+    """A task out on a device: who trains it, from which model version, and until when it is waited for."""
+
+    task_id: str
+    client_id: str
+    version: int
+    plan: TaskPlan
+    sent: float       # monotonic
+    deadline: float   # monotonic; after it the task is missed and the device free for another
+
+
+class AsyncRun:
+    """Model versions of one coordinator session in ``run.mode = "async"``."""
+
+    def __init__(self, coordinator: Coordinator, pump: Pump) -> None:
+        c = coordinator.config
+        if not isinstance(coordinator.strategy, FedAvg) or coordinator.strategy.sync_only:
+            raise RunError(f"run.mode = 'async' needs a strategy with a server step over one update; "
+                           f"{coordinator.strategy.name!r} has none: use run.mode = 'sync'")
+        self.co, self.pump, self.strategy = coordinator, pump, coordinator.strategy
+        self.settings = c.asynchronous
+        self.concurrency, self.buffer_size = self.settings.sizes(c.selected_per_round)
+        # The engine's sampler draws a round's clients; here as many as free slots, among those not in flight.
+        clients = dataclasses.replace(c.clients, per_round=self.concurrency, min_results=0)
+        self.sampler = Sampler(dataclasses.replace(c, clients=clients), coordinator.absences,
+                               coordinator.round_times)
+        self.buffer, coordinator.state, before = AsyncBuffer.taken_from(coordinator.state)
+        if before and coordinator.started_after:
+            log.info("%d task(s) were in flight when the run stopped: their results, if they come, count as late "
+                     "(the models they trained from are not kept)", len(before))
+        self.flights: dict[str, Flight] = {}
+        self.book = RoundBook(round=coordinator.state.round + 1, attempt=0)   # every task and result of the run
+        self.given = self.dropped = self._draws = 0   # this version's tasks, stale drops and sampler draws
+        self._started = time.monotonic()
+        self._idle_since: float | None = None
+
+    # -- the loop -----------------------------------------------------------------
+    def run(self, last: int, complete: Complete) -> None:
+        """Make versions until ``last``; ``complete(row, state)`` writes each row and its checkpoint. A run
+        that stops before (Ctrl-C, SIGTERM, an error) checkpoints the results it buffered meanwhile."""
+        co = self.co
+        co.intake.open(self.book)
+        co.on_progress({"kind": "round", "round": co.state.round + 1, "phase": "start"})
+        try:
+            while co.state.round < last:
+                self._step()
+                if self.buffer.count >= self.buffer_size:
+                    complete(*self._make_version())
+        except BaseException:
+            self._save_buffer()
+            raise
+        finally:
+            co.intake.open(RoundBook(round=co.state.round + 1, attempt=-1))
+
+    def _step(self) -> None:
+        """Give idle devices tasks, then take what comes for a moment; free the devices whose tasks expired."""
+        self._fill()
+        book = self.book
+        self.pump(time.monotonic() + POLL, lambda: bool(book.results or book.failed), self._progress)
+        self._harvest()
+        now = time.monotonic()
+        self._expire(now)
+        self._check_starved(now)
+
+    def _progress(self) -> dict[str, Any]:
+        """The version in progress as the live report shows an exchange: results buffered of those needed."""
+        tally = self.book.tally
+        return {"kind": "exchange", "round": self.co.state.round + 1, "phase": "train", "attempt": 1,
+                "results": self.buffer.count, "selected": self.buffer_size, "bytes_down": tally.bytes_down,
+                "bytes_up": tally.bytes_up, "started": self._started, "timeout": self.co.config.clients.round_timeout}
+
+    # -- tasks ----------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Tasks on the current version to idle devices, drawn by the engine's sampler, up to the concurrency."""
+        co = self.co
+        busy = {f.client_id for f in self.flights.values()}
+        if len(busy) >= self.concurrency or not set(co.roster.answering()) - busy:
+            return
+        version = co.state.round
+        clients = self.sampler.draw(co.roster.online, version + 1, self._draws, busy).clients
+        self._draws += 1
+        if not clients:
+            return
+        self.book.round = version + 1
+        plans = self.strategy.configure("train", version + 1, co.state, clients)
+        now, timeout = time.monotonic(), co.config.clients.round_timeout
+        for task_id, plan in zip(co.tasks.send_all(self.book, plans, broadcast=False), plans):
+            wait = co.round_times.deadline([(plan.client_id, plan.objective)], timeout)
+            self.flights[task_id] = Flight(task_id, plan.client_id, version, plan, now, now + wait)
+        self.given += len(plans)
+
+    def _harvest(self) -> None:
+        """The intake's accepted results and failures: their devices are free; results go to the buffer."""
+        book = self.book
+        by_client = {f.client_id: f for f in self.flights.values()}
+        for client_id in sorted(book.results.keys() | book.failed):
+            result = book.results.pop(client_id, None)
+            book.failed.discard(client_id)
+            book.profiles.pop(client_id, None)
+            flight = by_client.get(client_id)
+            if flight is None:   # the intake takes only answers to tasks in flight
+                continue
+            del self.flights[flight.task_id]
+            book.plans.pop(flight.task_id, None)
+            if result is not None:
+                self._take(flight, result)
+
+    def _take(self, flight: Flight, result: ClientResult) -> None:
+        co = self.co
+        staleness = co.state.round - flight.version
+        if staleness > self.settings.max_staleness:
+            self.dropped += 1
+            log.info("dropped the result of %s: trained from version %d, %d versions behind (async.max_staleness "
+                     "%d)", flight.client_id, flight.version, staleness, self.settings.max_staleness)
+            return
+        try:
+            self.buffer.add(result, staleness, self.settings.staleness_exponent)
+        except AggregationError as exc:
+            co.intake.count("rejected", flight.client_id, f"cannot aggregate this result: {exc}")
+            return
+        co.on_progress({"kind": "buffered", "version": co.state.round, "client": flight.client_id,
+                        "task_id": flight.task_id, "staleness": staleness, "buffered": self.buffer.count})
+
+    def _expire(self, now: float) -> None:
+        """Tasks past their deadline are missed (recorded, counted towards benching, as in a round's close)."""
+        for flight in [f for f in self.flights.values() if now > f.deadline]:
+            del self.flights[flight.task_id]
+            self.book.plans.pop(flight.task_id, None)
+            self.co.intake.close(RoundBook(round=flight.version + 1, attempt=0, plans={flight.task_id: flight.plan},
+                                           wait=flight.deadline - flight.sent, opened=flight.sent))
+
+    def _check_starved(self, now: float) -> None:
+        """Nothing in flight for ``clients.presence_timeout``: no device takes tasks, and none will."""
+        if self.flights:
+            self._idle_since = None
+            return
+        self._idle_since = self._idle_since or now
+        timeout = self.co.config.clients.presence_timeout
+        if now - self._idle_since > timeout:
+            raise RunError(f"no client took a task for {timeout:.0f} s (online: {sorted(self.co.roster.online)}, "
+                           f"answering: {self.co.roster.answering()}); start clients or raise "
+                           "clients.presence_timeout")
+
+    # -- versions ---------------------------------------------------------------------
+    def _make_version(self) -> tuple[dict[str, Any], ServerState]:
+        """The strategy's server step on the buffer's update: the next version, its row and what to checkpoint."""
+        co = self.co
+        version = co.state.round + 1
+        state = self.strategy.server_step(version, co.state, self.buffer.update(self.settings.server_lr))
+        check_finite(state, version, "train", co.config.aggregate.rule)
+        now = time.monotonic()
+        tally, model_bytes = self.book.tally, co.fp32_model_bytes
+        row = {"round": version, "version": version, **self.buffer.columns(),
+               "returned": self.buffer.count + self.dropped, "dropped_stale": self.dropped,
+               "in_flight": len(self.flights), "selected": self.given, **tally.row(),
+               "bytes_per_client": co.intake.notes.bytes_per_client(),
+               "fp32_bytes_down": model_bytes * self.given,
+               "fp32_bytes_up": model_bytes * (self.buffer.count + self.dropped),
+               "seconds": now - self._started}
+        co.state, self.buffer = state, AsyncBuffer()
+        self.given = self.dropped = self._draws = 0
+        self.book.tally, co.intake.notes, self._started = Tally(), RoundNotes(), now
+        if co.evaluates(version):   # here and now: the checkpoint of a version is written before the next one
+            row.update(co.evaluate())
+        co.on_progress({"kind": "round", "round": version, "phase": "end", "seconds": row["seconds"]})
+        if version < co.config.run.rounds:
+            co.on_progress({"kind": "round", "round": version + 1, "phase": "start"})
+        return row, snapshot(self.buffer.saved_in(state, self._in_flight()))
+
+    def _in_flight(self) -> dict[str, list[Any]]:
+        return {f.task_id: [f.client_id, f.version] for f in self.flights.values()}
+
+    def _save_buffer(self) -> None:
+        """On a stop: the last version's checkpoint again, now with the results buffered since (never lost)."""
+        if not self.buffer.count or not self.buffer.finite():   # a NaN buffer would make the checkpoint unreadable
+            return
+        try:
+            self.co.checkpoint(self.buffer.saved_in(self.co.state, self._in_flight()))
+        except (RunError, OSError) as exc:
+            log.error("could not checkpoint the %d buffered result(s) as the run stopped: %s", self.buffer.count, exc)
