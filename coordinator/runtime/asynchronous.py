@@ -139,9 +139,10 @@ class AsyncRun:
             self.flights[task_id] = Flight(task_id, plan.client_id, version, plan, now, now + wait)
         self.given += len(plans)
 
-    def _harvest(self) -> None:
-        """The intake's accepted results and failures: their devices are free; results go to the buffer."""
-        book = self.book
+    def _harvest(self, report: bool = True) -> None:
+        """The intake's accepted results and failures: their devices are free; results go to the buffer (all
+        of them before anyone watching hears of one: what the intake acknowledged must reach the buffer)."""
+        book, events = self.book, []
         by_client = {f.client_id: f for f in self.flights.values()}
         for client_id in sorted(book.results.keys() | book.failed):
             result = book.results.pop(client_id, None)
@@ -152,24 +153,27 @@ class AsyncRun:
                 continue
             del self.flights[flight.task_id]
             book.plans.pop(flight.task_id, None)
-            if result is not None:
-                self._take(flight, result)
+            if result is not None and (event := self._take(flight, result)) is not None:
+                events.append(event)
+        for event in events if report else ():
+            self.co.on_progress(event)
 
-    def _take(self, flight: Flight, result: ClientResult) -> None:
+    def _take(self, flight: Flight, result: ClientResult) -> dict[str, Any] | None:
+        """Fold a result into the buffer, or drop it as too stale; what the progress hears of it."""
         co = self.co
         staleness = co.state.round - flight.version
         if staleness > self.settings.max_staleness:
             self.dropped += 1
             log.info("dropped the result of %s: trained from version %d, %d versions behind (async.max_staleness "
                      "%d)", flight.client_id, flight.version, staleness, self.settings.max_staleness)
-            return
+            return None
         try:
             self.buffer.add(result, staleness, self.settings.staleness_exponent)
         except AggregationError as exc:
             co.intake.count("rejected", flight.client_id, f"cannot aggregate this result: {exc}")
-            return
-        co.on_progress({"kind": "buffered", "version": co.state.round, "client": flight.client_id,
-                        "task_id": flight.task_id, "staleness": staleness, "buffered": self.buffer.count})
+            return None
+        return {"kind": "buffered", "version": co.state.round, "client": flight.client_id,
+                "task_id": flight.task_id, "staleness": staleness, "buffered": self.buffer.count}
 
     def _expire(self, now: float) -> None:
         """Tasks past their deadline are missed (recorded, counted towards benching, as in a round's close)."""
@@ -222,6 +226,7 @@ class AsyncRun:
 
     def _save_buffer(self) -> None:
         """On a stop: the last version's checkpoint again, now with the results buffered since (never lost)."""
+        self._harvest(report=False)   # results the intake acknowledged while the stop came
         if not self.buffer.count or not self.buffer.finite():   # a NaN buffer would make the checkpoint unreadable
             return
         try:

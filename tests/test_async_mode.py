@@ -1,0 +1,164 @@
+"""Asynchronous buffered aggregation (run.mode = "async"): the staleness weighting against a hand
+computation, in-process runs with devices of different speeds, a server optimizer, the methods
+that refuse it, a stop and --resume that lose and repeat no result, and spawned client processes
+over Mosquitto."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.config import ConfigError, load_config
+from coordinator.runtime.async_buffer import AsyncBuffer, staleness_weight
+from coordinator.runtime.run import RunInterrupted, run_federated
+from coordinator.strategies.base import ClientResult
+from coordinator.strategy_setup import make_strategy
+from edge_client.objectives import train
+from storage.checkpoint import latest_checkpoint, load_checkpoint
+
+
+def async_config(out: Path, **sets):
+    """A small in-process digits run in async mode; ``section__key=value`` overrides any key."""
+    base = {"run__mode": "async", "run__rounds": 3, "run__out": str(out), "model__name": "mlp", "model__hidden": [16],
+            "data__eval": "digits", "clients__expected": 4, "clients__spawn": 4, "transport__kind": "inproc",
+            "sim__workers": -1, "export__enabled": False, "async__buffer_size": 2, "clients__presence_timeout": 60.0}
+    base.update(sets)
+    return load_config(None, [(*key.split("__", 1), value) for key, value in base.items()])
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def slow(seconds: dict[str, float]):
+    """Client objectives: the real training, after ``seconds[client]`` of sleep (a slower device)."""
+    def objectives(client_id: str):
+        def slow_train(model, data, hyper, ctx):
+            time.sleep(seconds.get(client_id, 0.0))
+            return train(model, data, hyper, ctx)
+        return {"train": slow_train}
+    return objectives
+
+
+def test_the_staleness_weighting_matches_the_hand_computation():
+    # three updates of one coordinate: (delta, samples, versions behind)
+    updates = [(0.5, 10, 0), (-1.0, 20, 1), (2.0, 30, 3)]
+    a = 0.5
+    weights = [n * (1 + s) ** -a for _, n, s in updates]
+    by_hand = sum(w * d for w, (d, _, _) in zip(weights, updates)) / sum(weights)
+    buffer = AsyncBuffer()
+    for delta, samples, staleness in updates:
+        buffer.add(ClientResult("c", samples, {}, {"train_loss": 1.0}, {"w": torch.tensor([delta])}), staleness, a)
+    assert buffer.update(1.0)["w"].item() == pytest.approx(by_hand, abs=1e-12)
+    assert buffer.update(0.5)["w"].item() == pytest.approx(0.5 * by_hand, abs=1e-12)
+    assert staleness_weight(30, 3, a) == pytest.approx(15.0)   # 30 / sqrt(4)
+    assert buffer.columns()["staleness"] == {"0": 1, "1": 1, "3": 1} and buffer.columns()["results"] == 3
+
+
+def test_the_buffer_goes_through_the_server_state_and_back():
+    buffer = AsyncBuffer()
+    buffer.add(ClientResult("c", 4, {}, {}, {"w": torch.tensor([1.0, 2.0])}), 2, 0.5)
+    from storage.state import ServerState
+    state = ServerState(round=3, params={"w": torch.zeros(2)}, buffers={"m/w": torch.ones(2)}, extra={"k": 1})
+    saved = buffer.saved_in(state, {"t1": ["a", 3]})
+    back, rest, flying = AsyncBuffer.taken_from(saved)
+    assert rest == state and flying == {"t1": ["a", 3]}
+    assert torch.equal(back.update()["w"], buffer.update()["w"]) and back.staleness == {2: 1} and back.count == 1
+
+
+@pytest.mark.parametrize("setting, message", [
+    (("run", "mode", "later"), "run.mode must be one of sync, async"),
+    (("async", "concurrency", 9), "async.concurrency must be between 0"),
+    (("async", "staleness_exponent", -1.0), "async.staleness_exponent must be >= 0"),
+    (("aggregate", "rule", "median"), "run.mode = 'async' needs aggregate.rule = 'mean'"),
+])
+def test_bad_async_settings_name_the_key(setting, message):
+    sets = [("run", "mode", "async"), setting] if setting[1] != "mode" else [setting]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, sets)
+
+
+@pytest.mark.parametrize("strategy, model", [("fedma", {"name": "mlp", "hidden": [16]}), ("spherefed", {}), ("dfl", {}),
+                                             ("fed2", {"name": "cnn"})])
+def test_methods_that_need_a_whole_phase_refuse_async_mode(strategy, model):
+    sets = [("run", "strategy", strategy), ("run", "mode", "async"), ("run", "rounds", 8),
+            *(("model", k, v) for k, v in model.items())]
+    with pytest.raises(ConfigError, match=rf"run.mode = 'async' cannot run run.strategy = '{strategy}'"):
+        make_strategy(load_config(None, sets))
+
+
+def test_fedavg_in_async_mode_with_a_slow_device(tmp_path):
+    """Four devices at once, a version every two results: results of an older version come in with
+    their staleness counted, the slow device's too; with max_staleness 0 stale ones are dropped."""
+    events: list[dict] = []
+    speeds = {"sim-000": 0.3, "sim-001": 0.3, "sim-002": 0.3, "sim-003": 0.6}
+    result = run_federated(async_config(tmp_path / "a", run__rounds=6),
+                           say=lambda s: None, client_objectives=slow(speeds),
+                           on_progress=lambda e: events.append(e) if e["kind"] == "buffered" else None)
+    rows = rows_of(result.out_dir)
+    assert [r["round"] for r in rows] == list(range(7))
+    for row in rows[1:]:
+        assert row["results"] == 2 == sum(row["staleness"].values()) and row["in_flight"] <= 4
+        assert row["test_accuracy"] is not None and row["dropped_stale"] == 0
+    assert any(s != "0" for row in rows[1:] for s in row["staleness"])   # stale results were applied
+    from_slow = [e["staleness"] for e in events if e["client"] == "sim-003" and e["version"] > 0]
+    assert from_slow and min(from_slow) >= 1   # the slow device's results came a version late or more
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.2
+    assert len(list((result.out_dir / "clients").glob("*.jsonl"))) == 4   # profile records as in sync mode
+
+    dropped = run_federated(async_config(tmp_path / "b", async__max_staleness=0), say=lambda s: None,
+                            client_objectives=slow({"sim-003": 0.8}))
+    rows = rows_of(dropped.out_dir)
+    assert all(set(r["staleness"]) == {"0"} for r in rows[1:])   # only fresh results applied
+    assert sum(r["dropped_stale"] for r in rows[1:]) >= 1        # the third result of version 0 came too late
+
+
+def test_a_server_optimizer_in_async_mode(tmp_path):
+    result = run_federated(async_config(tmp_path, run__strategy="fedadam", run__rounds=2), say=lambda s: None)
+    state, _ = load_checkpoint(latest_checkpoint(result.out_dir / "checkpoints"))
+    assert state.round == 2 and {f"m/{k}" for k in state.params} <= set(state.buffers)
+    assert [r["results"] for r in rows_of(result.out_dir)[1:]] == [2, 2]
+
+
+def test_a_stop_and_resume_lose_no_result_and_apply_none_twice(tmp_path):
+    """The run stops with a result buffered after version 1; the checkpoint keeps it, the resumed run
+    applies it, and every result applied over both lifetimes is one the coordinator took once."""
+    out, taken = tmp_path / "run", {1: [], 2: []}
+
+    def stop_when_buffered(event):
+        if event["kind"] == "buffered":
+            taken[1].append(event["task_id"])
+            if event["version"] >= 1:
+                raise KeyboardInterrupt
+
+    with pytest.raises(RunInterrupted):
+        run_federated(async_config(out, run__rounds=4), say=lambda s: None, on_progress=stop_when_buffered)
+    state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+    buffered, _, _ = AsyncBuffer.taken_from(state)
+    assert state.round >= 1 and buffered.count >= 1
+    before = rows_of(out)
+    assert sum(r["results"] for r in before[1:]) + buffered.count == len(taken[1])
+
+    result = run_federated(async_config(out, run__rounds=4), resume=True, say=lambda s: None,
+                           on_progress=lambda e: taken[2].append(e["task_id"]) if e["kind"] == "buffered" else None)
+    rows = rows_of(result.out_dir)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert sum(r["results"] for r in rows[1:]) == len(taken[1]) + len(taken[2])   # nothing lost, nothing twice
+    assert not set(taken[1]) & set(taken[2]) and len(set(taken[1] + taken[2])) == len(taken[1] + taken[2])
+    assert rows[state.round + 1]["results"] == 2 and len(taken[2]) == 2 * (4 - state.round) - buffered.count
+
+
+def test_async_mode_with_client_processes_over_mosquitto(tmp_path, mosquitto, prefix):
+    config = async_config(tmp_path / "run", transport__kind="mqtt", transport__broker=mosquitto,
+                          transport__prefix=prefix, clients__expected=3, clients__spawn=3, run__rounds=3,
+                          clients__round_timeout=60.0, codec__up="topk:0.1+int8")
+    result = run_federated(config, say=lambda s: None)
+    rows = rows_of(result.out_dir)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:
+        assert row["results"] == 2 and row["rejected"] == 0 and row["failed"] == 0
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"]
