@@ -150,6 +150,9 @@ def test_a_stop_and_resume_lose_no_result_and_apply_none_twice(tmp_path):
     assert sum(r["results"] for r in rows[1:]) == len(taken[1]) + len(taken[2])   # nothing lost, nothing twice
     assert not set(taken[1]) & set(taken[2]) and len(set(taken[1] + taken[2])) == len(taken[1] + taken[2])
     assert rows[state.round + 1]["results"] == 2 and len(taken[2]) == 2 * (4 - state.round) - buffered.count
+    records = {json.loads(line)["task_id"] for path in (out / "clients").glob("*.jsonl")
+               for line in path.read_text().splitlines()}
+    assert set(taken[1] + taken[2]) <= records   # every applied result keeps its profile record across the resume
 
 
 def test_async_mode_with_client_processes_over_mosquitto(tmp_path, mosquitto, prefix):

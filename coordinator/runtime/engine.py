@@ -115,7 +115,8 @@ class Coordinator:
         self.absences = Absences(config.clients.max_misses)
         self.roster = Roster(self.absences, warn)
         self.sampler = Sampler(config, self.absences, self.round_times)
-        self.profile_store = ProfileStore(self.out / "clients", completed_rounds=self.state.round)
+        done = self.state.round + (1 if config.run.mode == "async" else 0)   # async: version v's tasks are round v+1
+        self.profile_store = ProfileStore(self.out / "clients", completed_rounds=done)
         network = self._current_network
         self.intake = ResultIntake(config, outbox=self.outbox, topics=self.topics, strategy=self.strategy,
                                    downlink=self.downlink, roster=self.roster, round_times=self.round_times,
