@@ -1,0 +1,60 @@
+"""What a policy's run directory says, reduced to the lab's results: accuracy against wall-clock
+time, results accepted, late and failed, which devices of each class contributed, time to a target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["read_jsonl", "accuracy_curve", "outcome_counts", "contributors", "time_to_target"]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file; a line cut short by a crash is skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def accuracy_curve(rows: list[dict[str, Any]], seen_at: dict[int, float]) -> list[dict[str, Any]]:
+    """(round, seconds since the policy started, test accuracy) of every evaluated round. ``seen_at``:
+    when the lab saw each round's row appear (wall clock, coordinator start-up and waiting included)."""
+    return [{"round": r["round"], "t": seen_at.get(r["round"]), "test_accuracy": r["test_accuracy"]}
+            for r in rows if isinstance(r.get("round"), int) and isinstance(r.get("test_accuracy"), float)]
+
+
+def outcome_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Results accepted into an aggregate (``returned``), late, failed and rejected, over all rounds."""
+    keys = {"accepted": "returned", "late": "late", "failed": "failed", "rejected": "rejected",
+            "selected": "selected"}
+    return {name: sum(int(r.get(key) or 0) for r in rows if r.get("round", 0) > 0) for name, key in keys.items()}
+
+
+def contributors(run_dir: Path, device_class: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per class: the distinct devices with at least one training result that was in time and not
+    an error (from the run's ``clients/ID.jsonl`` profile records), out of the class's devices."""
+    out: dict[str, dict[str, Any]] = {}
+    for klass in dict.fromkeys(device_class.values()):
+        members = [d for d, c in device_class.items() if c == klass]
+        good = [d for d in members
+                if any(r.get("objective") == "train" and not r.get("late") and not r.get("missed")
+                       and r.get("error") is None for r in read_jsonl(run_dir / "clients" / f"{d}.jsonl"))]
+        out[klass] = {"contributed": len(good), "devices": len(members), "ids": good}
+    return out
+
+
+def time_to_target(curve: list[dict[str, Any]], target: float | None) -> float | None:
+    """Wall-clock seconds until test accuracy first reached ``target`` (None: never, or no target)."""
+    if target is None:
+        return None
+    return next((p["t"] for p in curve if p["t"] is not None and p["test_accuracy"] >= target), None)
