@@ -140,7 +140,9 @@ class Lab:
         problems += self.net.remove()
         for problem in problems:
             self.say(f"  could not remove: {problem}")
-        if not problems:
+        if self.system.dry_run:
+            self.say("dry run: nothing was created")
+        elif not problems:
             self.say(f"lab {self.name}: removed (processes, namespaces, veths, bridge, qdiscs, cgroups, broker)")
         return problems
 

@@ -116,11 +116,15 @@ def run_policy(lab: Lab, policy: str) -> dict[str, Any]:
     scheduler.start()
     try:
         watched = _watch(lab, policy, coordinator, clients, run_dir)
-    finally:
+    except BaseException:   # Ctrl-C, SIGTERM, a failure: stop everything at once, the lab cleans up
+        lab.say(f"{policy}: stopping the coordinator and the clients")
         scheduler.stop()
-        processes.stop([coordinator], first=signal.SIGINT, grace=30.0)
-        time.sleep(0.5)
-        processes.stop(list(clients.values()), grace=20.0)
+        processes.stop([coordinator, *clients.values()], grace=5.0)
+        raise
+    scheduler.stop()
+    processes.stop([coordinator], first=signal.SIGINT, grace=30.0)
+    time.sleep(0.5)   # the clients leave by themselves once the run's end reaches them
+    processes.stop(list(clients.values()), grace=20.0)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     curve = accuracy_curve(rows, watched["seen"])
     error = "" if coordinator.returncode in (0, 130) else \
