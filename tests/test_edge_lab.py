@@ -22,6 +22,10 @@ import pytest
 from coordinator.ops.mosquitto import mosquitto_binary
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from lab.fleet import FleetError, load_fleet  # noqa: E402
+from lab.schedule import timeline  # noqa: E402
+
 CGROUP = Path("/sys/fs/cgroup")
 MIB = 1024 * 1024
 
@@ -120,3 +124,37 @@ def test_lab_runs_the_test_fleet_and_leaves_nothing(tmp_path: Path) -> None:
     assert not device["oom_killed"] and device["exit_code"] == 0, device
     assert sum(c["contributed"] for c in result["contributors"].values()) == 3
     assert _leftovers(lab) == []
+
+
+# --- The fleet file and the schedule, without root ----------------------------------------------------------------
+
+
+def test_mixed_fleet_is_a_realistic_spread() -> None:
+    fleet = load_fleet(REPO / "bench" / "fleets" / "mixed.toml")
+    speeds = [d.speed for d in fleet.devices]
+    assert len(fleet.devices) >= 30 and max(speeds) / min(speeds) >= 10
+    assert any(d.klass == "pi-zero-2w" and d.memory_bytes == 512 * MIB for d in fleet.devices)
+    assert abs(fleet.expected_offline_fraction() - 0.2) < 0.03
+    assert {d.klass.split("-")[0] for d in fleet.devices} >= {"pi", "pi4", "pi5", "orin"}
+    assert load_fleet(REPO / "bench" / "fleets" / "mixed.toml", cpu_scale=0.04).devices[0].cpu_share == 0.04
+
+
+def test_schedule_is_seeded_and_alternates() -> None:
+    fleet = load_fleet(REPO / "bench" / "fleets" / "mixed.toml")
+    events = timeline(fleet.devices, seed=1, horizon=3600)
+    assert events == timeline(fleet.devices, seed=1, horizon=3600) != timeline(fleet.devices, seed=2, horizon=3600)
+    for device in fleet.devices:   # a link goes down, up, down, ...; never twice the same way
+        links = [e.action for e in events if e.device == device.id and e.action.startswith("link")]
+        assert all(a != b for a, b in zip(links, links[1:]))
+    zero = [e for e in events if e.device == "pi-zero-2w-01" and e.action == "throttle"]
+    assert zero and all(e.fraction == 0.6 for e in zero)
+
+
+def test_fleet_errors_name_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[classes.pi]\nspeed = 1\nuplink = "fast"\n')
+    with pytest.raises(FleetError, match=r"classes\.pi\.uplink"):
+        load_fleet(bad)
+    bad.write_text('cpu_scale = 0.001\n[classes.pi]\nspeed = 1\n')
+    with pytest.raises(FleetError, match="raise cpu_scale"):
+        load_fleet(bad)
