@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lab.system import System
 
-__all__ = ["PERIOD_US", "Cgroups", "cgroup_problem", "lab_cgroup_dirs"]
+__all__ = ["PERIOD_US", "Cgroups", "cgroup_problem", "lab_cgroup_dirs", "remove_tree"]
 
 ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
