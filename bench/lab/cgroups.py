@@ -146,6 +146,14 @@ class Cgroups:
                 pass
         return out
 
+    def reset_peak(self, device: str) -> None:
+        """Start the device's memory peak afresh (each policy reports its own); best effort on v2."""
+        mem = self._dirs(device)["memory"]
+        try:
+            (mem / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")).write_text("0\n")
+        except OSError:
+            pass
+
     def remove(self) -> list[str]:
         """Kill what is left in the lab's cgroups and remove them; what could not be removed."""
         return remove_tree(self.system, sorted(set(self._dirs().values())))

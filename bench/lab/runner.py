@@ -105,6 +105,8 @@ def run_policy(lab: Lab, policy: str) -> dict[str, Any]:
     base = lab.work / policy
     base.mkdir(parents=True, exist_ok=True)
     lab.reset()
+    for d in lab.fleet.devices:
+        lab.cgroups.reset_peak(d.id)
     before = {d.id: lab.cgroups.memory_events(d.id) for d in lab.fleet.devices}
     o = lab.options
     horizon = o.budget if o.budget is not None else o.rounds * o.round_timeout + 600
