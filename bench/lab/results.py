@@ -27,9 +27,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def accuracy_curve(rows: list[dict[str, Any]], seen_at: dict[int, float]) -> list[dict[str, Any]]:
-    """(round, seconds since the policy started, test accuracy) of every evaluated round. ``seen_at``:
-    when the lab saw each round's row appear (wall clock, coordinator start-up and waiting included)."""
-    return [{"round": r["round"], "t": seen_at.get(r["round"]), "test_accuracy": r["test_accuracy"]}
+    """(round, seconds, test accuracy) of every evaluated round. ``seen_at``: when the lab saw each
+    round's row appear, in seconds since the policy started. ``t`` counts from there (client start-up and
+    waiting for devices included); ``t_train`` from the moment round 0's row appeared, when training
+    began: start-up depends on how fast an emulated device imports torch, not on the policy, so
+    policies are compared on ``t_train``."""
+    start = seen_at.get(0)
+    return [{"round": r["round"], "t": seen_at.get(r["round"]),
+             "t_train": None if start is None or r["round"] not in seen_at else round(seen_at[r["round"]] - start, 2),
+             "test_accuracy": r["test_accuracy"]}
             for r in rows if isinstance(r.get("round"), int) and isinstance(r.get("test_accuracy"), float)]
 
 
@@ -54,7 +60,9 @@ def contributors(run_dir: Path, device_class: dict[str, str]) -> dict[str, dict[
 
 
 def time_to_target(curve: list[dict[str, Any]], target: float | None) -> float | None:
-    """Wall-clock seconds until test accuracy first reached ``target`` (None: never, or no target)."""
+    """Wall-clock seconds of training until test accuracy first reached ``target`` (None: never, or no
+    target)."""
     if target is None:
         return None
-    return next((p["t"] for p in curve if p["t"] is not None and p["test_accuracy"] >= target), None)
+    return next((p["t_train"] for p in curve if p.get("t_train") is not None and p["test_accuracy"] >= target),
+                None)
