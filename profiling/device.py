@@ -16,6 +16,8 @@ from typing import Any
 
 import psutil
 
+from profiling.memory import battery, memory_available_bytes, memory_total_bytes
+
 __all__ = ["device_facts"]
 
 
@@ -60,7 +62,9 @@ def device_facts() -> dict[str, Any]:
     """Architecture, board, CPU, cores, RAM, OS and library versions; absent ones are None.
 
     ``ram_bytes`` is the host's memory as the OS reports it; inside a container with
-    a memory limit the limit is lower.
+    a memory limit the limit is lower, and ``memory_total_bytes`` / ``memory_available_bytes``
+    say what this process may use (the cgroup's limit when it is lower). ``battery_percent`` and
+    ``power_plugged`` only where the device has a battery.
     """
     torch = sys.modules.get("torch")
     return {
@@ -70,9 +74,12 @@ def device_facts() -> dict[str, Any]:
         "cpu_max_mhz": _cpu_max_mhz(),
         "cores": os.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
+        "memory_total_bytes": memory_total_bytes(),
+        "memory_available_bytes": memory_available_bytes(),
         "os": platform.platform(),
         "python": platform.python_version(),
         "torch": _version("torch"),
         "torch_threads": torch.get_num_threads() if torch is not None else None,
         "onnxruntime": _version("onnxruntime"),
+        **battery(),
     }

@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from profiling.memory import battery, memory_available_bytes
 from profiling.sensors import cpu_temperature, pi_throttling
 
 __all__ = ["Profiler", "NullProfiler", "percentile", "reset_peak_rss", "peak_rss_since_reset", "TASK_PHASES",
@@ -188,6 +189,8 @@ class Profiler:
             "temperature_c": temperature[0] if temperature else None,
             "temperature_sensor": temperature[1] if temperature else None,
             "throttled": pi_throttling(),
+            "memory_available_bytes": memory_available_bytes(),
+            **battery(),
         }
 
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["clean_profile", "NUMBER_FIELDS", "COUNT_FIELDS"]
+__all__ = ["clean_profile", "clean_device_facts", "NUMBER_FIELDS", "COUNT_FIELDS", "FACT_FIELDS"]
 
 # seconds, percentages, degrees: finite numbers, at least zero (temperature may be negative)
 NUMBER_FIELDS = ("seconds", "step_p50", "step_p95", "step_max", "samples_per_second", "cpu_percent",
-                 "temperature_c")
+                 "temperature_c", "battery_percent")
 # counts and byte sizes: non-negative integers
-COUNT_FIELDS = ("steps", "samples", "peak_rss_bytes", "peak_uss_bytes", "gpu_peak_bytes")
+COUNT_FIELDS = ("steps", "samples", "peak_rss_bytes", "peak_uss_bytes", "gpu_peak_bytes", "memory_available_bytes")
+# the device facts (hello message) selection reads; the rest are only shown, never computed with
+FACT_FIELDS = ("cores", "ram_bytes", "memory_total_bytes", "memory_available_bytes", "battery_percent",
+               "power_plugged")
 _PHASE_MAPS = ("phases", "train_phases")
 _MAX_NAMES = 32
 _MAX_TEXT = 64
@@ -33,6 +36,15 @@ def _count(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return None
     return value
+
+
+def _percent(value: Any) -> float | None:
+    number = _number(value)
+    return number if number is not None and number <= 100 else None
+
+
+def _flag(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
 
 
 def _text(value: Any) -> str | None:
@@ -75,9 +87,21 @@ def clean_profile(raw: Any) -> dict[str, Any]:
     checks = {**{key: _number for key in NUMBER_FIELDS}, **{key: _count for key in COUNT_FIELDS},
               "temperature_c": lambda v: _number(v, signed=True), "temperature_sensor": _text,
               "device": _text, "gpu_temperature_c": lambda v: _number(v, signed=True),
-              "throttled": _throttled, "previous_send": _previous_send}
+              "throttled": _throttled, "previous_send": _previous_send, "battery_percent": _percent,
+              "power_plugged": _flag}
     out: dict[str, Any] = {key: check(raw[key]) for key, check in checks.items() if key in raw}
     for key in _PHASE_MAPS:
         if key in raw:
             out[key] = _seconds_map(raw[key])
     return out
+
+
+def clean_device_facts(raw: Any) -> dict[str, Any]:
+    """The :data:`FACT_FIELDS` of a hello message's device facts (anything at all), checked like a profile:
+    byte sizes and core counts non-negative integers, the battery a percentage, plugged a bool; a field
+    missing or malformed is absent (None)."""
+    if not isinstance(raw, dict):
+        raw = {}
+    checks = {"cores": _count, "ram_bytes": _count, "memory_total_bytes": _count, "memory_available_bytes": _count,
+              "battery_percent": _percent, "power_plugged": _flag}
+    return {key: checks[key](raw.get(key)) for key in FACT_FIELDS}
