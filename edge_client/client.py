@@ -28,6 +28,7 @@ from torch import nn
 from edge_client.device import GpuMeter
 from edge_client.device_protocol import Actions, BroadcastCache, DeviceProtocol, Publish, Task, presence_payload
 from edge_client.inputs import for_model
+from edge_client.memory_guard import MemoryGuard
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.objectives import LocalData, Objective, ObjectiveError, TaskContext, shuffle_seed, warm_up
 from edge_client.registry import OBJECTIVES, build_model
@@ -132,6 +133,7 @@ class EdgeClient:
         self._gpu = GpuMeter(self.device)
         self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
         self._residuals = ResidualStore(settings.state_dir)
+        self.memory = MemoryGuard()   # refuses a task that would run this device out of memory
         self.tasks_run = 0
 
     @staticmethod
@@ -246,6 +248,8 @@ class EdgeClient:
         # Encoding and publishing come after the profile is sealed into the result, so
         # their times travel with the next result, as `previous_send`.
         answer = replace(answer, profile={**profiler.summary(), **self._gpu.summary(), **self._previous_send})
+        if task.body is not None and answer.error is None:
+            self.memory.measured(task.body.model, task.body.hyper, answer.profile.get("peak_rss_bytes"))
         with profiler.phase("encode"):
             payload = self._result_payload(msg, answer, tensors)
         with profiler.phase("publish"):
@@ -280,7 +284,9 @@ class EdgeClient:
             raise ObjectiveError(f"unknown objective {task.objective!r}; this client knows {sorted(known)}")
         up = list(task.up)
         with profiler.phase("decode"):
+            self.memory.before_build(task.model, task.hyper)   # building takes memory too
             model = self._models.get(task.model)
+            self.memory.before_training(model, task.model, task.hyper)
             self._check_data_fits(task.model)
             self.data = for_model(self.data, task.model)   # the spec's normalization, whatever --data is
             known = set(federated_names(model))

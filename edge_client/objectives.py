@@ -143,8 +143,11 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
     gen = task_generator(ctx.seed)
     model.train()
     total_loss, seen = 0.0, 0
-    for xb, yb in minibatches(data, h.batch_size, h.epochs, gen, profiler):
-        loss = criterion(model(xb), yb)
+    last_epoch = (h.epochs - 1) * math.ceil(len(data) / h.batch_size)   # the first step of the last epoch
+    squared, last_seen = 0.0, 0
+    for step, (xb, yb) in enumerate(minibatches(data, h.batch_size, h.epochs, gen, profiler)):
+        scores = model(xb)
+        loss = criterion(scores, yb)
         objective = loss
         if anchor:
             objective = loss + 0.5 * h.mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
@@ -161,8 +164,25 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
             raise ObjectiveError("training diverged (non-finite loss); lower the learning rate")
         total_loss += value * len(yb)
         seen += len(yb)
+        if step >= last_epoch:
+            squared += _squared_losses(criterion, scores, yb, value)
+            last_seen += len(yb)
         profiler.end_step(len(yb))
-    return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": total_loss / max(seen, 1)})
+    return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": total_loss / max(seen, 1),
+                                                           "train_loss_sq": squared / max(last_seen, 1)})
+
+
+def _squared_losses(criterion: Criterion, scores: torch.Tensor, labels: torch.Tensor, batch_loss: float) -> float:
+    """The sum of the batch's squared per-sample losses, for ``train_loss_sq``: the mean squared loss of the
+    last epoch, which utility-driven client selection (Oort's statistical utility) ranks devices by.
+
+    Exact for cross-entropy; a method's own criterion gives only the batch mean, so its samples count the
+    squared batch loss each (a lower bound of the exact figure, by Jensen's inequality).
+    """
+    if criterion is F.cross_entropy:
+        with torch.no_grad():
+            return float((F.cross_entropy(scores.detach(), labels, reduction="none") ** 2).sum())
+    return batch_loss ** 2 * len(labels)
 
 
 def minibatches(data: LocalData, batch_size: int, epochs: int, gen: torch.Generator,
