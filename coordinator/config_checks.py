@@ -7,6 +7,7 @@ before the run directory exists, so a mistake costs no cleanup and no retry loop
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,7 @@ def check_config(config: RunConfig) -> None:
         (config.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
         *_workers_checks(config),
         *_async_checks(config),
+        *_selection_checks(config),
         ("name" in config.model, "model.name is required"),
         *(check for section in config.methods.values() for check in section.checks(config)),
     ]
@@ -125,6 +127,21 @@ def _async_checks(config: RunConfig) -> list[tuple[bool, str]]:
          f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need a round's every result)"),
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it compares a round's every client model)"),
         (not config.eval.personalized, f"{need} eval.personalized = false (it asks every client in one phase)"),
+    ]
+
+
+def _selection_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    s = config.selection
+    return [
+        (0.0 <= s.explore <= 1.0, "selection.explore must be in [0, 1] (the share of a draw spent exploring)"),
+        (s.alpha >= 0, "selection.alpha must be >= 0 (0: no penalty for slow devices)"),
+        (s.preferred_seconds >= 0, "selection.preferred_seconds must be >= 0 (0: from clients.round_timeout)"),
+        (s.staleness >= 0, "selection.staleness must be >= 0 (0: no bonus for devices not selected for a while)"),
+        (s.memory_margin >= 1.0, "selection.memory_margin must be at least 1.0"),
+        (math.isfinite(s.max_temperature_c), "selection.max_temperature_c must be a finite number of °C"),
+        (s.min_battery_percent >= 0 and s.min_battery_percent <= 100,
+         "selection.min_battery_percent must be in [0, 100]"),
+        (s.rest_rounds >= 0, "selection.rest_rounds must be >= 0 (0: never rest a hot or low-battery device)"),
     ]
 
 

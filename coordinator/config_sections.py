@@ -14,7 +14,7 @@ from edge_client.hyper import LocalTraining
 
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
-           "AsyncSection", "MODES"]
+           "AsyncSection", "MODES", "SelectionSection"]
 
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 
@@ -48,7 +48,7 @@ class ClientsSection:
     resend_every: float = 10.0      # how often a client re-sends an unacknowledged result
     spawn: int = 0                  # local client processes (or threads with inproc)
     torch_threads: int = 1          # per spawned client, to avoid oversubscription
-    selection: str = "random"       # random | deadline (skip clients predicted to miss round_timeout)
+    selection: str = "random"       # random | deadline (skip clients predicted to miss round_timeout) | profile
 
 
 TrainSection = LocalTraining   # [train]: the local training every task's hyperparameters start from
@@ -151,3 +151,18 @@ class AsyncSection:
         """(concurrency, buffer size) with the defaults resolved."""
         concurrency = self.concurrency or selected_per_round
         return concurrency, self.buffer_size or max(1, concurrency // 2)
+
+
+@dataclass(frozen=True)
+class SelectionSection:
+    """``clients.selection = "profile"``: utility-driven selection from the devices' own profiles
+    (coordinator/runtime/profile_selection.py, docs/selection.md). The other selections ignore it."""
+
+    explore: float = 0.2            # share of each draw spent on devices never or least recently selected
+    alpha: float = 2.0              # system penalty (T/t)^alpha for a device whose estimated time t exceeds T
+    preferred_seconds: float = 0.0  # T; 0: clients.round_timeout / 1.25, the deadline selection's margin
+    staleness: float = 0.1          # weight of the bonus for devices not selected for a while
+    memory_margin: float = 1.2      # a device's memory need times this must fit its memory
+    max_temperature_c: float = 80.0  # a device reporting a hotter CPU (or throttling now) is rested
+    min_battery_percent: float = 20.0  # a discharging device below this battery level is rested
+    rest_rounds: int = 3            # rounds a hot or low-battery device rests before it may be selected again

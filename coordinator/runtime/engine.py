@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from coordinator.runtime.asynchronous import AsyncRun
+from coordinator.runtime.device_book import DeviceBook, ModelSize
 from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
                                              write_checkpoint)
 from coordinator.runtime.broadcast import Broadcast
@@ -114,14 +115,15 @@ class Coordinator:
         self.round_times = RoundTimes()
         self.absences = Absences(config.clients.max_misses)
         self.roster = Roster(self.absences, warn)
-        self.sampler = Sampler(config, self.absences, self.round_times)
+        self.device_book = DeviceBook(lambda: ModelSize.of(self.network.spec, config.train.batch_size))
+        self.sampler = Sampler(config, self.absences, self.round_times, self.device_book)
         done = self.state.round + (1 if config.run.mode == "async" else 0)   # async: version v's tasks are round v+1
         self.profile_store = ProfileStore(self.out / "clients", completed_rounds=done)
         network = self._current_network
         self.intake = ResultIntake(config, outbox=self.outbox, topics=self.topics, strategy=self.strategy,
                                    downlink=self.downlink, roster=self.roster, round_times=self.round_times,
-                                   profile_store=self.profile_store, network=network, warn=warn,
-                                   started_after=self.started_after)
+                                   profile_store=self.profile_store, device_book=self.device_book,
+                                   network=network, warn=warn, started_after=self.started_after)
         self.workers = WorkerExchange(config, outbox=self.outbox, topics=self.topics, intake=self.intake,
                                       network=network, warn=warn, wait=self._pump)
         self.broadcast = Broadcast(self.outbox, self.topics, self.downlink, self.session)
@@ -180,6 +182,7 @@ class Coordinator:
             self._warn.warning("lost a message on %s: %s", incoming.topic, incoming.error)
         elif kind == "presence" and incoming.payload:
             if self.roster.on_presence(client_id, incoming.payload):
+                self.device_book.hello(client_id, self.roster.device(client_id))
                 self.tasks.resend_unanswered(self.intake.book, client_id)
 
     def _network(self) -> tuple[nn.Module, dict[str, tuple[int, ...]]]:

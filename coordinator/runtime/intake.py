@@ -26,6 +26,7 @@ import torch
 from coordinator.runtime.attempts import Attempts
 from coordinator.runtime.round_book import Network, RoundBook, RoundNotes
 from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan
+from edge_client.memory_guard import REFUSAL_PREFIX
 from edge_client.wire.codec import CodecSpec
 from edge_client.wire.protocol import ClaimBody, Message, ProtocolError, ResultBody, Topics, check_tensors, decode
 from edge_client.wire.throttle import ThrottledLog
@@ -34,6 +35,7 @@ from profiling.schema import clean_profile
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
+    from coordinator.runtime.device_book import DeviceBook
     from coordinator.runtime.downlink import Downlink
     from coordinator.runtime.outbox import Outbox
     from coordinator.runtime.presence import Roster
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["Claim", "ResultIntake", "accept_result", "one_torch_thread"]
 
 log = logging.getLogger("fedge.coordinator")
+MEMORY_REFUSAL = f"could not run the task: {REFUSAL_PREFIX}"   # how a device's memory refusal reads when counted
 
 
 def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mapping[str, tuple[int, ...]],
@@ -86,7 +89,8 @@ class ResultIntake:
 
     def __init__(self, config: RunConfig, *, outbox: Outbox, topics: Topics, strategy: Strategy,
                  downlink: Downlink, roster: Roster, round_times: RoundTimes, profile_store: ProfileStore,
-                 network: Callable[[], Network], warn: ThrottledLog, started_after: int) -> None:
+                 network: Callable[[], Network], warn: ThrottledLog, started_after: int,
+                 device_book: DeviceBook | None = None) -> None:
         self.config = config
         self.run_id = outbox.run_id
         self.outbox = outbox
@@ -96,6 +100,7 @@ class ResultIntake:
         self.roster = roster
         self.round_times = round_times
         self.profile_store = profile_store
+        self.device_book = device_book      # per-device knowledge for profile selection
         self.network = network              # what results are checked against, as it is now
         self._warn = warn
         self.started_after = started_after  # the last round done before this session (0: a new run)
@@ -195,6 +200,8 @@ class ResultIntake:
         self.book.tally.counts[what] += 1
         if what == "failed":
             self.notes.failures[client_id] = reason
+            if MEMORY_REFUSAL in reason:   # the device said the task would run it out of memory
+                self.book.tally.counts["failed_memory"] = self.book.tally.counts.get("failed_memory", 0) + 1
         elif what == "rejected":
             self.notes.rejections[client_id] = reason
         self._warn.warning("%s result from %s: %s", what, client_id, reason)
@@ -258,6 +265,8 @@ class ResultIntake:
                                round_seconds=seconds, late=self._plan_of(msg.task_id, True) is None,
                                error=None if error is None else error[:500], profile=profile,
                                device=self.roster.device(client_id))
+        if self.device_book is not None and body is not None:
+            self.device_book.answered(client_id, seconds, profile, body.metrics, body.num_samples, error)
 
     def _plan_of(self, task_id: str, earlier: bool) -> TaskPlan | None:
         """The plan of a task of the current attempt or, with ``earlier``, of an earlier attempt of the

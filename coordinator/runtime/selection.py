@@ -35,6 +35,9 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from coordinator.runtime.device_book import DeviceBook
+from coordinator.runtime.profile_selection import ProfilePolicy
+
 if TYPE_CHECKING:   # the config imports SELECTIONS from here
     from coordinator.config import RunConfig
 
@@ -43,7 +46,7 @@ __all__ = ["RoundTimes", "DeadlineFilter", "Skipped", "Absences", "Draw", "Sampl
 
 log = logging.getLogger("fedge.coordinator")
 
-SELECTIONS = ("random", "deadline")
+SELECTIONS = ("random", "deadline", "profile")
 SAFETY = 1.25        # skip when predicted * SAFETY > deadline: leaves room for jitter
 WINDOW = 3           # round times the prediction looks at
 PROBE_AFTER = 5      # consecutive skips after which a client is tried again
@@ -218,12 +221,15 @@ class Draw:
 
 class Sampler:
     """Draws an attempt's clients: ``clients.per_round`` of those selection may draw from, at random but
-    seeded by the run's seed, the round and the attempt, so a run draws the same clients again."""
+    seeded by the run's seed, the round and the attempt, so a run draws the same clients again; with
+    ``clients.selection = "profile"`` by the devices' own profiles (``book``, profile_selection.py)."""
 
-    def __init__(self, config: RunConfig, absences: Absences, times: RoundTimes) -> None:
+    def __init__(self, config: RunConfig, absences: Absences, times: RoundTimes, book: DeviceBook | None = None) -> None:
         self.config = config
         self.absences = absences
         self._deadline_filter = DeadlineFilter(times)
+        self.book = book if book is not None else DeviceBook()
+        self.profile = ProfilePolicy(config, self.book, times)
 
     def draw(self, online: Iterable[str], round: int, attempt: int, taken: Collection[str] = ()) -> Draw:
         """``taken``: clients the attempt already counts on (a result of an earlier attempt of the round, or
@@ -233,10 +239,12 @@ class Sampler:
         need = max(0, c.required_results - len(taken))
         pool = self.absences.pool([k for k in online if k not in taken], need, retry=attempt > 0)
         skipped: list[str] = []
+        size = max(0, c.selected_per_round - len(taken))
+        if c.clients.selection == "profile":
+            return Draw(*self.profile.draw(pool, round, attempt, size, need))
         if c.clients.selection == "deadline":
             pool, skipped = self._skip_predicted_late(pool, round, need)
         rng = random.Random(f"{c.run.seed}/{round}/{attempt}")
-        size = max(0, c.selected_per_round - len(taken))
         return Draw(sorted(rng.sample(pool, min(size, len(pool)))), skipped)
 
     def _skip_predicted_late(self, pool: list[str], round: int, need: int) -> tuple[list[str], list[str]]:
