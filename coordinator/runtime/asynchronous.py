@@ -73,7 +73,7 @@ class AsyncRun:
         # The engine's sampler draws a round's clients; here as many as free slots, among those not in flight.
         clients = dataclasses.replace(c.clients, per_round=self.concurrency, min_results=0)
         self.sampler = Sampler(dataclasses.replace(c, clients=clients), coordinator.absences,
-                               coordinator.round_times)
+                               coordinator.round_times, coordinator.device_book)
         self.buffer, coordinator.state, before = AsyncBuffer.taken_from(coordinator.state)
         if before and coordinator.started_after:
             log.info("%d task(s) were in flight when the run stopped: their results, if they come, count as late "
