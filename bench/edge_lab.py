@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.fleet import FleetError, load_fleet  # noqa: E402
 from lab.lab import Lab, LabError, LabOptions, cleanup_all  # noqa: E402
 from lab.policies import POLICIES, coordinator_config, toml_text  # noqa: E402
-from lab.results import time_to_target  # noqa: E402
+from lab.results import accuracy_curve, read_jsonl, time_to_target  # noqa: E402
 from lab.system import System  # noqa: E402
 
 TARGET_POLICY = "sync-random"
@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where run directories and logs go (default runs/edge-lab/flabID)")
     p.add_argument("--lab-id", default=None, metavar="HEX4", help="the lab's 4-hex-digit id (default: random)")
     p.add_argument("--dry-run", action="store_true", help="print what would be created and run; change nothing")
+    p.add_argument("--report", action="store_true",
+                   help="rebuild --out's curves and times to target from its policies' run directories; no lab")
     p.add_argument("--cleanup", action="store_true",
                    help="remove the leftovers of every crashed lab on this machine (processes, namespaces, "
                         "veths, bridges, cgroups named flabXXXX) and exit")
@@ -100,6 +102,25 @@ def _summary(args: argparse.Namespace, lab: Lab, policies: dict[str, Any]) -> di
             "target": {"policy": TARGET_POLICY, "accuracy": target,
                        "definition": f"final test accuracy of {TARGET_POLICY} within the wall-clock budget"},
             "policies": policies}
+
+
+def _report(out: Path) -> int:
+    """Recompute what the run directories say (the curves' training clock, the target and the times to it)
+    in an existing results file, e.g. after the way they are computed changed."""
+    if not out.exists():
+        print(f"edge_lab.py: {out} does not exist; run a lab first", file=sys.stderr)
+        return 2
+    results = json.loads(out.read_text())
+    policies = results.get("policies", {})
+    for result in policies.values():
+        seen = {p["round"]: p["t"] for p in result.get("accuracy_vs_time", []) if p.get("t") is not None}
+        result["accuracy_vs_time"] = accuracy_curve(read_jsonl(Path(result["run_dir"]) / "metrics.jsonl"), seen)
+    target = (policies.get(TARGET_POLICY) or {}).get("final_accuracy")
+    for name, result in policies.items():
+        result["time_to_target_s"] = time_to_target(result.get("accuracy_vs_time", []), target)
+        say(f"{name}: final accuracy {result.get('final_accuracy')}, time to target {result['time_to_target_s']}")
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
 
 
 def _dry_run(lab: Lab, policies: list[str]) -> int:
@@ -146,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     system = System(dry_run=args.dry_run, echo=print)
     if args.cleanup:
         return 1 if cleanup_all(system, say) else 0
+    if args.report:
+        return _report(args.out)
     if args.fleet is None:
         build_parser().error("give a fleet file (bench/fleets/test.toml), or --cleanup")
     try:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_jsonl", "accuracy_curve", "outcome_counts", "contributors", "time_to_target"]
+__all__ = ["read_jsonl", "training_start", "accuracy_curve", "outcome_counts", "contributors", "time_to_target"]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -26,15 +26,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def training_start(rows: list[dict[str, Any]], seen_at: dict[int, float]) -> float | None:
+    """When training began, in the lab's seconds: when round 1's row appeared, less the round's own
+    ``seconds`` (round 0's row, the first evaluation, is written only beside round 1's)."""
+    first = next((r for r in rows if r.get("round") == 1), None)
+    if first is None or 1 not in seen_at or not isinstance(first.get("seconds"), (int, float)):
+        return None
+    return seen_at[1] - float(first["seconds"])
+
+
 def accuracy_curve(rows: list[dict[str, Any]], seen_at: dict[int, float]) -> list[dict[str, Any]]:
     """(round, seconds, test accuracy) of every evaluated round. ``seen_at``: when the lab saw each
     round's row appear, in seconds since the policy started. ``t`` counts from there (client start-up and
-    waiting for devices included); ``t_train`` from the moment round 0's row appeared, when training
-    began: start-up depends on how fast an emulated device imports torch, not on the policy, so
-    policies are compared on ``t_train``."""
-    start = seen_at.get(0)
+    waiting for devices included); ``t_train`` from when training began (:func:`training_start`):
+    start-up depends on how fast an emulated device imports torch, not on the policy, so policies are
+    compared on ``t_train``."""
+    start = training_start(rows, seen_at)
     return [{"round": r["round"], "t": seen_at.get(r["round"]),
-             "t_train": None if start is None or r["round"] not in seen_at else round(seen_at[r["round"]] - start, 2),
+             "t_train": None if start is None or r["round"] not in seen_at
+             else round(max(0.0, seen_at[r["round"]] - start), 2) if r["round"] else 0.0,
              "test_accuracy": r["test_accuracy"]}
             for r in rows if isinstance(r.get("round"), int) and isinstance(r.get("test_accuracy"), float)]
 

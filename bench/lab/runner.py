@@ -15,7 +15,7 @@ from lab import processes
 from lab.fleet import torch_threads
 from lab.lab import Lab
 from lab.policies import POLICIES, coordinator_config, toml_text
-from lab.results import accuracy_curve, contributors, outcome_counts, read_jsonl
+from lab.results import accuracy_curve, contributors, outcome_counts, read_jsonl, training_start
 from lab.schedule import Scheduler, timeline
 
 __all__ = ["run_policy"]
@@ -57,13 +57,14 @@ def _enforced(lab: Lab, device: str, proc: subprocess.Popen) -> dict[str, Any]:
 
 def _watch(lab: Lab, policy: str, coordinator: subprocess.Popen, clients: dict[str, subprocess.Popen],
            run_dir: Path) -> dict[str, Any]:
-    """Follow the run until the coordinator exits or the budget is spent. The budget counts from round 0's
-    row (training began): how long emulated devices take to import torch is the same for every policy."""
+    """Follow the run until the coordinator exits or the budget is spent. The budget counts from when
+    training began: how long emulated devices take to import torch is the same for every policy."""
     started, seen, enforced, exits, status = time.monotonic(), {}, {}, {}, "completed"
     budget = lab.options.budget
     while coordinator.poll() is None:
         now = time.monotonic() - started
-        for row in read_jsonl(run_dir / "metrics.jsonl"):
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        for row in rows:
             if row.get("round") not in seen and isinstance(row.get("round"), int):
                 seen[row["round"]] = round(now, 2)
                 acc = row.get("test_accuracy")
@@ -77,7 +78,8 @@ def _watch(lab: Lab, policy: str, coordinator: subprocess.Popen, clients: dict[s
                 exits[device] = {"code": proc.returncode, "t": round(now, 2)}
                 if proc.returncode != 0:
                     lab.say(f"{policy}: {device} exited with {proc.returncode} at {now:.0f}s")
-        if budget is not None and 0 in seen and now - seen[0] > budget and status != "budget":
+        began = training_start(rows, seen)
+        if budget is not None and began is not None and now - began > budget and status != "budget":
             lab.say(f"{policy}: wall-clock budget of {budget:.0f}s spent; stopping the coordinator")
             status = "budget"
             coordinator.send_signal(signal.SIGINT)
