@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5, help="rounds per policy (default 5)")
     p.add_argument("--wall-clock-budget", type=float, default=None, metavar="SECONDS",
                    help="stop each policy after this many seconds (its accuracy so far counts)")
+    p.add_argument("--restart-after", type=float, default=None, metavar="SECONDS",
+                   help="restart the coordinator once (SIGTERM, then --resume) after this many seconds of training, "
+                        "to check that no result is lost or counted twice across the restart")
     p.add_argument("--seed", type=int, default=0, help="seed of the run, the partitions and the schedules")
     p.add_argument("--data", choices=("digits", "fashion-mnist"), default="digits", help="dataset (default digits)")
     p.add_argument("--partition", default="dirichlet:0.5", help="how devices split the data (default dirichlet:0.5)")
@@ -82,7 +85,8 @@ def say(text: str) -> None:
 
 def _options(args: argparse.Namespace) -> LabOptions:
     extra = {"lab_id": args.lab_id} if args.lab_id else {}
-    return LabOptions(rounds=args.rounds, budget=args.wall_clock_budget, seed=args.seed, data=args.data,
+    return LabOptions(rounds=args.rounds, budget=args.wall_clock_budget, restart_after=args.restart_after,
+                      seed=args.seed, data=args.data,
                       partition=args.partition, model=args.model, per_round=args.per_round,
                       min_results=args.min_results, expected=args.expected, round_timeout=args.round_timeout,
                       work=args.work, **extra)

@@ -45,6 +45,7 @@ class LabOptions:
     min_results: int = 0             # 0: half of per_round
     expected: int = 0                # 0: per_round
     round_timeout: float = 120.0
+    restart_after: float | None = None   # seconds of training after which the coordinator is restarted once
     work: Path = Path("runs/edge-lab")
     lab_id: str = field(default_factory=new_lab_id)
 

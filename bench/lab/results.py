@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_jsonl", "training_start", "accuracy_curve", "outcome_counts", "contributors", "time_to_target"]
+__all__ = ["read_jsonl", "training_start", "accuracy_curve", "outcome_counts", "accounting", "contributors", "time_to_target"]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -54,6 +54,20 @@ def outcome_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
     keys = {"accepted": "returned", "late": "late", "failed": "failed", "rejected": "rejected",
             "selected": "selected"}
     return {name: sum(int(r.get(key) or 0) for r in rows if r.get("round", 0) > 0) for name, key in keys.items()}
+
+
+def accounting(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Whether every result counted once. ``answered_in_time``: training answers the coordinator took in
+    time (``clients/ID.jsonl``: not late, not missed, no error); ``counted``: results the rows say went into
+    a model (``returned``: accepted, and in async mode also those dropped as too stale). A result taken but
+    counted nowhere was lost; counted twice, it would show as more counted than answered. Async mode's
+    last buffer, short of ``buffer_size`` when the run ends, is the expected difference."""
+    answered = 0
+    for path in sorted((run_dir / "clients").glob("*.jsonl")):
+        answered += sum(1 for r in read_jsonl(path) if r.get("objective") == "train" and not r.get("late")
+                        and not r.get("missed") and r.get("error") is None)
+    counted = sum(int(r.get("returned") or 0) for r in rows if r.get("round", 0) > 0)
+    return {"answered_in_time": answered, "counted": counted, "answered_not_counted": answered - counted}
 
 
 def contributors(run_dir: Path, device_class: dict[str, str]) -> dict[str, dict[str, Any]]:

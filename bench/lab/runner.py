@@ -15,13 +15,14 @@ from lab import processes
 from lab.fleet import torch_threads
 from lab.lab import Lab
 from lab.policies import POLICIES, coordinator_config, toml_text
-from lab.results import accuracy_curve, contributors, outcome_counts, read_jsonl, training_start
+from lab.results import accounting, accuracy_curve, contributors, outcome_counts, read_jsonl, training_start
 from lab.schedule import Scheduler, timeline
 
 __all__ = ["run_policy"]
 
 
-def _start_coordinator(lab: Lab, policy: str, base: Path) -> tuple[subprocess.Popen, Path]:
+def _start_coordinator(lab: Lab, policy: str, base: Path, resume: bool = False) -> tuple[subprocess.Popen, Path]:
+    """The coordinator of the policy's run; with ``resume``, the same run again from its last checkpoint."""
     o = lab.options
     expected, per_round, min_results = o.resolved(lab.fleet)
     run_dir = base / "run"
@@ -30,8 +31,9 @@ def _start_coordinator(lab: Lab, policy: str, base: Path) -> tuple[subprocess.Po
                                 expected=expected, per_round=per_round, min_results=min_results,
                                 round_timeout=o.round_timeout)
     path = base / "coordinator.toml"
-    path.write_text(toml_text(config), encoding="utf-8")
-    cmd = [sys.executable, "-m", "coordinator.ui.cli", "run", "--config", str(path), "-v"]
+    if not resume:
+        path.write_text(toml_text(config), encoding="utf-8")
+    cmd = [sys.executable, "-m", "coordinator.ui.cli", "run", "--config", str(path), "-v", *(["--resume"] * resume)]
     proc = processes.start(cmd, base / "coordinator.log", lab.id)
     lab.children.append(proc)
     return proc, run_dir
@@ -55,13 +57,23 @@ def _enforced(lab: Lab, device: str, proc: subprocess.Popen) -> dict[str, Any]:
             "pid": proc.pid}
 
 
-def _watch(lab: Lab, policy: str, coordinator: subprocess.Popen, clients: dict[str, subprocess.Popen],
+def _restart(lab: Lab, policy: str, coordinators: list[subprocess.Popen], base: Path, at: float) -> dict[str, Any]:
+    """SIGTERM the coordinator mid-run and start it again with ``--resume``: what a laptop's reboot does to a
+    run. The devices keep running; the old coordinator's exit code is kept (130: it stopped cleanly)."""
+    lab.say(f"{policy}: restarting the coordinator (SIGTERM, then --resume) at {at:.0f}s")
+    old = coordinators[-1]
+    processes.stop([old], first=signal.SIGTERM, grace=60.0)
+    coordinators.append(_start_coordinator(lab, policy, base, resume=True)[0])
+    return {"t": round(at, 2), "exit": old.returncode}
+
+
+def _watch(lab: Lab, policy: str, coordinators: list[subprocess.Popen], clients: dict[str, subprocess.Popen],
            run_dir: Path) -> dict[str, Any]:
     """Follow the run until the coordinator exits or the budget is spent. The budget counts from when
     training began: how long emulated devices take to import torch is the same for every policy."""
     started, seen, enforced, exits, status = time.monotonic(), {}, {}, {}, "completed"
-    budget = lab.options.budget
-    while coordinator.poll() is None:
+    budget, restart_after, restarts = lab.options.budget, lab.options.restart_after, []
+    while coordinators[-1].poll() is None:
         now = time.monotonic() - started
         rows = read_jsonl(run_dir / "metrics.jsonl")
         for row in rows:
@@ -79,12 +91,14 @@ def _watch(lab: Lab, policy: str, coordinator: subprocess.Popen, clients: dict[s
                 if proc.returncode != 0:
                     lab.say(f"{policy}: {device} exited with {proc.returncode} at {now:.0f}s")
         began = training_start(rows, seen)
+        if restart_after is not None and began is not None and now - began > restart_after and not restarts:
+            restarts.append(_restart(lab, policy, coordinators, run_dir.parent, now))
         if budget is not None and began is not None and now - began > budget and status != "budget":
             lab.say(f"{policy}: wall-clock budget of {budget:.0f}s spent; stopping the coordinator")
             status = "budget"
-            coordinator.send_signal(signal.SIGINT)
+            coordinators[-1].send_signal(signal.SIGINT)
         time.sleep(0.5)
-    return {"seen": seen, "enforced": enforced, "exits": exits, "status": status,
+    return {"seen": seen, "enforced": enforced, "exits": exits, "status": status, "restarts": restarts,
             "wall_clock_s": round(time.monotonic() - started, 2)}
 
 
@@ -116,17 +130,19 @@ def run_policy(lab: Lab, policy: str) -> dict[str, Any]:
     scheduler = Scheduler(timeline(lab.fleet.devices, o.seed, horizon), lab.apply, lab.say)
     lab.say(f"{policy}: starting the coordinator and {len(lab.fleet.devices)} clients "
             f"({len(scheduler.events)} scheduled changes)")
-    coordinator, run_dir = _start_coordinator(lab, policy, base)
+    coordinators = [_start_coordinator(lab, policy, base)[0]]
+    run_dir = base / "run"
     clients = _start_clients(lab, policy, base)
     scheduler.start()
     try:
-        watched = _watch(lab, policy, coordinator, clients, run_dir)
+        watched = _watch(lab, policy, coordinators, clients, run_dir)
     except BaseException:   # Ctrl-C, SIGTERM, a failure: stop everything at once, the lab cleans up
         lab.say(f"{policy}: stopping the coordinator and the clients")
         scheduler.stop()
-        processes.stop([coordinator, *clients.values()], grace=5.0)
+        processes.stop([coordinators[-1], *clients.values()], grace=5.0)
         raise
     scheduler.stop()
+    coordinator = coordinators[-1]
     processes.stop([coordinator], first=signal.SIGINT, grace=30.0)
     time.sleep(0.5)   # the clients leave by themselves once the run's end reaches them
     processes.stop(list(clients.values()), grace=20.0)
@@ -140,5 +156,6 @@ def run_policy(lab: Lab, policy: str) -> dict[str, Any]:
             "coordinator_exit": coordinator.returncode, "wall_clock_s": watched["wall_clock_s"],
             "rounds_completed": max([r["round"] for r in rows if isinstance(r.get("round"), int)], default=0),
             "final_accuracy": curve[-1]["test_accuracy"] if curve else None, "accuracy_vs_time": curve,
-            "results": outcome_counts(rows), "contributors": contributors(run_dir, classes),
+            "results": outcome_counts(rows), "restarts": watched["restarts"],
+            "accounting": accounting(run_dir, rows), "contributors": contributors(run_dir, classes),
             "events": scheduler.log, "devices": _device_rows(lab, before, watched, clients)}
