@@ -92,19 +92,41 @@ def _options(args: argparse.Namespace) -> LabOptions:
                       work=args.work, **extra)
 
 
+TARGET_DEFINITION = (f"{TARGET_POLICY}'s last test accuracy within the wall-clock budget (time_to_target_s: a "
+                     "policy's first evaluation at or above it), and the mean of its last 3 (time_to_target_mean3_s: "
+                     "a policy's own mean of 3 consecutive evaluations at or above it)")
+
+
+def _targets(policies: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The target: the target policy's final accuracy, and the mean of its last 3 evaluations (steadier)."""
+    curve = (policies.get(TARGET_POLICY) or {}).get("accuracy_vs_time", [])
+    last = [p["test_accuracy"] for p in curve[-3:]]
+    return (curve[-1]["test_accuracy"] if curve else None), (sum(last) / 3 if len(last) == 3 else None)
+
+
+def _times_to_target(policies: dict[str, Any]) -> None:
+    """Each policy's training time to the target, and to the steadier target by its own 3-evaluation mean."""
+    target, mean3 = _targets(policies)
+    for result in policies.values():
+        curve = result.get("accuracy_vs_time", [])
+        last = [p["test_accuracy"] for p in curve[-3:]]
+        result["final_accuracy_mean3"] = round(sum(last) / 3, 4) if len(last) == 3 else None
+        result["time_to_target_s"] = time_to_target(curve, target)
+        result["time_to_target_mean3_s"] = time_to_target(curve, mean3, window=3)
+
+
 def _summary(args: argparse.Namespace, lab: Lab, policies: dict[str, Any]) -> dict[str, Any]:
     """The results file: the fleet, the options, each policy and each policy's time to the target."""
-    target = (policies.get(TARGET_POLICY) or {}).get("final_accuracy")
-    for result in policies.values():
-        result["time_to_target_s"] = time_to_target(result.get("accuracy_vs_time", []), target)
+    _times_to_target(policies)
+    target, mean3 = _targets(policies)
     fleet = lab.fleet
     return {"fleet": fleet.name, "fleet_file": str(args.fleet), "cpu_scale": fleet.cpu_scale,
             "devices": len(fleet.devices),
             "classes": {c: sum(d.klass == c for d in fleet.devices) for c in fleet.classes},
             "expected_offline_fraction": round(fleet.expected_offline_fraction(), 3),
             "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(lab.options).items()},
-            "target": {"policy": TARGET_POLICY, "accuracy": target,
-                       "definition": f"final test accuracy of {TARGET_POLICY} within the wall-clock budget"},
+            "target": {"policy": TARGET_POLICY, "accuracy": target, "accuracy_mean3": mean3,
+                       "definition": TARGET_DEFINITION},
             "policies": policies}
 
 
@@ -119,10 +141,12 @@ def _report(out: Path) -> int:
     for result in policies.values():
         seen = {p["round"]: p["t"] for p in result.get("accuracy_vs_time", []) if p.get("t") is not None}
         result["accuracy_vs_time"] = accuracy_curve(read_jsonl(Path(result["run_dir"]) / "metrics.jsonl"), seen)
-    target = (policies.get(TARGET_POLICY) or {}).get("final_accuracy")
+    _times_to_target(policies)
+    target, mean3 = _targets(policies)
+    results["target"].update(accuracy=target, accuracy_mean3=mean3, definition=TARGET_DEFINITION)
     for name, result in policies.items():
-        result["time_to_target_s"] = time_to_target(result.get("accuracy_vs_time", []), target)
-        say(f"{name}: final accuracy {result.get('final_accuracy')}, time to target {result['time_to_target_s']}")
+        say(f"{name}: final accuracy {result.get('final_accuracy')}, time to target {result['time_to_target_s']} s "
+            f"(mean of 3 evaluations: {result['time_to_target_mean3_s']} s)")
     out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 

@@ -83,10 +83,14 @@ def contributors(run_dir: Path, device_class: dict[str, str]) -> dict[str, dict[
     return out
 
 
-def time_to_target(curve: list[dict[str, Any]], target: float | None) -> float | None:
+def time_to_target(curve: list[dict[str, Any]], target: float | None, window: int = 1) -> float | None:
     """Wall-clock seconds of training until test accuracy first reached ``target`` (None: never, or no
-    target)."""
+    target). With ``window`` > 1, until the mean of the last ``window`` evaluations first reached it: one
+    evaluation of a model that swings from round to round can touch the target by luck."""
     if target is None:
         return None
-    return next((p["t_train"] for p in curve if p.get("t_train") is not None and p["test_accuracy"] >= target),
-                None)
+    points = [p for p in curve if p.get("t_train") is not None]
+    for i in range(window - 1, len(points)):
+        if sum(p["test_accuracy"] for p in points[i - window + 1:i + 1]) / window >= target:
+            return points[i]["t_train"]
+    return None
