@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lab.fleet import FleetError, load_fleet  # noqa: E402
 from lab.lab import Lab, LabError, LabOptions, cleanup_all  # noqa: E402
 from lab.policies import POLICIES, coordinator_config, toml_text  # noqa: E402
-from lab.results import accuracy_curve, read_jsonl, time_to_target  # noqa: E402
+from lab.results import accounting, accuracy_curve, read_jsonl, time_to_target  # noqa: E402
 from lab.system import System  # noqa: E402
 
 TARGET_POLICY = "sync-random"
@@ -131,7 +131,8 @@ def _summary(args: argparse.Namespace, lab: Lab, policies: dict[str, Any]) -> di
 
 
 def _report(out: Path) -> int:
-    """Recompute what the run directories say (the curves' training clock, the target and the times to it)
+    """Recompute what the run directories say (the curves' training clock, the accounting, the target and the
+    times to it)
     in an existing results file, e.g. after the way they are computed changed."""
     if not out.exists():
         print(f"edge_lab.py: {out} does not exist; run a lab first", file=sys.stderr)
@@ -140,7 +141,9 @@ def _report(out: Path) -> int:
     policies = results.get("policies", {})
     for result in policies.values():
         seen = {p["round"]: p["t"] for p in result.get("accuracy_vs_time", []) if p.get("t") is not None}
-        result["accuracy_vs_time"] = accuracy_curve(read_jsonl(Path(result["run_dir"]) / "metrics.jsonl"), seen)
+        rows = read_jsonl(Path(result["run_dir"]) / "metrics.jsonl")
+        result["accuracy_vs_time"] = accuracy_curve(rows, seen)
+        result["accounting"] = accounting(Path(result["run_dir"]), rows)
     _times_to_target(policies)
     target, mean3 = _targets(policies)
     results["target"].update(accuracy=target, accuracy_mean3=mean3, definition=TARGET_DEFINITION)

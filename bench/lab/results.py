@@ -56,18 +56,37 @@ def outcome_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
     return {name: sum(int(r.get(key) or 0) for r in rows if r.get("round", 0) > 0) for name, key in keys.items()}
 
 
+def _buffered_at_stop(run_dir: Path) -> int:
+    """Results an async run's last checkpoint holds in its buffer (taken, not yet in a version): a stop
+    saves them there, and a resume applies them."""
+    from coordinator.runtime.async_buffer import AsyncBuffer
+    from storage.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = latest_checkpoint(run_dir / "checkpoints")
+    return AsyncBuffer.taken_from(load_checkpoint(path)[0])[0].count if path is not None else 0
+
+
 def accounting(run_dir: Path, rows: list[dict[str, Any]]) -> dict[str, int]:
     """Whether every result counted once. ``answered_in_time``: training answers the coordinator took in
     time (``clients/ID.jsonl``: not late, not missed, no error); ``counted``: results the rows say went into
-    a model (``returned``: accepted, and in async mode also those dropped as too stale). A result taken but
-    counted nowhere was lost; counted twice, it would show as more counted than answered. Async mode's
-    last buffer, short of ``buffer_size`` when the run ends, is the expected difference."""
-    answered = 0
+    a model (``returned``: accepted, and in async mode also those dropped as too stale). Two kinds of answer
+    are taken and not (yet) counted, by design: those of the round a stop interrupted (``interrupted``,
+    rounds after the last row: a resumed run trains that round again), and in async mode those the last
+    checkpoint keeps in its buffer (``buffered``). ``lost`` is what neither explains; a result counted
+    twice would make it negative."""
+    last = max([r["round"] for r in rows if isinstance(r.get("round"), int)], default=0)
+    answered = interrupted = 0
     for path in sorted((run_dir / "clients").glob("*.jsonl")):
-        answered += sum(1 for r in read_jsonl(path) if r.get("objective") == "train" and not r.get("late")
-                        and not r.get("missed") and r.get("error") is None)
+        for r in read_jsonl(path):
+            if r.get("objective") == "train" and not r.get("late") and not r.get("missed") and r.get("error") is None:
+                answered += 1
+                interrupted += isinstance(r.get("round"), int) and r["round"] > last
     counted = sum(int(r.get("returned") or 0) for r in rows if r.get("round", 0) > 0)
-    return {"answered_in_time": answered, "counted": counted, "answered_not_counted": answered - counted}
+    buffered = _buffered_at_stop(run_dir) if any("version" in r for r in rows) else 0
+    if buffered:   # async tasks travel as the version they train towards: the buffer's are among the later ones
+        interrupted = 0
+    return {"answered_in_time": answered, "counted": counted, "interrupted": interrupted, "buffered": buffered,
+            "lost": answered - counted - interrupted - buffered}
 
 
 def contributors(run_dir: Path, device_class: dict[str, str]) -> dict[str, dict[str, Any]]:
