@@ -155,6 +155,32 @@ def test_a_stop_and_resume_lose_no_result_and_apply_none_twice(tmp_path):
     assert set(taken[1] + taken[2]) <= records   # every applied result keeps its profile record across the resume
 
 
+def test_a_stop_while_a_version_is_evaluated_loses_none_of_its_results(tmp_path):
+    """The stop comes after version 2 was made from the buffer and before it was checkpointed (while its
+    evaluation runs in line): the checkpoint goes back to version 1 with version 2's results buffered, and
+    the resumed run makes version 2 again from them."""
+    out, taken = tmp_path / "run", {1: [], 2: []}
+
+    def stop_while_evaluating(event):
+        if event["kind"] == "buffered":
+            taken[1].append(event["task_id"])
+        if event["kind"] == "round" and event["phase"] == "end" and event["round"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(RunInterrupted):
+        run_federated(async_config(out, run__rounds=3), say=lambda s: None, on_progress=stop_while_evaluating)
+    state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+    buffered, _, _ = AsyncBuffer.taken_from(state)
+    assert state.round == 1 and buffered.count >= 2
+
+    result = run_federated(async_config(out, run__rounds=3), resume=True, say=lambda s: None,
+                           on_progress=lambda e: taken[2].append(e["task_id"]) if e["kind"] == "buffered" else None)
+    rows = rows_of(result.out_dir)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert sum(r["results"] for r in rows[1:]) == len(taken[1]) + len(taken[2])   # nothing lost, nothing twice
+    assert not set(taken[1]) & set(taken[2])
+
+
 def test_async_mode_with_client_processes_over_mosquitto(tmp_path, mosquitto, prefix):
     config = async_config(tmp_path / "run", transport__kind="mqtt", transport__broker=mosquitto,
                           transport__prefix=prefix, clients__expected=3, clients__spawn=3, run__rounds=3,

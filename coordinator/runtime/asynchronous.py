@@ -84,6 +84,7 @@ class AsyncRun:
         self.given = self.dropped = self._draws = 0   # this version's tasks, stale drops and sampler draws
         self._started = time.monotonic()
         self._idle_since: float | None = None
+        self._making: tuple[ServerState, AsyncBuffer] | None = None   # the state and buffer a new version came from
         self._given: dict[str, int] = {}   # task id -> the version it was given from (the most recent tasks)
 
     # -- the loop -----------------------------------------------------------------
@@ -98,6 +99,7 @@ class AsyncRun:
                 self._step()
                 if self.buffer.count >= self.buffer_size:
                     complete(*self._make_version())
+                    self._making = None
         except BaseException:
             self._save_buffer()
             raise
@@ -237,6 +239,7 @@ class AsyncRun:
                "fp32_bytes_down": model_bytes * self.given,
                "fp32_bytes_up": model_bytes * (self.buffer.count + self.dropped),
                "seconds": now - self._started}
+        self._making = (co.state, self.buffer)   # until the version is checkpointed: a stop goes back to these
         co.state, self.buffer = state, AsyncBuffer()
         self.given = self.dropped = self._draws = 0
         self.book.tally, co.intake.notes, self._started = Tally(), RoundNotes(), now
@@ -251,7 +254,12 @@ class AsyncRun:
         return {f.task_id: [f.client_id, f.version] for f in self.flights.values()}
 
     def _save_buffer(self) -> None:
-        """On a stop: the last version's checkpoint again, now with the results buffered since (never lost)."""
+        """On a stop: the last version's checkpoint again, now with the results buffered since (never lost).
+        A stop while a new version was being evaluated or written goes back to the state and buffer it came
+        from: that version has no row and no checkpoint, so a resumed run makes it again from them."""
+        if self._making is not None:
+            self.co.state, self.buffer = self._making
+            self._making = None
         self._harvest(report=False)   # results the intake acknowledged while the stop came
         if not self.buffer.count or not self.buffer.finite():   # a NaN buffer would make the checkpoint unreadable
             return
