@@ -44,7 +44,6 @@ log = logging.getLogger("fedge.coordinator")
 
 Pump = Callable[..., None]                                   # Coordinator._pump(until, done, progress)
 Complete = Callable[[dict[str, Any], ServerState], None]    # a version's row and the state to checkpoint
-_GIVEN = 10_000   # tasks whose version is remembered beyond their flight
 POLL = 0.25   # seconds between looks at idle devices and expired tasks while no result comes
 
 
@@ -85,7 +84,6 @@ class AsyncRun:
         self._started = time.monotonic()
         self._idle_since: float | None = None
         self._making: tuple[ServerState, AsyncBuffer] | None = None   # the state and buffer a new version came from
-        self._given: dict[str, int] = {}   # task id -> the version it was given from (the most recent tasks)
 
     # -- the loop -----------------------------------------------------------------
     def run(self, last: int, complete: Complete) -> None:
@@ -141,9 +139,6 @@ class AsyncRun:
         for task_id, plan in zip(co.tasks.send_all(self.book, plans, broadcast=False), plans):
             wait = co.round_times.deadline([(plan.client_id, plan.objective)], timeout)
             self.flights[task_id] = Flight(task_id, plan.client_id, version, plan, now, now + wait)
-            self._given[task_id] = version
-        while len(self._given) > _GIVEN:
-            self._given.pop(next(iter(self._given)))
         self.given += len(plans)
 
     def _harvest(self, report: bool = True) -> None:
@@ -155,7 +150,7 @@ class AsyncRun:
             result = book.results.pop(client_id, None)
             book.failed.discard(client_id)
             book.profiles.pop(client_id, None)
-            flight = by_client.get(client_id) or self._orphan(client_id)
+            flight = by_client.get(client_id)
             if flight is None:   # the intake takes only answers to tasks in flight
                 continue
             del self.flights[flight.task_id]
@@ -164,27 +159,6 @@ class AsyncRun:
                 events.append(event)
         for event in events if report else ():
             self.co.on_progress(event)
-
-    def _orphan(self, client_id: str) -> Flight | None:
-        """The flight of an answer the intake took for a task of the book with no flight of ours: never
-        expected, but an answer taken in time must reach the buffer (or be counted), so it is rebuilt from
-        the task's plan and the version it was given from, and logged."""
-        task_id = next((t for t, p in self.book.plans.items() if p.client_id == client_id and t not in self.flights),
-                       None)
-        if task_id is None:
-            log.warning("a result from %s was taken with no task of it in flight; it is not applied", client_id)
-            return None
-        version = self._given.get(task_id)
-        if version is None:
-            log.warning("a result from %s (task %s) was taken with no flight of it, from an unknown version; it is "
-                        "not applied", client_id, task_id)
-            return None
-        log.warning("a result from %s (task %s of version %d) was taken with no flight of it; applied", client_id,
-                    task_id, version)
-        now = time.monotonic()
-        flight = Flight(task_id, client_id, version, self.book.plans[task_id], now, now)
-        self.flights[task_id] = flight
-        return flight
 
     def _take(self, flight: Flight, result: ClientResult) -> dict[str, Any] | None:
         """Fold a result into the buffer, or drop it as too stale; what the progress hears of it."""
