@@ -139,9 +139,12 @@ def _report(out: Path) -> int:
         return 2
     results = json.loads(out.read_text())
     policies = results.get("policies", {})
-    for result in policies.values():
+    for name, result in policies.items():
         seen = {p["round"]: p["t"] for p in result.get("accuracy_vs_time", []) if p.get("t") is not None}
         rows = read_jsonl(Path(result["run_dir"]) / "metrics.jsonl")
+        if not rows:   # the run directory is gone (another machine): keep what the file says
+            say(f"{name}: {result['run_dir']} has no metrics.jsonl; its curve and accounting are kept as they are")
+            continue
         result["accuracy_vs_time"] = accuracy_curve(rows, seen)
         result["accounting"] = accounting(Path(result["run_dir"]), rows)
     _times_to_target(policies)
