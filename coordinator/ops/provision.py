@@ -36,7 +36,7 @@ from edge_client.wire.protocol import ProtocolError, Topics, valid_client_id
 from storage.errors import FedgeError
 
 __all__ = ["ProvisionError", "Provisioned", "provision", "rotate_password", "device_ids", "read_names",
-           "password_line", "COORDINATOR_USER"]
+           "password_line", "write_file", "COORDINATOR_USER"]
 
 CA_DAYS = 3650
 SERVER_DAYS = 825
@@ -111,7 +111,7 @@ def _new_password() -> str:
     return secrets.token_urlsafe(24)
 
 
-def _write(path: Path, text: str, mode: int) -> None:
+def write_file(path: Path, text: str, mode: int) -> None:
     """Write ``text`` to ``path`` with ``mode`` from the first byte (replacing it atomically when it exists)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -138,7 +138,7 @@ def _openssl(*args: str, stdin: str | None = None) -> str:
 
 def _new_key(path: Path) -> None:
     """A P-256 private key, written 0600 by us (openssl's own -out would leave the mode to the umask)."""
-    _write(path, _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"), 0o600)
+    write_file(path, _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"), 0o600)
 
 
 def _make_ca(ca_crt: Path, ca_key: Path) -> None:
@@ -146,7 +146,7 @@ def _make_ca(ca_crt: Path, ca_key: Path) -> None:
     pem = _openssl("req", "-x509", "-new", "-key", str(ca_key), "-sha256", "-days", str(CA_DAYS),
                    "-subj", "/CN=fedge deployment CA", "-addext", "basicConstraints=critical,CA:TRUE",
                    "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    _write(ca_crt, pem, 0o644)
+    write_file(ca_crt, pem, 0o644)
 
 
 def _check_ca(ca_crt: Path, ca_key: Path) -> None:
@@ -182,7 +182,7 @@ def _make_server_cert(hosts: list[str], ca_crt: Path, ca_key: Path, crt: Path, k
         pem = _openssl("x509", "-req", "-CA", str(ca_crt), "-CAkey", str(ca_key), "-set_serial",
                        str(secrets.randbits(63)), "-days", str(SERVER_DAYS), "-sha256", "-extfile", str(ext),
                        stdin=csr)
-    _write(crt, pem, 0o644)
+    write_file(crt, pem, 0o644)
 
 
 def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int = 8883, prefix: str = "fedge",
@@ -204,23 +204,23 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
     host = hosts[0]
     url = f"mqtts://{f'[{host}]' if ':' in host else host}:{port}"
     passwords = {COORDINATOR_USER: _new_password(), **{d: _new_password() for d in devices + agents}}
-    _write(broker / "fedge.passwd", "".join(password_line(u, pw) + "\n" for u, pw in passwords.items()), 0o600)
-    _write(broker / "fedge.acl", broker_acl(prefix, agents), 0o644)
-    _write(broker / "fedge.conf", mosquitto_conf(port, listen, broker_dir), 0o644)
+    write_file(broker / "fedge.passwd", "".join(password_line(u, pw) + "\n" for u, pw in passwords.items()), 0o600)
+    write_file(broker / "fedge.acl", broker_acl(prefix, agents), 0o644)
+    write_file(broker / "fedge.conf", mosquitto_conf(port, listen, broker_dir), 0o644)
     coordinator = out_dir / "coordinator"
-    _write(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
-    _write(coordinator / "coordinator.toml", coordinator_toml(url, prefix, out_dir), 0o644)
+    write_file(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
+    write_file(coordinator / "coordinator.toml", coordinator_toml(url, prefix, out_dir), 0o644)
     bundles = {}
     for device in devices:
         path = out_dir / "devices" / f"{device}.toml"
         bundle = Bundle(broker=url, client_id=device, username=device, password=passwords[device], prefix=prefix,
                         ca_cert=ca_pem)
-        _write(path, bundle_toml(bundle, comment=bundle_comment(device)), 0o600)
+        write_file(path, bundle_toml(bundle, comment=bundle_comment(device)), 0o600)
         bundles[device] = path
     worker_passwords = {}
     for agent in agents:   # the worker reads it from the variable transport.password_env names
         worker_passwords[agent] = out_dir / "workers" / f"{agent}.password"
-        _write(worker_passwords[agent], passwords[agent] + "\n", 0o600)
+        write_file(worker_passwords[agent], passwords[agent] + "\n", 0o600)
     return Provisioned(out_dir, broker / "fedge.conf", coordinator / "coordinator.toml", coordinator / "password",
                        bundles, ca_created=ca_cert is None, workers=worker_passwords)
 
@@ -259,10 +259,10 @@ def _write_certificates(out_dir: Path, hosts: list[str], ca_cert: Path | None, c
         ca_crt_path, ca_key_path = out_dir / "ca.crt", out_dir / "ca.key"
     else:
         _check_ca(Path(ca_cert), Path(ca_key))
-        _write(out_dir / "ca.crt", Path(ca_cert).read_text(encoding="utf-8"), 0o644)
+        write_file(out_dir / "ca.crt", Path(ca_cert).read_text(encoding="utf-8"), 0o644)
         ca_crt_path, ca_key_path = out_dir / "ca.crt", Path(ca_key)
     ca_pem = ca_crt_path.read_text(encoding="utf-8")
-    _write(broker / "ca.crt", ca_pem, 0o644)
+    write_file(broker / "ca.crt", ca_pem, 0o644)
     _make_server_cert(hosts, ca_crt_path, ca_key_path, broker / "server.crt", broker / "server.key")
     return ca_pem
 
@@ -281,7 +281,7 @@ def rotate_password(out_dir: Path, user: str) -> Path:
     password = _new_password()
     if user == COORDINATOR_USER or (out_dir / "workers" / f"{user}.password").is_file():
         target = out_dir / ("coordinator/password" if user == COORDINATOR_USER else f"workers/{user}.password")
-        _write(target, password + "\n", 0o600)
+        write_file(target, password + "\n", 0o600)
     else:
         target = out_dir / "devices" / f"{user}.toml"
         try:
@@ -290,7 +290,7 @@ def rotate_password(out_dir: Path, user: str) -> Path:
             raise ProvisionError(str(exc)) from None
         fresh = Bundle(broker=old.broker, client_id=old.client_id, username=old.username, password=password,
                        prefix=old.prefix, ca_cert=old.ca_cert)
-        _write(target, bundle_toml(fresh, comment=bundle_comment(user)), 0o600)
+        write_file(target, bundle_toml(fresh, comment=bundle_comment(user)), 0o600)
     lines[users.index(user)] = password_line(user, password)
-    _write(passwd, "\n".join(lines) + "\n", 0o600)
+    write_file(passwd, "\n".join(lines) + "\n", 0o600)
     return target

@@ -13,6 +13,7 @@ from typing import Any
 
 from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, positive
 from edge_client.registry import commands, model_options, resolve, strategies
+from coordinator.ui import kit_cli
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, path in commands().items():   # the methods' own commands
         resolve(path)(sub, name)
     _add_provision(sub)
+    kit_cli.add_command(sub)
     _add_worker(sub)
     return parser
 

@@ -1,0 +1,147 @@
+"""First-boot kits: one directory per device that turns a freshly flashed board into a fleet member.
+
+``fedge-coordinator kit`` reads a provisioning directory (``fedge-coordinator provision``) and
+writes ``kits/ID/`` for each device: ``install.sh`` (the same for every device), ``kit.env``
+(what to install: the target, the torch pin, the fedge wheel's name), ``client.env`` (the
+service's data path and torch threads), the systemd unit, the fedge wheel, optionally the
+device's data, and its bundle. Copy one kit onto its device's boot partition (or anywhere on it)
+and run ``sudo bash KIT/install.sh``; docs/deploy.md#flash-kits walks through it.
+
+The kit holds the device's password in ``bundle.toml`` only (mode 0600); ``install.sh`` moves it
+to ``/etc/fedge`` and deletes the kit's copy, because a FAT boot partition cannot protect it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from coordinator.ops.provision import ProvisionError, write_file
+from edge_client.bundle import BundleError, read_bundle
+
+__all__ = ["KitError", "KitOptions", "TARGETS", "write_kits"]
+
+TARGETS = ("pi", "jetson")
+# Every file of a kit but the bundle, the wheels and the data is text the kit writer makes or
+# copies from this package, so a kit made by one fedge version installs that version.
+_KIT_FILES = ("install.sh", "fedge-client.service")
+_WHEEL_NAME = re.compile(r"^fedge-[^-]+-py3-none-any\.whl$")
+_TORCH_WHEEL = re.compile(r"^torch-[^-]+-cp\d+-cp\d+-linux_aarch64\.whl$|^torch-[^-]+-.*aarch64.*\.whl$")
+
+
+class KitError(ProvisionError):
+    """A kit cannot be written; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class KitOptions:
+    """What goes into every kit of one call."""
+
+    target: str                         # "pi" or "jetson"
+    wheel: Path                         # fedge's wheel, built from the checkout (pip wheel --no-deps -w dist .)
+    torch_spec: str = "torch==2.13.0"   # a Pi's torch pin, installed from the package index
+    torch_pip_args: str = ""            # e.g. "--index-url URL" for PyTorch's CPU-only index
+    torch_wheel: Path | None = None     # a Jetson: NVIDIA's torch wheel for its JetPack
+    torch_threads: int = 0              # the service's --torch-threads (0: one per core)
+    data: Path | None = None            # an npz for every kit (own data per device: copy it into kits/ID/data.npz)
+    data_spec: str = "npz:/var/lib/fedge/data.npz"
+
+
+def _check(options: KitOptions) -> None:
+    if options.target not in TARGETS:
+        raise KitError(f"--target {options.target!r}: choose one of {', '.join(TARGETS)}")
+    if not options.wheel.is_file():
+        raise KitError(f"--wheel {options.wheel} does not exist: build it from the checkout with "
+                       "pip wheel --no-deps -w dist .")
+    if not _WHEEL_NAME.match(options.wheel.name):
+        raise KitError(f"--wheel {options.wheel.name} is not a fedge wheel (fedge-VERSION-py3-none-any.whl)")
+    if not re.fullmatch(r"torch==[0-9][0-9A-Za-z.+]*", options.torch_spec):
+        raise KitError(f"--torch {options.torch_spec!r}: give an exact pin such as torch==2.13.0; an unpinned "
+                       "torch pulls whatever is newest onto every device")
+    if options.target == "jetson":
+        if options.torch_wheel is None:
+            raise KitError("--target jetson needs --torch-wheel: NVIDIA's PyTorch wheel for the devices' JetPack "
+                           "(the package index has no Jetson build)")
+        if not options.torch_wheel.is_file() or not _TORCH_WHEEL.match(options.torch_wheel.name):
+            raise KitError(f"--torch-wheel {options.torch_wheel}: not an aarch64 torch wheel file")
+    elif options.torch_wheel is not None:
+        raise KitError("--torch-wheel is for --target jetson; a Pi installs --torch from the package index")
+    if options.torch_threads < 0:
+        raise KitError("--torch-threads must be 0 (one per core) or more")
+    if options.data is not None and not options.data.is_file():
+        raise KitError(f"--data-file {options.data} does not exist")
+    if any(c in options.data_spec + options.torch_pip_args for c in "\"'`$\\\n"):
+        raise KitError("--data-spec and --torch-pip-args may not contain quotes, $, backslashes or newlines")
+
+
+def kit_env(options: KitOptions) -> str:
+    """``kit.env``: what install.sh installs, read by bash (so values are plain words, quoted)."""
+    lines = ["# What install.sh installs; written by fedge-coordinator kit. No secrets here.",
+             f'FEDGE_KIT_TARGET="{options.target}"',
+             f'FEDGE_WHEEL="{options.wheel.name}"']
+    if options.target == "jetson":
+        lines.append(f'TORCH_WHEEL="{options.torch_wheel.name}"')
+    else:
+        lines += [f'TORCH_SPEC="{options.torch_spec}"', f'TORCH_PIP_ARGS="{options.torch_pip_args}"']
+    return "\n".join(lines) + "\n"
+
+
+def client_env(options: KitOptions) -> str:
+    """``/etc/fedge/client.env``: the service's settings the bundle does not hold."""
+    return ("# fedge-client service settings, installed as /etc/fedge/client.env by the flash kit.\n"
+            "# This device's data, passed as --data (npz:PATH, fashion-mnist:DIR or digits).\n"
+            f"FEDGE_DATA={options.data_spec}\n"
+            "# torch CPU threads (0: one per core); 1 or 2 on a board short of memory.\n"
+            f"FEDGE_TORCH_THREADS={options.torch_threads}\n")
+
+
+def write_kits(deploy_dir: Path, options: KitOptions, devices: list[str] | None = None) -> dict[str, Path]:
+    """Write ``deploy_dir/kits/ID/`` for ``devices`` (default: every bundle in ``deploy_dir/devices``)."""
+    _check(options)
+    bundles = _bundles(Path(deploy_dir), devices)
+    kits = Path(deploy_dir) / "kits"
+    kits.mkdir(mode=0o700, exist_ok=True)
+    written = {}
+    for device, bundle in bundles.items():
+        kit = kits / device
+        kit.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(kit, 0o700)
+        for name in _KIT_FILES:
+            text = resources.files("coordinator.ops").joinpath("kit").joinpath(name).read_text(encoding="utf-8")
+            write_file(kit / name, text, 0o755 if name.endswith(".sh") else 0o644)
+        write_file(kit / "kit.env", kit_env(options), 0o644)
+        write_file(kit / "client.env", client_env(options), 0o644)
+        write_file(kit / "bundle.toml", bundle.read_text(encoding="utf-8"), 0o600)
+        for old in kit.glob("fedge-*.whl"):
+            old.unlink()
+        shutil.copy2(options.wheel, kit / options.wheel.name)
+        if options.torch_wheel is not None:
+            shutil.copy2(options.torch_wheel, kit / options.torch_wheel.name)
+        if options.data is not None:
+            shutil.copy2(options.data, kit / "data.npz")
+        written[device] = kit
+    return written
+
+
+def _bundles(deploy_dir: Path, devices: list[str] | None) -> dict[str, Path]:
+    """Device id -> its bundle in the provisioning directory, each checked to be a readable bundle."""
+    folder = deploy_dir / "devices"
+    if not folder.is_dir():
+        raise KitError(f"{deploy_dir} has no devices/ folder: give the --out directory of fedge-coordinator "
+                       "provision")
+    available = {p.stem: p for p in sorted(folder.glob("*.toml"))}
+    wanted = devices or sorted(available)
+    missing = [d for d in wanted if d not in available]
+    if missing:
+        raise KitError(f"no bundle for {', '.join(missing)} in {folder}; provisioned: "
+                       f"{', '.join(sorted(available)) or 'none'}")
+    for device in wanted:
+        try:
+            read_bundle(available[device])
+        except BundleError as exc:
+            raise KitError(str(exc)) from None
+    return {d: available[d] for d in wanted}

@@ -1,0 +1,125 @@
+"""First-boot kits written from a real provisioning directory: what each holds, who may read it, and the
+mistakes refused before anything is written. bench/arm_device.py runs a kit's install.sh on aarch64."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coordinator.ops.flash_kit import KitError, KitOptions, client_env, kit_env, write_kits
+from coordinator.ops.provision import provision
+from coordinator.ui.cli import main as coordinator_main
+from edge_client.bundle import read_bundle
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def deploy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("kit") / "deploy"
+    provision(out, hosts=["broker.lan"], devices=["pi-01", "pi-02"], port=8883)
+    return out
+
+
+@pytest.fixture()
+def wheel(tmp_path: Path) -> Path:
+    # the kit writer only copies the wheel; bench/arm_device.py installs a real one
+    path = tmp_path / "fedge-0.1.0-py3-none-any.whl"
+    path.write_bytes(b"PK\x05\x06" + bytes(18))
+    return path
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_kit_per_device_holds_its_bundle_privately_and_nothing_secret_elsewhere(deploy, wheel, tmp_path):
+    data = tmp_path / "own.npz"
+    data.write_bytes(b"npz")
+    kits = write_kits(deploy, KitOptions(target="pi", wheel=wheel, torch_threads=2, data=data))
+    assert sorted(kits) == ["pi-01", "pi-02"]
+    kit = kits["pi-02"]
+    assert sorted(p.name for p in kit.iterdir()) == sorted(["install.sh", "fedge-client.service", "kit.env",
+                                                           "client.env", "bundle.toml", wheel.name, "data.npz"])
+    assert _mode(kit) == 0o700 and _mode(kit / "bundle.toml") == 0o600 and _mode(kit / "install.sh") == 0o755
+    assert (kit / "bundle.toml").read_bytes() == (deploy / "devices" / "pi-02.toml").read_bytes()
+    password = read_bundle(kit / "bundle.toml").password
+    for path in kit.iterdir():
+        if path.name != "bundle.toml":
+            assert password.encode() not in path.read_bytes(), path.name
+    assert 'TORCH_SPEC="torch==2.13.0"' in (kit / "kit.env").read_text()
+    assert "FEDGE_TORCH_THREADS=2" in (kit / "client.env").read_text()
+    # one unit: the kit installs the file the docs describe
+    assert (kit / "fedge-client.service").read_text() == (REPO / "deploy" / "fedge-client.service").read_text()
+    assert subprocess.run(["bash", "-n", str(kit / "install.sh")]).returncode == 0
+
+
+def test_the_unit_passes_the_memory_settings_and_threads_to_the_client():
+    unit = (REPO / "deploy" / "fedge-client.service").read_text()
+    assert "Environment=MALLOC_ARENA_MAX=2" in unit and "EnvironmentFile=-/etc/fedge/client.env" in unit
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert "--torch-threads ${FEDGE_TORCH_THREADS}" in exec_start
+
+
+def test_kit_envs_are_plain_shell_assignments(wheel):
+    options = KitOptions(target="pi", wheel=wheel, torch_pip_args="--index-url https://example.invalid/cpu")
+    for text in (kit_env(options), client_env(options)):
+        done = subprocess.run(["bash", "-c", "set -eu; . /dev/stdin; env"], input=text, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
+    assert 'TORCH_PIP_ARGS="--index-url https://example.invalid/cpu"' in kit_env(options)
+
+
+def test_rewriting_a_kit_replaces_the_old_wheel(deploy, wheel, tmp_path):
+    write_kits(deploy, KitOptions(target="pi", wheel=wheel), ["pi-01"])
+    newer = tmp_path / "fedge-0.2.0-py3-none-any.whl"
+    shutil.copy2(wheel, newer)
+    kit = write_kits(deploy, KitOptions(target="pi", wheel=newer), ["pi-01"])["pi-01"]
+    assert sorted(p.name for p in kit.glob("fedge-*.whl")) == [newer.name]
+    assert 'FEDGE_WHEEL="fedge-0.2.0-py3-none-any.whl"' in (kit / "kit.env").read_text()
+
+
+def test_a_jetson_kit_carries_nvidias_torch_wheel(deploy, wheel, tmp_path):
+    torch_wheel = tmp_path / "torch-2.5.0a0+872d972e41.nv24.08-cp310-cp310-linux_aarch64.whl"
+    torch_wheel.write_bytes(b"PK")
+    kit = write_kits(deploy, KitOptions(target="jetson", wheel=wheel, torch_wheel=torch_wheel), ["pi-01"])["pi-01"]
+    assert (kit / torch_wheel.name).exists()
+    assert f'TORCH_WHEEL="{torch_wheel.name}"' in (kit / "kit.env").read_text()
+    assert "TORCH_SPEC" not in (kit / "kit.env").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"target": "pi32"}, "choose one of"),
+    ({"wheel": Path("/nonexistent/fedge-0.1.0-py3-none-any.whl")}, "pip wheel --no-deps"),
+    ({"torch_spec": "torch"}, "exact pin"),
+    ({"target": "jetson"}, "NVIDIA's PyTorch wheel"),
+    ({"torch_threads": -1}, "--torch-threads"),
+    ({"data_spec": "npz:$(reboot)"}, "may not contain"),
+])
+def test_bad_requests_are_refused_before_anything_is_written(deploy, wheel, change, message, tmp_path):
+    fresh = tmp_path / "deploy"
+    shutil.copytree(deploy / "devices", fresh / "devices")
+    with pytest.raises(KitError, match=message):
+        write_kits(fresh, KitOptions(**{"target": "pi", "wheel": wheel, **change}))
+    assert not (fresh / "kits").exists()
+
+
+def test_unknown_devices_and_a_wrong_directory_are_named(deploy, wheel, tmp_path):
+    with pytest.raises(KitError, match="no bundle for pi-09.*provisioned: pi-01, pi-02"):
+        write_kits(deploy, KitOptions(target="pi", wheel=wheel), ["pi-09"])
+    with pytest.raises(KitError, match="no devices/ folder"):
+        write_kits(tmp_path, KitOptions(target="pi", wheel=wheel))
+
+
+def test_the_command_writes_kits_and_says_what_next(deploy, wheel, capsys):
+    assert coordinator_main(["kit", "--deploy", str(deploy), "--target", "pi", "--wheel", str(wheel),
+                             "--device", "pi-01"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 1 pi kits" in out and "install.sh" in out
+    assert coordinator_main(["kit", "--deploy", str(deploy), "--target", "pi", "--wheel", str(wheel),
+                             "--torch", "torch>=2"]) == 2
+    assert "exact pin" in capsys.readouterr().err
