@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
 import threading
 import time
 from collections import OrderedDict
@@ -339,8 +340,9 @@ class EdgeClient:
         if self.settings.state_dir is None:
             return
         msg = task.msg
+        # the machine on each line: a history copied off a device says what it was measured on
         record = {"client_id": self.settings.client_id, "run_id": msg.run_id, "round": msg.round,
                   "task_id": msg.task_id, "objective": task.body.objective if task.body is not None else None,
-                  **profile}
+                  "arch": platform.machine(), **profile}
         record.pop("previous_send", None)   # this line already has its own encode and publish times
         append_history(self.settings.state_dir, "task", record)
