@@ -58,11 +58,14 @@ def test_a_kit_per_device_holds_its_bundle_privately_and_nothing_secret_elsewher
     assert subprocess.run(["bash", "-n", str(kit / "install.sh")]).returncode == 0
 
 
-def test_the_unit_passes_the_memory_settings_and_threads_to_the_client():
+def test_the_unit_passes_the_threads_and_client_env_to_the_client(wheel):
     unit = (REPO / "deploy" / "fedge-client.service").read_text()
-    assert "Environment=MALLOC_ARENA_MAX=2" in unit and "EnvironmentFile=-/etc/fedge/client.env" in unit
+    assert "EnvironmentFile=-/etc/fedge/client.env" in unit
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     assert "--torch-threads ${FEDGE_TORCH_THREADS}" in exec_start
+    small = client_env(KitOptions(target="pi", wheel=wheel, low_memory=True))
+    assert "FEDGE_TORCH_THREADS=1" in small and "MALLOC_TRIM_THRESHOLD_=0" in small
+    assert "MALLOC" not in client_env(KitOptions(target="pi", wheel=wheel))
 
 
 def test_kit_envs_are_plain_shell_assignments(wheel):

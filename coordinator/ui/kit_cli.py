@@ -34,7 +34,10 @@ def add_command(sub, name: str = "kit") -> None:  # sub: the parser's subparsers
     kit.add_argument("--torch-wheel", type=Path, default=None,
                      help="a Jetson: NVIDIA's PyTorch wheel for the devices' JetPack, copied into each kit")
     kit.add_argument("--torch-threads", type=int, default=0, metavar="N",
-                     help="the service's torch CPU threads (0, the default: one per core; 1 or 2 on 512 MB boards)")
+                     help="the service's torch CPU threads (0, the default: one per core)")
+    kit.add_argument("--low-memory", action="store_true",
+                     help="for 512 MB boards (Pi Zero 2 W): one torch thread and glibc settings that give freed "
+                          "memory back: a smaller peak, slower training (docs/profiling.md#device-footprint)")
     kit.add_argument("--data-file", type=Path, default=None, metavar="NPZ",
                      help="an npz (arrays x, y) copied into every kit as the device's data; for data of its own, "
                           "put DEPLOY/kits/ID/data.npz there yourself")
@@ -48,7 +51,8 @@ def _kit(args: argparse.Namespace) -> int:
 
     options = KitOptions(target=args.target, wheel=args.wheel, torch_spec=args.torch,
                          torch_pip_args=args.torch_pip_args, torch_wheel=args.torch_wheel,
-                         torch_threads=args.torch_threads, data=args.data_file, data_spec=args.data_spec)
+                         torch_threads=args.torch_threads, low_memory=args.low_memory, data=args.data_file,
+                         data_spec=args.data_spec)
     try:
         kits = write_kits(args.deploy, options, args.device or None)
     except KitError as exc:
