@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -30,7 +31,8 @@ sys.path.insert(0, str(ROOT_DIR))
 
 from arm.fleet_files import ARM_DEVICE, ensure_data, ensure_deployment  # noqa: E402
 from arm.install import install_infer, run_kit  # noqa: E402
-from arm.rootfs import DEFAULT_CACHE, ArmError, chroot_cmd, ensure_binfmt, ensure_rootfs, mounted  # noqa: E402
+from arm.rootfs import (DEFAULT_CACHE, DEFAULT_CPU, ArmError, chroot_cmd, ensure_binfmt, ensure_rootfs,  # noqa: E402
+                        mounted)
 from coordinator.ops.flash_kit import KitOptions, write_kits  # noqa: E402
 
 STAGES = ("install", "runs", "serve")
@@ -107,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild", action="store_true", help="remove the cached root and deployment first")
     parser.add_argument("--port", type=int, default=18883, help="the TLS broker's port on 127.0.0.1 (default 18883)")
     parser.add_argument("--nice", type=int, default=0, help="run the emulated installs at this nice level")
+    parser.add_argument("--cpu", default=DEFAULT_CPU,
+                        help=f"the CPU qemu emulates (default {DEFAULT_CPU}, a Pi 4's core; cortex-a76 for a Pi 5). "
+                             "qemu's own default, max, makes torch compute wrong results (bench/arm/rootfs.py)")
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args(argv)
+    os.environ["FEDGE_ARM_CPU"] = args.cpu   # read by every command run in the root
     cache = args.cache.resolve()
     root = cache / "root"
     log = cache / "arm_device.log"
@@ -120,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"arm64 root {root}")
         built = ensure_rootfs(root, log)
         results = json.loads(args.results.read_text()) if args.results.exists() else {}
-        results.update({"host": {"machine": platform.machine(), "cores": __import__("os").cpu_count()},
-                        "emulation": "qemu-user (qemu-aarch64-static, binfmt_misc), Debian bookworm arm64"})
+        results.update({"host": {"machine": platform.machine(), "cores": os.cpu_count()},
+                        "emulation": f"qemu-user (qemu-aarch64-static, binfmt_misc), CPU {args.cpu}, Debian "
+                                     "bookworm arm64"})
         if built:
             results["rootfs_build_s"] = {k: round(v, 1) for k, v in built.items()}
         wheel = build_wheel(cache / "dist")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["ArmError", "ensure_binfmt", "ensure_rootfs", "mounted", "chroot_cmd", "DEFAULT_CACHE"]
+__all__ = ["ArmError", "ensure_binfmt", "ensure_rootfs", "mounted", "chroot_cmd", "emulated_cpu", "DEFAULT_CACHE"]
 
 DEFAULT_CACHE = Path("/var/cache/fedge-arm64")
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
@@ -26,6 +26,15 @@ PACKAGES = "python3,python3-venv,python3-pip,ca-certificates,systemd"
 READY = ".fedge-rootfs-ready"
 # What pip inside the root needs from this machine: its CA bundle and settings (a mirror or proxy).
 HOST_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf", "/etc/resolv.conf")
+# The CPU qemu emulates (QEMU_CPU). Its default, "max", offers SVE and SME, and there torch 2.13's
+# aarch64 build computes F.linear wrongly (a 16-wide dot product sums 4 of its terms); a real Pi's
+# core (Cortex-A72: Pi 4; Cortex-A76: Pi 5) has neither and gives x86's results. bench/arm_device.py
+# --cpu sets it; stages.cpu_check records what both give.
+DEFAULT_CPU = "cortex-a72"
+
+
+def emulated_cpu() -> str:
+    return os.environ.get("FEDGE_ARM_CPU", DEFAULT_CPU)
 
 
 class ArmError(RuntimeError):
@@ -111,8 +120,8 @@ def mounted(root: Path) -> Iterator[Path]:
 
 
 def chroot_cmd(root: Path, cmd: list[str], *, user: str | None = None, env: dict[str, str] | None = None) -> list[str]:
-    """``cmd`` run inside ``root`` (as ``user``: "UID:GID"), with exactly ``env`` plus a PATH."""
+    """``cmd`` run inside ``root`` (as ``user``: "UID:GID") on the emulated CPU, with exactly ``env`` plus a PATH."""
     environment = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-                   "HOME": "/root", **(env or {})}
+                   "HOME": "/root", "QEMU_CPU": emulated_cpu(), **(env or {})}
     spec = [f"--userspec={user}"] if user else []
     return ["env", "-i", *(f"{k}={v}" for k, v in environment.items()), "chroot", *spec, str(root), *cmd]

@@ -25,10 +25,10 @@ from safetensors.torch import load_file
 
 from arm.fleet_files import ARM_DEVICE, DEVICES, ensure_data
 from arm.install import INFER_VENV, timed
-from arm.rootfs import ArmError, chroot_cmd
+from arm.rootfs import ArmError, chroot_cmd, emulated_cpu
 from coordinator.ops.mosquitto import LocalMosquitto
 
-__all__ = ["runs", "serve", "unit_command"]
+__all__ = ["runs", "serve", "unit_command", "cpu_check"]
 
 UNIT = "etc/systemd/system/fedge-client.service"
 CREDENTIALS = "/run/credentials/fedge-client.service"
@@ -152,6 +152,21 @@ def _run_facts(out: Path, seconds: float) -> dict:
             "devices": per_device, "export": summary.get("export"), "out": str(out)}
 
 
+_LINEAR = ("import torch; print(torch.nn.functional.linear(torch.ones(1, 16), "
+           "torch.arange(32.).reshape(2, 16)).tolist())")
+
+
+def cpu_check(root: Path, log: Path) -> dict:
+    """One dot product on qemu's default CPU and on the emulated one; x86 gives [[120.0, 376.0]]."""
+    out = {}
+    for cpu in ("max", emulated_cpu()):
+        got = timed(chroot_cmd(root, ["/opt/fedge/.venv/bin/python", "-c", _LINEAR], env={"QEMU_CPU": cpu}), log)
+        lines = [line for line in str(got["output"]).splitlines() if line.startswith("[[")]
+        out[cpu] = lines[-1] if lines else f"failed ({got['returncode']})"
+    out["x86_64"] = str(torch.nn.functional.linear(torch.ones(1, 16), torch.arange(32.).reshape(2, 16)).tolist())
+    return out
+
+
 def runs(cache: Path, root: Path, port: int, log: Path) -> dict:
     data = ensure_data(cache / "data")
     deploy = cache / "deploy"
@@ -163,8 +178,8 @@ def runs(cache: Path, root: Path, port: int, log: Path) -> dict:
     state = root / STATE.lstrip("/")
     (state / "profile.jsonl").unlink(missing_ok=True)
     procs: list[subprocess.Popen] = []
-    result: dict = {"unit_exec": " ".join(argv), "unit_env": {k: v for k, v in env.items()
-                                                             if k.startswith(("MALLOC", "FEDGE_"))}}
+    result: dict = {"emulated_cpu": emulated_cpu(), "cpu_check": cpu_check(root, log), "unit_exec": " ".join(argv),
+                    "unit_env": {k: v for k, v in env.items() if k.startswith(("MALLOC", "FEDGE_"))}}
     broker.start()
     try:
         uid, gid = _ids(root, user)
