@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import MODES, CodecSection, TransportSection
+from coordinator.config_sections import MODES, PRIVACY_MODES, CodecSection, TransportSection
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from coordinator.runtime.selection import SELECTIONS
@@ -67,6 +67,7 @@ def check_config(config: RunConfig) -> None:
         *_workers_checks(config),
         *_async_checks(config),
         *_selection_checks(config),
+        *_privacy_checks(config),
         ("name" in config.model, "model.name is required"),
         *(check for section in config.methods.values() for check in section.checks(config)),
     ]
@@ -127,6 +128,41 @@ def _async_checks(config: RunConfig) -> list[tuple[bool, str]]:
          f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need a round's every result)"),
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it compares a round's every client model)"),
         (not config.eval.personalized, f"{need} eval.personalized = false (it asks every client in one phase)"),
+    ]
+
+
+def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``[privacy]``: its values, and what central differential privacy cannot run with, naming the key to change
+    (each would release something about one device that the noise does not cover, or break the sampling the
+    account assumes; docs/privacy.md)."""
+    p = config.privacy
+    checks = [(p.mode in PRIVACY_MODES, f"privacy.mode must be one of {', '.join(PRIVACY_MODES)}, got {p.mode!r}")]
+    if p.mode != "central":
+        return checks
+    need = "privacy.mode = 'central' needs"
+    return checks + [
+        (math.isfinite(p.clip_norm) and p.clip_norm > 0,
+         f"privacy.clip_norm must be a positive number (the L2 bound on a device's update), got {p.clip_norm}"),
+        (math.isfinite(p.noise_multiplier) and p.noise_multiplier >= 0,
+         f"privacy.noise_multiplier must be >= 0 (0: no noise, no privacy), got {p.noise_multiplier}"),
+        (0 < p.delta < 1, f"privacy.delta must be in (0, 1), well below 1 / clients.expected; got {p.delta}"),
+        (math.isfinite(p.target_epsilon) and p.target_epsilon >= 0,
+         f"privacy.target_epsilon must be >= 0 (0: no target), got {p.target_epsilon}"),
+        (0 < p.target_quantile < 1, f"privacy.target_quantile must be in (0, 1), got {p.target_quantile}"),
+        (math.isfinite(p.clip_lr) and p.clip_lr > 0, f"privacy.clip_lr must be > 0, got {p.clip_lr}"),
+        (math.isfinite(p.count_noise_multiplier) and p.count_noise_multiplier >= 0,
+         f"privacy.count_noise_multiplier must be >= 0 (0: clients per round / 10), got {p.count_noise_multiplier}"),
+        (config.run.mode == "sync", f"{need} run.mode = 'sync': asynchronous versions are not accounted yet"),
+        (config.aggregate.rule == "mean" and config.aggregate.norm_bound == 0,
+         f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0: the others look at every update on its "
+         "own, and clipping already bounds each device's say"),
+        (config.clients.max_attempts == 1,
+         f"{need} clients.max_attempts = 1: a retry draws more devices than the sampling rate the account uses"),
+        (config.clients.selection == "random",
+         f"{need} clients.selection = 'random': the account assumes every device is equally likely to be drawn"),
+        (not config.run.diagnostics, f"{need} run.diagnostics = false (it records every device's model)"),
+        (not config.eval.personalized,
+         f"{need} eval.personalized = false (it reports the devices' own accuracies, without noise)"),
     ]
 
 

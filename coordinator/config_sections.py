@@ -14,7 +14,7 @@ from edge_client.hyper import LocalTraining
 
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
-           "AsyncSection", "MODES", "SelectionSection"]
+           "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES"]
 
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 
@@ -166,3 +166,25 @@ class SelectionSection:
     max_temperature_c: float = 80.0  # a device reporting a hotter CPU (or throttling now) is rested
     min_battery_percent: float = 20.0  # a discharging device below this battery level is rested
     rest_rounds: int = 3            # rounds a hot or low-battery device rests before it may be selected again
+
+
+PRIVACY_MODES = ("off", "central")
+
+
+@dataclass(frozen=True)
+class PrivacySection:
+    """``[privacy]``: central differential privacy at the level of a device's whole update per round
+    (coordinator/privacy.py, docs/privacy.md). Devices clip, the coordinator adds Gaussian noise to the
+    sum once and keeps the privacy account."""
+
+    mode: str = "off"               # off | central
+    clip_norm: float = 1.0          # L2 bound on a device's whole update (the starting bound with adaptive_clip)
+    noise_multiplier: float = 1.0   # z: the noise on the sum of updates has std z x clip_norm
+    delta: float = 1e-5             # the delta epsilon is reported at
+    target_epsilon: float = 0.0     # > 0: stop before a round that would take epsilon past it; 0: no target
+    adaptive_clip: bool = False     # follow a quantile of the update norms (Andrew et al. 2021)
+    target_quantile: float = 0.5    # share of updates meant to be within the clip norm
+    clip_lr: float = 0.2            # step of the geometric update C <- C exp(-clip_lr (b - target_quantile))
+    # Noise on the count of updates within the bound, as a multiplier of that count's sensitivity (1/2 per
+    # device, the bits being centred); 0: clients per round / 10 (Andrew et al.'s count noise of m / 20).
+    count_noise_multiplier: float = 0.0

@@ -13,6 +13,8 @@ from coordinator.aggregation import Aggregator
 from coordinator.config import RunConfig
 from coordinator.errors import ConfigError
 from coordinator.methods import method, resolve
+from coordinator.privacy import CentralPrivacy
+from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.base import PersonalizedEval, Strategy
 
 __all__ = ["make_strategy"]
@@ -30,6 +32,14 @@ def make_strategy(config: RunConfig) -> Strategy:
         raise ConfigError(f"run.mode = 'async' cannot run run.strategy = {config.run.strategy!r}: "
                           f"{strategy.sync_only}; use run.mode = 'sync' or a strategy that folds every result into "
                           "one update (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm)")
+    privacy = CentralPrivacy.from_config(config)
+    if privacy is not None:
+        if strategy.central_dp or not isinstance(strategy, FedAvg):
+            raise ConfigError(f"privacy.mode = 'central' cannot run run.strategy = {config.run.strategy!r}: "
+                              f"{strategy.central_dp or 'it combines results its own way'}; use privacy.mode = "
+                              "'off' or a strategy that folds one clipped update per device into one sum (fedavg, "
+                              "fedprox, fedadam, fedyogi, fedadagrad, fedavgm; docs/privacy.md)")
+        strategy.privacy = privacy
     if strategy.robust:
         strategy.aggregator = Aggregator(a.rule, a.trim)
     if config.eval.personalized:

@@ -37,7 +37,7 @@ from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, PresenceBody, ProtocolError, ResultBody,
                                        TaskBody, Topics, encode)
 from edge_client.wire.transport import Incoming, MessageTooLarge, Transport, TransportError, Will
-from edge_client.wire.updates import ResidualStore, decode_download, encode_upload
+from edge_client.wire.updates import ResidualStore, decode_download, encode_clipped_upload
 from profiling.device import device_facts
 from profiling.history import append_history
 from profiling.profiler import Profiler
@@ -308,9 +308,13 @@ class EdgeClient:
             state = model.state_dict()
             tensors, raw_only = {name: _on_cpu(state[name]) for name in up}, False
         with profiler.phase("codec"):
-            wire, delta = encode_upload(tensors, received, task.upload, self._residuals, msg.run_id,
-                                        raw_only=raw_only, generator=torch.Generator().manual_seed(ctx.seed))
-        return wire, ResultBody(num_samples=output.num_samples, metrics=dict(output.metrics),
+            wire, delta, clipped = encode_clipped_upload(tensors, received, task.upload, self._residuals, msg.run_id,
+                                                         raw_only=raw_only,
+                                                         generator=torch.Generator().manual_seed(ctx.seed))
+        metrics = dict(output.metrics)
+        if task.upload.clip_norm is not None:   # the one bit adaptive clipping needs, never the norm itself
+            metrics["clipped"] = float(clipped)
+        return wire, ResultBody(num_samples=output.num_samples, metrics=metrics,
                                 codec=task.upload.codec, delta=tuple(delta))
 
     def _received(self, wrapped: Task, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

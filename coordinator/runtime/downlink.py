@@ -72,6 +72,7 @@ class Downlink:
         return self._upload_codecs[plan.codec]
 
     def upload(self, plan: TaskPlan) -> UploadSettings:
-        """The task's ``upload`` field: statistics (``plan.expect``) always go back raw."""
+        """The task's ``upload`` field: statistics (``plan.expect``) always go back raw; the plan's clip norm
+        goes with it (central differential privacy)."""
         update = "raw" if plan.expect is not None else plan.update
-        return UploadSettings(self.upload_codec(plan), update, self.config.codec.error_feedback)
+        return UploadSettings(self.upload_codec(plan), update, self.config.codec.error_feedback, plan.clip_norm)

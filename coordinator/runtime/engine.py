@@ -376,6 +376,10 @@ class Coordinator:
         """
         with self.trained.completing(complete) as trained:
             for r in range(first, last + 1):
+                why = self.strategy.stop_before(r, self.state)
+                if why:
+                    log.warning("%s; the run ends after round %d", why, r - 1)
+                    break
                 done = TrainedRound(self.train_round(r), snapshot(self.state))
                 if self.evaluates(r):
                     trained.complete(wait=True)   # the evaluation in flight, and the rows behind it

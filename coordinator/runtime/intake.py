@@ -27,6 +27,7 @@ from coordinator.runtime.attempts import Attempts
 from coordinator.runtime.round_book import Network, RoundBook, RoundNotes
 from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan
 from edge_client.memory_guard import REFUSAL_PREFIX
+from edge_client.privacy import clip_update
 from edge_client.wire.codec import CodecSpec
 from edge_client.wire.protocol import ClaimBody, Message, ProtocolError, ResultBody, Topics, check_tensors, decode
 from edge_client.wire.throttle import ThrottledLog
@@ -65,6 +66,8 @@ def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mappin
         for name in [k for k in values if k in plan.down]:
             value = values.pop(name)
             deltas[name] = value - plan.down[name].to(value.dtype)
+    if plan.clip_norm is not None:   # the bound the privacy noise is calibrated to, whatever the codec or device did
+        deltas = clip_update(deltas, plan.clip_norm)[0]
     result = ClientResult(plan.client_id, body.num_samples, values, dict(body.metrics), deltas, plan.down)
     problem = strategy.check_result(plan, result, spec)
     if problem:

@@ -231,7 +231,8 @@ class AggregationWorker:
             if manifest.broadcast not in self.broadcasts:
                 raise _NoBroadcast()
             down = self.broadcasts[manifest.broadcast]
-        plan = TaskPlan(client_id=client_id, objective=manifest.phase, hyper={}, down=down, up=list(manifest.up))
+        plan = TaskPlan(client_id=client_id, objective=manifest.phase, hyper={}, down=down, up=list(manifest.up),
+                        clip_norm=manifest.clip_norm)
         return accept_result(plan, msg, body, self._network_shapes(manifest.model), manifest.codec, self.strategy,
                              manifest.model)
 

@@ -128,7 +128,8 @@ class WorkerExchange:
              broadcast: str | None) -> None:
         """The exchange's manifest, published before its tasks so the workers know them before any result."""
         book.manifest = ManifestBody(uuid.uuid4().hex[:16], book.phase, self.network().spec, tuple(plans[0].up),
-                                     codec, {t: p.client_id for t, p in zip(task_ids, plans)}, broadcast)
+                                     codec, {t: p.client_id for t, p in zip(task_ids, plans)}, broadcast,
+                                     clip_norm=plans[0].clip_norm)
         self.publish_manifest(book)
 
     def publish_manifest(self, book: RoundBook) -> None:

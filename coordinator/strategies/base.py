@@ -53,6 +53,9 @@ class TaskPlan:
     # whose clients hold layers of their own widths while layers are matched one by one).
     # None: the state's spec.
     model: dict[str, Any] | None = None
+    # Central differential privacy (docs/privacy.md): the L2 norm the device clips its whole update to
+    # before encoding it, and the coordinator holds the decoded update to. None: no clipping.
+    clip_norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,9 @@ class Strategy:
     # asynchronous versions need every result to fold into one weighted update of the model that the
     # strategy's ``server_step`` applies, whenever it comes.
     sync_only = "its aggregation needs every client's result of a phase at once"
+    # Why the strategy cannot run with privacy.mode = "central" (docs/privacy.md), "" when it can: central
+    # DP needs every result to be one clipped update folded into one sum that gets noise once.
+    central_dp = "it does not fold one update per device into a single sum"
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The network every party builds, from the configured one (``[model]`` plus the data's
@@ -272,6 +278,10 @@ class Strategy:
         read only its arguments (a snapshot of the round's state and a model of its own)."""
         loss, accuracy = evaluate_model(model, x, y)
         return {"test_accuracy": accuracy, "test_loss": loss}
+
+    def stop_before(self, round: int, state: ServerState) -> str:
+        """Why the run must end before ``round`` (a privacy budget spent, say), "" when it may go on."""
+        return ""
 
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Fields the strategy adds to ``summary.json`` from the run's metrics rows (e.g. its calibration)."""

@@ -30,22 +30,30 @@ class UploadSettings:
     """How a client answers a task: the task body's ``upload`` object.
 
     A task without one gets raw float32 values; in one, ``update`` defaults to
-    ``delta``, ``codec`` to ``fp32`` and ``error_feedback`` to true.
+    ``delta``, ``codec`` to ``fp32`` and ``error_feedback`` to true. ``clip_norm``
+    (central differential privacy, docs/privacy.md): the L2 norm the whole update
+    (every difference together) is clipped to before it is encoded; None: no clipping.
     """
 
     codec: CodecSpec = FP32
     update: str = "raw"              # delta | raw
     error_feedback: bool = False
+    clip_norm: float | None = None
 
     @classmethod
     def from_body(cls, upload: Any) -> UploadSettings:
         f = Fields("task", upload, "upload.")
+        clip = f.get("clip_norm", "a positive number", lambda v: is_number(v) and v > 0, None)
         return cls(codec=f.codec("codec"),
                    update=f.get("update", f"one of {UPDATES}", lambda v: v in UPDATES, "delta"),
-                   error_feedback=f.get("error_feedback", "true or false", lambda v: isinstance(v, bool), True))
+                   error_feedback=f.get("error_feedback", "true or false", lambda v: isinstance(v, bool), True),
+                   clip_norm=None if clip is None else float(clip))
 
     def to_body(self) -> dict[str, Any]:
-        return {"codec": self.codec.text, "update": self.update, "error_feedback": self.error_feedback}
+        out: dict[str, Any] = {"codec": self.codec.text, "update": self.update, "error_feedback": self.error_feedback}
+        if self.clip_norm is not None:
+            out["clip_norm"] = self.clip_norm
+        return out
 
 
 @dataclass(frozen=True)

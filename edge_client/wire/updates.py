@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from edge_client.privacy import clip_update
 from edge_client.wire.codec import CodecError, CodecSpec, all_finite, decode_tensors, encode_tensors
 from edge_client.wire.protocol import UPDATES, ResultBody, UploadSettings
 from storage.files import write_tensors_atomic
 
 # UPDATES and UploadSettings (the task's ``upload``) are defined with the other bodies
 # in the protocol module; they are part of this module's interface too.
-__all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "decode_parts", "decode_upload",
+__all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "encode_clipped_upload", "decode_parts", "decode_upload",
            "encode_download", "decode_download"]
 
 log = logging.getLogger("fedge.updates")
@@ -91,6 +92,23 @@ def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, to
     The result's body names the codec (``settings.codec``) and the differences (``delta``).
     ``received``: what the task sent down, the reference of each difference.
     ``raw_only``: the tensors are not model parameters (an objective's statistics).
+    With ``settings.clip_norm`` the differences are clipped (:func:`encode_clipped_upload`).
+    """
+    wire, delta, _ = encode_clipped_upload(tensors, received, settings, residuals, run_id, raw_only=raw_only,
+                                           generator=generator)
+    return wire, delta
+
+
+def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
+                          settings: UploadSettings, residuals: ResidualStore, run_id: str, *,
+                          raw_only: bool = False, generator: torch.Generator | None = None
+                          ) -> tuple[dict[str, torch.Tensor], list[str], bool]:
+    """:func:`encode_upload`, and whether the differences were clipped to ``settings.clip_norm``.
+
+    The error-feedback residual is added before clipping, so what a round sends (its own update and
+    what earlier codecs dropped) is within the clip norm: the bound differential privacy needs holds per
+    round. What clipping removes is dropped, not carried; only what the codec drops becomes the next
+    residual (docs/privacy.md).
     """
     spec = settings.codec
     delta = [] if raw_only or settings.update == "raw" else sorted(n for n in tensors if n in received)
@@ -104,12 +122,16 @@ def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, to
             old = stored.get(name)
             if old is not None and old.shape == values[name].shape:
                 values[name] = values[name] + old
+    clipped = False
+    if settings.clip_norm is not None and delta:
+        bounded, clipped = clip_update({name: values[name] for name in delta}, settings.clip_norm)
+        values.update(bounded)
     wire = encode_tensors(values, spec, sparse=delta, generator=generator)
     if feedback:
         sent = decode_tensors(wire, spec, {n: tuple(v.shape) for n, v in values.items()}, sparse=delta)
         stored.update({name: values[name] - sent[name] for name in delta})
         residuals.save()
-    return wire, delta
+    return wire, delta, clipped
 
 
 def decode_parts(wire: Mapping[str, torch.Tensor], body: ResultBody,

@@ -34,6 +34,7 @@ class ManifestBody:
     tasks: dict[str, str]
     broadcast: str | None = None
     flush: bool = False
+    clip_norm: float | None = None   # the tasks' clip norm (central differential privacy): results are held to it
 
     @classmethod
     def from_body(cls, body: Any) -> ManifestBody:
@@ -44,13 +45,16 @@ class ManifestBody:
                    tasks=f.get("tasks", "an object of task id -> client id",
                                lambda v: isinstance(v, dict) and all(valid_client_id(c) for c in v.values())),
                    broadcast=f.get("broadcast", "a SHA-256 in hex", is_sha256, None),
-                   flush=f.get("flush", "true or false", lambda v: isinstance(v, bool), False))
+                   flush=f.get("flush", "true or false", lambda v: isinstance(v, bool), False),
+                   clip_norm=f.get("clip_norm", "a positive number", lambda v: is_number(v) and v > 0, None))
 
     def to_body(self) -> dict[str, Any]:
         out = {"exchange": self.exchange, "phase": self.phase, "model": self.model, "up": list(self.up),
                "codec": self.codec.text, "tasks": self.tasks, "flush": self.flush}
         if self.broadcast is not None:
             out["broadcast"] = self.broadcast
+        if self.clip_norm is not None:
+            out["clip_norm"] = self.clip_norm
         return out
 
 

@@ -64,6 +64,7 @@ class Fed2Section:
 class Fed2(FedAvg):
     name = "fed2"
     sync_only = "its paired averaging weighs each group's rows by the clients of one round (fed2.pairing)"
+    central_dp = "its paired averaging weighs each group's rows by each device's class counts"
 
     def __init__(self, train: dict[str, Any], allocation: list[int] | None = None, pairing: str = "all") -> None:
         super().__init__(train)

@@ -83,6 +83,9 @@ class SphereFed(FedProx):
         super().__init__(train, mu)
         self.sphere_seed = sphere_seed
         self.ffc = ffc
+        # Calibration ships each device's feature statistics, exactly: nothing the noise covers.
+        self.central_dp = "its FFC calibration sends every device's feature statistics (set ffc.enabled = false)" \
+            if ffc.enabled else ""
         self.broadcast = broadcast      # the download goes once per round as a broadcast, not per task
         self._fixed: torch.Tensor | None = None
 
