@@ -1,0 +1,202 @@
+"""Central differential privacy: the device's clipping, the coordinator's noise, the account, the refusals,
+and one short federated run with it on."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting.rdp import RdpAccountant
+
+from coordinator.config import ConfigError, load_config
+from coordinator.privacy import (CentralPrivacy, accounted_noise_multiplier, adapted_clip_norm, epsilon_after,
+                                 noisy_mean)
+from coordinator.strategies.base import ClientResult, WeightedSum
+from coordinator.strategy_setup import make_strategy
+from coordinator.runtime.run import run_federated
+from edge_client.privacy import clip_update, update_norm
+from edge_client.wire.bodies import TaskBody, UploadSettings
+from edge_client.wire.codec import parse_codec
+from edge_client.wire.errors import ProtocolError
+from edge_client.wire.updates import ResidualStore, encode_clipped_upload
+from storage.state import ServerState
+
+CENTRAL = [("privacy", "mode", "central"), ("clients", "max_attempts", 1)]
+
+
+def _config(*sets):
+    return load_config(None, [*CENTRAL, *sets])
+
+
+# -- clipping ---------------------------------------------------------------------------------------------------
+def test_clip_scales_the_whole_update_to_the_norm_keeping_its_direction():
+    update = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([[0.0, 4.0]])}   # norm 5 over both tensors
+    clipped, was = clip_update(update, 1.0)
+    assert was and update_norm(clipped) == pytest.approx(1.0, rel=1e-6) and update_norm(clipped) <= 1.0
+    assert torch.allclose(clipped["a"], torch.tensor([0.6, 0.0]), atol=1e-6)
+    assert torch.allclose(clipped["b"], torch.tensor([[0.0, 0.8]]), atol=1e-6)
+
+
+def test_clip_under_the_bound_is_a_no_op():
+    update = {"a": torch.tensor([0.3, 0.4])}
+    same, was = clip_update(update, 1.0)
+    assert not was and torch.equal(same["a"], update["a"])
+    again, was_again = clip_update(clip_update({"a": torch.randn(1000) * 10}, 2.0)[0], 2.0)
+    assert not was_again and update_norm(again) <= 2.0
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0, math.inf, math.nan])
+def test_clip_refuses_a_bound_that_is_not_positive_and_finite(bound):
+    with pytest.raises(ValueError, match="positive finite"):
+        clip_update({"a": torch.ones(2)}, bound)
+
+
+def test_upload_is_clipped_before_the_codec_with_the_residual_inside_the_bound():
+    received = {"w": torch.zeros(64)}
+    settings = UploadSettings(parse_codec("int8"), "delta", True, clip_norm=0.5)
+    store = ResidualStore(None)
+    wire, delta, clipped = encode_clipped_upload({"w": torch.randn(64) * 3}, received, settings, store, "r")
+    assert clipped and delta == ["w"]
+    residual = store.tensors["w"]
+    assert 0 < float(residual.norm()) < 0.5   # only what int8 dropped of the clipped update is carried
+    _, _, small = encode_clipped_upload({"w": torch.full((64,), 1e-4)}, received, settings, store, "r")
+    assert not small
+
+
+def test_task_body_carries_a_validated_clip_norm():
+    upload = UploadSettings(parse_codec("fp32"), "delta", True, clip_norm=0.7)
+    body = TaskBody(objective="train", model={"name": "mlp"}, up=("w",), upload=upload).to_body()
+    assert TaskBody.from_body(body).upload.clip_norm == 0.7
+    for bad in (0, -1.0, "1", True):
+        body["upload"]["clip_norm"] = bad
+        with pytest.raises(ProtocolError, match="upload.clip_norm"):
+            TaskBody.from_body(body)
+
+
+# -- noise --------------------------------------------------------------------------------------------------------
+def test_noise_std_on_the_mean_is_z_times_c_over_the_selected():
+    total = WeightedSum({"w": torch.zeros(200_000, dtype=torch.float64)}, 3.0)   # 3 returned of 8 selected
+    z, c, m = 1.3, 0.5, 8
+    mean = noisy_mean(total, z * c, m, torch.Generator().manual_seed(1))["w"]
+    assert float(mean.std()) == pytest.approx(z * c / m, rel=0.01)
+    assert abs(float(mean.mean())) < 5 * z * c / m / math.sqrt(200_000)
+
+
+def test_noisy_mean_divides_the_sum_by_the_fixed_denominator():
+    total = WeightedSum.reduce(WeightedSum.of({"w": torch.full((3,), v)}, 1.0) for v in (1.0, 2.0))
+    mean = noisy_mean(total, 0.0, 4, torch.Generator())["w"]
+    assert torch.allclose(mean, torch.full((3,), 0.75, dtype=torch.float64))
+
+
+def test_adaptive_clip_moves_towards_the_quantile():
+    g = torch.Generator().manual_seed(0)
+    down, b = adapted_clip_norm(1.0, 10, 10, quantile=0.5, lr=0.2, count_std=0.0, generator=g)
+    assert b == 1.0 and down == pytest.approx(math.exp(-0.1))
+    up, _ = adapted_clip_norm(1.0, 0, 10, quantile=0.5, lr=0.2, count_std=0.0, generator=g)
+    assert up == pytest.approx(math.exp(0.1))
+
+
+# -- the account --------------------------------------------------------------------------------------------------
+def test_epsilon_grows_with_rounds_and_matches_dp_accounting():
+    q, z, delta = 0.1, 1.1, 1e-5
+    eps = [epsilon_after(r, sampling_rate=q, noise_multiplier=z, delta=delta) for r in (0, 1, 10, 100)]
+    assert eps[0] == 0.0 and eps[1] < eps[2] < eps[3]
+    direct = RdpAccountant()
+    direct.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 100)
+    assert eps[3] == pytest.approx(direct.get_epsilon(delta))
+    assert epsilon_after(5, sampling_rate=q, noise_multiplier=0.0, delta=delta) == math.inf
+
+
+def test_adaptive_clipping_spends_budget_through_the_count():
+    assert accounted_noise_multiplier(1.0, None) == 1.0
+    assert accounted_noise_multiplier(1.0, 1.0) == pytest.approx(1 / math.sqrt(2))
+    assert accounted_noise_multiplier(1.0, 0.0) == 0.0
+
+
+def _results(n, clipped):
+    return [ClientResult(f"c{i}", 10, {}, {"clipped": float(i < clipped)}, {"w": torch.ones(4) * 0.1})
+            for i in range(n)]
+
+
+def test_release_accounts_a_round_and_stops_before_the_target():
+    config = _config(("clients", "expected", 10), ("clients", "per_round", 2), ("privacy", "noise_multiplier", 3.0),
+                     ("privacy", "target_epsilon", 1.0))
+    privacy = CentralPrivacy.from_config(config)
+    assert privacy.sampling_rate == 0.2 and privacy.per_round == 2
+    state = ServerState(round=0, params={"w": torch.zeros(4)})
+    results = _results(2, 1)
+    total = WeightedSum.reduce(WeightedSum.of(r.deltas, 1.0) for r in results)
+    rounds = 0
+    while not privacy.stop_before(state):
+        _, state, row = privacy.release(state, total, results, torch.Generator().manual_seed(rounds))
+        rounds += 1
+        state = ServerState(round=rounds, params=state.params, extra=state.extra)
+        assert row["dp_epsilon"] == pytest.approx(privacy.epsilon(rounds)) and row["dp_epsilon"] <= 1.0
+        assert row["dp_clipped_fraction"] == 0.5 and row["dp_clip_norm"] == 1.0
+    assert rounds == 9 and privacy.epsilon(rounds + 1) > 1.0   # 0.429 after one round, 1.04 after ten
+    assert "past privacy.target_epsilon = 1" in privacy.stop_before(state)
+
+
+# -- refusals -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting, message", [
+    (("privacy", "mode", "local"), "privacy.mode must be one of off, central"),
+    (("privacy", "clip_norm", 0.0), "privacy.clip_norm must be a positive number"),
+    (("privacy", "noise_multiplier", -1.0), "privacy.noise_multiplier must be >= 0"),
+    (("privacy", "delta", 1.0), "privacy.delta must be in"),
+    (("privacy", "target_epsilon", -1.0), "privacy.target_epsilon must be >= 0"),
+    (("privacy", "target_quantile", 1.0), "privacy.target_quantile must be in"),
+    (("privacy", "clip_lr", 0.0), "privacy.clip_lr must be > 0"),
+    (("aggregate", "rule", "median"), "aggregate.rule = 'mean'"),
+    (("aggregate", "norm_bound", 2.0), "aggregate.norm_bound = 0"),
+    (("run", "mode", "async"), "run.mode = 'sync'"),
+    (("clients", "selection", "deadline"), "clients.selection = 'random'"),
+    (("run", "diagnostics", True), "run.diagnostics = false"),
+])
+def test_bad_privacy_settings_are_refused_naming_the_key(setting, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _config(setting)
+
+
+def test_retries_are_refused_under_central_dp():
+    with pytest.raises(ConfigError, match="clients.max_attempts = 1"):
+        load_config(None, [("privacy", "mode", "central")])
+
+
+@pytest.mark.parametrize("strategy, message", [("fedma", "does not fold one update"),
+                                               ("dfl", "does not fold one update"),
+                                               ("fed2", "paired averaging"),
+                                               ("spherefed", "FFC calibration")])
+def test_strategies_that_need_each_update_are_refused(strategy, message):
+    with pytest.raises(ConfigError, match=message):
+        make_strategy(_config(("run", "strategy", strategy), ("run", "rounds", 4)))
+
+
+def test_server_optimizers_take_central_dp_with_equal_weights():
+    strategy = make_strategy(_config(("run", "strategy", "fedadam")))
+    assert strategy.privacy is not None
+    a, b = _results(2, 0)
+    folded = strategy.fold("train", strategy.fold("train", None, a), b)
+    assert folded.weight == 2.0
+
+
+# -- a run --------------------------------------------------------------------------------------------------------
+def test_a_short_federated_run_with_central_dp(tmp_path):
+    sets = {"run.rounds": 3, "run.out": str(tmp_path), "model.name": "mlp", "data.eval": "digits",
+            "clients.expected": 4, "clients.spawn": 4, "clients.per_round": 4, "clients.max_attempts": 1,
+            "transport.kind": "inproc", "export.enabled": False, "train.epochs": 2,
+            "privacy.mode": "central", "privacy.clip_norm": 5.0, "privacy.noise_multiplier": 0.01,
+            "privacy.adaptive_clip": True}
+    config = load_config(None, [(*k.split(".", 1), v) for k, v in sets.items()])
+    result = run_federated(config, say=lambda s: None)
+    rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["round"] > 0]
+    assert len(trained) == 3
+    eps = [r["dp_epsilon"] for r in trained]
+    assert all(e > 0 and math.isfinite(e) for e in eps) and eps == sorted(eps)
+    assert all(0 <= r["dp_clipped_fraction"] <= 1 and r["dp_clip_norm"] > 0 for r in trained)
+    assert trained[1]["dp_clip_norm"] == pytest.approx(trained[0]["dp_next_clip_norm"])
+    assert result.summary["dp_epsilon"] == eps[-1] and result.summary["dp_rounds"] == 3
+    assert result.summary["final_accuracy"] > 0.5
