@@ -200,3 +200,13 @@ def test_a_short_federated_run_with_central_dp(tmp_path):
     assert trained[1]["dp_clip_norm"] == pytest.approx(trained[0]["dp_next_clip_norm"])
     assert result.summary["dp_epsilon"] == eps[-1] and result.summary["dp_rounds"] == 3
     assert result.summary["final_accuracy"] > 0.5
+
+
+def test_worker_manifest_carries_the_clip_norm():
+    from edge_client.wire.worker_bodies import ManifestBody
+
+    manifest = ManifestBody("x1", "train", {"name": "mlp"}, ("w",), parse_codec("fp32"), {"t1": "c1"}, clip_norm=0.5)
+    assert ManifestBody.from_body(manifest.to_body()).clip_norm == 0.5
+    body = {**manifest.to_body(), "clip_norm": -1}
+    with pytest.raises(ProtocolError, match="clip_norm"):
+        ManifestBody.from_body(body)

@@ -110,9 +110,12 @@ class WorkerExchange:
                                                                for t in body.tasks):
                 raise ProtocolError("its receipts name tasks that were not granted to it, or one twice")
             results = [book.granted[t][1] for t in body.tasks]
-            weight = sum(r.num_samples for r in results)
+            # Under central DP (the tasks carry a clip norm) every result weighs 1, whatever its samples.
+            equal = book.manifest.clip_norm is not None
+            weight = len(results) if equal else sum(r.num_samples for r in results)
             if not math.isclose(body.weight, weight, rel_tol=1e-12):
-                raise ProtocolError(f"its weight {body.weight} is not the {weight} samples of its receipts")
+                raise ProtocolError(f"its weight {body.weight} is not the {weight} "
+                                    f"{'results' if equal else 'samples'} of its receipts")
             shapes = self.network().shapes
             check_tensors(msg.tensors, {k: shapes[k] for k in book.manifest.up}, torch.float64)
             partial = WeightedSum(dict(msg.tensors), float(body.weight))
