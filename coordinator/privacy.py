@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
 __all__ = ["CentralPrivacy", "AdaptiveClip", "noisy_mean", "adapted_clip_norm", "accounted_noise_multiplier",
-           "epsilon_after", "fresh_generator", "clipped_count"]
+           "epsilon_after", "noise_for_epsilon", "fresh_generator", "clipped_count"]
 
 class _QuietOrders(logging.Filter):
     """dp_accounting warns (through absl) for every fractional RDP order whose series does not converge, and
@@ -111,6 +111,24 @@ def epsilon_after(rounds: int, *, sampling_rate: float, noise_multiplier: float,
     accountant.compose(dp_accounting.PoissonSampledDpEvent(sampling_rate,
                                                            dp_accounting.GaussianDpEvent(noise_multiplier)), rounds)
     return float(accountant.get_epsilon(delta))
+
+
+def noise_for_epsilon(epsilon: float, *, rounds: int, sampling_rate: float, delta: float) -> float:
+    """The smallest noise multiplier z whose account after ``rounds`` rounds stays within ``epsilon`` at
+    ``delta`` (``dp_accounting``'s calibration over the same event :func:`epsilon_after` composes): what to
+    set ``privacy.noise_multiplier`` to for a target, before the run, instead of finding it by trial."""
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"epsilon must be a positive number, got {epsilon}")
+    if rounds < 1 or not (0 < sampling_rate <= 1) or not (0 < delta < 1):
+        raise ValueError("rounds must be at least 1, the sampling rate in (0, 1] and delta in (0, 1)")
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    def event(z: float) -> dp_accounting.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(z)), rounds)
+
+    return float(dp_accounting.calibrate_dp_mechanism(RdpAccountant, event, epsilon, delta))
 
 
 @dataclass(frozen=True)

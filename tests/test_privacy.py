@@ -210,3 +210,28 @@ def test_worker_manifest_carries_the_clip_norm():
     body = {**manifest.to_body(), "clip_norm": -1}
     with pytest.raises(ProtocolError, match="clip_norm"):
         ManifestBody.from_body(body)
+
+
+def test_the_noise_for_a_target_epsilon_ends_the_account_there():
+    from coordinator.privacy import epsilon_after, noise_for_epsilon
+
+    for target in (1.0, 8.0):
+        z = noise_for_epsilon(target, rounds=50, sampling_rate=0.1, delta=1e-5)
+        assert epsilon_after(50, sampling_rate=0.1, noise_multiplier=z, delta=1e-5) == pytest.approx(target, rel=1e-3)
+    # less noise for a looser target, more for more rounds
+    assert noise_for_epsilon(8, rounds=50, sampling_rate=0.1, delta=1e-5) < noise_for_epsilon(
+        1, rounds=50, sampling_rate=0.1, delta=1e-5) < noise_for_epsilon(1, rounds=200, sampling_rate=0.1, delta=1e-5)
+    with pytest.raises(ValueError, match="epsilon must be a positive"):
+        noise_for_epsilon(0, rounds=50, sampling_rate=0.1, delta=1e-5)
+
+
+def test_the_privacy_command_prints_the_multiplier_and_refuses_impossible_sampling(capsys):
+    from coordinator.ui.cli import main as coordinator_main
+
+    assert coordinator_main(["privacy", "--epsilon", "8", "--rounds", "100", "--per-round", "10",
+                             "--expected", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "q = 0.1" in out and "privacy.noise_multiplier = 0.99" in out
+    assert coordinator_main(["privacy", "--epsilon", "8", "--rounds", "100", "--per-round", "20",
+                             "--expected", "10"]) == 2
+    assert "cannot exceed" in capsys.readouterr().err
