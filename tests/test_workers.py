@@ -145,3 +145,32 @@ def test_worker_command_says_what_is_missing(capsys):
     assert "--broker mqtt://HOST:PORT" in capsys.readouterr().err
     assert main(["worker", "--broker", "mqtt://127.0.0.1:1", "--id", "no/slashes"]) == 2
     assert "--id 'no/slashes'" in capsys.readouterr().err
+
+
+def test_a_worker_under_central_dp_gives_the_coordinators_own_clipped_mean(tmp_path, mosquitto, prefix):
+    """With central DP (z = 0, so the sum is exact) a worker's partial sums of clipped, equally weighted
+    updates give the models the coordinator makes alone: the clip norm reaches the worker in the
+    manifest and the fixed denominator is applied once, by the coordinator."""
+    sets = dict(run__rounds=2, checkpoint__keep="all", transport__broker=mosquitto, clients__expected=3,
+                clients__spawn=3, clients__max_attempts=1, transport__max_message_bytes=8 * 1024 * 1024,
+                privacy__mode="central", privacy__clip_norm=0.5, privacy__noise_multiplier=0.0)
+    alone = config_for(tmp_path / "alone", transport__prefix=prefix + "-dp-alone", **sets)
+    run_federated(alone, say=lambda s: None)
+    shared = config_for(tmp_path / "shared", transport__prefix=prefix + "-dp-shared", workers__count=1, **sets)
+    dump_config(shared, tmp_path / "shared.toml")
+    worker = _start_worker(tmp_path / "shared.toml", "w0")
+    try:
+        run_federated(shared, say=lambda s: None)
+        output = worker.communicate(timeout=60)[0]
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, output
+    for round in (1, 2):
+        name = f"round_{round:04d}.safetensors"
+        a, _ = load_checkpoint(tmp_path / "alone" / "checkpoints" / name)
+        b, _ = load_checkpoint(tmp_path / "shared" / "checkpoints" / name)
+        for key in a.params:
+            assert torch.allclose(a.params[key], b.params[key], rtol=1e-5, atol=1e-6), (round, key)
+    rows = read_metrics(tmp_path / "shared")[1:]
+    assert all(r["dp_clip_norm"] == 0.5 and r["returned"] == 3 for r in rows)
+    assert any(r["dp_clipped_fraction"] > 0 for r in rows)   # the bound was at work, not only set
