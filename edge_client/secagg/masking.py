@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from edge_client.secagg.errors import MessageError, ParamsError
 
 __all__ = ["MIN_BITS", "MAX_BITS", "word_dtype", "capacity_ok", "quantize", "dequantize", "prg", "combined_mask",
-           "add_mod", "sub_mod", "to_bytes", "from_bytes"]
+           "add_mod", "sub_mod", "to_bytes", "from_bytes", "largest_scale"]
 
 MIN_BITS, MAX_BITS = 8, 64
 _NONCE = bytes(16)   # ChaCha20 in cryptography: 4-byte counter then 12-byte nonce, both zero
@@ -112,3 +112,11 @@ def from_bytes(raw: bytes, length: int, bits: int) -> np.ndarray:
     if bits % 32 and values.size and int(values.max()) >> bits:
         raise MessageError(f"a masked vector holds values at or above 2^{bits}")
     return values
+
+
+def largest_scale(num_clients: int, clip: float, bits: int) -> float:
+    """The finest scale at which ``num_clients`` vectors clipped to ``clip`` still sum without wrapping."""
+    scale = ((1 << (bits - 1)) - 1) // num_clients / clip
+    while scale > 0 and not capacity_ok(num_clients, clip, scale, bits):
+        scale = float(np.nextafter(scale, 0.0))
+    return scale
