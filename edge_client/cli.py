@@ -114,7 +114,8 @@ def _load_data(args: argparse.Namespace):  # -> LocalData
 
 
 # What the ``client`` extra installs; a missing one is a deployment step skipped, not a bug.
-_CLIENT_EXTRA = frozenset({"torch", "numpy", "paho", "psutil", "safetensors", "zstandard", "lz4", "tomli"})
+_CLIENT_EXTRA = frozenset({"torch", "numpy", "paho", "psutil", "safetensors", "zstandard", "lz4", "tomli",
+                           "cryptography"})
 
 
 class _Stop:

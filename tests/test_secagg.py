@@ -4,12 +4,16 @@ and whole rounds in memory with dropouts, with real cryptography throughout."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 
 import numpy as np
 import pytest
 
-from edge_client.secagg import graph, keys, masking, shamir
+from edge_client.secagg import (Advertise, ForwardedShares, MaskedInput, PublicKeys, RefusedError, RoundFailedError,
+                                SecAggParams, ShareBundle, UnmaskRequest, UnmaskResponse, advertise, aggregate,
+                                collect_keys, graph, keys, masked_input, masking, request_unmask, route_shares,
+                                shamir, share, unmask)
 from edge_client.secagg.errors import DecryptionError, MessageError, ParamsError, ShareError
 from storage.errors import FedgeError
 
@@ -197,14 +201,6 @@ def test_graph_degrees_are_checked_and_suggested():
 
 
 # -- whole rounds in memory -------------------------------------------------------------------------------------
-import json  # noqa: E402
-
-from edge_client.secagg import (Advertise, ForwardedShares, MaskedInput, PublicKeys, RefusedError,  # noqa: E402
-                                RoundFailedError, SecAggParams, ShareBundle, UnmaskRequest, UnmaskResponse,
-                                advertise, aggregate, collect_keys, masked_input, request_unmask, route_shares,
-                                share, unmask)
-
-
 def _wire(message):
     """The message as the next party reads it: through its JSON body and back."""
     return type(message).from_body(json.loads(json.dumps(message.to_body())))
@@ -466,7 +462,8 @@ def test_every_body_round_trips_and_bad_bodies_are_refused():
     with pytest.raises(MessageError, match="not valid base64"):
         MaskedInput.from_body({**masked[0].to_body(), "vector": "not base64!"})
     with pytest.raises(MessageError, match="lists client 0 twice"):
-        ShareBundle.from_body({"round_id": 1, "sender": 2, "shares": [{"id": 0, "sealed": base64.b64encode(bytes(94)).decode()}] * 2})
+        sealed = base64.b64encode(bytes(94)).decode()
+        ShareBundle.from_body({"round_id": 1, "sender": 2, "shares": [{"id": 0, "sealed": sealed}] * 2})
     with pytest.raises(MessageError, match="'survivors' must be a list of distinct client ids"):
         UnmaskRequest.from_body({"round_id": 1, "survivors": [1, 1], "dropped": []})
     with pytest.raises(MessageError, match="not below the field prime"):

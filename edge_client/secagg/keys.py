@@ -75,7 +75,8 @@ def agree(private: bytes, peer_public: bytes, info: bytes) -> bytes:
     try:
         shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError:   # a low-order point gives the all-zero secret, which cryptography refuses
-        raise MessageError("a peer's public key is a low-order X25519 point; it must come from generate_keypair") from None
+        raise MessageError("a peer's public key is a low-order X25519 point; it must come from "
+                           "generate_keypair") from None
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(shared)
 
 

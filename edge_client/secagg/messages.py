@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
