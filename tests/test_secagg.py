@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edge_client.secagg import (Advertise, ForwardedShares, MaskedInput, PublicKeys, RefusedError, RoundFailedError,
                                 SecAggParams, ShareBundle, UnmaskRequest, UnmaskResponse, advertise, aggregate,
@@ -486,3 +488,20 @@ def test_a_hundred_clients_with_a_hundred_thousand_entries_finish():
     survivors = [i for i in range(n) if i not in dropped]
     plain = np.clip(xs[survivors].astype(np.float64), -1, 1).sum(axis=0)
     assert np.abs(result.values - plain).max() <= n * 0.5 / params.scale + 1e-6
+
+
+def test_a_round_needs_more_advertisers_than_the_threshold():
+    params = _params(n=5, degree=4, threshold=3)
+    adverts = [advertise(params, i)[1] for i in range(3)]
+    with pytest.raises(RoundFailedError, match="at least 4 must"):
+        collect_keys(params, adverts)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 12).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n), st.randoms())),
+       st.binary(min_size=32, max_size=32))
+def test_shamir_reconstructs_from_any_threshold_subset(case, secret):
+    n, t, rand = case
+    shares = _shares(secret, n, t)
+    rand.shuffle(shares)
+    assert shamir.reconstruct(shares[:t], t) == secret

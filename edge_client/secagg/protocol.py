@@ -192,7 +192,8 @@ def unmask(state: ClientState, request: UnmaskRequest) -> tuple[ClientState, Unm
     _check_round(p, request.round_id, "the unmask request")
     _check_ids(p, [*request.survivors, *request.dropped], "the unmask request")
     survivors, dropped = set(request.survivors), set(request.dropped)
-    asked = {j: _SELF if j in survivors else _KEY for j in state.held if j in survivors | dropped}
+    named = survivors | dropped
+    asked = {j: _SELF if j in survivors else _KEY for j in state.held if j in named}
     conflicts = sorted((survivors & dropped) | {j for j in asked if state.revealed.get(j, asked[j]) != asked[j]})
     if conflicts:
         raise RefusedError(f"client {me} is asked for both the self-mask share and the mask-key share of clients "
@@ -220,9 +221,10 @@ def collect_keys(params: SecAggParams, adverts: Iterable[Advertise]) -> PublicKe
         if advert.sender in keys:
             raise MessageError(f"client {advert.sender} advertised twice; keep its first advertisement")
         keys[advert.sender] = (advert.c_pk, advert.s_pk)
-    if len(keys) < params.threshold:
-        raise RoundFailedError(f"only {len(keys)} clients advertised keys, fewer than the threshold "
-                               f"{params.threshold}: start the round again with more clients")
+    if len(keys) <= params.threshold:
+        raise RoundFailedError(f"only {len(keys)} clients advertised keys; each needs {params.threshold} neighbours "
+                               f"that did, so at least {params.threshold + 1} must: start the round again with more "
+                               "clients")
     return PublicKeys(params.round_id, keys)
 
 
@@ -323,6 +325,10 @@ def aggregate(params: SecAggParams, keys: PublicKeys, request: UnmaskRequest, ma
     """
     _check_round(params, request.round_id, "the unmask request")
     members = set(request.survivors) | set(request.dropped)
+    unknown = sorted(members - set(keys.keys))
+    if unknown:
+        raise MessageError(f"the unmask request names clients {unknown} whose keys are not in the public keys given; "
+                           "pass the keys of the same round")
     inputs: dict[int, np.ndarray] = {}
     for m in masked:
         vector = check_masked_input(params, members, m)
