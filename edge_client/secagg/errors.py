@@ -16,7 +16,7 @@ __all__ = ["SecAggError", "ParamsError", "MessageError", "ShareError", "Decrypti
            "RoundFailedError"]
 
 
-class SecAggError(FedgeError):
+class SecAggError(FedgeError, RuntimeError):
     """Any error of secure aggregation."""
 
 
@@ -36,9 +36,9 @@ class DecryptionError(MessageError):
     """A ciphertext that does not authenticate: tampered, or sent for another sender, receiver or round."""
 
 
-class RefusedError(SecAggError, RuntimeError):
+class RefusedError(SecAggError):
     """A client refuses a request that would reveal an input or could not lead to a private sum."""
 
 
-class RoundFailedError(SecAggError, RuntimeError):
+class RoundFailedError(SecAggError):
     """The server cannot compute the sum (too few shares came back); nothing about any input is released."""
