@@ -1,0 +1,189 @@
+"""Accuracy against epsilon: the privacy matrix's table, paired with the non-private run, and its plot.
+
+Why: the matrix report (``bench/run_matrix.py bench/matrices/privacy.toml --report``) gives each
+cell's mean over seeds; what a fleet owner asks is what a given epsilon *costs*, and the run without
+noise of the same seed (same partition, initialization and selection) is the reference whose
+seed-to-seed noise cancels in the difference.
+
+Per fleet, partition and epsilon, from ``bench/results/privacy/*-r100.json`` (full-length runs only):
+
+- ``accuracy``: mean test accuracy of the last 5 evaluations, per seed, then mean and population std;
+- ``cost``: that minus the non-private run of the same seed, mean and a 95 % Student-t interval over
+  the paired seeds (no interval from one seed);
+- ``epsilon``: the account's final ``dp_epsilon`` (largest over seeds; every seed has the same
+  schedule), ``noise_std``: the noise on the mean per coordinate, ``clipped``: the mean share of
+  updates the clip norm cut.
+
+Prints the table, writes ``bench/results/privacy_epsilon.json`` and one figure,
+``docs/images/privacy-epsilon.png`` (accuracy against epsilon, one line per fleet and partition, the
+non-private accuracy as a dashed line of the same colour).
+
+    python bench/privacy_report.py [--results bench/results] [--out-dir docs/images]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from scipy import stats  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import RESULTS, write_result  # noqa: E402
+from run_matrix import final_mean, load_matrix  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+MATRIX = BENCH / "matrices" / "privacy.toml"
+OUT_DIR = BENCH.parent / "docs" / "images"
+REFERENCE = "none"
+
+
+def _last(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return values[-1] if values else None
+
+
+def _mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def read_cells(results: Path, rounds: int) -> dict[tuple[str, str, str], dict[int, dict[str, Any]]]:
+    """(fleet, partition, epsilon label) -> seed -> the run's final accuracy and privacy figures."""
+    cells: dict[tuple[str, str, str], dict[int, dict[str, Any]]] = {}
+    for path in sorted((results / "privacy").glob(f"*-r{rounds}.json")):
+        rec = json.loads(path.read_text())
+        accuracy = final_mean(rec["rows"], "test_accuracy")
+        if rec.get("rounds") != rounds or accuracy is None:
+            continue
+        fleet, alpha, eps = rec["labels"]
+        cells.setdefault((fleet, alpha, eps), {})[rec["seed"]] = {
+            "accuracy": accuracy, "epsilon": _last(rec["rows"], "dp_epsilon"),
+            "noise_std": _last(rec["rows"], "dp_noise_std"), "clipped": _mean_of(rec["rows"], "dp_clipped_fraction"),
+            "seconds": rec.get("seconds")}
+    return cells
+
+
+def paired(values: list[float]) -> dict[str, Any]:
+    """Mean of per-seed differences and its 95 % Student-t interval (None with fewer than 2 seeds)."""
+    out: dict[str, Any] = {"mean": statistics.fmean(values), "per_seed": values, "interval": None}
+    if len(values) > 1:
+        half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+        out["interval"] = [out["mean"] - half, out["mean"] + half]
+    return out
+
+
+def table(cells: dict[tuple[str, str, str], dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per cell, in the matrix's order, with its cost against the non-private run of each seed."""
+    matrix = load_matrix(MATRIX)
+    order = {axis: [str(e["label"]) for e in entries] for axis, entries in matrix.axes.items()}
+    rows = []
+    for key in sorted(cells, key=lambda k: (order["fleet"].index(k[0]), order["alpha"].index(k[1]),
+                                            order["eps"].index(k[2]))):
+        seeds = cells[key]
+        reference = cells.get((key[0], key[1], REFERENCE), {})
+        accuracy = [seeds[s]["accuracy"] for s in sorted(seeds)]
+        row: dict[str, Any] = {"fleet": key[0], "partition": key[1], "eps": key[2], "seeds": sorted(seeds),
+                               "accuracy": {"mean": statistics.fmean(accuracy), "std": statistics.pstdev(accuracy),
+                                            "per_seed": accuracy}}
+        common = sorted(set(seeds) & set(reference))
+        if key[2] != REFERENCE and common:
+            row["cost"] = paired([seeds[s]["accuracy"] - reference[s]["accuracy"] for s in common])
+            row["cost"]["seeds"] = common
+        for field in ("epsilon", "noise_std"):
+            values = [seeds[s][field] for s in seeds if seeds[s][field] is not None]
+            row[field] = max(values) if values else None
+        clipped = [seeds[s]["clipped"] for s in seeds if seeds[s]["clipped"] is not None]
+        row["clipped"] = statistics.fmean(clipped) if clipped else None
+        rows.append(row)
+    return rows
+
+
+def _pct(value: float | None, signed: bool = False) -> str:
+    return "-" if value is None else f"{100 * value:{'+' if signed else ''}.2f}"
+
+
+def show(rows: list[dict[str, Any]]) -> None:
+    t = Table(title="Central DP: accuracy against epsilon (delta 1e-5)")
+    for name in ("fleet", "partition", "eps", "seeds", "accuracy %", "cost (points, 95 % CI)", "epsilon",
+                 "noise std", "clipped"):
+        t.add_column(name)
+    for r in rows:
+        cost = r.get("cost")
+        ci = "" if not cost or cost["interval"] is None else \
+            f" [{_pct(cost['interval'][0], True)}, {_pct(cost['interval'][1], True)}]"
+        t.add_row(r["fleet"], r["partition"], r["eps"], ",".join(map(str, r["seeds"])),
+                  f"{_pct(r['accuracy']['mean'])} ± {_pct(r['accuracy']['std'])}",
+                  "-" if not cost else _pct(cost["mean"], True) + ci,
+                  "-" if r["epsilon"] is None else f"{r['epsilon']:.3f}",
+                  "-" if r["noise_std"] is None else f"{r['noise_std']:.4f}",
+                  "-" if r["clipped"] is None else f"{r['clipped']:.2f}")
+    Console(width=160).print(t)
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Accuracy against the final epsilon per fleet and partition; the non-private level dashed."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["fleet"], r["partition"]), []).append(r)
+    for i, ((fleet, alpha), members) in enumerate(groups.items()):
+        colour = f"C{i}"
+        private = sorted((r for r in members if r["eps"] != REFERENCE and r["epsilon"]), key=lambda r: r["epsilon"])
+        label = f"{fleet} {alpha}"
+        if private:
+            ax.errorbar([r["epsilon"] for r in private], [100 * r["accuracy"]["mean"] for r in private],
+                        yerr=[100 * r["accuracy"]["std"] for r in private], marker="o", capsize=3, color=colour,
+                        label=f"{label} ({', '.join(str(len(r['seeds'])) for r in private)} seeds)")
+        for r in members:
+            if r["eps"] == REFERENCE:
+                ax.axhline(100 * r["accuracy"]["mean"], color=colour, linestyle="--", linewidth=1,
+                           label=f"{label} without DP ({len(r['seeds'])} seeds)")
+    ax.set_xscale("log")
+    ax.set_xlabel("epsilon after 100 rounds (delta 1e-5)")
+    ax.set_ylabel("test accuracy, mean of last 5 evaluations (%)")
+    ax.set_title("Central DP, FedAvg, cnn on Fashion-MNIST")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "privacy-epsilon.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="results directory (default bench/results)")
+    parser.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where the PNG goes (default docs/images)")
+    parser.add_argument("--rounds", type=int, default=100, help="read runs of this length (default 100)")
+    args = parser.parse_args()
+    cells = read_cells(args.results, args.rounds)
+    if not cells:
+        print(f"no full-length runs of the privacy matrix under {args.results / 'privacy'}; run "
+              "python bench/run_matrix.py bench/matrices/privacy.toml --skip-existing", file=sys.stderr)
+        return 1
+    rows = table(cells)
+    show(rows)
+    figure = plot(rows, args.out_dir)
+    write_result(args.results / "privacy_epsilon.json",
+                 {"matrix": "privacy", "rounds": args.rounds, "reference": REFERENCE, "rows": rows,
+                  "figure": str(figure.relative_to(BENCH.parent)) if figure.is_relative_to(BENCH.parent)
+                  else str(figure)})
+    print(f"figure: {figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
