@@ -30,7 +30,7 @@ TARGETS = ("pi", "jetson")
 # copies from this package, so a kit made by one fedge version installs that version.
 _KIT_FILES = ("install.sh", "fedge-client.service")
 _WHEEL_NAME = re.compile(r"^fedge-[^-]+-py3-none-any\.whl$")
-_TORCH_WHEEL = re.compile(r"^torch-[^-]+-cp\d+-cp\d+-linux_aarch64\.whl$|^torch-[^-]+-.*aarch64.*\.whl$")
+_TORCH_WHEEL = re.compile(r"^torch-[^-]+-.*aarch64.*\.whl$")   # NVIDIA names its Jetson wheels freely
 
 
 class KitError(ProvisionError):
