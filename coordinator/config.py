@@ -21,8 +21,8 @@ from typing import Any
 from coordinator.config_checks import check_config
 from coordinator.config_sections import (AggregateSection, AsyncSection, CheckpointSection, ClientsSection,
                                          CodecSection, DataSection, EvalSection, ExportSection, PrivacySection,
-                                         RunSection, SelectionSection, SimSection, TrainSection, TransportSection,
-                                         WorkersSection)
+                                         RunSection, SecAggSection, SelectionSection, SimSection, TrainSection,
+                                         TransportSection, WorkersSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
 
@@ -53,6 +53,7 @@ class RunConfig:
     asynchronous: AsyncSection = field(default_factory=AsyncSection)   # the [async] section
     selection: SelectionSection = field(default_factory=SelectionSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
+    secagg: SecAggSection = field(default_factory=SecAggSection)
     # The methods' own sections (name -> dataclass), read as attributes: ``config.fedprox.mu``.
     methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
     # "section.key" the user set (file or flags): a method's defaults never override these.

@@ -68,6 +68,7 @@ def check_config(config: RunConfig) -> None:
         *_async_checks(config),
         *_selection_checks(config),
         *_privacy_checks(config),
+        *_secagg_checks(config),
         ("name" in config.model, "model.name is required"),
         *(check for section in config.methods.values() for check in section.checks(config)),
     ]
@@ -164,6 +165,46 @@ def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (not config.eval.personalized,
          f"{need} eval.personalized = false (it reports the devices' own accuracies, without noise)"),
     ]
+
+
+def _secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``[secagg]``: its values, and what secure aggregation cannot run with, naming the key to change (each
+    needs one device's update on its own, or a vector the masks cannot cover; docs/privacy.md)."""
+    s = config.secagg
+    if not s.enabled:
+        return []
+    need = "secagg.enabled = true needs"
+    n = config.selected_per_round
+    return [
+        (n >= 3, f"{need} at least 3 devices a round (clients.per_round, or clients.expected): a sum of two "
+                 f"tells each of them the other's update; got {n}"),
+        (s.degree >= 0 and (s.degree == 0 or s.degree >= n - 1 or (s.degree >= 2 and s.degree % 2 == 0)),
+         f"secagg.degree must be 0 (about 2 log2 n), even and at least 2, or at least clients per round - 1 "
+         f"(the complete graph); got {s.degree}"),
+        (s.threshold >= 0, f"secagg.threshold must be 0 (degree // 2 + 1) or more; got {s.threshold}"),
+        (math.isfinite(s.clip) and s.clip > 0, f"secagg.clip must be a positive number, got {s.clip}"),
+        (8 <= s.bits <= 64, f"secagg.bits must be in 8..64, got {s.bits}"),
+        (math.isfinite(s.stage_timeout) and s.stage_timeout > 0,
+         f"secagg.stage_timeout must be a positive number of seconds, got {s.stage_timeout}"),
+        (config.run.mode == "sync", f"{need} run.mode = 'sync': a buffered asynchronous version has no round "
+                                    "whose devices could mask together"),
+        (config.aggregate.rule == "mean" and config.aggregate.norm_bound == 0,
+         f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0: the others look at every update on its "
+         "own, which the coordinator no longer sees"),
+        (config.workers.count == 0, f"{need} workers.count = 0: the coordinator unmasks the sum itself"),
+        (not config.run.diagnostics, f"{need} run.diagnostics = false (it compares every device's model)"),
+        (not config.eval.personalized,
+         f"{need} eval.personalized = false (it reports every device's own accuracy)"),
+        (_dense(config.codec.up), f"{need} a dense codec.up (fp32, the default): masks cover a dense vector, and "
+                                  "top-k would tell the coordinator which entries each device changed most"),
+    ]
+
+
+def _dense(spec: str) -> bool:
+    try:
+        return parse_codec(spec).topk is None
+    except CodecError:
+        return True   # _check_codecs names the problem
 
 
 def _selection_checks(config: RunConfig) -> list[tuple[bool, str]]:

@@ -14,7 +14,7 @@ from edge_client.hyper import LocalTraining
 
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
-           "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES"]
+           "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection"]
 
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 
@@ -188,3 +188,16 @@ class PrivacySection:
     # Noise on the count of updates within the bound, as a multiplier of that count's sensitivity (1/2 per
     # device, the bits being centred); 0: clients per round / 10 (Andrew et al.'s count noise of m / 20).
     count_noise_multiplier: float = 0.0
+
+
+@dataclass(frozen=True)
+class SecAggSection:
+    """``[secagg]``: secure aggregation (SecAgg+) of each training round (coordinator/runtime/secure_round.py,
+    docs/privacy.md): the coordinator learns the sum of the round's updates and who dropped, not one update."""
+
+    enabled: bool = False
+    degree: int = 0                 # neighbours per device; 0: about 2 log2 n (graph.suggested_degree)
+    threshold: int = 0              # shares that recover a device's secrets; 0: degree // 2 + 1 (at least 2)
+    clip: float = 1.0               # each weighted update entry is clipped to [-clip, clip]; privacy.clip_norm under DP
+    bits: int = 32                  # the sum is taken mod 2^bits (32: 4 bytes a word; up to 64)
+    stage_timeout: float = 60.0     # seconds each of the share, mask and unmask exchanges waits for answers

@@ -40,6 +40,13 @@ def make_strategy(config: RunConfig) -> Strategy:
                               "'off' or a strategy that folds one clipped update per device into one sum (fedavg, "
                               "fedprox, fedadam, fedyogi, fedadagrad, fedavgm; docs/privacy.md)")
         strategy.privacy = privacy
+    if config.secagg.enabled and (strategy.central_dp or not isinstance(strategy, FedAvg)
+                                  or not strategy.streams("train")):
+        raise ConfigError(f"secagg.enabled = true cannot run run.strategy = {config.run.strategy!r}: "
+                          f"{strategy.central_dp or 'it combines results its own way'}; the coordinator sees only "
+                          "the sum of the round's updates, so use secagg.enabled = false or a strategy that folds one "
+                          "update per device into one sum (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm; "
+                          "docs/privacy.md)")
     if strategy.robust:
         strategy.aggregator = Aggregator(a.rule, a.trim)
     if config.eval.personalized:
