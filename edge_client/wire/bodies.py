@@ -103,6 +103,8 @@ class TaskBody:
     resend_every: float = DEFAULT_RESEND_EVERY
     deadline: float | None = None      # Unix time the coordinator stops waiting; informational
     session: str = ""                  # the coordinator session that gave the task (see StatusBody)
+    # A stage of secure aggregation (edge_client/secagg/stages.py parses it); None: an ordinary task.
+    secagg: dict[str, Any] | None = None
 
     @classmethod
     def from_body(cls, body: Any) -> TaskBody:
@@ -121,7 +123,8 @@ class TaskBody:
                    resend_every=float(f.get("resend_every", seconds, lambda v: is_number(v) and v > 0,
                                             DEFAULT_RESEND_EVERY)),
                    deadline=f.get("deadline", "a Unix time", is_number, None),
-                   session=f.get("session", "1 to 32 lowercase hex digits", is_session, ""))
+                   session=f.get("session", "1 to 32 lowercase hex digits", is_session, ""),
+                   secagg=f.get("secagg", "an object", is_object, None))
 
     def to_body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"objective": self.objective, "hyper": self.hyper, "model": self.model,
@@ -135,6 +138,8 @@ class TaskBody:
         out["codec"] = self.codec.text
         if self.session:
             out["session"] = self.session
+        if self.secagg is not None:
+            out["secagg"] = self.secagg
         return out
 
 
@@ -152,6 +157,7 @@ class ResultBody:
     delta: tuple[str, ...] = ()                  # the tensors sent as differences
     profile: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    secagg: dict[str, Any] | None = None         # a secure-aggregation stage's answer (edge_client/secagg/stages.py)
 
     @classmethod
     def from_body(cls, body: Any) -> ResultBody:
@@ -165,13 +171,16 @@ class ResultBody:
                    metrics={k: float(v) for k, v in metrics.items()},
                    codec=f.codec("codec"),
                    delta=tuple(f.get("delta", "a list of tensor names", is_names, [])),
-                   profile=profile)
+                   profile=profile, secagg=f.get("secagg", "an object", is_object, None))
 
     def to_body(self) -> dict[str, Any]:
         if self.error is not None:
             return {"error": self.error, "profile": self.profile}
-        return {"num_samples": self.num_samples, "metrics": self.metrics, "codec": self.codec.text,
-                "delta": list(self.delta), "profile": self.profile}
+        out = {"num_samples": self.num_samples, "metrics": self.metrics, "codec": self.codec.text,
+               "delta": list(self.delta), "profile": self.profile}
+        if self.secagg is not None:
+            out["secagg"] = self.secagg
+        return out
 
 
 @dataclass(frozen=True)
