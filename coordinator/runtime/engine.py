@@ -44,6 +44,7 @@ from coordinator.runtime.profiles import ProfileStore
 from coordinator.runtime.round_book import Network, RoundBook, RoundNotes, Tally
 from coordinator.runtime.round_row import phase_columns, train_columns
 from coordinator.runtime.run_error import RunError
+from coordinator.runtime.secure_round import SecureRound
 from coordinator.runtime.selection import Absences, Draw, RoundTimes, Sampler
 from coordinator.strategies.base import Strategy
 from coordinator.runtime.tasks import TaskSender
@@ -129,6 +130,8 @@ class Coordinator:
         self.broadcast = Broadcast(self.outbox, self.topics, self.downlink, self.session)
         self.tasks = TaskSender(config, outbox=self.outbox, topics=self.topics, downlink=self.downlink,
                                 broadcast=self.broadcast, workers=self.workers, intake=self.intake, network=network)
+        self.secure = SecureRound(config, intake=self.intake, tasks=self.tasks, roster=self.roster, network=network,
+                                  pump=self._pump, await_answers=self._await_answers) if config.secagg.enabled else None
         self.evaluation = Evaluation(self.strategy, eval_data, resolve_device(config.eval.device))
         self.trained = TrainedRounds()   # rounds whose rows wait for their evaluation (run_rounds)
 
@@ -283,9 +286,13 @@ class Coordinator:
                                               streaming=self._streams(phase)))
             self.announce("running", round)
             clients = self._choose(book)
-            if clients:
-                self.tasks.send_all(book, self.strategy.configure(phase, round, self.state, clients))
-            self._await_answers(book)
+            plans = self.strategy.configure(phase, round, self.state, clients) if clients else []
+            if plans and self.secure is not None and phase == "train":
+                self.secure.run(book, plans)   # four exchanges; the survivors' sum in book.partial
+            else:
+                if plans:
+                    self.tasks.send_all(book, plans)
+                self._await_answers(book)
             self.workers.collect(book)
             self.intake.close(book)
             totals.add(book.tally)
@@ -360,6 +367,7 @@ class Coordinator:
                 row.update(divergence_metrics([r.values() for r in results], [r.num_samples for r in results]))
         else:
             row.update(phase_columns(phase, book, totals))
+        row.update(book.columns)
         self.state, phase_metrics = self.strategy.aggregate(phase, round, self.state, results, book.partial)
         check_finite(self.state, round, phase, self.config.aggregate.rule)
         self._network()   # the strategy may have changed the network: the next phase checks against it

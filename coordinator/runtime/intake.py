@@ -114,6 +114,9 @@ class ResultIntake:
         self._other_runs: set[str] = set()          # results of other runs already acknowledged and logged
         self.attempts = Attempts()                  # the phase's earlier attempts, whose results still count
         self._heard: dict[str, float] = {}          # client -> its last first answer to a task of ours (monotonic)
+        # A secure round's stage results go here instead of being decoded (coordinator/runtime/secure_round.py):
+        # it checks the stage's message and returns the result to keep; ProtocolError refuses it.
+        self.secure: Callable[[TaskPlan, Message, ResultBody], ClientResult] | None = None
 
     # -- the round's book --------------------------------------------------------------
     def open(self, book: RoundBook) -> RoundBook:
@@ -323,7 +326,12 @@ class ResultIntake:
             raise ProtocolError(f"it claims {body.num_samples} samples but the device announced {announced}")
 
     def _take(self, plan: TaskPlan, msg: Message, body: ResultBody) -> ClientResult:
-        """The checked result, folded into the round's partial aggregate when the phase streams."""
+        """The checked result, folded into the round's partial aggregate when the phase streams; a secure
+        round's stage result goes to the secure round, which keeps its message and folds nothing."""
+        if plan.secagg is not None:
+            if self.secure is None:
+                raise ProtocolError("a secure-aggregation result came, but no secure round is running")
+            return self.secure(plan, msg, body)
         network = self.network()
         result = accept_result(plan, msg, body, network.shapes, self.downlink.upload_codec(plan), self.strategy,
                                network.spec if plan.model is None else plan.model)

@@ -84,6 +84,7 @@ class RoundBook:
     granted: dict[str, tuple[str, ClientResult]] = field(default_factory=dict)
     shared: frozenset[str] = frozenset()   # the tensors the tasks leave to the model broadcast
     broadcast: str | None = None           # ... and its hash
+    columns: dict[str, Any] = field(default_factory=dict)   # what the phase adds to the row (a secure round's)
 
     @property
     def waiting_for(self) -> set[str]:

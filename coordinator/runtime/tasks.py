@@ -71,7 +71,7 @@ class TaskSender:
                         up=tuple(plan.up), hyper=plan.hyper, upload=self.downlink.upload(plan),
                         codec=self.downlink.spec, broadcast=book.broadcast, seed=self.config.run.seed,
                         timeout=c.round_timeout, resend_every=c.resend_every, deadline=time.time() + c.round_timeout,
-                        session=self.broadcast.session)
+                        session=self.broadcast.session, secagg=plan.secagg)
         own = {k: v for k, v in plan.down.items() if k not in book.shared}
         sent = self.outbox.publish(self.topics.client(plan.client_id, "task"),
                                    self.downlink.task(book.round, task_id, body, own))

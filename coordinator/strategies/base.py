@@ -56,6 +56,9 @@ class TaskPlan:
     # Central differential privacy (docs/privacy.md): the L2 norm the device clips its whole update to
     # before encoding it, and the coordinator holds the decoded update to. None: no clipping.
     clip_norm: float | None = None
+    # A stage of a secure round (the task body's ``secagg`` object, edge_client/secagg/stages.py); set by
+    # coordinator/runtime/secure_round.py, never by a strategy. None: an ordinary task.
+    secagg: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
