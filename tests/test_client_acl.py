@@ -58,3 +58,24 @@ def test_a_client_id_that_is_not_the_user_name_is_reported(acl_broker, protocol,
 
 def test_a_matching_client_id_is_seen_without_complaint(acl_broker, caplog):
     assert _errors_of_a_client(acl_broker, "pi-01", "pi-01", "3.1.1", caplog) == []
+
+
+def test_a_device_cannot_read_another_devices_task_where_secure_aggregation_routes_its_shares(acl_broker):
+    """A secure round's forwarded shares travel in each device's own task (docs/privacy.md): under the ACL,
+    a device subscribing to another's task topic receives nothing, while the addressee does."""
+    def connect(user: str) -> MqttTransport:
+        return MqttTransport(BrokerSettings(url=acl_broker, username=user, protocol="3.1.1"), user).connect()
+
+    coordinator, owner, snoop = connect("coordinator"), connect("pi-01"), connect("pi-02")
+    try:
+        owner.subscribe("fedge/clients/pi-01/task")
+        snoop.subscribe("fedge/clients/pi-01/task")
+        snoop.subscribe("fedge/clients/+/task")
+        time.sleep(0.5)
+        coordinator.publish("fedge/clients/pi-01/task", b"sealed shares for pi-01")
+        got = owner.get(5.0)
+        assert got is not None and got.payload == b"sealed shares for pi-01"
+        assert snoop.get(1.0) is None
+    finally:
+        for t in (coordinator, owner, snoop):
+            t.close()
