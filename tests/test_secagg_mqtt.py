@@ -185,10 +185,10 @@ def test_the_coordinator_refuses_malformed_and_replayed_stage_results_naming_why
 
 # -- over Mosquitto ---------------------------------------------------------------------------------------------------
 def test_a_secure_fedavg_over_mosquitto_with_device_processes_gives_the_plain_model(tmp_path, mosquitto, prefix):
-    plain = run_federated(_config(tmp_path / "plain", **{"clients.expected": 3, "clients.spawn": 3,
+    plain = run_federated(_config(tmp_path / "plain", **{"run.rounds": 1, "clients.expected": 3, "clients.spawn": 3,
                                                          "transport.kind": "inproc"}), say=lambda s: None)
     secure = run_federated(_config(tmp_path / "secure", **{
-        "clients.expected": 3, "clients.spawn": 3, "transport.broker": mosquitto, "transport.prefix": prefix,
+        "run.rounds": 1, "clients.expected": 3, "clients.spawn": 3, "transport.broker": mosquitto, "transport.prefix": prefix,
         "secagg.enabled": True}), say=lambda s: None)
     a, b = _final(plain.out_dir), _final(secure.out_dir)
     assert a.keys() == b.keys()
