@@ -64,6 +64,7 @@ CPU seconds per round are reported so that share is visible.
 
     python bench/fleet.py [--fleet 10,100,300,1000] [--per-round tenth,all] [--codec-up fp32]
         [--rounds 3] [--processes 4] [--think lognormal:2:0.5] [--skip-existing]
+    python bench/fleet.py --fleet 10,50,100,300 --secagg off,on [--secagg-drop 0,0.1] --out FILE   # secure rounds
     python bench/fleet.py --table        # the table of bench/results/fleet.json
 """
 
@@ -262,7 +263,7 @@ class Fleet:
     """The devices of one process and what they share: the network loop, timers, caches and counters."""
 
     def __init__(self, broker: str, ids: list[str], think: Think, seed: int, samples: int,
-                 max_message_bytes: int = DEFAULT_PACKET_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_PACKET_BYTES, drop: float = 0.0) -> None:
         import torch
 
         from edge_client.device_protocol import BroadcastCache
@@ -273,6 +274,7 @@ class Fleet:
         self.host, self.port = parse_broker_url(broker)
         self.think = think
         self.seed = seed
+        self.drop = drop   # secure rounds: chance that a device fails its mask task (a dropout after sharing)
         self.loop = NetLoop()
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
@@ -516,6 +518,7 @@ class Device:
         from edge_client.wire.chunking import ChunkingTransport
         from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, PresenceBody, Topics
         from edge_client.wire.transport import Will
+        from edge_client.secure_device import SecureRounds
         from edge_client.wire.updates import ResidualStore
 
         self.fleet = fleet
@@ -533,6 +536,7 @@ class Device:
         self.transport = ChunkingTransport(self.link, max_message_bytes=fleet.max_message_bytes,
                                            max_decoded_bytes=DEFAULT_MAX_MESSAGE_BYTES)
         self.residuals = ResidualStore(None)
+        self.secure = SecureRounds()   # a secure round's state between its stages, as on a real device
         self.records: list[TaskRecord] = []
         self.by_task: dict[str, TaskRecord] = {}
         self.tick_at: float | None = None   # when the protocol is next due, as scheduled
@@ -609,6 +613,9 @@ class Device:
             self.answer(task)
             return
         record.ready = time.time()
+        if task.body.secagg is not None and task.body.secagg.get("stage") != "advertise":
+            self.answer(task)   # a secure round's later stages are a step of arithmetic, not training
+            return
         record.think = self.fleet.think.draw(self.rng)
         self.fleet.schedule(record.think, lambda: self.answer(task))
 
@@ -640,6 +647,8 @@ class Device:
         record, msg, body = task.context, task.msg, task.body
         if record.error is not None:
             raise ProtocolError(record.error)
+        if body.secagg is not None and body.secagg.get("stage") != "advertise":
+            return self._secure_result(task, None)
         received = dict(self.fleet.received(body.broadcast, body.model))
         if msg.tensors:
             received.update(decode_download(msg.tensors, body.codec, self.fleet.model_shapes(body.model)))
@@ -648,6 +657,8 @@ class Device:
             raise ProtocolError(f"this stand-in only answers with tensors it was sent; missing {missing[:3]}")
         direction = self.fleet.direction(body.model)
         update = {name: received[name] + self.scale * direction[name] for name in body.up}
+        if body.secagg is not None:
+            return self._secure_result(task, {"update": update, "received": received})
         wire, delta = encode_upload(update, received, body.upload, self.residuals, msg.run_id,
                                     generator=torch.Generator().manual_seed(body.seed))
         profile = {"seconds": time.time() - record.received,
@@ -657,6 +668,33 @@ class Device:
                             delta=tuple(delta), profile=profile)
         payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
                          body=result.to_body(), tensors=wire, compression=body.upload.codec)
+        self.transport.check_size(payload)
+        return payload
+
+    def _secure_result(self, task: Task, trained: dict[str, Any] | None) -> bytes:
+        """A secure round's stage answered by the device's own code (``edge_client.secure_device``): the
+        advertise stage masks nothing yet and keeps the update; a device drawn to drop (``--secagg-drop``)
+        fails its mask task, as one whose masking failed after it shared its keys."""
+        from edge_client.secagg.stages import StageTask
+        from edge_client.secure_device import secure_vector
+        from edge_client.wire.protocol import ProtocolError, ResultBody, encode
+
+        msg, body = task.msg, task.body
+        stage, key = StageTask.from_body(body.secagg), (msg.run_id, msg.round)
+        if stage.stage == "advertise":
+            vector = secure_vector(stage, trained["update"], trained["received"], sorted(body.up), self.samples,
+                                   self.loss, body.upload.clip_norm)
+            reply = self.secure.advertise(key, stage, vector, self.samples)
+        elif stage.stage == "mask" and random.Random(f"{self.fleet.seed}/{self.id}/{msg.round}").random() < \
+                self.fleet.drop:
+            self.secure.discard()
+            raise ProtocolError("dropped out at the mask stage (--secagg-drop)")
+        else:
+            reply = self.secure.answer(key, stage)
+        secagg, tensors = reply.wire(stage.params.bits)
+        result = ResultBody(num_samples=self.samples, secagg=secagg)
+        payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
+                         body=result.to_body(), tensors=tensors)
         self.transport.check_size(payload)
         return payload
 
@@ -694,7 +732,7 @@ def devices_child(spec_path: Path) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("now", True))
     started = time.time()
     fleet = Fleet(spec["broker"], spec["ids"], Think.parse(spec["think"]), spec["seed"], spec["samples"],
-                  spec.get("max_message_bytes", DEFAULT_PACKET_BYTES))
+                  spec.get("max_message_bytes", DEFAULT_PACKET_BYTES), spec.get("drop", 0.0))
     try:
         fleet.run(lambda: stopping["now"])
     finally:
@@ -782,11 +820,14 @@ class Cell:
     codec: str
     threads: int = 0          # the coordinator's torch threads; 0: torch's default, as the coordinator runs
     workers: int = 0          # aggregation workers (fedge-coordinator worker); 0: the coordinator takes every result
+    secagg: bool = False      # secure aggregation (SecAgg+, [secagg] enabled): four exchanges a round
+    drop: float = 0.0         # secure rounds: share of a round's devices that fail at the mask stage
 
     @property
     def key(self) -> str:
         return (f"{self.fleet}/{self.per_round}/{self.codec}" + (f"/threads={self.threads}" if self.threads else "")
-                + (f"/workers={self.workers}" if self.workers else ""))
+                + (f"/workers={self.workers}" if self.workers else "") + ("/secagg" if self.secagg else "")
+                + (f"/drop={self.drop:g}" if self.drop else ""))
 
     @property
     def variant(self) -> bool:
@@ -797,7 +838,7 @@ class Cell:
     def of(cls, result: dict[str, Any]) -> Cell:
         """The cell a result in the JSON belongs to."""
         return cls(result["fleet"], result["per_round"], result["codec_up"], result.get("coordinator_torch_threads", 0),
-                   result.get("workers", 0))
+                   result.get("workers", 0), result.get("secagg", False), result.get("drop", 0.0))
 
 
 class Sampler:
@@ -885,6 +926,10 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
         "eval.every": args.rounds, "export.enabled": False, "checkpoint.keep": "last",
         "transport.broker": url, "transport.prefix": PREFIX, "codec.up": cell.codec, "codec.error_feedback": False,
     }
+    if cell.secagg:
+        overrides.update({"secagg.enabled": True, "secagg.stage_timeout": args.stage_timeout})
+        if cell.drop:   # the survivors make the round: without this it waits for all and retries
+            overrides["clients.min_results"] = max(3, cell.per_round // 2)
     if cell.workers:   # results must arrive whole: a shared subscription hands out each chunk on its own
         overrides.update({"workers.count": cell.workers, "transport.max_message_bytes": WORKERS_PACKET_BYTES})
     coord_spec = {"overrides": overrides, "timing": str(work / "timing.jsonl"), "status": str(work / "status.json"),
@@ -908,7 +953,7 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
         for p in range(processes):
             part = ids[p::processes]
             spec = {"broker": url, "ids": part, "think": args.think.text, "seed": args.seed,
-                    "samples": max(1, TRAIN_IMAGES // n), "records": str(work / f"devices-{p}.json"),
+                    "samples": max(1, TRAIN_IMAGES // n), "records": str(work / f"devices-{p}.json"), "drop": cell.drop,
                     "max_message_bytes": WORKERS_PACKET_BYTES if cell.workers else DEFAULT_PACKET_BYTES}
             (work / f"devices-{p}.spec.json").write_text(json.dumps(spec))
             child = subprocess.Popen([sys.executable, __file__, "--devices-child", str(work / f"devices-{p}.spec.json")],
@@ -1035,6 +1080,7 @@ def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler
             "coordinator_bytes_down": row.get("bytes_down", 0), "coordinator_bytes_up": row.get("bytes_up", 0),
             "resends": sum(t["resends"] for t in mine),
             "unacked": sum(1 for t in mine if t["ack"] is None),
+            **{k: v for k, v in row.items() if k.startswith("secagg_")},   # a secure round's stages
         })
     first = timing.get(1)
     last = timing.get(max(timing)) if timing else None
@@ -1044,6 +1090,8 @@ def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler
         "fleet": cell.fleet, "per_round": cell.per_round, "codec_up": cell.codec, "rounds": args.rounds,
         "coordinator_torch_threads": cell.threads,
         "workers": cell.workers,
+        "secagg": cell.secagg,
+        "drop": cell.drop,
         "workers_cpu_s_per_round": _mean([sum((sampler.after(f"worker-{i}", timing[p["round"]]["wall_end"], 2) or 0.0)
                                               - (sampler.at(f"worker-{i}", timing[p["round"]]["wall_start"], 2) or 0.0)
                                               for i in range(cell.workers)) for p in per_round])
@@ -1079,6 +1127,8 @@ def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler
                           (device_files[0]["counts"] if device_files else {})},
         "startup_s": first["wall_start"] - min(d["started"] for d in device_files) if first and device_files else None,
         "cell_wall_s": wall,
+        "secagg_seconds_per_round": _mean([p["secagg_seconds"] for p in per_round if "secagg_seconds" in p]) or None,
+        "secagg_dropped": sum(p.get("secagg_dropped", 0) for p in per_round),
         "per_round_detail": per_round,
     }
 
@@ -1125,14 +1175,15 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
         if c.get("complete") and not c.get("failure") and c.get("overhead_s") is not None \
                 and not Cell.of(c).variant:
             share = "all" if c["per_round"] == c["fleet"] else "N/10"
-            groups.setdefault((share, c["codec_up"]), []).append(c)
+            mode = ("" if not c.get("secagg") else ", secure" + (f", {c['drop']:.0%} fail" if c.get("drop") else ""))
+            groups.setdefault((share, c["codec_up"] + mode), []).append(c)
     panels = (("overhead_s", "round overhead: round time - slowest think", "seconds (log)"),
               ("coordinator_peak_rss_mb_rounds", "coordinator peak RSS during the rounds", "MB"),
               ("broker_peak_rss_mb", "Mosquitto peak RSS", "MB (log)"))
     for (share, codec), group in sorted(groups.items()):
         group.sort(key=lambda c: c["fleet"])
         xs = [c["fleet"] for c in group]
-        style = {"marker": "o" if codec == "fp32" else "s", "linestyle": "-" if share == "all" else "--"}
+        style = {"marker": "o" if codec.startswith("fp32") else "s", "linestyle": "-" if share == "all" else "--"}
         for ax, (key, _, _) in zip(axes, panels):
             ax.plot(xs, [c.get(key) for c in group], label=f"{share} per round, {codec}", **style)
     for ax, (key, title, unit) in zip(axes, panels):
@@ -1206,6 +1257,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "each K > 0 is a variant kept apart in the JSON and the table, run with results "
                              f"unchunked (max_message_bytes {WORKERS_PACKET_BYTES // 2**20} MiB). Default 0: the "
                              "coordinator takes every result itself")
+    parser.add_argument("--secagg", type=_modes, default=[False], metavar="off,on",
+                        help="secure aggregation off, on, or both (a cell each; default off): [secagg] enabled, four "
+                             "exchanges a round, devices answer every stage with the device's own code")
+    parser.add_argument("--secagg-drop", type=_fractions, default=[0.0], metavar="0,0.1",
+                        help="secure cells: shares of a round's devices that fail their mask task after sharing "
+                             "their keys, a cell each (default 0); the coordinator recovers their masks from shares")
+    parser.add_argument("--stage-timeout", type=float, default=600.0,
+                        help="secure cells: secagg.stage_timeout, seconds a stage waits for answers (default 600)")
     parser.add_argument("--seed", type=int, default=0, help="run.seed, think times and perturbations (default 0)")
     parser.add_argument("--skip-cell", action="append", default=[], metavar="N/PER_ROUND/CODEC",
                         help="leave out one cell, e.g. 1000/1000/fp32 (repeatable)")
@@ -1222,6 +1281,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _modes(text: str) -> list[bool]:
+    modes = {"off": False, "on": True}
+    chosen = [v.strip() for v in text.split(",") if v.strip()]
+    if not chosen or any(v not in modes for v in chosen):
+        raise argparse.ArgumentTypeError(f"expected off, on or off,on; got {text!r}")
+    return [modes[v] for v in chosen]
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0 <= v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1), got {text!r}")
+    return values
+
+
 def cells_of(args: argparse.Namespace) -> list[Cell]:
     cells = []
     for n in (int(v) for v in args.fleet.split(",") if v.strip()):
@@ -1234,9 +1311,11 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
         for k in shares:
             for codec in (c.strip() for c in args.codec_up.split(",") if c.strip()):
                 for workers in args.workers:
-                    cell = Cell(n, k, codec, args.coordinator_torch_threads, workers)
-                    if cell.key not in args.skip_cell:
-                        cells.append(cell)
+                    for secagg in args.secagg:
+                        for drop in args.secagg_drop if secagg else [0.0]:
+                            cell = Cell(n, k, codec, args.coordinator_torch_threads, workers, secagg, drop)
+                            if cell.key not in args.skip_cell and cell not in cells:
+                                cells.append(cell)
     return cells
 
 
