@@ -133,15 +133,15 @@ def _async_checks(config: RunConfig) -> list[tuple[bool, str]]:
 
 
 def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
-    """``[privacy]``: its values, and what central differential privacy cannot run with, naming the key to change
-    (each would release something about one device that the noise does not cover, or break the sampling the
-    account assumes; docs/privacy.md)."""
+    """``[privacy]``: its values, and what differential privacy cannot run with, naming the key to change
+    (each would release something about one device that the noise does not cover, or break what the
+    account assumes; docs/privacy.md says why for each mode)."""
     p = config.privacy
     checks = [(p.mode in PRIVACY_MODES, f"privacy.mode must be one of {', '.join(PRIVACY_MODES)}, got {p.mode!r}")]
-    if p.mode != "central":
+    if p.mode not in ("central", "local"):
         return checks
-    need = "privacy.mode = 'central' needs"
-    return checks + [
+    need = f"privacy.mode = {p.mode!r} needs"
+    checks += [
         (math.isfinite(p.clip_norm) and p.clip_norm > 0,
          f"privacy.clip_norm must be a positive number (the L2 bound on a device's update), got {p.clip_norm}"),
         (math.isfinite(p.noise_multiplier) and p.noise_multiplier >= 0,
@@ -149,11 +149,20 @@ def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (0 < p.delta < 1, f"privacy.delta must be in (0, 1), well below 1 / clients.expected; got {p.delta}"),
         (math.isfinite(p.target_epsilon) and p.target_epsilon >= 0,
          f"privacy.target_epsilon must be >= 0 (0: no target), got {p.target_epsilon}"),
+        (config.run.mode == "sync", f"{need} run.mode = 'sync': asynchronous versions are not accounted yet"),
+        (not config.eval.personalized,
+         f"{need} eval.personalized = false (it reports the devices' own accuracies, without noise)"),
+    ]
+    return checks + (_local_privacy_checks(config) if p.mode == "local" else _central_privacy_checks(config))
+
+
+def _central_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    p, need = config.privacy, "privacy.mode = 'central' needs"
+    return [
         (0 < p.target_quantile < 1, f"privacy.target_quantile must be in (0, 1), got {p.target_quantile}"),
         (math.isfinite(p.clip_lr) and p.clip_lr > 0, f"privacy.clip_lr must be > 0, got {p.clip_lr}"),
         (math.isfinite(p.count_noise_multiplier) and p.count_noise_multiplier >= 0,
          f"privacy.count_noise_multiplier must be >= 0 (0: clients per round / 10), got {p.count_noise_multiplier}"),
-        (config.run.mode == "sync", f"{need} run.mode = 'sync': asynchronous versions are not accounted yet"),
         (config.aggregate.rule == "mean" and config.aggregate.norm_bound == 0,
          f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0: the others look at every update on its "
          "own, and clipping already bounds each device's say"),
@@ -162,8 +171,24 @@ def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (config.clients.selection == "random",
          f"{need} clients.selection = 'random': the account assumes every device is equally likely to be drawn"),
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it records every device's model)"),
-        (not config.eval.personalized,
-         f"{need} eval.personalized = false (it reports the devices' own accuracies, without noise)"),
+    ]
+
+
+def _local_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """Local DP claims no amplification by sampling and the coordinator only sees noisy updates, so retries, any
+    selection, coordinate-wise robust rules and diagnostics are allowed; what is refused either releases something
+    without the device's noise or re-clips the noisy update (cutting its signal, not its noise)."""
+    need = "privacy.mode = 'local' needs"
+    agg = config.aggregate
+    return [
+        (not config.privacy.adaptive_clip,
+         f"{need} privacy.adaptive_clip = false: adaptive clipping needs each device's clipped bit, sent without "
+         "noise (use privacy.mode = 'central' for it, or set privacy.clip_norm)"),
+        (agg.rule != "clipped_mean" and agg.norm_bound == 0,
+         f"{need} aggregate.rule other than 'clipped_mean' and aggregate.norm_bound = 0: the norm of a noisy update "
+         "is mostly its noise's, so they would cut or reject signal, not noise (mean, median and trimmed_mean work)"),
+        (config.workers.count == 0,
+         f"{need} workers.count = 0: aggregation workers hold results to the clip norm, which local DP must not do"),
     ]
 
 

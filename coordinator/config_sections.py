@@ -168,18 +168,21 @@ class SelectionSection:
     rest_rounds: int = 3            # rounds a hot or low-battery device rests before it may be selected again
 
 
-PRIVACY_MODES = ("off", "central")
+PRIVACY_MODES = ("off", "central", "local")
 
 
 @dataclass(frozen=True)
 class PrivacySection:
-    """``[privacy]``: central differential privacy at the level of a device's whole update per round
-    (coordinator/privacy.py, docs/privacy.md). Devices clip, the coordinator adds Gaussian noise to the
-    sum once and keeps the privacy account."""
+    """``[privacy]``: differential privacy at the level of a device's whole update per round
+    (coordinator/privacy.py, docs/privacy.md). Central: devices clip, the coordinator adds Gaussian noise to
+    the sum once and keeps the privacy account. Local: devices clip and add the noise themselves, the
+    coordinator keeps an account per device."""
 
-    mode: str = "off"               # off | central
+    mode: str = "off"               # off | central | local
     clip_norm: float = 1.0          # L2 bound on a device's whole update (the starting bound with adaptive_clip)
-    noise_multiplier: float = 1.0   # z: the noise on the sum of updates has std z x clip_norm
+    # z: central, the noise on the sum of updates has std z x clip_norm; local, the noise each device adds to
+    # its clipped update has std z x clip_norm
+    noise_multiplier: float = 1.0
     delta: float = 1e-5             # the delta epsilon is reported at
     target_epsilon: float = 0.0     # > 0: stop before a round that would take epsilon past it; 0: no target
     adaptive_clip: bool = False     # follow a quantile of the update norms (Andrew et al. 2021)

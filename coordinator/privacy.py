@@ -1,4 +1,4 @@
-"""Central differential privacy: the coordinator's noise, the adaptive clip norm and the privacy account.
+"""Differential privacy: the coordinator's noise, the adaptive clip norm and the privacy accounts.
 
 What is protected is one device's whole contribution to a round (client-level DP, McMahan et al.
 2018, "Learning Differentially Private Recurrent Language Models"): each device clips its update to
@@ -13,9 +13,14 @@ With ``adaptive_clip`` the clip norm follows a quantile of the update norms (And
 update clipped), the coordinator counts the bits with noise and takes a geometric step. The count
 is a second release; its noise is folded into the multiplier the account uses.
 
-The functions are pure (noise comes from the generator they are given); :class:`CentralPrivacy`
-holds a run's settings. The clip norm and the rounds accounted live in ``ServerState.extra``, so a
-resumed run continues both.
+With local differential privacy (:class:`LocalPrivacy`) each device adds the noise to its own clipped
+update, so the coordinator need not be trusted: it neither clips nor adds noise, and keeps one account
+per device, over the rounds that device was given a task in, each a Gaussian mechanism of sensitivity
+2C (any change of the device's data) without amplification by sampling.
+
+The functions are pure (noise comes from the generator they are given); :class:`CentralPrivacy` and
+:class:`LocalPrivacy` hold a run's settings. The clip norm, the rounds accounted and the devices'
+participations live in ``ServerState.extra``, so a resumed run continues them.
 """
 
 from __future__ import annotations
@@ -23,21 +28,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from coordinator.strategies.base import ClientResult, WeightedSum
+from edge_client.privacy import fresh_generator
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["CentralPrivacy", "AdaptiveClip", "noisy_mean", "adapted_clip_norm", "accounted_noise_multiplier",
-           "epsilon_after", "noise_for_epsilon", "fresh_generator", "clipped_count"]
+__all__ = ["CentralPrivacy", "LocalPrivacy", "AdaptiveClip", "noisy_mean", "adapted_clip_norm",
+           "accounted_noise_multiplier", "epsilon_after", "noise_for_epsilon", "local_epsilon",
+           "local_noise_for_epsilon", "fresh_generator", "clipped_count"]
 
 class _QuietOrders(logging.Filter):
     """dp_accounting warns (through absl) for every fractional RDP order whose series does not converge, and
@@ -49,13 +55,9 @@ class _QuietOrders(logging.Filter):
 
 logging.getLogger("absl").addFilter(_QuietOrders())
 
-EXTRA_KEY = "privacy"   # ServerState.extra[EXTRA_KEY] = {"clip_norm": C, "rounds": rounds accounted}
-
-
-def fresh_generator() -> torch.Generator:
-    """A generator seeded from the operating system's entropy: noise that anyone knowing ``run.seed``
-    (it is in config.toml) could regenerate would protect nothing."""
-    return torch.Generator().manual_seed(secrets.randbits(63))
+# ServerState.extra[EXTRA_KEY]: central {"clip_norm": C, "rounds": rounds accounted};
+# local {"participations": {device id: rounds it was given a training task in}}
+EXTRA_KEY = "privacy"
 
 
 def noisy_mean(total: WeightedSum, noise_std: float, denominator: int,
@@ -98,37 +100,79 @@ def accounted_noise_multiplier(noise_multiplier: float, count_noise_multiplier: 
     return (noise_multiplier ** -2 + count_noise_multiplier ** -2) ** -0.5
 
 
+def _epsilon(event: Any, delta: float) -> float:
+    """Epsilon at ``delta`` of a ``dp_accounting`` event, by the RDP accountant both modes keep."""
+    from dp_accounting.rdp import RdpAccountant
+
+    accountant = RdpAccountant()
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
+
+
+def _calibrate(event: Callable[[float], Any], epsilon: float, delta: float) -> float:
+    """The smallest noise multiplier z whose ``event(z)`` stays within ``epsilon`` at ``delta``
+    (``dp_accounting``'s calibration, by the same accountant as :func:`_epsilon`)."""
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"epsilon must be a positive number, got {epsilon}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    return float(dp_accounting.calibrate_dp_mechanism(RdpAccountant, event, epsilon, delta))
+
+
+def _central_event(rounds: int, sampling_rate: float, noise_multiplier: float) -> Any:
+    """``rounds`` rounds of central DP: each a Poisson-sampled Gaussian mechanism over the noisy sum."""
+    import dp_accounting
+
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), rounds)
+
+
+def _local_event(participations: int, noise_multiplier: float) -> Any:
+    """``participations`` releases of one device under local DP: its clipped update (norm at most C) plus
+    N(0, (z C)^2), for any change of its data (replace-one: two updates within C are up to 2C apart), is
+    a Gaussian mechanism of multiplier z C / 2C = z / 2. No sampling: the coordinator knows who took part."""
+    import dp_accounting
+
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier / 2), participations)
+
+
 def epsilon_after(rounds: int, *, sampling_rate: float, noise_multiplier: float, delta: float) -> float:
     """Epsilon at ``delta`` after ``rounds`` rounds, each a Poisson-sampled Gaussian mechanism (RDP account)."""
     if rounds <= 0:
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    accountant = RdpAccountant()
-    accountant.compose(dp_accounting.PoissonSampledDpEvent(sampling_rate,
-                                                           dp_accounting.GaussianDpEvent(noise_multiplier)), rounds)
-    return float(accountant.get_epsilon(delta))
+    return _epsilon(_central_event(rounds, sampling_rate, noise_multiplier), delta)
 
 
 def noise_for_epsilon(epsilon: float, *, rounds: int, sampling_rate: float, delta: float) -> float:
     """The smallest noise multiplier z whose account after ``rounds`` rounds stays within ``epsilon`` at
     ``delta`` (``dp_accounting``'s calibration over the same event :func:`epsilon_after` composes): what to
     set ``privacy.noise_multiplier`` to for a target, before the run, instead of finding it by trial."""
-    if not (epsilon > 0 and math.isfinite(epsilon)):
-        raise ValueError(f"epsilon must be a positive number, got {epsilon}")
-    if rounds < 1 or not (0 < sampling_rate <= 1) or not (0 < delta < 1):
-        raise ValueError("rounds must be at least 1, the sampling rate in (0, 1] and delta in (0, 1)")
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
+    if rounds < 1 or not (0 < sampling_rate <= 1):
+        raise ValueError("rounds must be at least 1 and the sampling rate in (0, 1]")
+    return _calibrate(lambda z: _central_event(rounds, sampling_rate, z), epsilon, delta)
 
-    def event(z: float) -> dp_accounting.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(z)), rounds)
 
-    return float(dp_accounting.calibrate_dp_mechanism(RdpAccountant, event, epsilon, delta))
+def local_epsilon(participations: int, *, noise_multiplier: float, delta: float) -> float:
+    """Epsilon at ``delta`` of one device under local DP after ``participations`` releases (RDP account)."""
+    if participations <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    return _epsilon(_local_event(participations, noise_multiplier), delta)
+
+
+def local_noise_for_epsilon(epsilon: float, *, participations: int, delta: float) -> float:
+    """The smallest device noise multiplier z (noise std z x C on the clipped update) that keeps a device
+    within ``epsilon`` at ``delta`` over ``participations`` rounds it takes part in: the calibration of
+    :func:`local_epsilon`'s event, for ``privacy.noise_multiplier`` under ``privacy.mode = "local"``."""
+    if participations < 1:
+        raise ValueError(f"participations must be at least 1, got {participations}")
+    return _calibrate(lambda z: _local_event(participations, z), epsilon, delta)
 
 
 @dataclass(frozen=True)
@@ -199,7 +243,7 @@ class CentralPrivacy:
         clip, rounds = self.kept(state)
         update = noisy_mean(total, self.noise_multiplier * clip, self.per_round, generator)
         clipped = clipped_count(results)
-        row: dict[str, Any] = {"dp_clip_norm": clip, "dp_noise_std": self.noise_multiplier * clip / self.per_round,
+        row: dict[str, Any] = {"dp_mode": "central", "dp_clip_norm": clip, "dp_noise_std": self.noise_multiplier * clip / self.per_round,
                                "dp_clipped_fraction": clipped / len(results) if results else 0.0}
         following = clip
         if self.adaptive is not None:
@@ -216,3 +260,59 @@ def clipped_count(results: Sequence[ClientResult]) -> int:
     """How many results say their update was clipped (``metrics["clipped"]``, checked when accepted)."""
     return sum(1 for r in results if r.metrics.get("clipped", 0.0) == 1.0)
 
+
+
+@dataclass(frozen=True)
+class LocalPrivacy:
+    """A run's local DP, resolved from ``[privacy]``: what the tasks carry and the per-device account.
+
+    The devices clip and add the noise; this keeps, in ``ServerState.extra``, how many training rounds
+    each device was given a task in, and reports the largest epsilon over the devices.
+    """
+
+    clip_norm: float
+    noise_multiplier: float     # z: each device's noise has std z x clip_norm per coordinate
+    delta: float
+    target_epsilon: float       # 0: none
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> LocalPrivacy | None:
+        p = config.privacy
+        if p.mode != "local":
+            return None
+        return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon)
+
+    def epsilon(self, participations: int) -> float:
+        return local_epsilon(participations, noise_multiplier=self.noise_multiplier, delta=self.delta)
+
+    def participations(self, state: ServerState) -> dict[str, int]:
+        """Device id -> training rounds it was given a task in, so far (from ``state``)."""
+        return {k: int(v) for k, v in state.extra.get(EXTRA_KEY, {}).get("participations", {}).items()}
+
+    def took_part(self, state: ServerState, clients: frozenset[str]) -> ServerState:
+        """``state`` with one more participation for each of ``clients``, the devices given a training task."""
+        counts = self.participations(state)
+        for client in clients:
+            counts[client] = counts.get(client, 0) + 1
+        return dataclasses.replace(state, extra={**state.extra, EXTRA_KEY: {"participations": counts}})
+
+    def stop_before(self, state: ServerState) -> str:
+        """Why the next round must not run, "" when it may: any device may be drawn, so the round is refused
+        when the device with the most participations, drawn once more, would pass the target."""
+        if self.target_epsilon <= 0:
+            return ""
+        most = max(self.participations(state).values(), default=0)
+        after = self.epsilon(most + 1)
+        if after <= self.target_epsilon:
+            return ""
+        return (f"privacy: stopping before round {state.round + 1}: a device with {most} participations drawn "
+                f"again would go from epsilon {self.epsilon(most):.4g} to {after:.4g}, past privacy.target_epsilon = "
+                f"{self.target_epsilon:g} (delta {self.delta:g}, local DP)")
+
+    def row(self, state: ServerState) -> dict[str, Any]:
+        """The row's ``dp_*`` columns after a round: the largest epsilon over the devices so far."""
+        counts = self.participations(state)
+        most = max(counts.values(), default=0)
+        return {"dp_mode": "local", "dp_epsilon": self.epsilon(most), "dp_clip_norm": self.clip_norm,
+                "dp_noise_std": self.noise_multiplier * self.clip_norm, "dp_max_participations": most,
+                "dp_devices": len(counts)}

@@ -13,7 +13,7 @@ from coordinator.aggregation import Aggregator
 from coordinator.config import RunConfig
 from coordinator.errors import ConfigError
 from coordinator.methods import method, resolve
-from coordinator.privacy import CentralPrivacy
+from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.base import PersonalizedEval, Strategy
 
@@ -32,13 +32,15 @@ def make_strategy(config: RunConfig) -> Strategy:
         raise ConfigError(f"run.mode = 'async' cannot run run.strategy = {config.run.strategy!r}: "
                           f"{strategy.sync_only}; use run.mode = 'sync' or a strategy that folds every result into "
                           "one update (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm)")
-    privacy = CentralPrivacy.from_config(config)
+    privacy = CentralPrivacy.from_config(config) or LocalPrivacy.from_config(config)
     if privacy is not None:
+        # Local DP needs the same of a strategy: one update per device of the model it was sent, which the device
+        # can clip and add noise to; layers matched raw or per-device statistics would leave it without noise.
         if strategy.central_dp or not isinstance(strategy, FedAvg):
-            raise ConfigError(f"privacy.mode = 'central' cannot run run.strategy = {config.run.strategy!r}: "
-                              f"{strategy.central_dp or 'it combines results its own way'}; use privacy.mode = "
-                              "'off' or a strategy that folds one clipped update per device into one sum (fedavg, "
-                              "fedprox, fedadam, fedyogi, fedadagrad, fedavgm; docs/privacy.md)")
+            raise ConfigError(f"privacy.mode = {config.privacy.mode!r} cannot run run.strategy = "
+                              f"{config.run.strategy!r}: {strategy.central_dp or 'it combines results its own way'}; "
+                              "use privacy.mode = 'off' or a strategy whose every result is one clipped update per "
+                              "device (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm; docs/privacy.md)")
         strategy.privacy = privacy
     if config.secagg.enabled and (strategy.central_dp or not isinstance(strategy, FedAvg)
                                   or not strategy.streams("train")):

@@ -340,9 +340,14 @@ class EdgeClient:
             wire, delta, clipped = encode_clipped_upload(tensors, received, task.upload, self._residuals, msg.run_id,
                                                          raw_only=raw_only,
                                                          generator=torch.Generator().manual_seed(ctx.seed))
-        metrics = dict(output.metrics)
-        if task.upload.clip_norm is not None:   # the one bit adaptive clipping needs, never the norm itself
-            metrics["clipped"] = float(clipped)
+        if task.upload.noise_multiplier is not None:
+            # Local differential privacy: the noisy update is the only thing about the data that leaves the
+            # device; a training loss or the clipped bit would be releases the noise does not cover.
+            metrics = {}
+        else:
+            metrics = dict(output.metrics)
+            if task.upload.clip_norm is not None:   # the one bit adaptive clipping needs, never the norm itself
+                metrics["clipped"] = float(clipped)
         return wire, ResultBody(num_samples=output.num_samples, metrics=metrics,
                                 codec=task.upload.codec, delta=tuple(delta))
 

@@ -142,7 +142,7 @@ def test_release_accounts_a_round_and_stops_before_the_target():
 
 # -- refusals -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting, message", [
-    (("privacy", "mode", "local"), "privacy.mode must be one of off, central"),
+    (("privacy", "mode", "remote"), "privacy.mode must be one of off, central, local"),
     (("privacy", "clip_norm", 0.0), "privacy.clip_norm must be a positive number"),
     (("privacy", "noise_multiplier", -1.0), "privacy.noise_multiplier must be >= 0"),
     (("privacy", "delta", 1.0), "privacy.delta must be in"),

@@ -73,6 +73,7 @@ class Downlink:
 
     def upload(self, plan: TaskPlan) -> UploadSettings:
         """The task's ``upload`` field: statistics (``plan.expect``) always go back raw; the plan's clip norm
-        goes with it (central differential privacy)."""
+        and device noise multiplier go with it (differential privacy)."""
         update = "raw" if plan.expect is not None else plan.update
-        return UploadSettings(self.upload_codec(plan), update, self.config.codec.error_feedback, plan.clip_norm)
+        return UploadSettings(self.upload_codec(plan), update, self.config.codec.error_feedback, plan.clip_norm,
+                              plan.noise_multiplier)

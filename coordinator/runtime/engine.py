@@ -281,6 +281,7 @@ class Coordinator:
         the last attempt's book and the traffic of all of them."""
         c = self.config
         totals = self.intake.book.tally.carried()
+        tasked: set[str] = set()   # every device given a task in any attempt
         for attempt in range(c.clients.max_attempts):
             book = self.intake.open(RoundBook(round=round, attempt=attempt, phase=phase,
                                               streaming=self._streams(phase)))
@@ -296,7 +297,9 @@ class Coordinator:
             self.workers.collect(book)
             self.intake.close(book)
             totals.add(book.tally)
+            tasked |= book.selected
             if book.results and len(book.results) >= min(c.required_results, len(book.selected)):
+                self.state = self.strategy.tasked(phase, self.state, frozenset(tasked))
                 self.intake.open(RoundBook(round=round, attempt=-1))   # collects strays until the next exchange
                 return book, totals
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying: results still count if "

@@ -66,7 +66,9 @@ def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mappin
         for name in [k for k in values if k in plan.down]:
             value = values.pop(name)
             deltas[name] = value - plan.down[name].to(value.dtype)
-    if plan.clip_norm is not None:   # the bound the privacy noise is calibrated to, whatever the codec or device did
+    # Central DP: the bound the coordinator's noise is calibrated to, whatever the codec or device did. Not under
+    # local DP (a device noise multiplier): clipping a noisy update would cut its signal, not its noise.
+    if plan.clip_norm is not None and plan.noise_multiplier is None:
         deltas = clip_update(deltas, plan.clip_norm)[0]
     result = ClientResult(plan.client_id, body.num_samples, values, dict(body.metrics), deltas, plan.down)
     problem = strategy.check_result(plan, result, spec)

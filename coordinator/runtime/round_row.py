@@ -22,10 +22,12 @@ def train_columns(book: RoundBook, results: list[ClientResult], totals: Tally, f
     n = sum(r.num_samples for r in results)
     selected = len(book.selected)
     slowest = max(book.profiles.items(), key=lambda kv: kv[1].get("seconds") or 0, default=(None, {}))
+    # No device reports a loss under local DP (it would be a release without noise): no column then, not a 0.
+    losses = ({"train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n}
+              if any("train_loss" in r.metrics for r in results) else {})
     return {
         "selected": selected, "returned": len(book.results), "attempts": book.attempt + 1,
-        "train_samples": n,
-        "train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n,
+        "train_samples": n, **losses,
         "slowest_client": slowest[0], "slowest_seconds": slowest[1].get("seconds"),
         "skipped": book.skipped,
         "bytes_down_per_client": totals.bytes_down // max(selected, 1),

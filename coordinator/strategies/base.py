@@ -53,12 +53,15 @@ class TaskPlan:
     # whose clients hold layers of their own widths while layers are matched one by one).
     # None: the state's spec.
     model: dict[str, Any] | None = None
-    # Central differential privacy (docs/privacy.md): the L2 norm the device clips its whole update to
-    # before encoding it, and the coordinator holds the decoded update to. None: no clipping.
+    # Differential privacy (docs/privacy.md): the L2 norm the device clips its whole update to before
+    # encoding it, and (central DP) the coordinator holds the decoded update to. None: no clipping.
     clip_norm: float | None = None
     # A stage of a secure round (the task body's ``secagg`` object, edge_client/secagg/stages.py); set by
     # coordinator/runtime/secure_round.py, never by a strategy. None: an ordinary task.
     secagg: dict[str, Any] | None = None
+    # Local differential privacy: the device adds N(0, (noise_multiplier x clip_norm)^2) per coordinate to
+    # its clipped update; the coordinator then neither clips it again nor adds noise. None: no device noise.
+    noise_multiplier: float | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,13 @@ class Strategy:
     def stop_before(self, round: int, state: ServerState) -> str:
         """Why the run must end before ``round`` (a privacy budget spent, say), "" when it may go on."""
         return ""
+
+    def tasked(self, phase: str, state: ServerState, clients: frozenset[str]) -> ServerState:
+        """The state once a phase's exchange is over, ``clients`` being every device given one of its tasks
+        (in any attempt), before its aggregation: where a strategy counts who took part, such as local
+        differential privacy's per-device account. A device that got a task may have sent its answer, on
+        time or not, so it counts whether or not its result is aggregated."""
+        return state
 
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Fields the strategy adds to ``summary.json`` from the run's metrics rows (e.g. its calibration)."""

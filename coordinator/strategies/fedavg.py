@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from coordinator.aggregation import Aggregator
-from coordinator.privacy import CentralPrivacy
+from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan, WeightedSum
 from storage.state import ServerState
 
@@ -39,9 +39,10 @@ class FedAvg(Strategy):
     objective = "train"     # the device objective its training tasks run
     robust = True           # takes aggregate.rule and aggregate.norm_bound
     sync_only = ""          # runs in run.mode = "async": every result is one update for server_step
-    central_dp = ""         # runs with privacy.mode = "central": every result is one update, folded into one sum
+    central_dp = ""         # runs with privacy.mode = "central" or "local": every result is one update
     aggregator = Aggregator()
-    privacy: CentralPrivacy | None = None   # [privacy] mode = "central" (coordinator/strategy_setup.py)
+    # [privacy] mode = "central" or "local" (coordinator/strategy_setup.py)
+    privacy: CentralPrivacy | LocalPrivacy | None = None
 
     def __init__(self, train: dict[str, Any]) -> None:
         self.train = dict(train)
@@ -55,9 +56,13 @@ class FedAvg(Strategy):
 
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         names = sorted(state.params)
-        clip = None if self.privacy is None else self.privacy.kept(state)[0]
+        clip, noise = None, None
+        if isinstance(self.privacy, CentralPrivacy):
+            clip = self.privacy.kept(state)[0]
+        elif isinstance(self.privacy, LocalPrivacy):
+            clip, noise = self.privacy.clip_norm, self.privacy.noise_multiplier
         return [TaskPlan(client_id=c, objective=self.objective, hyper=self.hyper(), down=state.params, up=names,
-                         clip_norm=clip) for c in clients]
+                         clip_norm=clip, noise_multiplier=noise) for c in clients]
 
     def streams(self, phase: str) -> bool:
         """The mean streams; so does a subclass whose ``aggregate_train`` takes the partial (one written
@@ -70,35 +75,53 @@ class FedAvg(Strategy):
         return part if partial is None else partial + part
 
     def _weight(self, result: ClientResult) -> float:
-        """A result's weight in the mean: its sample count, or 1 under central DP, where a device's say must not
-        grow with what it claims (the noise is calibrated to one clipped update per device)."""
+        """A result's weight in the mean: its sample count, or 1 under differential privacy, where a device's say
+        must not grow with what it claims (the noise is calibrated to one clipped update per device; under local DP
+        the coordinator no longer clips, and equal weights are what keep a device's say to 1 / answers)."""
         return 1.0 if self.privacy is not None else result.num_samples
 
     def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
                   partial: WeightedSum | None = None) -> tuple[ServerState, dict[str, Any]]:
         """Under central DP, training's folded sum becomes the noisy mean over the devices selected
-        (:meth:`CentralPrivacy.release`), then the server's step, with the row's ``dp_*`` columns;
-        otherwise :meth:`aggregate_train`."""
+        (:meth:`CentralPrivacy.release`), then the server's step, with the row's ``dp_*`` columns. Under local DP
+        the noisy updates are combined by ``aggregate.rule`` with equal weights (the plain mean of the answers by
+        default; no clipping, no noise here), then the server's step, with the row's ``dp_*`` columns.
+        Otherwise :meth:`aggregate_train`."""
         if phase != "train" or self.privacy is None:
             return super().aggregate(phase, round, state, results, partial)
+        if isinstance(self.privacy, LocalPrivacy):
+            update = (partial.mean(torch.float64) if partial is not None
+                      else self.aggregator.combine([(r.deltas, 1.0) for r in results]))
+            return self.server_step(round, state, update), self.privacy.row(state)
         total = partial if partial is not None else WeightedSum.reduce(WeightedSum.of(r.deltas, 1.0) for r in results)
         update, state, row = self.privacy.release(state, total, results)
         return self.server_step(round, state, update), row
 
     def check_result(self, plan: TaskPlan, result: ClientResult, spec: dict[str, Any]) -> str | None:
-        if plan.clip_norm is not None and result.metrics.get("clipped") not in (0.0, 1.0):
+        if (plan.clip_norm is not None and plan.noise_multiplier is None
+                and result.metrics.get("clipped") not in (0.0, 1.0)):
             return "a task with a clip norm needs metrics.clipped = 0 or 1 (whether the update was clipped)"
         return None
 
     def stop_before(self, round: int, state: ServerState) -> str:
         return "" if self.privacy is None else self.privacy.stop_before(state)
 
+    def tasked(self, phase: str, state: ServerState, clients: frozenset[str]) -> ServerState:
+        """Under local DP, one more participation for every device given a training task (docs/privacy.md)."""
+        if phase == "train" and isinstance(self.privacy, LocalPrivacy):
+            return self.privacy.took_part(state, clients)
+        return state
+
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if self.privacy is None:
             return {}
         last = next((r for r in reversed(rows) if "dp_epsilon" in r), {})
-        return {"dp_epsilon": last.get("dp_epsilon", 0.0), "dp_delta": self.privacy.delta,
-                "dp_rounds": sum(1 for r in rows if "dp_epsilon" in r)}
+        out = {"dp_mode": "local" if isinstance(self.privacy, LocalPrivacy) else "central",
+               "dp_epsilon": last.get("dp_epsilon", 0.0), "dp_delta": self.privacy.delta,
+               "dp_rounds": sum(1 for r in rows if "dp_epsilon" in r)}
+        if "dp_max_participations" in last:
+            out["dp_max_participations"] = last["dp_max_participations"]
+        return out
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult],
                         partial: WeightedSum | None = None) -> ServerState:

@@ -12,30 +12,50 @@ __all__ = ["add_command"]
 
 def add_command(sub, name: str = "privacy") -> None:  # sub: the parser's subparsers
     cmd = sub.add_parser(
-        name, help="the noise multiplier that keeps a run within a target epsilon (central DP)",
-        description="Print privacy.noise_multiplier for a run of --rounds rounds drawing --per-round of --expected "
-                    "devices each round, so that its account (dp_accounting's RDP accountant, as the run keeps it) "
-                    "ends at --epsilon at --delta, and the noise on the mean per unit of clip norm (z / per-round). "
+        name, help="the noise multiplier that keeps a run within a target epsilon (central or local DP)",
+        description="Print privacy.noise_multiplier so that the run's account (dp_accounting's RDP accountant, as "
+                    "the run keeps it) ends at --epsilon at --delta. Central DP (--mode central): a run of --rounds "
+                    "rounds drawing --per-round of --expected devices each round; it also prints the noise on the "
+                    "mean per unit of clip norm (z / per-round). Local DP (--mode local): a device that takes part "
+                    "in --participations rounds; the noise each device adds has std z x the clip norm. "
                     "docs/privacy.md says what the epsilon covers and what it assumes.")
     cmd.add_argument("--epsilon", type=positive, required=True, action="append",
                      help="target epsilon (repeatable: one line each)")
-    cmd.add_argument("--rounds", type=at_least(1), required=True, help="training rounds of the run")
-    cmd.add_argument("--per-round", type=at_least(1), required=True, help="clients.per_round")
-    cmd.add_argument("--expected", type=at_least(1), required=True, help="clients.expected: the devices that can be drawn")
+    cmd.add_argument("--mode", choices=("central", "local"), default="central", help="privacy.mode (default central)")
+    cmd.add_argument("--rounds", type=at_least(1), help="central: training rounds of the run")
+    cmd.add_argument("--per-round", type=at_least(1), help="central: clients.per_round")
+    cmd.add_argument("--expected", type=at_least(1), help="central: clients.expected: the devices that can be drawn")
+    cmd.add_argument("--participations", type=at_least(1),
+                     help="local: rounds one device takes part in (at most run.rounds; about run.rounds x "
+                          "clients.per_round / clients.expected on average with random selection)")
     cmd.add_argument("--delta", type=positive, default=1e-5, help="privacy.delta (default 1e-5)")
     cmd.set_defaults(handler=_privacy)
 
 
-def _privacy(args: argparse.Namespace) -> int:
-    from coordinator.privacy import noise_for_epsilon
+def _refuse(message: str) -> int:
+    print(f"fedge-coordinator privacy: {message}", file=sys.stderr)
+    return 2
 
-    if args.per_round > args.expected:
-        print("fedge-coordinator privacy: --per-round cannot exceed --expected", file=sys.stderr)
-        return 2
+
+def _privacy(args: argparse.Namespace) -> int:
+    from coordinator.privacy import local_noise_for_epsilon, noise_for_epsilon
+
     if not args.delta < 1:
-        print("fedge-coordinator privacy: --delta must be below 1 (1e-5 is usual: below 1 / number of devices)",
-              file=sys.stderr)
-        return 2
+        return _refuse("--delta must be below 1 (1e-5 is usual: below 1 / number of devices)")
+    if args.mode == "local":
+        if args.participations is None or any(v is not None for v in (args.rounds, args.per_round, args.expected)):
+            return _refuse("--mode local takes --participations (rounds one device takes part in), "
+                           "not --rounds, --per-round or --expected")
+        print(f"local DP, {args.participations} participations per device, delta {args.delta:g}:")
+        for epsilon in args.epsilon:
+            z = local_noise_for_epsilon(epsilon, participations=args.participations, delta=args.delta)
+            print(f"  epsilon {epsilon:g}: privacy.noise_multiplier = {z:.4g}  (noise on each device's update: "
+                  f"{z:.4g} x the clip norm per coordinate)")
+        return 0
+    if None in (args.rounds, args.per_round, args.expected) or args.participations is not None:
+        return _refuse("--mode central takes --rounds, --per-round and --expected, not --participations")
+    if args.per_round > args.expected:
+        return _refuse("--per-round cannot exceed --expected")
     q = args.per_round / args.expected
     print(f"{args.rounds} rounds, {args.per_round} of {args.expected} devices a round (q = {q:g}), delta {args.delta:g}:")
     for epsilon in args.epsilon:

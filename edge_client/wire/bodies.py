@@ -14,6 +14,7 @@ from typing import Any
 
 from edge_client.wire.body_fields import Fields, is_int, is_names, is_number, is_object, is_session, is_sha256, is_str
 from edge_client.wire.codec import FP32, CodecSpec
+from edge_client.wire.errors import ProtocolError
 
 __all__ = ["DEFAULT_TASK_TIMEOUT", "DEFAULT_RESEND_EVERY", "UPDATES", "PRESENCE_STATES", "STATUS_STATES",
            "UploadSettings", "PresenceBody", "TaskBody", "ResultBody", "StatusBody", "ModelBody"]
@@ -31,28 +32,41 @@ class UploadSettings:
 
     A task without one gets raw float32 values; in one, ``update`` defaults to
     ``delta``, ``codec`` to ``fp32`` and ``error_feedback`` to true. ``clip_norm``
-    (central differential privacy, docs/privacy.md): the L2 norm the whole update
+    (differential privacy, docs/privacy.md): the L2 norm the whole update
     (every difference together) is clipped to before it is encoded; None: no clipping.
+    ``noise_multiplier`` (local differential privacy): the device adds N(0, (z x clip_norm)^2)
+    to every coordinate of the clipped update before it is encoded, and reports nothing about
+    its data besides; None: no noise on the device (it needs ``clip_norm``).
     """
 
     codec: CodecSpec = FP32
     update: str = "raw"              # delta | raw
     error_feedback: bool = False
     clip_norm: float | None = None
+    noise_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.noise_multiplier is not None and self.clip_norm is None:
+            raise ProtocolError("task field upload.noise_multiplier needs upload.clip_norm: the noise is a multiple "
+                                "of the bound the update is clipped to")
 
     @classmethod
     def from_body(cls, upload: Any) -> UploadSettings:
         f = Fields("task", upload, "upload.")
         clip = f.get("clip_norm", "a positive number", lambda v: is_number(v) and v > 0, None)
+        noise = f.get("noise_multiplier", "a number >= 0", lambda v: is_number(v) and v >= 0, None)
         return cls(codec=f.codec("codec"),
                    update=f.get("update", f"one of {UPDATES}", lambda v: v in UPDATES, "delta"),
                    error_feedback=f.get("error_feedback", "true or false", lambda v: isinstance(v, bool), True),
-                   clip_norm=None if clip is None else float(clip))
+                   clip_norm=None if clip is None else float(clip),
+                   noise_multiplier=None if noise is None else float(noise))
 
     def to_body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"codec": self.codec.text, "update": self.update, "error_feedback": self.error_feedback}
         if self.clip_norm is not None:
             out["clip_norm"] = self.clip_norm
+        if self.noise_multiplier is not None:
+            out["noise_multiplier"] = self.noise_multiplier
         return out
 
 

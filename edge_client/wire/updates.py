@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from edge_client.privacy import clip_update
+from edge_client.privacy import add_noise, clip_update, fresh_generator
 from edge_client.wire.codec import CodecError, CodecSpec, all_finite, decode_tensors, encode_tensors
+from edge_client.wire.errors import ProtocolError
 from edge_client.wire.protocol import UPDATES, ResultBody, UploadSettings
 from storage.files import write_tensors_atomic
 
@@ -108,7 +109,9 @@ def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping
     The error-feedback residual is added before clipping, so what a round sends (its own update and
     what earlier codecs dropped) is within the clip norm: the bound differential privacy needs holds per
     round. What clipping removes is dropped, not carried; only what the codec drops becomes the next
-    residual (docs/privacy.md).
+    residual (docs/privacy.md). With ``settings.noise_multiplier`` (local differential privacy) the
+    clipped update gets the device's Gaussian noise before the codec, which then only post-processes
+    a private release; whether it was clipped is returned all the same, and the caller must not send it.
     """
     spec = settings.codec
     delta = [] if raw_only or settings.update == "raw" else sorted(n for n in tensors if n in received)
@@ -123,8 +126,13 @@ def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping
             if old is not None and old.shape == values[name].shape:
                 values[name] = values[name] + old
     clipped = False
+    if settings.noise_multiplier is not None and sorted(values) != delta:
+        raise ProtocolError("a task with upload.noise_multiplier (local differential privacy) must ask for "
+                            "differences of the tensors it sent only: nothing leaves the device without noise")
     if settings.clip_norm is not None and delta:
         bounded, clipped = clip_update({name: values[name] for name in delta}, settings.clip_norm)
+        if settings.noise_multiplier is not None:   # from the OS's entropy: never the task's seed, which is public
+            bounded = add_noise(bounded, settings.noise_multiplier * settings.clip_norm, fresh_generator())
         values.update(bounded)
     wire = encode_tensors(values, spec, sparse=delta, generator=generator)
     if feedback:
