@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -208,6 +208,16 @@ class CentralPrivacy:
         return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, m, m / config.clients.expected,
                    adaptive)
 
+    mode: ClassVar[str] = "central"
+
+    def upload(self, state: ServerState) -> tuple[float, float | None]:
+        """(clip norm, device noise multiplier) a training task carries: the current clip norm, no device noise."""
+        return self.kept(state)[0], None
+
+    def took_part(self, state: ServerState, clients: frozenset[str]) -> ServerState:
+        """Central DP's account is per round (in :meth:`release`), not per device: ``state`` as it is."""
+        return state
+
     @property
     def accounted_multiplier(self) -> float:
         return accounted_noise_multiplier(self.noise_multiplier,
@@ -281,6 +291,12 @@ class LocalPrivacy:
         if p.mode != "local":
             return None
         return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon)
+
+    mode: ClassVar[str] = "local"
+
+    def upload(self, state: ServerState) -> tuple[float, float | None]:
+        """(clip norm, device noise multiplier) a training task carries."""
+        return self.clip_norm, self.noise_multiplier
 
     def epsilon(self, participations: int) -> float:
         return local_epsilon(participations, noise_multiplier=self.noise_multiplier, delta=self.delta)

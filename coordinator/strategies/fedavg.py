@@ -56,11 +56,7 @@ class FedAvg(Strategy):
 
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         names = sorted(state.params)
-        clip, noise = None, None
-        if isinstance(self.privacy, CentralPrivacy):
-            clip = self.privacy.kept(state)[0]
-        elif isinstance(self.privacy, LocalPrivacy):
-            clip, noise = self.privacy.clip_norm, self.privacy.noise_multiplier
+        clip, noise = (None, None) if self.privacy is None else self.privacy.upload(state)
         return [TaskPlan(client_id=c, objective=self.objective, hyper=self.hyper(), down=state.params, up=names,
                          clip_norm=clip, noise_multiplier=noise) for c in clients]
 
@@ -108,15 +104,13 @@ class FedAvg(Strategy):
 
     def tasked(self, phase: str, state: ServerState, clients: frozenset[str]) -> ServerState:
         """Under local DP, one more participation for every device given a training task (docs/privacy.md)."""
-        if phase == "train" and isinstance(self.privacy, LocalPrivacy):
-            return self.privacy.took_part(state, clients)
-        return state
+        return self.privacy.took_part(state, clients) if phase == "train" and self.privacy is not None else state
 
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if self.privacy is None:
             return {}
         last = next((r for r in reversed(rows) if "dp_epsilon" in r), {})
-        out = {"dp_mode": "local" if isinstance(self.privacy, LocalPrivacy) else "central",
+        out = {"dp_mode": self.privacy.mode,
                "dp_epsilon": last.get("dp_epsilon", 0.0), "dp_delta": self.privacy.delta,
                "dp_rounds": sum(1 for r in rows if "dp_epsilon" in r)}
         if "dp_max_participations" in last:
