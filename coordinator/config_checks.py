@@ -217,6 +217,9 @@ def _secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
          f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0: the others look at every update on its "
          "own, which the coordinator no longer sees"),
         (config.workers.count == 0, f"{need} workers.count = 0: the coordinator unmasks the sum itself"),
+        (config.privacy.mode != "local",
+         f"{need} privacy.mode 'off' or 'central': a device masks its clipped update without local DP's noise "
+         "(noise shared out among the devices of a secure sum, distributed DP, is not built)"),
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it compares every device's model)"),
         (not config.eval.personalized,
          f"{need} eval.personalized = false (it reports every device's own accuracy)"),

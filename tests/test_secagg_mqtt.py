@@ -55,6 +55,7 @@ def _final(out) -> dict[str, torch.Tensor]:
     ({"run.mode": "async"}, "run.mode = 'sync'"),
     ({"workers.count": 1, "transport.broker": "mqtt://127.0.0.1:1883"}, "workers.count = 0"),
     ({"codec.up": "topk:0.1+int8"}, "dense codec.up"),
+    ({"privacy.mode": "local"}, "privacy.mode 'off' or 'central'"),
     ({"clients.expected": 2}, "at least 3 devices"),
     ({"secagg.degree": 3, "clients.expected": 8}, "secagg.degree must be"),
     ({"run.strategy": "fed2", "model.fed2_groups": 2}, "secagg.enabled = true cannot run"),
@@ -63,6 +64,25 @@ def _final(out) -> dict[str, torch.Tensor]:
 def test_what_secure_aggregation_cannot_run_with_is_refused_naming_the_key(tmp_path, setting, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_strategy(_config(tmp_path, **{"secagg.enabled": True, **setting}))
+
+
+def test_a_secure_round_under_central_dp_releases_what_the_plain_private_round_releases(tmp_path):
+    """Central DP over a secure sum: equal weights, the device's own L2 clip, the coordinator's noise after
+    unmasking and the fixed denominator. Without noise (z = 0) the models must match a plain private run's."""
+    private = {"run.rounds": 2, "clients.expected": 4, "clients.spawn": 4, "transport.kind": "inproc",
+               "privacy.mode": "central", "privacy.clip_norm": 0.05, "privacy.noise_multiplier": 0.0}
+    plain = run_federated(_config(tmp_path / "plain", **private), say=lambda s: None)
+    secure = run_federated(_config(tmp_path / "secure", **private, **{"secagg.enabled": True}), say=lambda s: None)
+    a, b = _final(plain.out_dir), _final(secure.out_dir)
+    worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    assert worst < 1e-5, worst
+    rows = [json.loads(line) for line in (secure.out_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["round"] > 0]
+    assert all(r["secagg_survivors"] == 4 and "dp_epsilon" in r for r in trained)
+    plain_rows = [json.loads(line) for line in (plain.out_dir / "metrics.jsonl").read_text().splitlines()]
+    # the clip bound bites (0.05 is below every update's norm here), and the count comes out of the sum
+    assert [r["dp_clipped_fraction"] for r in trained] == [r["dp_clipped_fraction"] for r in plain_rows
+                                                           if r["round"] > 0]
 
 
 # -- what one masked input shows ---------------------------------------------------------------------------------------
