@@ -36,8 +36,8 @@ from storage.files import write_tensors_atomic
 
 # UPDATES and UploadSettings (the task's ``upload``) are defined with the other bodies
 # in the protocol module; they are part of this module's interface too.
-__all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "encode_clipped_upload", "decode_parts", "decode_upload",
-           "encode_download", "decode_download"]
+__all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "encode_clipped_upload", "decode_parts",
+           "decode_upload", "encode_download", "decode_download"]
 
 log = logging.getLogger("fedge.updates")
 RESIDUAL_FILE = "residual.safetensors"
