@@ -60,6 +60,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            sections={"spherefed": "methods.spherefed.strategy:SphereFedSection",
                      "ffc": "methods.spherefed.strategy:FfcSection"},
            model_options={"head": "sphere"}),
+    # FedAvg + FFC: FedAvg's training, then SphereFed's calibration (the control for SphereFed + FFC)
+    Method("fedavg_ffc", "methods.spherefed.strategy:FedAvgFfc", objectives="methods.spherefed.device:OBJECTIVES",
+           sections={"ffc": "methods.spherefed.strategy:FfcSection"}),
     Method("dfl", "methods.dfl.strategy:DFL", objectives="methods.dfl.device:OBJECTIVES",
            model="methods.dfl.model:HOOK", export="methods.dfl.export:HOOK",
            sections={"dfl": "methods.dfl.strategy:DflSection"},

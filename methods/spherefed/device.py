@@ -9,6 +9,11 @@ from sums each client sends once: ``G = sum z z^T``, ``B = sum z y^T`` and ``n``
 Sums are associative, so the coordinator gets the centralized least-squares
 solution exactly, without seeing a feature or a label.
 
+The same statistics calibrate a model trained with cross-entropy and a plain linear head
+(FedAvg + FFC, ``run.strategy = "fedavg_ffc"``): ``ffc_stats`` then reads the L2-normalized
+features of its extractor just the same, and the coordinator puts the solved classifier into a
+sphere head in place of the trained linear one (:mod:`methods.spherefed.strategy`).
+
 With ``personalize``, each device also solves the same closed form on its own
 sums and keeps that classifier in its state directory
 (``STATE_DIR/sphere_classifier.safetensors``, :data:`PERSONAL_CLASSIFIER_FILE`); it
@@ -43,7 +48,8 @@ from storage.files import write_tensors_atomic
 
 __all__ = [
     "STAT_NAMES", "WIRE_DTYPES", "WIRE_CODECS", "FALLBACK_RIDGE", "PERSONAL_CLASSIFIER_FILE", "PERSONAL_METADATA",
-    "OBJECTIVES", "Calibration", "FfcStats", "FfcHyper", "sphere_head", "sphere_loss", "sphere_accuracies",
+    "OBJECTIVES", "Calibration", "FfcStats", "FfcHyper", "sphere_head", "head_shape", "sphere_loss",
+    "sphere_accuracies",
     "packed_size", "pack_upper", "unpack_upper", "wire_shapes", "wire_numbers", "solve_classifier",
     "feature_stats", "save_personal_classifier", "sphere_train", "ffc_stats",
 ]
@@ -65,6 +71,19 @@ def sphere_head(model: nn.Module) -> SphereHead:
     if not isinstance(head, SphereHead):
         raise ObjectiveError("this task needs a model with head = sphere; set model.head = \"sphere\"")
     return head
+
+
+def head_shape(model: nn.Module) -> tuple[int, int]:
+    """(d, C) of the model's last layer, a sphere head or a plain linear one: FFC calibrates either
+    (a linear head's model is FedAvg + FFC's, whose classifier the coordinator replaces)."""
+    head = getattr(model, "classifier", None)
+    if isinstance(head, SphereHead):
+        return head.in_features, head.out_features
+    if type(head) is nn.Linear:
+        return head.in_features, head.out_features
+    raise ObjectiveError("FFC needs a model whose last layer `classifier` is the sphere head or a plain linear "
+                         f"layer, got {type(head).__name__}; set model.head to \"sphere\" or \"linear\" and remove "
+                         "the model option that replaced the last layer")
 
 
 def sphere_loss(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -240,9 +259,9 @@ class FfcStats:
 def feature_stats(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
                   batch_size: int = 256) -> FfcStats:
     """G, B and n over (x, y) with the model's extractor (eval mode), accumulated in float64."""
-    head = sphere_head(model)
+    dim, _ = head_shape(model)
     y = y.cpu()
-    total = FfcStats.zeros(head.in_features, num_classes)
+    total = FfcStats.zeros(dim, num_classes)
     gram, cross = total.gram, total.cross
     for rows, z in _features(model, x, batch_size):
         gram += z.t() @ z
@@ -299,21 +318,27 @@ class FfcHyper:
 def ffc_stats(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext) -> ObjectiveOutput:
     """FFC statistics of this device's whole training split with the received extractor.
 
-    Only G (packed), B and n leave the device. With ``personalize`` the device also
-    solves its own classifier from its G and B, keeps it in its state directory (when
-    it has one; :func:`save_personal_classifier`, never sent) and reports its accuracy
-    on the held-out split, next to the fixed classifier's.
+    The extractor's features are L2-normalized whatever the model's head (a plain linear
+    head's model is calibrated onto a sphere head by the coordinator), so the statistics
+    are the same algebra for SphereFed and FedAvg + FFC. Only G (packed), B and n leave
+    the device. With ``personalize`` (sphere head only) the device also solves its own
+    classifier from its G and B, keeps it in its state directory (when it has one;
+    :func:`save_personal_classifier`, never sent) and reports its accuracy on the held-out
+    split, next to the fixed classifier's.
     """
     h = FfcHyper.from_dict(hyper)
     if len(data) == 0:
         raise ObjectiveError("FFC needs local training samples and this device has none; it cannot contribute "
                              "statistics (the coordinator calibrates from the other clients)")
-    head = sphere_head(model)
-    head.reset()
+    _, classes = head_shape(model)
+    # personalization scores the fixed classifier too, which only the sphere head has
+    head = sphere_head(model) if h.personalize else None
+    if isinstance(model.classifier, SphereHead):
+        model.classifier.reset()
     started = time.perf_counter()
-    stats = feature_stats(model, data.x, data.y, head.out_features, h.batch_size)
+    stats = feature_stats(model, data.x, data.y, classes, h.batch_size)
     metrics: dict[str, float] = {"ffc_seconds": time.perf_counter() - started}
-    if h.personalize and (data.num_test or ctx.state_dir is not None):
+    if head is not None and (data.num_test or ctx.state_dir is not None):
         started = time.perf_counter()
         own = stats.solve(h.ridge, level=logging.INFO)
         if ctx.state_dir is not None:

@@ -9,12 +9,18 @@ G, B and n of its features (the ``ffc_stats`` objective, :mod:`methods.spherefed
 Their sum gives the least-squares classifier, which replaces the fixed one in the
 global model that the coordinator evaluates and checkpoints. The next training
 round starts again from the fixed classifier: it is the one clients train against.
+
+FedAvg + FFC (:class:`FedAvgFfc`, ``run.strategy = "fedavg_ffc"``) is the same calibration
+after plain FedAvg with a cross-entropy model and its trained linear head: the control that
+separates what SphereFed's fixed head does from what a calibration on every client does.
+Both strategies take the ``ffc`` phase from :class:`FfcPhase`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,7 +31,7 @@ from torch import nn
 
 from coordinator.errors import ConfigError
 from coordinator.strategies.base import ClientResult, TaskPlan, WeightedSum, summarize_personalized
-from coordinator.strategies.fedavg import FedProx
+from coordinator.strategies.fedavg import FedAvg, FedProx
 from methods.spherefed.device import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
                                         sphere_head, wire_numbers, wire_shapes)
 from methods.spherefed.model import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
@@ -34,14 +40,33 @@ from storage.state import ServerState
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["SphereFed", "SphereFedSection", "FfcSection"]
+__all__ = ["SphereFed", "FedAvgFfc", "FfcPhase", "SphereFedSection", "FfcSection", "LR_SCHEDULES", "cosine_lr"]
 
 log = logging.getLogger("fedge.coordinator")
 
 # Fields of the last calibration that summary.json repeats.
+# The extra pass's participations and bytes are there too: a comparison with a strategy without it must count them.
 _SUMMARY_KEYS = ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_clients", "ffc_samples", "ffc_ridge",
-                 "ffc_singular", "ffc_stats_numbers", "ffc_stats_dtype", "ffc_bytes_up", "ffc_coordinator_seconds",
+                 "ffc_singular", "ffc_stats_numbers", "ffc_stats_dtype", "ffc_selected", "ffc_returned",
+                 "ffc_bytes_down", "ffc_bytes_up", "ffc_coordinator_seconds",
                  "ffc_client_seconds_max", "ffc_personalized_accuracy_mean", "ffc_personalized_fixed_accuracy_mean")
+
+
+# The trained linear head FedAvg + FFC replaces, kept (never sent, never exported) to score it in the same round.
+TRAINED_HEAD = "ffc.trained_head."
+LR_SCHEDULES = ("constant", "cosine")
+FEDAVG_FFC = "fedavg_ffc"
+
+
+def cosine_lr(lr: float, round: int, rounds: int) -> float:
+    """The learning rate of ``round`` (1-based) under cosine decay from ``lr`` over ``rounds`` rounds.
+
+    ``lr (1 + cos(pi (round - 1) / rounds)) / 2``: ``lr`` in round 1, falling toward 0 but never
+    reaching it in the last round (a device refuses a rate of 0). SphereFed's paper tunes its
+    rate with cosine decay; this lets the benchmark do the same without touching the core's
+    ``[train]`` section, which every other strategy sends as it is.
+    """
+    return lr * (1.0 + math.cos(math.pi * (round - 1) / max(rounds, 1))) / 2.0
 
 
 @dataclass(frozen=True)
@@ -49,9 +74,12 @@ class SphereFedSection:
     """``[spherefed]``: local training of SphereFed (docs/spherefed.md)."""
 
     mu: float = 0.0                 # FedProx's proximal weight in local training (0: off)
+    lr_schedule: str = "constant"   # "cosine": train.lr decays over run.rounds (cosine_lr)
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(self.mu >= 0, "spherefed.mu must be >= 0")]
+        return [(self.mu >= 0, "spherefed.mu must be >= 0"),
+                (self.lr_schedule in LR_SCHEDULES,
+                 f"spherefed.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")]
 
 
 @dataclass(frozen=True)
@@ -71,18 +99,130 @@ class FfcSection:
             (self.dtype in WIRE_DTYPES, "ffc.dtype must be float64 or float32"),
             (not self.personalize or config.data.local_test_fraction > 0 or config.clients.spawn == 0,
              "ffc.personalize needs data.local_test_fraction > 0 for spawned clients"),
+            *self._fedavg_checks(config),
+        ]
+
+    def _fedavg_checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        """FedAvg + FFC calibrates once, after the last round, the global model only."""
+        if config.run.strategy != FEDAVG_FFC:
+            return []
+        return [
+            (self.enabled, f"run.strategy = {FEDAVG_FFC!r} is FedAvg with FFC: it needs ffc.enabled = true "
+                           "(for FedAvg without calibration use run.strategy = 'fedavg')"),
+            (self.every == 0, f"run.strategy = {FEDAVG_FFC!r} calibrates once, after the last round: set "
+                              "ffc.every = 0 (its calibrated model ends in a sphere head, which FedAvg does not "
+                              "train on)"),
+            (not self.personalize, f"run.strategy = {FEDAVG_FFC!r} calibrates the global model only: set "
+                                   "ffc.personalize = false (personal classifiers need run.strategy = 'spherefed')"),
         ]
 
 
-class SphereFed(FedProx):
+class FfcPhase:
+    """The ``ffc`` phase, for a FedAvg-based strategy whose model ends in ``classifier.weight`` (C x d).
+
+    After the last round (and every ``ffc.every``-th) every online client receives the
+    extractor and answers with the sums of its unit features (``ffc_stats``); the coordinator
+    sums them and solves the least-squares classifier. A strategy says what goes down
+    (:meth:`ffc_down`) and how the solved classifier enters its state (:meth:`calibrated`).
+    Put it before the FedAvg class in the bases, so its phase methods come first.
+    """
+
+    ffc: FfcSection
+
+    def calibrates(self, round: int, last: bool) -> bool:
+        return self.ffc.enabled and (last or (self.ffc.every > 0 and round % self.ffc.every == 0))
+
+    def phases(self, round: int, last: bool) -> list[str]:
+        phases = super().phases(round, last)   # type: ignore[misc]  # train, and evaluate when due
+        return [phases[0], "ffc", *phases[1:]] if self.calibrates(round, last) else phases
+
+    def selects_all(self, phase: str) -> bool:
+        return phase == "ffc" or super().selects_all(phase)   # type: ignore[misc]
+
+    @staticmethod
+    def ffc_down(state: ServerState) -> dict[str, torch.Tensor]:
+        """What an ffc task sends: the extractor, everything but the classifier (its features are all FFC reads)."""
+        return {k: v for k, v in state.params.items() if not k.startswith("classifier.")}
+
+    def calibrated(self, state: ServerState, weight: torch.Tensor, round: int) -> ServerState:
+        """The state with the solved classifier (float64, C x d) in place of the model's own."""
+        raise NotImplementedError
+
+    def configure(self, phase: str, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
+        if phase != "ffc":
+            return super().configure(phase, round, state, clients)   # type: ignore[misc]
+        classes, dim = state.params[CLASSIFIER].shape
+        hyper = {"dtype": self.ffc.dtype, "personalize": self.ffc.personalize, "ridge": self.ffc.ridge}
+        down = self.ffc_down(state)
+        return [TaskPlan(client_id=c, objective="ffc_stats", hyper=hyper, down=down, up=list(STAT_NAMES),
+                         expect=wire_shapes(dim, classes), codec=WIRE_CODECS[self.ffc.dtype]) for c in clients]
+
+    def aggregate_ffc(self, round: int, state: ServerState,
+                      results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
+        """Sum the clients' statistics (in the engine's fixed order) and solve the least-squares classifier."""
+        classes, dim = state.params[CLASSIFIER].shape
+        started = time.perf_counter()
+        parts = []
+        for r in results:
+            try:
+                stats = FfcStats.from_wire(r.tensors, dim, classes)
+                if stats.count != r.num_samples:
+                    raise SphereError(f"ffc.count is {stats.count} but num_samples is {r.num_samples}")
+                parts.append(stats)
+            except SphereError as exc:   # counted and logged; the others still calibrate
+                log.warning("round %d: discarded the FFC statistics of %s: %s", round, r.client_id, exc)
+        numbers = wire_numbers(dim, classes)
+        metrics: dict[str, Any] = {"ffc_clients": len(parts), "ffc_discarded": len(results) - len(parts),
+                                   "ffc_stats_numbers": numbers, "ffc_stats_dtype": self.ffc.dtype,
+                                   "ffc_stats_tensor_bytes": numbers * WIRE_DTYPES[self.ffc.dtype].itemsize}
+        if not parts:
+            log.error("round %d: no usable FFC statistics; the classifier stays the model's own", round)
+            return state, metrics
+        total = FfcStats.reduce(parts)
+        try:
+            calibration = total.solve(self.ffc.ridge, precision=WIRE_DTYPES[self.ffc.dtype])
+        except SphereError as exc:   # sums that are no Gram matrix (a faulty client): keep the model's classifier
+            log.error("round %d: FFC failed, the classifier stays the model's own: %s", round, exc)
+            return state, {**metrics, "ffc_failed": str(exc)}
+        seconds = time.perf_counter() - started
+        client_seconds = [float(r.metrics["ffc_seconds"]) for r in results if "ffc_seconds" in r.metrics]
+        metrics.update({
+            "ffc_samples": total.count, "ffc_ridge": calibration.ridge, "ffc_singular": calibration.singular,
+            "ffc_rank": calibration.rank, "ffc_coordinator_seconds": seconds,
+            "ffc_client_seconds_mean": statistics.fmean(client_seconds) if client_seconds else None,
+            "ffc_client_seconds_max": max(client_seconds, default=None),
+            **summarize_personalized(results, "ffc_local_accuracy", "ffc_personalized"),
+            **summarize_personalized(results, "ffc_local_accuracy_fixed", "ffc_personalized_fixed"),
+        })
+        log.info("round %d: FFC calibrated the classifier from %d clients (%d samples), ridge %.3g, in %.3f s",
+                 round, len(parts), total.count, calibration.ridge, seconds)
+        new = self.calibrated(state, calibration.weight, round)
+        return dataclasses.replace(new, extra={**new.extra, "ffc_round": round}), metrics
+
+    @staticmethod
+    def ffc_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The last calibration's figures, for summary.json."""
+        calibrated = [r for r in rows if "ffc_accuracy_after" in r]
+        if not calibrated:
+            return {}
+        last = calibrated[-1]
+        return {"ffc_round": last["round"], **{k: last[k] for k in _SUMMARY_KEYS if k in last}}
+
+
+class SphereFed(FfcPhase, FedProx):
     name = "spherefed"
     sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, mu: float = 0.0, sphere_seed: int = 0,
-                 ffc: FfcSection = FfcSection(), broadcast: bool = True) -> None:
+                 ffc: FfcSection = FfcSection(), broadcast: bool = True, lr_schedule: str = "constant",
+                 rounds: int = 0) -> None:
         super().__init__(train, mu)
+        if lr_schedule not in LR_SCHEDULES or (lr_schedule == "cosine" and rounds < 1):
+            raise ConfigError(f"spherefed.lr_schedule must be one of {', '.join(LR_SCHEDULES)} (cosine needs "
+                              f"run.rounds >= 1), got {lr_schedule!r} over {rounds} rounds")
         self.sphere_seed = sphere_seed
         self.ffc = ffc
+        self.lr_schedule, self.rounds = lr_schedule, rounds
         # Calibration ships each device's feature statistics, exactly: nothing the noise covers.
         self.central_dp = "its FFC calibration sends every device's feature statistics (set ffc.enabled = false)" \
             if ffc.enabled else ""
@@ -92,7 +232,13 @@ class SphereFed(FedProx):
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SphereFed":
         return cls(dataclasses.asdict(cfg.train), mu=cfg.spherefed.mu, ffc=cfg.ffc, broadcast=cfg.codec.broadcast,
-                   sphere_seed=with_sphere_seed(cfg.model, cfg.run.seed)["sphere_seed"])
+                   sphere_seed=with_sphere_seed(cfg.model, cfg.run.seed)["sphere_seed"],
+                   lr_schedule=cfg.spherefed.lr_schedule, rounds=cfg.run.rounds)
+
+    def round_lr(self, round: int) -> float:
+        """This round's local learning rate: ``train.lr``, or its cosine decay over ``run.rounds``."""
+        lr = float(self.train["lr"])
+        return cosine_lr(lr, round, self.rounds) if self.lr_schedule == "cosine" else lr
 
     # -- the classifier ---------------------------------------------------------
     def fixed(self, state: ServerState) -> torch.Tensor:
@@ -122,29 +268,15 @@ class SphereFed(FedProx):
         return state
 
     # -- phases -----------------------------------------------------------------
-    def calibrates(self, round: int, last: bool) -> bool:
-        return self.ffc.enabled and (last or (self.ffc.every > 0 and round % self.ffc.every == 0))
-
-    def phases(self, round: int, last: bool) -> list[str]:
-        phases = super().phases(round, last)   # train, and evaluate when personalized evaluation is due
-        return [phases[0], "ffc", *phases[1:]] if self.calibrates(round, last) else phases
-
-    def selects_all(self, phase: str) -> bool:
-        return phase == "ffc" or super().selects_all(phase)
-
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         down = self.extractor(state)
-        return [TaskPlan(client_id=c, objective="sphere_train", hyper=self.hyper(), down=down, up=sorted(down))
+        hyper = {**self.hyper(), "lr": self.round_lr(round)}
+        return [TaskPlan(client_id=c, objective="sphere_train", hyper=hyper, down=down, up=sorted(down))
                 for c in clients]
 
-    def configure(self, phase: str, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
-        if phase != "ffc":
-            return super().configure(phase, round, state, clients)
-        classes, dim = state.params[CLASSIFIER].shape
-        hyper = {"dtype": self.ffc.dtype, "personalize": self.ffc.personalize, "ridge": self.ffc.ridge}
-        down = self.extractor(state)
-        return [TaskPlan(client_id=c, objective="ffc_stats", hyper=hyper, down=down, up=list(STAT_NAMES),
-                         expect=wire_shapes(dim, classes), codec=WIRE_CODECS[self.ffc.dtype]) for c in clients]
+    def calibrated(self, state: ServerState, weight: torch.Tensor, round: int) -> ServerState:
+        """The calibrated classifier replaces the fixed one in the sphere head (the next round resets it)."""
+        return dataclasses.replace(state, params={**state.params, CLASSIFIER: weight.to(torch.float32)})
 
     # -- aggregation ------------------------------------------------------------
     def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
@@ -154,6 +286,8 @@ class SphereFed(FedProx):
         new, metrics = super().aggregate(phase, round, state, results, partial)
         if phase == "train":
             metrics = {**metrics, "classifier_bytes_saved": self.classifier_bytes_saved(state, len(results))}
+            if self.lr_schedule != "constant":
+                metrics["train_lr"] = self.round_lr(round)
         return new, metrics
 
     def classifier_bytes_saved(self, state: ServerState, returned: int) -> int:
@@ -168,48 +302,6 @@ class SphereFed(FedProx):
         new = super().aggregate_train(round, state, results, partial)
         return dataclasses.replace(new, params={**new.params, CLASSIFIER: self.fixed(state)})
 
-    def aggregate_ffc(self, round: int, state: ServerState,
-                      results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
-        """Sum the clients' statistics (in the engine's fixed order) and solve the least-squares classifier."""
-        classes, dim = state.params[CLASSIFIER].shape
-        started = time.perf_counter()
-        parts = []
-        for r in results:
-            try:
-                stats = FfcStats.from_wire(r.tensors, dim, classes)
-                if stats.count != r.num_samples:
-                    raise SphereError(f"ffc.count is {stats.count} but num_samples is {r.num_samples}")
-                parts.append(stats)
-            except SphereError as exc:   # counted and logged; the others still calibrate
-                log.warning("round %d: discarded the FFC statistics of %s: %s", round, r.client_id, exc)
-        numbers = wire_numbers(dim, classes)
-        metrics: dict[str, Any] = {"ffc_clients": len(parts), "ffc_discarded": len(results) - len(parts),
-                                   "ffc_stats_numbers": numbers, "ffc_stats_dtype": self.ffc.dtype,
-                                   "ffc_stats_tensor_bytes": numbers * WIRE_DTYPES[self.ffc.dtype].itemsize}
-        if not parts:
-            log.error("round %d: no usable FFC statistics; the classifier stays the fixed one", round)
-            return state, metrics
-        total = FfcStats.reduce(parts)
-        try:
-            calibration = total.solve(self.ffc.ridge, precision=WIRE_DTYPES[self.ffc.dtype])
-        except SphereError as exc:   # sums that are no Gram matrix (a faulty client): keep the fixed classifier
-            log.error("round %d: FFC failed, the classifier stays the fixed one: %s", round, exc)
-            return state, {**metrics, "ffc_failed": str(exc)}
-        seconds = time.perf_counter() - started
-        client_seconds = [float(r.metrics["ffc_seconds"]) for r in results if "ffc_seconds" in r.metrics]
-        metrics.update({
-            "ffc_samples": total.count, "ffc_ridge": calibration.ridge, "ffc_singular": calibration.singular,
-            "ffc_rank": calibration.rank, "ffc_coordinator_seconds": seconds,
-            "ffc_client_seconds_mean": statistics.fmean(client_seconds) if client_seconds else None,
-            "ffc_client_seconds_max": max(client_seconds, default=None),
-            **summarize_personalized(results, "ffc_local_accuracy", "ffc_personalized"),
-            **summarize_personalized(results, "ffc_local_accuracy_fixed", "ffc_personalized_fixed"),
-        })
-        log.info("round %d: FFC calibrated the classifier from %d clients (%d samples), ridge %.3g, in %.3f s",
-                 round, len(parts), total.count, calibration.ridge, seconds)
-        params = {**state.params, CLASSIFIER: calibration.weight.to(torch.float32)}
-        return dataclasses.replace(state, params=params, extra={**state.extra, "ffc_round": round}), metrics
-
     # -- evaluation -------------------------------------------------------------
     def evaluate(self, state: ServerState, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
         """Test metrics of the global model; after a calibration, also the fixed classifier's accuracy."""
@@ -222,8 +314,83 @@ class SphereFed(FedProx):
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The classifier bytes saved over the run and the last calibration's figures."""
         out: dict[str, Any] = {"classifier_bytes_saved": sum(r.get("classifier_bytes_saved", 0) for r in rows)}
-        calibrated = [r for r in rows if "ffc_accuracy_after" in r]
-        if calibrated:
-            last = calibrated[-1]
-            out.update({"ffc_round": last["round"], **{k: last[k] for k in _SUMMARY_KEYS if k in last}})
-        return out
+        return {**out, **self.ffc_summary(rows)}
+
+
+@torch.no_grad()
+def linear_accuracy(model: nn.Module, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                    batch_size: int = 1024) -> float:
+    """Accuracy of the linear head ``(weight, bias)`` on the model's (raw) features of (x, y)."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(x), batch_size):
+        h = model.features(x[start:start + batch_size]).flatten(1).to(weight.dtype)
+        correct += int(((h @ weight.t() + bias).argmax(1) == y[start:start + batch_size]).sum())
+    return correct / max(len(y), 1)
+
+
+class FedAvgFfc(FfcPhase, FedAvg):
+    """FedAvg + FFC: plain FedAvg of a cross-entropy model with a linear head, then FFC.
+
+    The control row for SphereFed + FFC: the same training as FedAvg (so its models are
+    FedAvg's, seed for seed) and the same calibration as SphereFed (the same statistics of the
+    L2-normalized features from every client, the same solve). After the last round the solved
+    classifier replaces the trained linear head: the state's spec gains ``head = "sphere"``
+    (scores ``W z`` on unit features, no bias), so the checkpoint, the evaluation and the
+    export all hold the calibrated model without knowing how it was made. The trained head
+    is kept in the state's buffers (checkpointed, never sent or exported) for that round's
+    ``ffc_accuracy_before``. **fedge choice**: normalized features, as FFC is stated; the
+    calibrated model therefore needs no bias and is a sphere-head model.
+    """
+
+    name = FEDAVG_FFC
+    sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
+    central_dp = "its FFC calibration sends every device's feature statistics"
+
+    def __init__(self, train: dict[str, Any], *, ffc: FfcSection = FfcSection(), sphere_seed: int = 0) -> None:
+        super().__init__(train)
+        if not ffc.enabled or ffc.every or ffc.personalize:
+            raise ConfigError(f"{FEDAVG_FFC} calibrates once after the last round: it needs ffc.enabled = true, "
+                              "ffc.every = 0 and ffc.personalize = false")
+        self.ffc = ffc
+        self.sphere_seed = sphere_seed   # the calibrated head's seed (its fixed classifier is never used)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "FedAvgFfc":
+        return cls(dataclasses.asdict(cfg.train), ffc=cfg.ffc, sphere_seed=cfg.run.seed)
+
+    def initialize(self, spec: dict[str, Any], params: dict[str, torch.Tensor]) -> ServerState:
+        weight, bias = params.get(CLASSIFIER), params.get("classifier.bias")
+        if spec.get("head", "linear") != "linear" or weight is None or bias is None or weight.dim() != 2:
+            raise ConfigError(f"{FEDAVG_FFC} trains a model whose last layer is a plain linear `classifier` "
+                              "(weight and bias); set model.head = \"linear\" and remove the model option that "
+                              "replaced the last layer")
+        return super().initialize(spec, params)
+
+    def calibrated(self, state: ServerState, weight: torch.Tensor, round: int) -> ServerState:
+        """A sphere head with the solved classifier in place of the trained linear head, which the buffers keep."""
+        spec = with_sphere_seed({**state.spec, "head": "sphere"}, self.sphere_seed)
+        trained = {TRAINED_HEAD + k.removeprefix("classifier."): v for k, v in state.params.items()
+                   if k.startswith("classifier.")}
+        params = {**self.ffc_down(state), CLASSIFIER: weight.to(torch.float32)}
+        return dataclasses.replace(state, spec=spec, params=params, buffers={**state.buffers, **trained})
+
+    def aggregate(self, phase: str, round: int, state: ServerState, results: list[ClientResult],
+                  partial: Any = None) -> tuple[ServerState, dict[str, Any]]:
+        if phase == "ffc":
+            return self.aggregate_ffc(round, state, results)
+        return super().aggregate(phase, round, state, results, partial)
+
+    def evaluate(self, state: ServerState, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        """Test metrics of the global model; after the calibration, also the trained linear head's accuracy
+        on the same extractor (``ffc_accuracy_before``: FedAvg's own model of that round)."""
+        metrics = super().evaluate(state, model, x, y)
+        weight, bias = state.buffers.get(TRAINED_HEAD + "weight"), state.buffers.get(TRAINED_HEAD + "bias")
+        if state.round > 0 and state.extra.get("ffc_round") == state.round and weight is not None \
+                and bias is not None:
+            before = linear_accuracy(model, weight, bias, x, y)
+            metrics.update(ffc_accuracy_before=before, ffc_accuracy_after=metrics["test_accuracy"])
+        return metrics
+
+    def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**super().summary(rows), **self.ffc_summary(rows)}
