@@ -18,10 +18,16 @@
    round (``twin_check``): zero difference is what makes the derived rows exact. ``swing_std``
    and ``swing_range``: how much the uncalibrated accuracy moves between the evaluations of
    the run's second half (the last round's label mix pulls the model; FFC uses every client).
+3. Like with like: every row (FedAvg, FedAvg + FFC, SphereFed, SphereFed + FFC, ...) on the same
+   three figures, the mean of the last 5 evaluations, the last round (calibrated for FFC rows)
+   and the best evaluation, with its gap over FedAvg on each figure seed by seed, and the last
+   round against FedAvg's best; and what the whole run sent, FFC's extra pass included: the
+   participations of training and of the FFC pass (every client, once), bytes up and down and
+   FFC's part of them. ``--matrix spherefed_lr`` reads the rate tuning's runs instead.
 
-Prints both tables and writes ``bench/results/spherefed_ffc.json``.
+Prints the tables and writes ``bench/results/MATRIX_ffc.json`` (``spherefed_ffc.json`` by default).
 
-    python bench/spherefed_ffc.py [--samples 6000] [--skip-cost] [--skip-report]
+    python bench/spherefed_ffc.py [--samples 6000] [--skip-cost] [--skip-report] [--matrix spherefed]
 """
 
 from __future__ import annotations
@@ -139,7 +145,16 @@ def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any
                                                                                 for r in trained),
                            # the training phase's upload: without the FFC results sent in the same round
                            "bytes_up_per_round": statistics.fmean(r["bytes_up"] - r.get("ffc_bytes_up", 0)
-                                                                  for r in trained)}
+                                                                  for r in trained),
+                           # the whole run, FFC's extra pass counted: a row without it is compared on these too
+                           "train_participations": sum(r.get("returned", 0) for r in trained),
+                           "ffc_participations": 0 if derived else sum(r.get("ffc_returned", 0) for r in trained),
+                           "run_bytes_up": sum(r["bytes_up"] - (r.get("ffc_bytes_up", 0) if derived else 0)
+                                               for r in trained),
+                           "run_bytes_down": sum(r["bytes_down"] - (r.get("ffc_bytes_down", 0) if derived else 0)
+                                                 for r in trained),
+                           "ffc_run_bytes_up": 0 if derived else sum(r.get("ffc_bytes_up", 0) for r in trained),
+                           "ffc_run_bytes_down": 0 if derived else sum(r.get("ffc_bytes_down", 0) for r in trained)}
     if "ffc_accuracy_after" in last and not derived:
         fig.update({k: last[k] for k in ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_ridge", "ffc_singular",
                                          "ffc_client_seconds_max", "ffc_coordinator_seconds", "ffc_stats_numbers")})
@@ -148,9 +163,9 @@ def _run_figures(record: dict[str, Any], derived: bool = False) -> dict[str, Any
     return fig
 
 
-def read_runs(results: Path) -> list[dict[str, Any]]:
+def read_runs(results: Path, matrix: str = "spherefed") -> list[dict[str, Any]]:
     """The matrix's run files, read once for the table and the twin check."""
-    return [json.loads(p.read_text()) for p in sorted((results / "spherefed").glob("*.json"))]
+    return [json.loads(p.read_text()) for p in sorted((results / matrix).glob("*.json"))]
 
 
 def collect(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -165,7 +180,7 @@ def collect(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for (cell, method, seed, rounds), (rec, derived) in runs.items():
         groups.setdefault((cell, method, rounds), []).append({**_run_figures(rec, derived), "derived": derived})
-    order = ["fedavg", "sphere", "sphere+ffc", "sphere+ffc+pan"]
+    order = ["fedavg", "fedavg+ffc", "sphere", "sphere+ffc", "sphere+ffc+pan", "sphere+ffc+top10"]
     table = []
     for (cell, method, rounds), figs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2],
                                                                               order.index(kv[0][1])
@@ -177,14 +192,38 @@ def collect(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if key not in ("seed", "rounds", "derived") and all(isinstance(f.get(key), (int, float))
                                                                 and not isinstance(f.get(key), bool) for f in figs):
                 row[key] = statistics.fmean(f[key] for f in figs)
-        for key in ("last", "last5", "ffc_accuracy_before", "ffc_accuracy_after", "ffc_gain"):
+        for key in ("last", "last5", "best", "ffc_accuracy_before", "ffc_accuracy_after", "ffc_gain"):
             values = [f[key] for f in figs if key in f]
             if len(values) == len(figs) > 1:
                 row[f"{key}_std"] = statistics.pstdev(values)   # population std over seeds, as run_matrix
         row["per_seed"] = figs
         table.append(row)
     add_rounds_to_fedavg(table, runs)
+    add_gaps_to_fedavg(table)
     return table
+
+
+# A row's figure against FedAvg's in the same cell and seed: (row's metric, FedAvg's metric). The first three
+# compare like with like; the last three are the calibrated round against each of FedAvg's figures.
+GAPS = {"last5": ("last5", "last5"), "last": ("last", "last"), "best": ("best", "best"),
+        "last_vs_last5": ("last", "last5"), "last_vs_best": ("last", "best")}
+
+
+def add_gaps_to_fedavg(table: list[dict[str, Any]]) -> None:
+    """Per seed, each row's figures minus FedAvg's in the same cell (``gap_<name>``, mean and per seed):
+    a headline that puts a row's round 100 against FedAvg's mean of the last 5 mixes two metrics, and
+    these show each comparison on its own."""
+    fedavg = {(r["cell"], r["rounds"]): {f["seed"]: f for f in r["per_seed"]} for r in table
+              if r["method"] == "fedavg"}
+    for row in table:
+        base = fedavg.get((row["cell"], row["rounds"]))
+        if not base or row["method"] == "fedavg":
+            continue
+        for name, (mine, theirs) in GAPS.items():
+            per_seed = [f[mine] - base[f["seed"]][theirs] for f in row["per_seed"] if f["seed"] in base]
+            if per_seed:
+                row[f"gap_{name}"] = statistics.fmean(per_seed)
+                row[f"gap_{name}_per_seed"] = per_seed
 
 
 def twin_check(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -224,6 +263,39 @@ def _accuracy_rows(record: dict[str, Any], derived: bool) -> list[dict[str, Any]
             for r in record["rows"]]
 
 
+def print_verdict(console: Console, rows: list[dict[str, Any]]) -> None:
+    """Every row on the same three figures, its gaps over FedAvg on each, and what its run sent in all."""
+    table = Table(title="Like with like: every row on the same figures; gaps over FedAvg per seed, in points; "
+                        "the whole run's participations and upload, FFC's extra pass included")
+    for name in ("cell", "method", f"last {LAST_ROUNDS}", "last round", "best", f"Δ last {LAST_ROUNDS}",
+                 "Δ last round", "Δ best", "last round - FedAvg's best", "participations (train + FFC)",
+                 "up (FFC)", "down (FFC)"):
+        table.add_column(name, justify="left" if name in ("cell", "method") else "right")
+
+    def pct(r: dict[str, Any], key: str) -> str:
+        if r.get(key) is None:
+            return ""
+        return f"{100 * r[key]:.2f}" + (f" ± {100 * r[key + '_std']:.2f}" if key + "_std" in r else "")
+
+    def gap(r: dict[str, Any], name: str) -> str:
+        per_seed = r.get(f"gap_{name}_per_seed")
+        return "" if not per_seed else "/".join(f"{100 * g:+.1f}" for g in per_seed)
+
+    for r in rows:
+        extra = r.get("ffc_participations", 0)
+        method = r["method"] + (" *" if r["derived_from_sphere_ffc"] else "")
+        table.add_row(f"{r['cell']} r{r['rounds']}", method, pct(r, "last5"), pct(r, "last"), pct(r, "best"), gap(r, "last5"), gap(r, "last"), gap(r, "best"),
+                      gap(r, "last_vs_best"),
+                      f"{r.get('train_participations', 0):.0f} + {extra:.0f}",
+                      f"{human_bytes(r.get('run_bytes_up', 0))} ({human_bytes(r.get('ffc_run_bytes_up', 0))})",
+                      f"{human_bytes(r.get('run_bytes_down', 0))} ({human_bytes(r.get('ffc_run_bytes_down', 0))})")
+    console.print(table)
+    console.print(f"last {LAST_ROUNDS}: mean of the last {LAST_ROUNDS} evaluations (the protocol's final figure; "
+                  "for FFC rows only the last of them is calibrated); last round: the last evaluation (calibrated "
+                  "for FFC rows); best: the best evaluation of the run. Δ: the row minus FedAvg in the same cell, "
+                  "seed by seed, on the same figure. Participations and bytes: means over seeds of whole runs.")
+
+
 def print_report(console: Console, rows: list[dict[str, Any]]) -> None:
     table = Table(title="SphereFed on Fashion-MNIST (accuracy in %, mean ± population std over seeds)")
     for name in ("cell", "method", "rounds", "seeds", "last", f"last {LAST_ROUNDS}", "FFC before", "FFC after",
@@ -261,9 +333,12 @@ def main() -> int:
     parser.add_argument("--skip-cost", action="store_true", help="only rebuild the accuracy table")
     parser.add_argument("--skip-report", action="store_true", help="only measure the cost")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--matrix", default="spherefed",
+                        help="the matrix whose run files to read (spherefed, or spherefed_lr for the rate tuning); "
+                             "the report is written to RESULTS/MATRIX_ffc.json")
     args = parser.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 170)
-    path = args.results / "spherefed_ffc.json"
+    path = args.results / f"{args.matrix}_ffc.json"
     report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     report["machine"] = {"python": platform.python_version(), "arch": platform.machine(), "cpus": os.cpu_count(),
                          "torch": torch.__version__}
@@ -273,13 +348,14 @@ def main() -> int:
     if report.get("cost"):
         print_cost(console, report["cost"])
     if not args.skip_report:
-        records = read_runs(args.results)
+        records = read_runs(args.results, args.matrix)
         report["accuracy"] = collect(records)
         report["final_accuracy"] = (f"last: the last round's test accuracy (after calibration for FFC runs); "
                                     f"last {LAST_ROUNDS}: mean of the last {LAST_ROUNDS} rounds' test accuracy")
         report["twin_check"] = twin_check(records)
     if report.get("accuracy"):
         print_report(console, report["accuracy"])
+        print_verdict(console, report["accuracy"])
     for check in report.get("twin_check", []):
         console.print(f"sphere against sphere+ffc before calibration, {check['cell']} seed {check['seed']}: "
                       f"{check['compared']} evaluated rounds, largest difference {check['max_abs_difference']}")
