@@ -284,7 +284,8 @@ def print_verdict(console: Console, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         extra = r.get("ffc_participations", 0)
         method = r["method"] + (" *" if r["derived_from_sphere_ffc"] else "")
-        table.add_row(f"{r['cell']} r{r['rounds']}", method, pct(r, "last5"), pct(r, "last"), pct(r, "best"), gap(r, "last5"), gap(r, "last"), gap(r, "best"),
+        table.add_row(f"{r['cell']} r{r['rounds']}", method, pct(r, "last5"), pct(r, "last"), pct(r, "best"),
+                      gap(r, "last5"), gap(r, "last"), gap(r, "best"),
                       gap(r, "last_vs_best"),
                       f"{r.get('train_participations', 0):.0f} + {extra:.0f}",
                       f"{human_bytes(r.get('run_bytes_up', 0))} ({human_bytes(r.get('ffc_run_bytes_up', 0))})",
