@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import MODES, PRIVACY_MODES, CodecSection, TransportSection
+from coordinator.config_sections import MODES, ORDERS, PRIVACY_MODES, CodecSection, TransportSection
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from coordinator.runtime.selection import SELECTIONS
@@ -43,6 +43,7 @@ def check_config(config: RunConfig) -> None:
          "aggregate.rule is one of mean, median, trimmed_mean, clipped_mean"),
         (0 <= agg.trim < 0.5 and agg.norm_bound >= 0,
          "aggregate.trim must be in [0, 0.5) and aggregate.norm_bound >= 0 (0 turns the bound off)"),
+        *_order_checks(config),
         (not ev.personalized or config.data.local_test_fraction > 0 or c.spawn == 0,
          "eval.personalized needs data.local_test_fraction > 0 for spawned clients"),
         (c.expected >= 1, "clients.expected must be at least 1"),
@@ -86,6 +87,23 @@ def check_config(config: RunConfig) -> None:
     if config.selected_per_round < config.required_results:
         raise ConfigError(f"clients.min_results={c.min_results} exceeds the {config.selected_per_round} "
                           f"clients selected per round")
+
+
+def _order_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``aggregate.order``: a fixed order needs the results of a phase in one process, each in its place;
+    aggregation workers fold whichever share the broker hands them, and an asynchronous version holds
+    whichever results came first, so neither has an order to fix."""
+    order = config.aggregate.order
+    if order == "arrival":
+        return []
+    need = "aggregate.order = 'sorted'"
+    return [
+        (order in ORDERS, f"aggregate.order must be one of {', '.join(ORDERS)}, got {order!r}"),
+        (config.workers.count == 0, f"{need} needs workers.count = 0: each aggregation worker folds the share the "
+                                    "broker gives it, in its own order"),
+        (config.run.mode == "sync", f"{need} needs run.mode = 'sync': an asynchronous version is made of whichever "
+                                    "results come first"),
+    ]
 
 
 def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:

@@ -16,6 +16,7 @@ __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "Trans
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection"]
 
+ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 
 
@@ -124,6 +125,10 @@ class AggregateSection:
     rule: str = "mean"              # mean | median | trimmed_mean | clipped_mean
     trim: float = DEFAULT_TRIM      # trimmed_mean: floor(trim x results) dropped at each end (0.2: 2 of 10)
     norm_bound: float = 0.0         # reject updates above this multiple of the round's median norm; 0: off
+    # The order a streamed phase folds its results in: "arrival" (as they come; float64 sums then differ in
+    # their last bits with thread and network timing) or "sorted" (by client id, whatever the timing: the same
+    # bits as the unstreamed sum; benchmarks use it so that a cell can be re-run bit for bit).
+    order: str = "arrival"
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,7 @@ class ResultIntake:
         for client_id in self.roster.absences.missed(gone):
             log.warning("client %s left %d tasks in a row unanswered: it is left out of selection until it "
                         "answers or reconnects (clients.max_misses)", client_id, self.roster.absences.limit)
+        self._fold_held(book, final=True)   # the attempt's results are all in: the rest, in their order
 
     # -- what arrives ----------------------------------------------------------------------
     def on_result(self, client_id: str, payload: bytes, wire_bytes: int) -> None:
@@ -245,6 +246,8 @@ class ResultIntake:
             return False
         book.results[client_id] = result
         self._answer(client_id, msg.task_id, "ack")
+        if client_id in book.held:
+            self._fold_held(book)
         return True
 
     def _of_another_run(self, client_id: str, msg: Message) -> bool:
@@ -337,16 +340,41 @@ class ResultIntake:
         network = self.network()
         result = accept_result(plan, msg, body, network.shapes, self.downlink.upload_codec(plan), self.strategy,
                                network.spec if plan.model is None else plan.model)
-        return self._fold(result) if self.book.streaming else result
+        if not self.book.streaming:
+            return result
+        if self.config.aggregate.order == "sorted":
+            self.book.held[plan.client_id] = result   # folded in its place by _fold_held, once _sort kept it
+            self.book.held_peak = max(self.book.held_peak, len(self.book.held))
+            return result
+        return self._fold(self.book, result)
 
-    def _fold(self, result: ClientResult) -> ClientResult:
-        """Fold ``result`` into the round's partial aggregate; what is kept of it has no tensors."""
-        book = self.book
+    def _fold(self, book: RoundBook, result: ClientResult) -> ClientResult:
+        """Fold ``result`` into the book's partial aggregate; what is kept of it has no tensors."""
         try:
             book.partial = self.strategy.fold(book.phase, book.partial, result)
         except AggregationError as exc:
             raise ProtocolError(f"cannot aggregate this result: {exc}") from None
         return dataclasses.replace(result, tensors={}, deltas={}, sent={})
+
+    def _fold_held(self, book: RoundBook, final: bool = False) -> None:
+        """``aggregate.order = "sorted"``: fold the held results by client id, each as soon as no client
+        before it can still send one (or all of them, ``final``, when the attempt closes). Float64 sums
+        are not associative to the last bit, so a fixed order gives the same bits whatever the timing (the
+        unstreamed sum's bits too: it adds the results in the same order); a result is held only while
+        one before it is missing, so with tasks answered roughly in order few are held at once."""
+        if not book.held:
+            return
+        pending = book.waiting_for - book.results.keys() - book.failed   # may still answer
+        first = min(pending, default=None)
+        for client_id in sorted(book.held):
+            if not final and first is not None and first < client_id:
+                break
+            result = book.held.pop(client_id)
+            try:
+                book.results[client_id] = self._fold(book, result)
+            except ProtocolError as exc:   # already acknowledged: dropped, and counted as a refusal
+                del book.results[client_id]
+                self.count("rejected", client_id, str(exc))
 
     def _grant(self, claim: Claim, msg: Message, body: ResultBody) -> bool:
         """Let the claiming worker fold the result; its partial sum brings the tensors (the worker exchange)."""
@@ -366,6 +394,7 @@ class ResultIntake:
         self.count(what, client_id, reason)
         if what == "failed":   # the client said it cannot run the task: it will send nothing else
             self.book.failed.add(client_id)
+            self._fold_held(self.book)   # the results held behind it need not wait for it
         self._answer(client_id, task_id, "rejected", reason)
 
     def _answer(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:

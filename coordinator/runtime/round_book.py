@@ -69,6 +69,10 @@ class RoundBook:
     phase: str = "train"
     streaming: bool = False        # results are folded into ``partial`` on arrival and their tensors dropped
     partial: Any = None            # the strategy's partial aggregate of the results so far (streaming only)
+    # aggregate.order = "sorted": decoded results waiting to be folded until no client before them (by id) can
+    # still answer (client id -> result, also in ``results``); ``held_peak``: the most held at once.
+    held: dict[str, ClientResult] = field(default_factory=dict)
+    held_peak: int = 0
     plans: dict[str, TaskPlan] = field(default_factory=dict)       # task id -> plan
     results: dict[str, ClientResult] = field(default_factory=dict)  # client id -> result (no tensors if streaming)
     failed: set[str] = field(default_factory=set)    # clients that answered with an error
