@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,12 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmark_protocol import Protocol, deviations, load_protocol, rounds_to_reach
+from provenance import library_versions, machine, source_state
 from coordinator.config import ConfigError, RunConfig, load_config
 from coordinator.ui.report import human_bytes
 from coordinator.runtime.run import run_federated
+from coordinator.strategies.base import Strategy
+from storage.checkpoint import latest_checkpoint, load_checkpoint, params_digest
 from storage.files import read_jsonl
 
 if sys.version_info >= (3, 11):
@@ -194,13 +198,19 @@ def expand(matrix: Matrix, seeds: list[int] | None, rounds: int | None, only: li
 
 
 def run_config(run: Run, out: Path) -> RunConfig:
-    """The configuration one cell runs with: the matrix's keys, its seed and rounds, clients as threads."""
+    """The configuration one cell runs with: the matrix's keys, its seed and rounds, clients as threads,
+    results folded in client-id order (``aggregate.order``: the same bits whatever ran alongside)."""
     overrides = [*run.overrides, ("run", "seed", run.seed), ("run", "rounds", run.rounds),
-                 ("run", "out", str(out)), ("checkpoint", "keep", "last"),
-                 ("export", "enabled", False)]   # the scratch run directory is deleted: nothing to export into
+                 *scratch_overrides(out), ("aggregate", "order", "sorted")]
     clients = load_config(None, overrides).clients
     return load_config(None, overrides + [("clients", "spawn", clients.spawn or clients.expected),
                                           ("transport", "kind", "inproc")])
+
+
+def scratch_overrides(out: Path) -> list[tuple[str, str, Any]]:
+    """A cell's run directory is scratch, deleted once its run file is written: only the last
+    checkpoint (the final model's hash), and nothing to export into."""
+    return [("run", "out", str(out)), ("checkpoint", "keep", "last"), ("export", "enabled", False)]
 
 
 def protocol_check(runs: list[Run], protocol: Protocol) -> list[list[str]]:
@@ -224,27 +234,46 @@ def refuse_departures(runs: list[Run], departures: list[list[str]], console: Con
     return bool(unexplained)
 
 
-def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], protocol: Protocol) -> dict[str, Any]:
-    """Run one cell in a scratch directory and keep its configuration, metrics and summary."""
-    with tempfile.TemporaryDirectory(prefix="fedge-matrix-") as scratch:
-        config = run_config(run, Path(scratch) / "run")
+def progress_printer(console: Console, label: str) -> Callable[[dict[str, Any]], None]:
+    """A round's row as one line on ``console``, under ``label``."""
 
-        def progress(row: dict[str, Any]) -> None:
-            div, personal = row.get("weight_divergence_mean"), row.get("personalized_accuracy_mean")
-            console.print(f"  {run.group} s{run.seed} round {row['round']:>3}  acc {_fmt(row.get('test_accuracy'))}  "
-                          f"{row.get('seconds', 0.0):6.1f} s" + (f"  div {div:.4f}" if div is not None else "")
-                          + (f"  personal {personal:.4f}" if personal is not None else ""), highlight=False)
+    def progress(row: dict[str, Any]) -> None:
+        div, personal = row.get("weight_divergence_mean"), row.get("personalized_accuracy_mean")
+        console.print(f"  {label} round {row['round']:>3}  acc {_fmt(row.get('test_accuracy'))}  "
+                      f"{row.get('seconds', 0.0):6.1f} s" + (f"  div {div:.4f}" if div is not None else "")
+                      + (f"  personal {personal:.4f}" if personal is not None else ""), highlight=False)
 
-        started = time.monotonic()
-        result = run_federated(config, say=lambda s: None, on_round=progress)
-        seconds = time.monotonic() - started
-        out = result.out_dir
-        rows = read_jsonl(out / "metrics.jsonl")
-        record = {"matrix": out_dir.name, "group": run.group, "labels": list(run.labels), "seed": run.seed,
-                  "rounds": run.rounds, "protocol": protocol.name, "departures": departures,
-                  "off_protocol": run.off_protocol, "config": tomllib.loads((out / "config.toml").read_text()),
-                  "seconds": seconds, "rows": rows, "summary": result.summary}
+    return progress
+
+
+def execute(config: RunConfig, on_round: Callable[[dict[str, Any]], None], *,
+            strategy: Strategy | None = None) -> dict[str, Any]:
+    """Run ``config`` (its ``run.out`` a scratch directory) and return what a run file keeps of it: the
+    resolved configuration, seconds, rows, summary, the final model's hash, and the commit and library
+    versions it ran with (``bench/provenance.py``), so that ``bench/reproduce.py`` can run it again and
+    compare. ``on_round`` gets each row as it completes; ``strategy``: one to use instead of the configured."""
+    source = source_state()   # before the run: the code that runs is the code the run file names
+    started = time.monotonic()
+    result = run_federated(config, say=lambda s: None, on_round=on_round, strategy=strategy)
+    seconds = time.monotonic() - started
+    out = result.out_dir
+    final = latest_checkpoint(out / "checkpoints")
+    record = {"config": tomllib.loads((out / "config.toml").read_text()), "seconds": seconds,
+              "rows": read_jsonl(out / "metrics.jsonl"), "summary": result.summary,
+              "model_hash": params_digest(load_checkpoint(final)[0].params) if final is not None else None,
+              "source": source, "versions": library_versions(), "machine": machine()}
     record["config"]["run"]["out"] = ""   # the scratch directory is gone
+    return record
+
+
+def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], protocol: Protocol) -> dict[str, Any]:
+    """Run one cell in a scratch directory and keep its configuration, metrics, summary, final model hash
+    and provenance in ``OUT_DIR/LABELS-sSEED-rROUNDS.json``."""
+    with tempfile.TemporaryDirectory(prefix="fedge-matrix-") as scratch:
+        ran = execute(run_config(run, Path(scratch) / "run"), progress_printer(console, f"{run.group} s{run.seed}"))
+    record = {"matrix": out_dir.name, "group": run.group, "labels": list(run.labels), "seed": run.seed,
+              "rounds": run.rounds, "protocol": protocol.name, "departures": departures,
+              "off_protocol": run.off_protocol, **ran}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / run.file_name).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return record

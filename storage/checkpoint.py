@@ -38,7 +38,7 @@ from storage.state import ServerState
 from storage.errors import FedgeError
 
 __all__ = ["CheckpointError", "DamagedCheckpoint", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "checkpoint_path", "checkpoint_rounds"]
+           "checkpoint_path", "checkpoint_rounds", "params_digest"]
 
 _NAME = re.compile(r"^round_(\d{4,})\.safetensors$")
 DIGEST_KEY = "fedge_digest"   # metadata entry beside "fedge": "sha256:" and the hex digest
@@ -110,13 +110,26 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return found[max(found)] if found else None
 
 
-def _digest(fedge: str, tensors: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 of the ``fedge`` metadata and every tensor (name, dtype, shape, bytes), by name."""
-    h = hashlib.sha256(fedge.encode("utf-8"))
+def params_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of tensors alone (each one's name, dtype, shape and bytes, by name): the fingerprint of a
+    model that two runs share exactly when their weights are the same bits, whatever else their
+    checkpoints say (run id, round info). A benchmark's run file keeps its final model's."""
+    h = hashlib.sha256()
+    _feed(h, tensors)
+    return "sha256:" + h.hexdigest()
+
+
+def _feed(h: Any, tensors: Mapping[str, torch.Tensor]) -> None:
     for name in sorted(tensors):
         value = tensors[name].detach().cpu().contiguous()
         h.update(json.dumps([name, str(value.dtype), list(value.shape)]).encode("utf-8"))
         h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _digest(fedge: str, tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of the ``fedge`` metadata and every tensor (name, dtype, shape, bytes), by name."""
+    h = hashlib.sha256(fedge.encode("utf-8"))
+    _feed(h, tensors)
     return "sha256:" + h.hexdigest()
 
 

@@ -1,0 +1,59 @@
+"""What a benchmark's numbers depend on besides its configuration: the code and the libraries.
+
+A run file that says which commit it ran at (and whether the tree had changes not committed) can
+be re-run from that commit (``bench/reproduce.py``), and one that predates a change to the code
+that produced it can be found. torch and numpy are recorded because their kernels decide the last
+bits of every sum; Python, the machine's architecture and its cores because torch's CPU kernels
+split work by thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+UNRECORDED = "unrecorded"   # what a run file written before commits were recorded reads as
+# Written while a matrix runs: changes there do not change the code that runs.
+_NOT_CODE = ("bench/results",)
+
+__all__ = ["ROOT", "UNRECORDED", "source_state", "library_versions", "machine"]
+
+
+def _git(*args: str, root: Path) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def source_state(root: Path = ROOT) -> dict[str, Any]:
+    """``{"commit": HASH, "dirty": bool}`` of the tree at ``root``; the commit is "unrecorded" outside a
+    git checkout (a copied tree cannot say what it is). ``dirty``: tracked files changed since the commit,
+    outside ``bench/results`` (which a running matrix writes into); untracked files are not counted."""
+    commit = _git("rev-parse", "HEAD", root=root)
+    if commit is None:
+        return {"commit": UNRECORDED, "dirty": None}
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                   *(f":(exclude){p}" for p in _NOT_CODE), root=root)
+    return {"commit": commit, "dirty": None if changed is None else bool(changed)}
+
+
+def library_versions() -> dict[str, str]:
+    """The versions whose kernels change the numbers: Python, torch, numpy."""
+    import numpy
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__}
+
+
+def machine() -> dict[str, Any]:
+    """Architecture and cores: torch's CPU kernels split work by thread count, and so round differently."""
+    import torch
+
+    return {"arch": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
