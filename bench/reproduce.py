@@ -1,0 +1,232 @@
+"""Re-run committed benchmark cells and say whether they give the same bits.
+
+A run file of ``bench/run_matrix.py`` (``bench/results/MATRIX/LABELS-sSEED-rROUNDS.json``) keeps the
+resolved configuration its cell ran with (seed and rounds included). This script runs that
+configuration again in a scratch directory, the same way (clients as threads, results folded in
+client-id order), and compares every learning metric of every round, test accuracy at each evaluated
+round included, and the final model's hash where the file has one. It prints "bit-identical", or the
+first round and metric that differ and by how much, and exits 1 when any file differs (2 for a file
+that is not a run file).
+
+Not compared: what measures the machine rather than the learning (seconds, bytes, which client was
+slowest, messages counted late or twice): bytes move by a few with every run because each message
+header carries a wall-clock deadline. The run is bit-for-bit repeatable on the same kind of machine,
+with the same torch and numpy and the same thread counts; the file records them, and each one that
+differs is said before the run.
+
+    python bench/reproduce.py bench/results/spherefed/a0.1-cnn-fedavg-s0-r100.json --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from provenance import UNRECORDED, library_versions, machine, source_state
+from run_matrix import execute, scratch_overrides
+from coordinator.config import ConfigError, RunConfig, load_config
+from coordinator.strategies.base import Strategy
+from coordinator.strategy_setup import make_strategy
+from storage.errors import FedgeError
+
+__all__ = ["NotARunFileError", "Difference", "SYSTEM_KEYS", "compared_keys", "first_difference", "load_run_file",
+           "reproduce", "main"]
+
+# Keys that measure the machine and the network, not the learning: never compared.
+SYSTEM_KEYS = frozenset({"slowest_client", "inbox_dropped", "late", "duplicates", "skipped"})
+
+
+class NotARunFileError(FedgeError, ValueError):
+    """A file given to reproduce is not a run file of bench/run_matrix.py."""
+
+
+@dataclass(frozen=True)
+class Difference:
+    """The first place a re-run departs from its run file."""
+
+    round: int | None     # None: the final model, not a row
+    metric: str
+    recorded: Any
+    rerun: Any
+
+    def describe(self) -> str:
+        where = "the final model" if self.round is None else f"round {self.round}, {self.metric}"
+        text = f"{where}: recorded {self.recorded!r}, re-run {self.rerun!r}"
+        if _number(self.recorded) and _number(self.rerun):
+            gap = abs(self.rerun - self.recorded)
+            scale = abs(self.recorded) or 1.0
+            text += f" (differs by {gap:.3g}, relative {gap / scale:.3g})"
+        return text
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def compared_keys(row: dict[str, Any]) -> set[str]:
+    """The keys of a row that depend only on the learning: every one but seconds, bytes and
+    :data:`SYSTEM_KEYS`."""
+    return {k for k in row if k not in SYSTEM_KEYS and "seconds" not in k and "bytes" not in k}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON values, NaN equal to NaN (a diverged run repeats its NaN)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def first_difference(recorded: list[dict[str, Any]], rerun: list[dict[str, Any]],
+                     rounds: int | None = None) -> Difference | None:
+    """The first round (and within it the first metric, by name) where ``rerun`` departs from ``recorded``,
+    over the recorded rows up to ``rounds`` (all of them when None); None when they agree bit for bit."""
+    want = [r for r in recorded if rounds is None or r["round"] <= rounds]
+    got = {r["round"]: r for r in rerun}
+    for row in want:
+        other = got.get(row["round"])
+        if other is None:
+            return Difference(row["round"], "round", "present", "missing")
+        for key in sorted(compared_keys(row) | compared_keys(other)):
+            if key not in row or key not in other or not _same(row[key], other[key]):
+                return Difference(row["round"], key, row.get(key, "absent"), other.get(key, "absent"))
+    return None
+
+
+def load_run_file(path: Path) -> dict[str, Any]:
+    """The run file at ``path``; NotARunFileError saying what is missing otherwise."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise NotARunFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise NotARunFileError(f"{path} is not JSON ({exc}): give a run file, "
+                               "bench/results/MATRIX/LABELS-sSEED-rROUNDS.json") from None
+    missing = [k for k in ("config", "rows", "seed", "rounds") if not isinstance(record, dict) or k not in record]
+    if missing:
+        hint = (" (it looks like a matrix's table: give one of the run files in its directory)"
+                if isinstance(record, dict) and "matrix" in record and "full" in record else "")
+        raise NotARunFileError(f"{path} is not a run file of bench/run_matrix.py: it has no "
+                               f"{', '.join(missing)}{hint}")
+    if not isinstance(record["config"], dict) or not isinstance(record["config"].get("run"), dict) \
+            or not isinstance(record["rows"], list) or not all(isinstance(r, dict) and "round" in r
+                                                               for r in record["rows"]):
+        raise NotARunFileError(f"{path}: its config has no [run] section or its rows have no round numbers")
+    return record
+
+
+def rerun_config(record: dict[str, Any], out: Path) -> tuple[RunConfig, list[str]]:
+    """The recorded configuration, to run in ``out``; and notes on what had to be supplied."""
+    notes = []
+    overrides = [(section, key, value) for section, values in record["config"].items() if isinstance(values, dict)
+                 for key, value in values.items()]
+    if "order" not in record["config"].get("aggregate", {}):
+        notes.append("it predates aggregate.order: it folded results in arrival order, which no re-run can "
+                     "repeat; re-running in client-id order, so expect differences in the last bits from round 1")
+        overrides.append(("aggregate", "order", "sorted"))
+    return load_config(None, overrides + scratch_overrides(out)), notes
+
+
+def _stopping_after(strategy: Strategy, rounds: int) -> Strategy:
+    """``strategy``, ending the run after ``rounds`` rounds through its own stop hook: every round runs as
+    in the full run (the same evaluations, the same last-round phases scheduled), just fewer of them."""
+    own = strategy.stop_before
+
+    def stop_before(round: int, state: Any) -> str:
+        return f"reproducing the first {rounds} rounds" if round > rounds else own(round, state)
+
+    strategy.stop_before = stop_before   # type: ignore[method-assign]
+    return strategy
+
+
+def _provenance_notes(record: dict[str, Any]) -> list[str]:
+    """What differs between the run file's code, libraries and machine and this one's."""
+    notes = []
+    source, now = record.get("source") or {}, source_state()
+    commit = source.get("commit", UNRECORDED)
+    if commit == UNRECORDED:
+        notes.append("its commit is unrecorded (written before run files recorded one)")
+    elif commit != now["commit"]:
+        notes.append(f"it ran at commit {commit[:12]}, this tree is at {now['commit'][:12]}: code changed since "
+                     "may change the numbers (check out its commit to re-run that code)")
+    if source.get("dirty"):
+        notes.append("its tree had changes not committed: its code cannot be checked out exactly")
+    if now.get("dirty"):
+        notes.append("this tree has changes not committed")
+    versions, here = record.get("versions") or {}, library_versions()
+    notes += [f"{name} {versions[name]} recorded, {here[name]} here" for name in here
+              if name in versions and versions[name] != here[name]]
+    recorded_machine, this = record.get("machine") or {}, machine()
+    notes += [f"{key} {recorded_machine[key]} recorded, {this[key]} here" for key in this
+              if key in recorded_machine and recorded_machine[key] != this[key]]
+    return notes
+
+
+def reproduce(path: Path, console: Console, rounds: int | None = None) -> Difference | None:
+    """Re-run the cell of the run file at ``path`` (its first ``rounds`` rounds) and compare; the first
+    difference, or None when the re-run is bit-identical."""
+    record = load_run_file(path)
+    recorded_rounds = int(record["config"]["run"].get("rounds", record["rounds"]))
+    if rounds is not None and not 1 <= rounds <= recorded_rounds:
+        raise NotARunFileError(f"--rounds must be between 1 and the {recorded_rounds} rounds {path.name} ran")
+    if record["config"]["run"].get("mode") == "async" or record["config"].get("privacy", {}).get("mode") in (
+            "central", "local"):
+        console.print("[yellow]  asynchronous versions (made of whichever results come first) and differential "
+                      "privacy's noise (fresh from the OS) are not repeatable: expect a difference[/yellow]")
+    upto = rounds if rounds is not None and rounds < recorded_rounds else None
+    with tempfile.TemporaryDirectory(prefix="fedge-reproduce-") as scratch:
+        config, notes = rerun_config(record, Path(scratch) / "run")
+        for note in notes + _provenance_notes(record):
+            console.print(f"[yellow]  note: {note}[/yellow]", highlight=False)
+        strategy = make_strategy(config)
+        if upto is not None:
+            strategy = _stopping_after(strategy, upto)
+        expected = {r["round"]: r for r in record["rows"]}
+
+        def progress(row: dict[str, Any]) -> None:
+            want = expected.get(row["round"])
+            same = want is not None and first_difference([want], [row]) is None
+            acc = row.get("test_accuracy")
+            console.print(f"  round {row['round']:>3}" + (f"  acc {acc:.4f}" if acc is not None else "")
+                          + ("  same" if same else "  [red]differs[/red]"), highlight=False)
+
+        ran = execute(config, progress, strategy=strategy)
+    found = first_difference(record["rows"], ran["rows"], upto)
+    if found is None and upto is None and record.get("model_hash") and record["model_hash"] != ran["model_hash"]:
+        found = Difference(None, "model_hash", record["model_hash"], ran["model_hash"])
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path, help="run files, bench/results/MATRIX/LABELS-sSEED-rROUNDS.json")
+    parser.add_argument("--rounds", type=int, help="re-run only the first N rounds of each cell and compare those")
+    args = parser.parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    status = 0
+    for path in args.files:
+        console.print(f"[bold]{path}[/bold]" + (f": first {args.rounds} rounds" if args.rounds else ""),
+                      highlight=False)
+        try:
+            found = reproduce(path, console, args.rounds)
+        except (NotARunFileError, ConfigError) as exc:
+            console.print(f"[red]{exc}[/red]", highlight=False)
+            status = max(status, 2)
+            continue
+        if found is None:
+            console.print(f"  [green]bit-identical[/green]: {path.name}", highlight=False)
+        else:
+            console.print(f"  [red]differs[/red] at {found.describe()}", highlight=False)
+            status = max(status, 1)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

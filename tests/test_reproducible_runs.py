@@ -1,0 +1,127 @@
+"""A benchmark cell gives the same bits whatever the thread timing, and bench/reproduce.py says so.
+
+Streamed aggregation folds float64 sums, which are not associative to the last bit: folded in arrival
+order, two runs of one cell drift apart once a rounding lands differently. With ``aggregate.order =
+"sorted"`` (what bench/run_matrix.py sets) the fold is by client id, so devices answering in another
+order change nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from coordinator.config import ConfigError, load_config
+from coordinator.runtime.intake import ResultIntake
+from coordinator.strategies.fedavg import FedAvg
+from edge_client.registry import OBJECTIVES, _objectives
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import reproduce  # noqa: E402
+from benchmark_protocol import load_protocol  # noqa: E402
+from run_matrix import Run, run_one  # noqa: E402
+
+CLIENTS = 4
+CELL = (("data", "eval", "digits"), ("data", "partition", "dirichlet:0.5"), ("model", "name", "cnn"),
+        ("clients", "expected", CLIENTS), ("clients", "per_round", 3), ("eval", "every", 1),
+        ("sim", "workers", -1))   # a thread per client: the sleeps below decide who answers first
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, slower_first: bool, arrivals: dict, folds: list) -> None:
+    """Devices that sleep before answering, by client id (the lowest slowest, or the highest), and spies on
+    the order results reach the coordinator and the order they are folded in, per round."""
+    train = OBJECTIVES["train"]
+
+    def slow_train(model, data, hyper, ctx):
+        index = int(ctx.client_id.rsplit("-", 1)[1])
+        time.sleep(0.1 * (CLIENTS - index if slower_first else index))
+        return train(model, data, hyper, ctx)
+
+    monkeypatch.setitem(_objectives(), "train", slow_train)   # the registry's table, read at every task
+    take, fold = ResultIntake._take, FedAvg.fold
+
+    def spy_take(self, plan, msg, body):
+        arrivals[msg.round].append(plan.client_id)
+        return take(self, plan, msg, body)
+
+    def spy_fold(self, phase, partial, result):
+        if partial is None:
+            folds.append([])
+        folds[-1].append(result.client_id)
+        return fold(self, phase, partial, result)
+
+    monkeypatch.setattr(ResultIntake, "_take", spy_take)
+    monkeypatch.setattr(FedAvg, "fold", spy_fold)
+
+
+def test_a_cell_is_bit_identical_whatever_the_timing_and_reproduce_says_so(tmp_path, monkeypatch, capsys):
+    arrivals: dict[int, list[str]] = defaultdict(list)
+    folds: list[list[str]] = []
+    with monkeypatch.context() as patch:
+        _timed(patch, slower_first=True, arrivals=arrivals, folds=folds)
+        run = Run(("tiny",), seed=0, rounds=2, overrides=CELL, off_protocol="a test")
+        record = run_one(run, tmp_path / "tiny", Console(file=io.StringIO()), [], load_protocol())
+    written = tmp_path / "tiny" / run.file_name
+    assert record["config"]["aggregate"]["order"] == "sorted"
+    assert record["model_hash"].startswith("sha256:") and record["versions"]["torch"] == torch.__version__
+    assert set(record["source"]) == {"commit", "dirty"}
+
+    again_arrivals: dict[int, list[str]] = defaultdict(list)
+    again_folds: list[list[str]] = []
+    with monkeypatch.context() as patch:
+        _timed(patch, slower_first=False, arrivals=again_arrivals, folds=again_folds)
+        assert reproduce.main([str(written)]) == 0
+    out = capsys.readouterr().out
+    assert "bit-identical" in out and "differs" not in out
+
+    assert arrivals != again_arrivals   # the devices did answer in other orders ...
+    assert len(folds) == 2 and folds == again_folds
+    for order in folds:
+        assert order == sorted(order)   # ... and every round was folded by client id
+
+
+def test_reproduce_names_the_first_difference():
+    rows = [{"round": 0, "test_accuracy": 0.1, "seconds": 0.0},
+            {"round": 1, "train_loss": 1.5, "test_accuracy": 0.5, "seconds": 3.0, "bytes_up": 10,
+             "slowest_client": "sim-001"}]
+    rerun = json.loads(json.dumps(rows))
+    rerun[1].update(seconds=4.0, bytes_up=12, slowest_client="sim-002")   # the machine, not the learning
+    assert reproduce.first_difference(rows, rerun) is None
+    rerun[1]["test_accuracy"] = 0.5 + 2 ** -40
+    found = reproduce.first_difference(rows, rerun)
+    assert (found.round, found.metric) == (1, "test_accuracy")
+    assert "differs by 9.09e-13" in found.describe()
+    assert reproduce.first_difference(rows, rerun, rounds=0) is None   # --rounds 0..N compares only those
+    assert reproduce.first_difference(rows, rerun[:1]).metric == "round"
+
+
+def test_reproduce_refuses_what_is_not_a_run_file(tmp_path, capsys):
+    table = tmp_path / "pans.json"
+    table.write_text(json.dumps({"matrix": "pans", "full": {}, "rows": []}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(reproduce.NotARunFileError, match="matrix's table"):
+        reproduce.load_run_file(table)
+    assert reproduce.main([str(broken), str(tmp_path / "absent.json")]) == 2
+    out = capsys.readouterr().out
+    assert "is not JSON" in out and "cannot read" in out
+
+
+def test_a_fixed_order_is_refused_where_no_order_can_be_fixed():
+    base = [("clients", "expected", 4), ("clients", "spawn", 4), ("transport", "kind", "inproc"),
+            ("aggregate", "order", "sorted")]
+    assert load_config(None, base).aggregate.order == "sorted"
+    with pytest.raises(ConfigError, match="run.mode = 'sync'"):
+        load_config(None, base + [("run", "mode", "async")])
+    with pytest.raises(ConfigError, match="aggregate.order must be one of"):
+        load_config(None, base[:-1] + [("aggregate", "order", "random")])
