@@ -20,7 +20,10 @@ UNRECORDED = "unrecorded"   # what a run file written before commits were record
 # Written while a matrix runs: changes there do not change the code that runs.
 _NOT_CODE = ("bench/results",)
 
-__all__ = ["ROOT", "UNRECORDED", "source_state", "library_versions", "machine"]
+# The code whose change can change a cell's numbers: the packages a run executes, and the harness.
+CODE = ("coordinator", "edge_client", "storage", "methods", "profiling", "bench/run_matrix.py")
+
+__all__ = ["ROOT", "UNRECORDED", "CODE", "source_state", "library_versions", "machine", "changes_since"]
 
 
 def _git(*args: str, root: Path) -> str | None:
@@ -57,3 +60,13 @@ def machine() -> dict[str, Any]:
     import torch
 
     return {"arch": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def changes_since(commit: str, root: Path = ROOT) -> list[str] | None:
+    """The commits after ``commit`` (newest first, short hash and subject) that changed the code a cell runs
+    (:data:`CODE`): a run file recorded at ``commit`` is stale when there are any. None when ``commit`` is
+    unrecorded or unknown to this checkout (a shallow clone, a commit never pushed)."""
+    if commit == UNRECORDED or _git("cat-file", "-e", f"{commit}^{{commit}}", root=root) is None:
+        return None
+    log = _git("log", "--format=%h %s", f"{commit}..HEAD", "--", *CODE, root=root)
+    return None if log is None else [line for line in log.splitlines() if line]

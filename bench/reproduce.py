@@ -15,6 +15,7 @@ with the same torch and numpy and the same thread counts; the file records them,
 differs is said before the run.
 
     python bench/reproduce.py bench/results/spherefed/a0.1-cnn-fedavg-s0-r100.json --rounds 5
+    python bench/reproduce.py --stale bench/results/*/*-r*.json   # which files predate a code change
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
-from provenance import UNRECORDED, library_versions, machine, source_state
+from provenance import CODE, UNRECORDED, changes_since, library_versions, machine, source_state
 from run_matrix import execute, scratch_overrides
 from coordinator.config import ConfigError, RunConfig, load_config
 from coordinator.strategies.base import Strategy
@@ -38,7 +39,7 @@ from coordinator.strategy_setup import make_strategy
 from storage.errors import FedgeError
 
 __all__ = ["NotARunFileError", "Difference", "SYSTEM_KEYS", "compared_keys", "first_difference", "load_run_file",
-           "reproduce", "main"]
+           "reproduce", "staleness", "main"]
 
 # Keys that measure the machine and the network, not the learning: never compared.
 SYSTEM_KEYS = frozenset({"slowest_client", "inbox_dropped", "late", "duplicates", "skipped"})
@@ -204,13 +205,40 @@ def reproduce(path: Path, console: Console, rounds: int | None = None) -> Differ
     return found
 
 
+def staleness(path: Path) -> str:
+    """One line on whether the run file at ``path`` predates a change to the code it ran: "current",
+    "stale" with the commits since, or "unrecorded" (written before run files recorded their commit)."""
+    record = load_run_file(path)
+    commit = (record.get("source") or {}).get("commit", UNRECORDED)
+    since = changes_since(commit)
+    if commit == UNRECORDED:
+        return f"unrecorded  {path}"
+    if since is None:
+        return f"unknown     {path} (commit {commit[:12]} is not in this checkout)"
+    dirty = " (its tree was dirty)" if (record.get("source") or {}).get("dirty") else ""
+    if not since:
+        return f"current     {path}{dirty}"
+    return f"stale       {path}: {len(since)} commit(s) since {commit[:12]} changed the code, newest {since[0]}{dirty}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="run files, bench/results/MATRIX/LABELS-sSEED-rROUNDS.json")
     parser.add_argument("--rounds", type=int, help="re-run only the first N rounds of each cell and compare those")
+    parser.add_argument("--stale", action="store_true",
+                        help=f"run nothing: say of each file whether the code it ran ({', '.join(CODE)}) changed "
+                             "since its recorded commit")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 150)
     status = 0
+    if args.stale:
+        for path in args.files:
+            try:
+                console.print(staleness(path), highlight=False, soft_wrap=True)
+            except NotARunFileError as exc:
+                console.print(f"[red]{exc}[/red]", highlight=False)
+                status = 2
+        return status
     for path in args.files:
         console.print(f"[bold]{path}[/bold]" + (f": first {args.rounds} rounds" if args.rounds else ""),
                       highlight=False)

@@ -125,3 +125,18 @@ def test_a_fixed_order_is_refused_where_no_order_can_be_fixed():
         load_config(None, base + [("run", "mode", "async")])
     with pytest.raises(ConfigError, match="aggregate.order must be one of"):
         load_config(None, base[:-1] + [("aggregate", "order", "random")])
+
+
+def test_stale_lists_files_by_what_they_recorded(tmp_path):
+    from provenance import UNRECORDED, changes_since, source_state
+
+    old = tmp_path / "old-s0-r5.json"
+    old.write_text(json.dumps({"config": {"run": {}}, "rows": [{"round": 0}], "seed": 0, "rounds": 5}))
+    assert reproduce.staleness(old).startswith("unrecorded")
+    head = source_state()["commit"]
+    if head == UNRECORDED:
+        pytest.skip("not a git checkout")
+    assert changes_since(head) == [] and changes_since("0" * 40) is None and changes_since(UNRECORDED) is None
+    old.write_text(json.dumps({"config": {"run": {}}, "rows": [{"round": 0}], "seed": 0, "rounds": 5,
+                               "source": {"commit": head, "dirty": False}}))
+    assert reproduce.staleness(old).startswith("current")
