@@ -129,8 +129,9 @@ def rerun_config(record: dict[str, Any], out: Path) -> tuple[RunConfig, list[str
     overrides = [(section, key, value) for section, values in record["config"].items() if isinstance(values, dict)
                  for key, value in values.items()]
     if "order" not in record["config"].get("aggregate", {}):
-        notes.append("it predates aggregate.order: it folded results in arrival order, which no re-run can "
-                     "repeat; re-running in client-id order, so expect differences in the last bits from round 1")
+        notes.append("it predates aggregate.order: a streamed phase (FedAvg's mean, say) folded its results in "
+                     "arrival order, which no re-run can repeat; re-running in client-id order, so a streaming cell "
+                     "may differ in the last bits from round 1")
         overrides.append(("aggregate", "order", "sorted"))
     return load_config(None, overrides + scratch_overrides(out)), notes
 

@@ -17,8 +17,10 @@ the matrix's seeds, a declared cut of the compute budget, and a complete matrix 
 without them (``subset: false``). ``--seeds`` runs the given seeds in every cell instead.
 
 Each run goes through ``coordinator.runtime.run.run_federated`` with clients as threads
-(``transport.kind = "inproc"``) and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
-(configuration, per-round metrics, summary). The table, printed and written to
+(``transport.kind = "inproc"``) and results folded in client-id order (``aggregate.order = "sorted"``:
+the same bits whatever ran alongside), and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
+(configuration, per-round metrics, summary, the final model's hash, and the commit, torch and numpy
+it ran with: ``bench/reproduce.py FILE`` runs it again and compares). The table, printed and written to
 ``bench/results/NAME.json``, is built from every run file of the matrix present:
 final accuracy = mean test accuracy of the last 5 evaluated rounds (``eval.every``), mean and spread (population
 standard deviation) over seeds, bytes down and up per round, seconds per run, and
