@@ -123,6 +123,8 @@ def test_a_fixed_order_is_refused_where_no_order_can_be_fixed():
     assert load_config(None, base).aggregate.order == "sorted"
     with pytest.raises(ConfigError, match="run.mode = 'sync'"):
         load_config(None, base + [("run", "mode", "async")])
+    with pytest.raises(ConfigError, match="needs workers.count = 0"):
+        load_config(None, base + [("workers", "count", 2)])
     with pytest.raises(ConfigError, match="aggregate.order must be one of"):
         load_config(None, base[:-1] + [("aggregate", "order", "random")])
 
@@ -140,3 +142,43 @@ def test_stale_lists_files_by_what_they_recorded(tmp_path):
     old.write_text(json.dumps({"config": {"run": {}}, "rows": [{"round": 0}], "seed": 0, "rounds": 5,
                                "source": {"commit": head, "dirty": False}}))
     assert reproduce.staleness(old).startswith("current")
+
+
+def test_a_result_is_held_only_while_a_client_before_it_may_still_answer(tmp_path, monkeypatch):
+    """Four devices: a fails at once, c answers before b, d last. In client-id order c waits for b (a's
+    failure does not hold anyone up), then b and c are folded together, and d as soon as it comes."""
+    from test_engine import ScriptedClient, make_coordinator
+    from edge_client.wire.transport import InprocHub
+
+    folded: list[str] = []
+    fold = FedAvg.fold
+
+    def spy_fold(self, phase, partial, result):
+        folded.append(result.client_id)
+        return fold(self, phase, partial, result)
+
+    monkeypatch.setattr(FedAvg, "fold", spy_fold)
+    books = []
+    close = ResultIntake.close
+    monkeypatch.setattr(ResultIntake, "close", lambda self, book: (books.append(book), close(self, book))[1])
+    delays = {"a": 0.0, "b": 0.6, "c": 0.05, "d": 1.2}
+
+    def answer(peer, task):
+        time.sleep(delays[peer.client_id])
+        if peer.client_id == "a":
+            return [peer.result(task, error="cannot train")]
+        scale = 1 + 0.001 * "abcd".index(peer.client_id)
+        return [peer.result(task, tensors={k: v * scale for k, v in task.tensors.items()})]
+
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=4, clients__min_results=3, aggregate__order="sorted")
+    peers = [ScriptedClient(hub, c, answer) for c in "abcd"]
+    for peer in peers:
+        peer.start()
+    coord.wait_for_clients(4, 5)
+    row = coord.run_round(1)
+    for peer in peers:
+        peer.stop.set()
+    assert (row["returned"], row["failed"]) == (3, 1)
+    assert folded == ["b", "c", "d"]
+    assert books[0].held_peak <= 2 and not books[0].held   # c and b together at most; nothing left at the end
