@@ -33,9 +33,6 @@ from edge_client.memory_guard import MemoryGuard
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.objectives import LocalData, Objective, ObjectiveError, TaskContext, shuffle_seed, warm_up
 from edge_client.registry import OBJECTIVES, build_model
-from edge_client.secagg.errors import SecAggError
-from edge_client.secagg.stages import StageTask
-from edge_client.secure_device import SecureRounds, secure_vector
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, PresenceBody, ProtocolError, ResultBody,
                                        TaskBody, Topics, encode)
@@ -138,7 +135,7 @@ class EdgeClient:
         self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
         self._residuals = ResidualStore(settings.state_dir)
         self.memory = MemoryGuard()   # refuses a task that would run this device out of memory
-        self.secure = SecureRounds()  # the secure round in progress (docs/privacy.md)
+        self._secure: Any = None      # the secure round in progress (docs/privacy.md), made by the first stage
         self.tasks_run = 0
 
     @staticmethod
@@ -243,14 +240,13 @@ class EdgeClient:
         try:
             if task.body is None:
                 raise ProtocolError(task.problem)
-            stage = None if task.body.secagg is None else StageTask.from_body(task.body.secagg)
-            if stage is not None and stage.stage != "advertise":
-                tensors, answer = self._secure_step(msg, stage)
+            if task.body.secagg is None:
+                tensors, answer = self._execute(task, profiler)
             else:
-                tensors, answer = self._execute(task, profiler, stage)
-        except SecAggError as exc:   # a refused or malformed stage: answering could only reveal something
-            log.warning("dropped secure-aggregation task %s of round %d: %s", msg.task_id, msg.round, exc)
-            return
+                outcome = self._secure_task(task, profiler)
+                if outcome is None:   # a refused or malformed stage: answering could only reveal something
+                    return
+                tensors, answer = outcome
         except (ObjectiveError, ModelSpecError, ProtocolError) as exc:
             log.warning("task %s failed: %s", msg.task_id, exc)
             tensors, answer = {}, ResultBody(error=str(exc))
@@ -286,14 +282,34 @@ class EdgeClient:
             return encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
                           sender=self.settings.client_id, body=failure.to_body())
 
-    def _secure_step(self, msg: Message, stage: StageTask) -> tuple[dict[str, torch.Tensor], ResultBody]:
+    def _secure_task(self, task: Task, profiler: Profiler) -> tuple[dict[str, torch.Tensor], ResultBody] | None:
+        """A secure round's task: training (advertise) or one step of the round in progress; None when the
+        stage is refused (logged). Secure aggregation's modules (and the cryptography library) load only here:
+        a device that never sees a secure round never imports them."""
+        from edge_client.secagg.errors import SecAggError
+        from edge_client.secagg.stages import StageTask
+        from edge_client.secure_device import SecureRounds
+
+        msg = task.msg
+        if self._secure is None:
+            self._secure = SecureRounds()
+        try:
+            stage = StageTask.from_body(task.body.secagg)
+            if stage.stage == "advertise":
+                return self._execute(task, profiler, stage)
+            return self._secure_step(msg, stage)
+        except SecAggError as exc:
+            log.warning("dropped secure-aggregation task %s of round %d: %s", msg.task_id, msg.round, exc)
+            return None
+
+    def _secure_step(self, msg: Message, stage: Any) -> tuple[dict[str, torch.Tensor], ResultBody]:
         """A secure round's share, mask or unmask task: no training, one step of the round in progress."""
-        reply = self.secure.answer((msg.run_id, msg.round), stage)
+        reply = self._secure.answer((msg.run_id, msg.round), stage)
         body, tensors = reply.wire(stage.params.bits)
-        return tensors, ResultBody(num_samples=max(1, self.secure.num_samples), secagg=body)
+        return tensors, ResultBody(num_samples=max(1, self._secure.num_samples), secagg=body)
 
     def _execute(self, wrapped: Task, profiler: Profiler,
-                 stage: StageTask | None = None) -> tuple[dict[str, torch.Tensor], ResultBody]:
+                 stage: Any = None) -> tuple[dict[str, torch.Tensor], ResultBody]:
         """Run the task; return the wire tensors and the result's body (without its profile). With a secure
         round's ``stage`` (advertise), the update is kept here and only the public keys go up."""
         msg, task = wrapped.msg, wrapped.body
@@ -331,9 +347,11 @@ class EdgeClient:
                 raise ProtocolError(f"objective {task.objective!r} sends statistics, not an update: it cannot "
                                     "run in a secure round")
             with profiler.phase("codec"):
-                vector = secure_vector(stage, tensors, received, sorted(up), output.num_samples,
+                from edge_client import secure_device   # loaded by _secure_task already
+
+                vector = secure_device.secure_vector(stage, tensors, received, sorted(up), output.num_samples,
                                        float(output.metrics.get("train_loss", 0.0)), task.upload.clip_norm)
-                reply = self.secure.advertise((msg.run_id, msg.round), stage, vector, output.num_samples)
+                reply = self._secure.advertise((msg.run_id, msg.round), stage, vector, output.num_samples)
             # no metrics: the round's loss is in the sum; one device's would say something of its data
             return {}, ResultBody(num_samples=output.num_samples, secagg=reply.wire(stage.params.bits)[0])
         with profiler.phase("codec"):

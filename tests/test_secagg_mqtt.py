@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 from scipy import stats
 
-import edge_client.client as client_module
+import edge_client.secure_device as secure_device
 from coordinator.config import ConfigError, load_config
 from coordinator.runtime.run import run_federated
 from coordinator.runtime.run_error import RunError
@@ -149,7 +149,7 @@ def test_a_malformed_stage_task_is_logged_and_dropped_by_the_client(caplog):
     sent = []
     transport = SimpleNamespace(publish=lambda *a, **k: sent.append(a))
     client = EdgeClient.__new__(EdgeClient)
-    client.secure, client.settings = SecureRounds(), ClientSettings(client_id="dev1")
+    client._secure, client.settings = SecureRounds(), ClientSettings(client_id="dev1")
     msg = decode(encode("task", run_id="r", round=1, task_id="t1", sender="coordinator",
                         body={"objective": "secagg", "model": {}, "up": [], "secagg": {"stage": "mask"}}))
     from edge_client.device_actions import Task
@@ -227,7 +227,7 @@ def _devices(url: str, prefix: str, count: int, drop_at: dict[str, str], client_
     """``count`` device clients on threads of this process; device ``cid`` in ``drop_at`` stops answering
     at that stage (it has gone away). Their vectors and the model they were sent are recorded."""
     seen: dict = {"vectors": {}, "received": None}
-    real_vector, real_step = client_module.secure_vector, EdgeClient._secure_step
+    real_vector, real_step = secure_device.secure_vector, EdgeClient._secure_step
 
     def recording(stage, trained, received, names, *args):
         vector = real_vector(stage, trained, received, names, *args)
@@ -241,7 +241,7 @@ def _devices(url: str, prefix: str, count: int, drop_at: dict[str, str], client_
             raise RefusedError(f"this device has gone away before its {stage.stage} answer")
         return real_step(self, msg, stage)
 
-    monkeypatch.setattr(client_module, "secure_vector", recording)
+    monkeypatch.setattr(secure_device, "secure_vector", recording)
     monkeypatch.setattr(EdgeClient, "_secure_step", dropping)
     digits = load_dataset("digits")
     for i in range(count):
