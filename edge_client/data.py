@@ -13,8 +13,8 @@ of being shipped over the network. Nothing is cached on disk. Each job has its m
 
 from __future__ import annotations
 
-from edge_client.attribute_skew import (ATTRIBUTE_KINDS, COLOR_NORMALIZATION, AttributeSkew, domain_palette,
-                                        evaluation_split, model_normalization, parse_attribute_skew,
+from edge_client.attribute_skew import (ATTRIBUTE_KINDS, COLOR_KINDS, COLOR_NORMALIZATION, AttributeSkew,
+                                        domain_palette, evaluation_split, model_normalization, parse_attribute_skew,
                                         pixel_normalization)
 from edge_client.datasets import (DATASET_SPECS, DIGITS_MEAN, DIGITS_NORMALIZATION, DIGITS_STD,
                                   FASHION_MNIST_CLASSES, FASHION_MNIST_DIR, FASHION_MNIST_MEAN,
@@ -44,6 +44,7 @@ __all__ = [
     "holdout_split",
     "AttributeSkew",
     "ATTRIBUTE_KINDS",
+    "COLOR_KINDS",
     "parse_attribute_skew",
     "domain_palette",
     "evaluation_split",

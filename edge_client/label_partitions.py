@@ -16,7 +16,8 @@ from storage.pixels import DataError
 __all__ = ["PARTITION_SPECS", "parse_label_spec", "label_partition_indices", "describe_partitions"]
 
 PARTITION_SPECS = ("iid, dirichlet:ALPHA (ALPHA > 0), shards:K (K >= 1 integer), "
-                   "attribute:KIND:DOMAINS[+LABEL_SPEC] (KIND color, rotate or invert)")
+                   "attribute:KIND:DOMAINS[+LABEL_SPEC] (KIND color, rotate or invert), "
+                   "attribute:colorlabel:DOMAINS:P[+LABEL_SPEC] (colour follows the label with probability P)")
 
 _DIRICHLET_TRIES = 100
 

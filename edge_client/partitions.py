@@ -80,8 +80,8 @@ def client_split(
     skew = parse_attribute_skew(partition_spec)
     if skew is None:
         return dataset.x_train[idx], dataset.y_train[idx]
-    domains = np.full(len(idx), skew.domain_of(index))
-    return skew.apply(dataset.x_train[idx], domains, intensity_range(dataset)), dataset.y_train[idx]
+    looks = skew.looks(dataset.y_train[idx], index, seed, dataset.num_classes)
+    return skew.apply(dataset.x_train[idx], looks, intensity_range(dataset), dataset.num_classes), dataset.y_train[idx]
 
 
 def holdout_split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int
@@ -133,18 +133,20 @@ def arrange_clients(dataset: Dataset, partition_spec: str, num_partitions: int, 
     if len(holdout_seeds) != num_partitions:
         raise DataError(f"{len(holdout_seeds)} holdout seeds for {num_partitions} partitions; give one per client")
     parts = partition_indices(dataset.y_train, partition_spec, num_partitions, seed)
-    rows, bounds, start = [], [], 0
-    for part, holdout_seed in zip(parts, holdout_seeds):
+    skew = parse_attribute_skew(partition_spec)
+    rows, bounds, looks, start = [], [], [], 0
+    for i, (part, holdout_seed) in enumerate(zip(parts, holdout_seeds)):
         train, test = _holdout_rows(len(part), test_fraction, holdout_seed)
-        rows.append(np.concatenate([part[train], part[test]]))
+        positions = np.concatenate([train, test])
+        rows.append(part[positions])
         bounds.append((start, start + len(train), start + len(part)))
         start += len(part)
+        if skew is not None:   # drawn in partition order, as client_split draws them, then put in this order
+            looks.append(skew.looks(dataset.y_train[part], i, seed, dataset.num_classes)[positions])
     order = np.concatenate(rows)
-    skew = parse_attribute_skew(partition_spec)
     if skew is None:
         x = dataset.x_train[order]
     else:   # each client's images as seen in its domain
-        domains = np.concatenate([np.full(len(r), skew.domain_of(i)) for i, r in enumerate(rows)])
-        x = skew.apply(dataset.x_train[order], domains, intensity_range(dataset))
+        x = skew.apply(dataset.x_train[order], np.concatenate(looks), intensity_range(dataset), dataset.num_classes)
     return ClientRows(x, dataset.y_train[order], tuple(rows), tuple(bounds))
 

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edge_client.data import (COLOR_NORMALIZATION, DIGITS_NORMALIZATION, FASHION_MNIST_CLASSES,
-                              FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
+from edge_client.data import (COLOR_KINDS, COLOR_NORMALIZATION, DIGITS_NORMALIZATION,
+                              FASHION_MNIST_CLASSES, FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
 from edge_client.registry import METHODS
 from storage.files import write_atomic
 from storage.pixels import Normalization
@@ -51,7 +51,7 @@ def input_normalization(data_spec: str | None, partition: str, channels: int,
     own = {"digits": DIGITS_NORMALIZATION, "fashion-mnist": FASHION_MNIST_NORMALIZATION,
            "npz": Normalization.identity(channels)}.get(kind)
     skew = parse_attribute_skew(partition) if partition else None
-    norm = model or (COLOR_NORMALIZATION if skew is not None and skew.kind == "color" else own)
+    norm = model or (COLOR_NORMALIZATION if skew is not None and skew.kind in COLOR_KINDS else own)
     if norm is None:
         return {"note": f"unknown: the data spec {data_spec!r} is not recorded; feed inputs as in training"}
     scale, top = {"digits": (1 / 16, 16)}.get(kind, (1 / 255, 255))
@@ -59,7 +59,11 @@ def input_normalization(data_spec: str | None, partition: str, channels: int,
                            "pixel_range": [0, top]}
     if kind == "npz":
         out["note"] = "uint8 images are scaled to [0, 1] (float images in the .npz are taken as [0, 1] pixels)"
-    if skew is not None and skew.kind == "color":
+    if skew is not None and skew.kind == "colorlabel":
+        out["note"] = (f"RGB images: the run trained on {data_spec} painted in one colour per class, a colour that "
+                       f"followed the label with probability {skew.correlation:g} in each of {skew.domains} "
+                       f"domains (partition {partition})")
+    elif skew is not None and skew.kind == "color":
         out["note"] = (f"RGB images: the run trained on {data_spec} painted in {skew.domains} colour domains "
                        f"(partition {partition})")
     elif skew is not None:
