@@ -60,9 +60,9 @@ def input_normalization(data_spec: str | None, partition: str, channels: int,
     if kind == "npz":
         out["note"] = "uint8 images are scaled to [0, 1] (float images in the .npz are taken as [0, 1] pixels)"
     if skew is not None and skew.kind == "colorlabel":
-        out["note"] = (f"RGB images: the run trained on {data_spec} painted in one colour per class, a colour that "
-                       f"followed the label with probability {skew.correlation:g} in each of {skew.domains} "
-                       f"domains (partition {partition})")
+        out["note"] = (f"RGB images: the run trained on {data_spec} painted in one colour per class, each of its "
+                       f"{skew.domains} domains with its own class colours, followed with probability "
+                       f"{skew.correlation:g} (partition {partition}); the model was tested on random colours")
     elif skew is not None and skew.kind == "color":
         out["note"] = (f"RGB images: the run trained on {data_spec} painted in {skew.domains} colour domains "
                        f"(partition {partition})")

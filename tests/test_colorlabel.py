@@ -101,3 +101,11 @@ def test_test_split_carries_no_correlation(digits):
         assert abs((drawn == (labels + shift) % 10).mean() - 0.1) < 0.01
     table = np.histogram2d(labels, drawn, bins=10)[0] / len(labels)
     assert np.abs(table - np.outer(table.sum(1), table.sum(0))).max() < 0.003
+
+
+def test_model_card_names_the_colours_and_their_normalization():
+    from export.card import input_normalization
+
+    card = input_normalization("fashion-mnist", "attribute:colorlabel:10:0.9", 3)
+    assert card["mean"] == [0.5] * 3 and card["std"] == [0.5] * 3
+    assert "probability 0.9" in card["note"] and "random colours" in card["note"]
