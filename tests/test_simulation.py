@@ -36,7 +36,8 @@ def digits():
     return load_dataset("digits")
 
 
-@pytest.mark.parametrize("spec, fraction", [("dirichlet:0.5", 0.2), ("iid", 0.0), ("attribute:rotate:3", 0.25)])
+@pytest.mark.parametrize("spec, fraction", [("dirichlet:0.5", 0.2), ("iid", 0.0), ("attribute:rotate:3", 0.25),
+                                            ("attribute:colorlabel:3:0.8", 0.25)])
 def test_a_simulated_client_holds_the_rows_a_device_holds(digits, spec, fraction):
     ids = [sim_client_id(i) for i in range(6)]
     rows = arrange_clients(digits, spec, 6, 7, fraction, [holdout_seed(7, cid) for cid in ids])
