@@ -7,7 +7,9 @@ seed-to-seed noise cancels in the difference.
 
 Per fleet, partition and epsilon, from ``bench/results/privacy/*-r100.json`` (full-length runs only):
 
-- ``accuracy``: mean test accuracy of the last 5 evaluations, per seed, then mean and population std;
+- ``accuracy``: mean test accuracy of the last 5 evaluations, per seed, then mean and population std; a run
+  that stopped (every device it drew diverged on the noisy model, a RunError) has no figure: it is listed
+  under ``failed`` with the last round it finished;
 - ``cost``: that minus the non-private run of the same seed, mean and a 95 % Student-t interval over
   the paired seeds (no interval from one seed);
 - ``epsilon``: the account's final ``dp_epsilon`` (largest over seeds; every seed has the same
@@ -63,12 +65,14 @@ def read_cells(results: Path, rounds: int) -> dict[tuple[str, str, str], dict[in
     cells: dict[tuple[str, str, str], dict[int, dict[str, Any]]] = {}
     for path in sorted((results / "privacy").glob(f"*-r{rounds}.json")):
         rec = json.loads(path.read_text())
-        accuracy = final_mean(rec["rows"], "test_accuracy")
-        if rec.get("rounds") != rounds or accuracy is None:
+        accuracy = None if rec.get("failure") else final_mean(rec["rows"], "test_accuracy")
+        if rec.get("rounds") != rounds or (accuracy is None and not rec.get("failure")):
             continue
         fleet, alpha, eps = rec["labels"]
+        trained = [r["round"] for r in rec["rows"] if r["round"] > 0]
         cells.setdefault((fleet, alpha, eps), {})[rec["seed"]] = {
-            "accuracy": accuracy, "epsilon": _last(rec["rows"], "dp_epsilon"),
+            "accuracy": accuracy, "failure": rec.get("failure"), "last_round": max(trained, default=0),
+            "epsilon": _last(rec["rows"], "dp_epsilon"),
             "noise_std": _last(rec["rows"], "dp_noise_std"), "clipped": _mean_of(rec["rows"], "dp_clipped_fraction"),
             "seconds": rec.get("seconds")}
     return cells
@@ -90,18 +94,22 @@ def table(cells: dict[tuple[str, str, str], dict[int, dict[str, Any]]]) -> list[
     rows = []
     for key in sorted(cells, key=lambda k: (order["fleet"].index(k[0]), order["alpha"].index(k[1]),
                                             order["eps"].index(k[2]))):
-        seeds = cells[key]
-        reference = cells.get((key[0], key[1], REFERENCE), {})
+        every = cells[key]
+        failed = {s: {"after_round": every[s]["last_round"], "why": every[s]["failure"]}
+                  for s in sorted(every) if every[s]["failure"]}
+        seeds = {s: v for s, v in every.items() if v["accuracy"] is not None}
+        reference = {s: v for s, v in cells.get((key[0], key[1], REFERENCE), {}).items() if v["accuracy"] is not None}
         accuracy = [seeds[s]["accuracy"] for s in sorted(seeds)]
         row: dict[str, Any] = {"fleet": key[0], "partition": key[1], "eps": key[2], "seeds": sorted(seeds),
+                               "failed": failed,
                                "accuracy": {"mean": statistics.fmean(accuracy), "std": statistics.pstdev(accuracy),
-                                            "per_seed": accuracy}}
+                                            "per_seed": accuracy} if accuracy else None}
         common = sorted(set(seeds) & set(reference))
         if key[2] != REFERENCE and common:
             row["cost"] = paired([seeds[s]["accuracy"] - reference[s]["accuracy"] for s in common])
             row["cost"]["seeds"] = common
         for field in ("epsilon", "noise_std"):
-            values = [seeds[s][field] for s in seeds if seeds[s][field] is not None]
+            values = [every[s][field] for s in every if every[s][field] is not None]
             row[field] = max(values) if values else None
         clipped = [seeds[s]["clipped"] for s in seeds if seeds[s]["clipped"] is not None]
         row["clipped"] = statistics.fmean(clipped) if clipped else None
@@ -122,8 +130,11 @@ def show(rows: list[dict[str, Any]]) -> None:
         cost = r.get("cost")
         ci = "" if not cost or cost["interval"] is None else \
             f" [{_pct(cost['interval'][0], True)}, {_pct(cost['interval'][1], True)}]"
-        t.add_row(r["fleet"], r["partition"], r["eps"], ",".join(map(str, r["seeds"])),
-                  f"{_pct(r['accuracy']['mean'])} ± {_pct(r['accuracy']['std'])}",
+        accuracy = "-" if r["accuracy"] is None else f"{_pct(r['accuracy']['mean'])} ± {_pct(r['accuracy']['std'])}"
+        if r["failed"]:
+            accuracy += f" ({len(r['failed'])} stopped: " + "; ".join(
+                f"s{s} after round {f['after_round']}" for s, f in r["failed"].items()) + ")"
+        t.add_row(r["fleet"], r["partition"], r["eps"], ",".join(map(str, r["seeds"])), accuracy,
                   "-" if not cost else _pct(cost["mean"], True) + ci,
                   "-" if r["epsilon"] is None else f"{r['epsilon']:.3f}",
                   "-" if r["noise_std"] is None else f"{r['noise_std']:.4f}",
@@ -139,14 +150,15 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path:
         groups.setdefault((r["fleet"], r["partition"]), []).append(r)
     for i, ((fleet, alpha), members) in enumerate(groups.items()):
         colour = f"C{i}"
-        private = sorted((r for r in members if r["eps"] != REFERENCE and r["epsilon"]), key=lambda r: r["epsilon"])
+        private = sorted((r for r in members if r["eps"] != REFERENCE and r["epsilon"] and r["accuracy"]),
+                         key=lambda r: r["epsilon"])
         label = f"{fleet} {alpha}"
         if private:
             ax.errorbar([r["epsilon"] for r in private], [100 * r["accuracy"]["mean"] for r in private],
                         yerr=[100 * r["accuracy"]["std"] for r in private], marker="o", capsize=3, color=colour,
                         label=f"{label} ({', '.join(str(len(r['seeds'])) for r in private)} seeds)")
         for r in members:
-            if r["eps"] == REFERENCE:
+            if r["eps"] == REFERENCE and r["accuracy"]:
                 ax.axhline(100 * r["accuracy"]["mean"], color=colour, linestyle="--", linewidth=1,
                            label=f"{label} without DP ({len(r['seeds'])} seeds)")
     ax.set_xscale("log")

@@ -58,6 +58,7 @@ from provenance import library_versions, machine, source_state
 from coordinator.config import ConfigError, RunConfig, load_config
 from coordinator.ui.report import human_bytes
 from coordinator.runtime.run import run_federated
+from coordinator.runtime.run_error import RunError
 from coordinator.strategies.base import Strategy
 from storage.checkpoint import latest_checkpoint, load_checkpoint, params_digest
 from storage.files import read_jsonl
@@ -256,7 +257,10 @@ def execute(config: RunConfig, on_round: Callable[[dict[str, Any]], None], *,
     compare. ``on_round`` gets each row as it completes; ``strategy``: one to use instead of the configured."""
     source = source_state()   # before the run: the code that runs is the code the run file names
     started = time.monotonic()
-    result = run_federated(config, say=lambda s: None, on_round=on_round, strategy=strategy)
+    try:
+        result = run_federated(config, say=lambda s: None, on_round=on_round, strategy=strategy)
+    except RunError as exc:   # a run that cannot go on (every device's training diverged) is a result too
+        return failed_record(config, str(exc), time.monotonic() - started, source)
     seconds = time.monotonic() - started
     out = result.out_dir
     final = latest_checkpoint(out / "checkpoints")
@@ -265,6 +269,20 @@ def execute(config: RunConfig, on_round: Callable[[dict[str, Any]], None], *,
               "model_hash": params_digest(load_checkpoint(final)[0].params) if final is not None else None,
               "source": source, "versions": library_versions(), "machine": machine()}
     record["config"]["run"]["out"] = ""   # the scratch directory is gone
+    return record
+
+
+def failed_record(config: RunConfig, failure: str, seconds: float, source: dict[str, Any]) -> dict[str, Any]:
+    """What a run file keeps of a run that stopped with a RunError: its rows up to there and why. Its final
+    figure is no figure (``summarize`` counts it under ``failed``, not in the means)."""
+    out = Path(config.run.out)
+    conf = out / "config.toml"
+    record = {"config": tomllib.loads(conf.read_text()) if conf.exists() else {}, "seconds": seconds,
+              "rows": read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else [],
+              "summary": None, "model_hash": None, "failure": failure, "source": source,
+              "versions": library_versions(), "machine": machine()}
+    if record["config"].get("run"):
+        record["config"]["run"]["out"] = ""
     return record
 
 
@@ -326,7 +344,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for (group, rounds), recs in groups.items():
         recs.sort(key=lambda r: r["seed"])
-        finals = [final_mean(r["rows"], "test_accuracy") for r in recs]
+        finals = [None if r.get("failure") else final_mean(r["rows"], "test_accuracy") for r in recs]
         divs = [d for d in (final_mean(r["rows"], "weight_divergence_mean") for r in recs) if d is not None]
         trained = [row for r in recs for row in r["rows"] if row["round"] > 0]
         tested = [f for f in finals if f is not None]
@@ -334,16 +352,17 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "group": group, "rounds": rounds, "seeds": [r["seed"] for r in recs],
             "final_accuracy_mean": _mean(finals), "final_accuracy_spread": _spread(tested) if tested else None,
             "final_accuracy_per_seed": finals,
+            "failed": {r["seed"]: r["failure"] for r in recs if r.get("failure")},
             "best_accuracy_mean": _mean([max((row["test_accuracy"] for row in r["rows"]
                                               if row.get("test_accuracy") is not None), default=None) for r in recs]),
-            "bytes_down_per_round": statistics.fmean(row["bytes_down"] for row in trained),
-            "bytes_up_per_round": statistics.fmean(row["bytes_up"] for row in trained),
+            "bytes_down_per_round": _mean([row["bytes_down"] for row in trained]),
+            "bytes_up_per_round": _mean([row["bytes_up"] for row in trained]),
             # how many times smaller than the whole float32 model from every client (absent in older runs)
             "up_times_smaller": (statistics.fmean(row["fp32_bytes_up"] for row in trained)
                                  / statistics.fmean(row["bytes_up"] for row in trained)
-                                 if all("fp32_bytes_up" in row for row in trained) else None),
+                                 if trained and all("fp32_bytes_up" in row for row in trained) else None),
             "seconds_per_run": statistics.fmean(r["seconds"] for r in recs),
-            "seconds_per_round": statistics.fmean(row["seconds"] for row in trained),
+            "seconds_per_round": _mean([row["seconds"] for row in trained]),
             "weight_divergence_mean": statistics.fmean(divs) if divs else None,
             **_personalized(recs, trained),
         })
@@ -400,10 +419,13 @@ def print_table(console: Console, title: str, rows: list[dict[str, Any]]) -> Non
         if baseline:
             cells.append(_rounds(r.get("rounds_to_baseline_final", [])))
         final, spread = _fmt(r["final_accuracy_mean"], 100, 2), r["final_accuracy_spread"]
+        if r["failed"]:
+            final = f"{final} ({len(r['failed'])} failed)"
         table.add_row(r["group"], str(r["rounds"]), ",".join(map(str, r["seeds"])),
                       final if spread is None else f"{final} ± {_fmt(spread, 100, 2)}",
-                      _fmt(r["best_accuracy_mean"], 100, 2), *cells, human_bytes(r["bytes_down_per_round"]),
-                      human_bytes(r["bytes_up_per_round"]),
+                      _fmt(r["best_accuracy_mean"], 100, 2), *cells,
+                      *("-" if r[k] is None else human_bytes(r[k])
+                        for k in ("bytes_down_per_round", "bytes_up_per_round")),
                       "" if r.get("up_times_smaller") is None else f"{r['up_times_smaller']:.1f}x smaller",
                       f"{r['seconds_per_run']:.0f}",
                       "" if div is None else f"{div:.4f}")

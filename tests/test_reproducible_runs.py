@@ -182,3 +182,16 @@ def test_a_result_is_held_only_while_a_client_before_it_may_still_answer(tmp_pat
     assert (row["returned"], row["failed"]) == (3, 1)
     assert folded == ["b", "c", "d"]
     assert books[0].held_peak <= 2 and not books[0].held   # c and b together at most; nothing left at the end
+
+
+def test_a_run_that_stops_with_a_run_error_is_kept_as_failed_and_left_out_of_the_means(tmp_path):
+    """A cell whose training cannot go on (here every device diverges) is a result: its file keeps the rows
+    up to there and the reason, and the table counts it as failed instead of averaging a figure it never had."""
+    from run_matrix import summarize
+
+    run = Run(("diverges",), 0, 2, CELL + (("train", "lr", 1e12), ("clients", "max_attempts", 1)), "", (0,))
+    record = run_one(run, tmp_path / "m", Console(file=io.StringIO()), [], load_protocol())
+    assert "diverged" in record["failure"] and record["summary"] is None and record["model_hash"] is None
+    assert json.loads((tmp_path / "m" / run.file_name).read_text())["failure"] == record["failure"]
+    row, = summarize([record])
+    assert row["final_accuracy_mean"] is None and row["failed"] == {0: record["failure"]}
