@@ -44,10 +44,10 @@ def test_fedavg_ffc_settings_are_checked_with_what_to_change(tmp_path):
                                 ("ffc.personalize", True, "set ffc.personalize = false")]:
         with pytest.raises(ConfigError, match=message):
             config(tmp_path, **{key: value, "data.local_test_fraction": 0.2})
-    with pytest.raises(ConfigError, match="feature statistics"):   # no central DP over exact statistics
-        make_strategy(config(tmp_path, **{"privacy.mode": "central", "privacy.noise_multiplier": 1.0,
-                                          "privacy.clip_norm": 1.0,
-                                          "clients.max_attempts": 1}))
+    with pytest.raises(ConfigError, match="without noise"):   # local DP would send the statistics without noise
+        config(tmp_path, **{"privacy.mode": "local", "privacy.clip_norm": 1.0})
+    private = make_strategy(config(tmp_path, **{"privacy.mode": "central", "clients.max_attempts": 1}))
+    assert private.privacy is not None   # central DP covers the FFC pass (tests/test_ffc_dp.py)
     strategy = make_strategy(config(tmp_path))
     sphere = build_model({"name": "mlp", "hidden": [32], **DIGITS, "head": "sphere"})
     with pytest.raises(ConfigError, match='model.head = "linear"'):

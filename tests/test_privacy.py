@@ -167,8 +167,7 @@ def test_retries_are_refused_under_central_dp():
 
 @pytest.mark.parametrize("strategy, message", [("fedma", "does not fold one update"),
                                                ("dfl", "does not fold one update"),
-                                               ("fed2", "paired averaging"),
-                                               ("spherefed", "FFC calibration")])
+                                               ("fed2", "paired averaging")])
 def test_strategies_that_need_each_update_are_refused(strategy, message):
     with pytest.raises(ConfigError, match=message):
         make_strategy(_config(("run", "strategy", strategy), ("run", "rounds", 4)))

@@ -44,6 +44,7 @@ from torch import nn
 
 from methods.spherefed.model import CLASSIFIER, SphereError, SphereHead
 from edge_client.objectives import LocalData, Objective, ObjectiveError, ObjectiveOutput, TaskContext, train
+from edge_client.privacy import clip_update
 from storage.files import write_tensors_atomic
 
 __all__ = [
@@ -51,7 +52,8 @@ __all__ = [
     "OBJECTIVES", "Calibration", "FfcStats", "FfcHyper", "sphere_head", "head_shape", "sphere_loss",
     "sphere_accuracies",
     "packed_size", "pack_upper", "unpack_upper", "wire_shapes", "wire_numbers", "solve_classifier",
-    "feature_stats", "save_personal_classifier", "sphere_train", "ffc_stats",
+    "feature_stats", "save_personal_classifier", "sphere_train", "ffc_stats", "BOUNDED_NAMES", "clip_stats",
+    "floor_eigenvalues", "noise_floor",
 ]
 
 log = logging.getLogger("fedge.sphere")
@@ -256,6 +258,40 @@ class FfcStats:
         return solve_classifier(self.gram, self.cross, ridge, precision=precision, level=level)
 
 
+BOUNDED_NAMES = ("ffc.gram", "ffc.cross")   # what central DP bounds and noises; the count enters no solve
+
+
+def clip_stats(wire: Mapping[str, torch.Tensor], bound: float) -> tuple[dict[str, torch.Tensor], bool]:
+    """Wire statistics with packed G and B scaled, by one factor, to an L2 norm of at most ``bound``
+    (all their numbers as one vector; :func:`edge_client.privacy.clip_update`), and whether they were.
+
+    One factor for both keeps the device's least-squares problem what it was, each of its samples
+    weighted by the factor; G and B scaled apart would tilt its solution. The packed triangle (what
+    travels and what the coordinator's noise covers) counts an off-diagonal entry once. The count
+    is left as it is: no solve reads it (the coordinator checks it against ``num_samples``).
+    """
+    bounded, clipped = clip_update({k: wire[k] for k in BOUNDED_NAMES}, bound)
+    return {**wire, **bounded}, clipped
+
+
+def floor_eigenvalues(gram: torch.Tensor, floor: float) -> torch.Tensor:
+    """The symmetric matrix ``gram`` with every eigenvalue raised to at least ``floor`` (float64).
+
+    A noisy Gram matrix is symmetric but may be indefinite, and its small eigenvalues are the noise's;
+    raising them to the noise's scale makes the solve well posed. Post-processing: it costs no privacy.
+    """
+    if not (floor >= 0 and math.isfinite(floor)):
+        raise SphereError(f"the eigenvalue floor must be a finite number >= 0, got {floor}")
+    eig, vec = torch.linalg.eigh(gram.to(torch.float64))
+    return (vec * eig.clamp(min=floor)) @ vec.t()
+
+
+def noise_floor(noise_std: float, d: int) -> float:
+    """2 sigma sqrt(d): about the spectral norm of a symmetric d x d matrix of N(0, sigma^2) entries (the
+    semicircle law's edge), so the eigenvalues of a noisy G below it say nothing the noise does not."""
+    return 2.0 * noise_std * math.sqrt(d)
+
+
 def feature_stats(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
                   batch_size: int = 256) -> FfcStats:
     """G, B and n over (x, y) with the model's extractor (eval mode), accumulated in float64."""
@@ -300,6 +336,9 @@ class FfcHyper:
     personalize: bool = False    # also solve this client's own classifier (kept in the state dir, scored locally)
     ridge: float = 0.0           # lambda of that personal solve
     batch_size: int = 256
+    # Central DP (privacy.ffc_clip): G (packed) and B, as one vector, scaled to this L2 norm at most before they
+    # are sent. None: sent as they are.
+    clip: float | None = None
 
     @classmethod
     def from_dict(cls, hyper: Mapping[str, Any]) -> "FfcHyper":
@@ -308,10 +347,12 @@ class FfcHyper:
             raise ObjectiveError(f"unknown ffc_stats hyperparameters {unknown}; known: "
                                  f"{sorted(cls.__dataclass_fields__)}")
         h = cls(**hyper)
+        clip_ok = h.clip is None or (isinstance(h.clip, (int, float)) and not isinstance(h.clip, bool)
+                                     and math.isfinite(h.clip) and h.clip > 0)
         if h.dtype not in WIRE_DTYPES or not isinstance(h.personalize, bool) or not h.ridge >= 0 \
-                or not math.isfinite(h.ridge) or h.batch_size < 1:
+                or not math.isfinite(h.ridge) or h.batch_size < 1 or not clip_ok:
             raise ObjectiveError(f"invalid ffc_stats hyperparameters {dict(hyper)!r}: dtype is one of "
-                                 f"{', '.join(WIRE_DTYPES)}, ridge >= 0, batch_size >= 1")
+                                 f"{', '.join(WIRE_DTYPES)}, ridge >= 0, batch_size >= 1, clip a positive number")
         return h
 
 
@@ -348,7 +389,11 @@ def ffc_stats(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
             fixed_acc, own_acc = sphere_accuracies(model, data.x_test, data.y_test, [head.fixed, own.weight])
             metrics.update(ffc_local_accuracy=own_acc, ffc_local_accuracy_fixed=fixed_acc)
         metrics.update(ffc_local_ridge=own.ridge, ffc_personalize_seconds=time.perf_counter() - started)
-    return ObjectiveOutput(num_samples=len(data), metrics=metrics, tensors=stats.to_wire(WIRE_DTYPES[h.dtype]))
+    wire = stats.to_wire(WIRE_DTYPES[h.dtype])
+    if h.clip is not None:
+        wire, clipped = clip_stats(wire, h.clip)
+        metrics["ffc_clipped"] = float(clipped)
+    return ObjectiveOutput(num_samples=len(data), metrics=metrics, tensors=wire)
 
 
 OBJECTIVES: dict[str, Objective] = {"sphere_train": sphere_train, "ffc_stats": ffc_stats}

@@ -14,6 +14,12 @@ FedAvg + FFC (:class:`FedAvgFfc`, ``run.strategy = "fedavg_ffc"``) is the same c
 after plain FedAvg with a cross-entropy model and its trained linear head: the control that
 separates what SphereFed's fixed head does from what a calibration on every client does.
 Both strategies take the ``ffc`` phase from :class:`FfcPhase`.
+
+Under central DP (``privacy.mode = "central"``) the pass is private too: each device scales its
+statistics to the L2 bound ``privacy.ffc_clip``, the coordinator holds each to it again, adds
+Gaussian noise of std ``privacy.ffc_noise_multiplier`` x that bound to the sums once, raises the
+noisy Gram matrix's eigenvalues to the noise's scale and solves; the pass is composed into the
+run's account (:meth:`coordinator.privacy.CentralPrivacy.release_ffc`, docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import torch
 from torch import nn
 
 from coordinator.errors import ConfigError
+from coordinator.privacy import CentralPrivacy
 from coordinator.strategies.base import ClientResult, TaskPlan, WeightedSum, summarize_personalized
 from coordinator.strategies.fedavg import FedAvg, FedProx
-from methods.spherefed.device import (STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, sphere_accuracies,
-                                        sphere_head, wire_numbers, wire_shapes)
+from methods.spherefed.device import (BOUNDED_NAMES, STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, clip_stats,
+                                      floor_eigenvalues, noise_floor, solve_classifier,
+                                      sphere_accuracies, sphere_head, unpack_upper, wire_numbers, wire_shapes)
 from methods.spherefed.model import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
 from storage.state import ServerState
 
@@ -100,7 +108,48 @@ class FfcSection:
             (not self.personalize or config.data.local_test_fraction > 0 or config.clients.spawn == 0,
              "ffc.personalize needs data.local_test_fraction > 0 for spawned clients"),
             *self._fedavg_checks(config),
+            *self._privacy_checks(config),
         ]
+
+    def _privacy_checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        """What FFC's pass can run with under differential privacy or secure aggregation (docs/privacy.md):
+        central DP, with the pass's own bound and noise; not local DP or secure aggregation (the statistics
+        would leave a device without noise or outside the masked sum), not personal classifiers (each device's
+        accuracy reported without noise)."""
+        p = config.privacy
+        if config.run.strategy not in (SphereFed.name, FEDAVG_FFC) or not self.enabled:
+            return []
+        checks = [
+            (not config.secagg.enabled,
+             "secagg.enabled = true cannot run FFC's calibration pass (ffc.enabled = true): each device's feature "
+             "statistics would leave it outside the masked sum; use privacy.mode = 'central' without secagg, or "
+             "ffc.enabled = false"),
+            (p.mode != "local",
+             "privacy.mode = 'local' cannot run FFC's calibration pass (ffc.enabled = true): each device's feature "
+             "statistics would leave it without noise; use privacy.mode = 'central' or ffc.enabled = false"),
+        ]
+        if p.mode != "central":
+            return checks
+        need = "privacy.mode = 'central' with FFC needs"
+        checks += [
+            (math.isfinite(p.ffc_clip) and p.ffc_clip > 0,
+             f"privacy.ffc_clip must be a positive number (the L2 bound on a device's FFC statistics), got {p.ffc_clip}"),
+            (math.isfinite(p.ffc_noise_multiplier) and p.ffc_noise_multiplier >= 0,
+             f"privacy.ffc_noise_multiplier must be >= 0 (0: no noise on the FFC sums, no privacy), "
+             f"got {p.ffc_noise_multiplier}"),
+            (not self.personalize, f"{need} ffc.personalize = false: each device's own classifier is scored on its "
+                                   "data and reported without noise"),
+        ]
+        if all(ok for ok, _ in checks) and p.target_epsilon > 0 and config.privacy.noise_multiplier > 0:
+            planned = planned_passes(self, 1, config.run.rounds)
+            privacy = CentralPrivacy.from_config(config)
+            eps = privacy.epsilon(config.run.rounds, planned) if privacy is not None else 0.0
+            checks.append((eps <= p.target_epsilon,
+                           f"privacy.target_epsilon = {p.target_epsilon:g} is below the {eps:.4g} that run.rounds = "
+                           f"{config.run.rounds} and {planned} FFC pass(es) spend, and a run the target stops early "
+                           "is never calibrated: raise privacy.noise_multiplier or privacy.ffc_noise_multiplier, "
+                           "or lower run.rounds (fedge-coordinator privacy --ffc-noise says what a pass costs)"))
+        return checks
 
     def _fedavg_checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         """FedAvg + FFC calibrates once, after the last round, the global model only."""
@@ -117,6 +166,13 @@ class FfcSection:
         ]
 
 
+def planned_passes(ffc: FfcSection, first: int, last: int) -> int:
+    """FFC passes in rounds ``first`` to ``last`` (the run's last), as :meth:`FfcPhase.calibrates` runs them."""
+    if not ffc.enabled or last < first:
+        return 0
+    return sum(1 for r in range(first, last + 1) if r == last or (ffc.every > 0 and r % ffc.every == 0))
+
+
 class FfcPhase:
     """The ``ffc`` phase, for a FedAvg-based strategy whose model ends in ``classifier.weight`` (C x d).
 
@@ -128,6 +184,7 @@ class FfcPhase:
     """
 
     ffc: FfcSection
+    rounds: int = 0    # run.rounds (0: unknown, then one pass is assumed still to come)
 
     def calibrates(self, round: int, last: bool) -> bool:
         return self.ffc.enabled and (last or (self.ffc.every > 0 and round % self.ffc.every == 0))
@@ -152,23 +209,42 @@ class FfcPhase:
         if phase != "ffc":
             return super().configure(phase, round, state, clients)   # type: ignore[misc]
         classes, dim = state.params[CLASSIFIER].shape
-        hyper = {"dtype": self.ffc.dtype, "personalize": self.ffc.personalize, "ridge": self.ffc.ridge}
+        hyper: dict[str, Any] = {"dtype": self.ffc.dtype, "personalize": self.ffc.personalize, "ridge": self.ffc.ridge}
+        central = self.central_privacy()
+        if central is not None:
+            hyper["clip"] = central.ffc_clip
         down = self.ffc_down(state)
         return [TaskPlan(client_id=c, objective="ffc_stats", hyper=hyper, down=down, up=list(STAT_NAMES),
                          expect=wire_shapes(dim, classes), codec=WIRE_CODECS[self.ffc.dtype]) for c in clients]
 
+    def central_privacy(self) -> CentralPrivacy | None:
+        """The run's central DP (set on the FedAvg base by the strategy setup), None without it."""
+        privacy = getattr(self, "privacy", None)
+        return privacy if isinstance(privacy, CentralPrivacy) else None
+
+    def stop_before(self, round: int, state: ServerState) -> str:
+        """Under central DP with a target epsilon, the check before each round counts in the FFC passes
+        still to come (the last round's included), not only the round's training."""
+        central = self.central_privacy()
+        if central is None or not self.ffc.enabled:
+            return super().stop_before(round, state)   # type: ignore[misc]
+        last = self.rounds if self.rounds >= round else round
+        return central.stop_before(state, max(planned_passes(self.ffc, round, last), 1))
+
     def aggregate_ffc(self, round: int, state: ServerState,
                       results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
-        """Sum the clients' statistics (in the engine's fixed order) and solve the least-squares classifier."""
+        """Sum the clients' statistics (in the engine's fixed order) and solve the least-squares classifier;
+        under central DP, each held to the bound and the sums noised first (:meth:`_private_sums`)."""
         classes, dim = state.params[CLASSIFIER].shape
         started = time.perf_counter()
-        parts = []
+        parts, kept = [], []
         for r in results:
             try:
                 stats = FfcStats.from_wire(r.tensors, dim, classes)
                 if stats.count != r.num_samples:
                     raise SphereError(f"ffc.count is {stats.count} but num_samples is {r.num_samples}")
                 parts.append(stats)
+                kept.append(r)
             except SphereError as exc:   # counted and logged; the others still calibrate
                 log.warning("round %d: discarded the FFC statistics of %s: %s", round, r.client_id, exc)
         numbers = wire_numbers(dim, classes)
@@ -179,8 +255,14 @@ class FfcPhase:
             log.error("round %d: no usable FFC statistics; the classifier stays the model's own", round)
             return state, metrics
         total = FfcStats.reduce(parts)
+        central = self.central_privacy()
+        gram = total.gram
+        if central is not None:
+            total, state, dp_row, floor = self._private_sums(state, kept, total.count, dim)
+            gram = floor_eigenvalues(total.gram, floor) if floor > 0 else total.gram
+            metrics.update({**dp_row, "dp_ffc_eigenvalue_floor": floor})
         try:
-            calibration = total.solve(self.ffc.ridge, precision=WIRE_DTYPES[self.ffc.dtype])
+            calibration = solve_classifier(gram, total.cross, self.ffc.ridge, precision=WIRE_DTYPES[self.ffc.dtype])
         except SphereError as exc:   # sums that are no Gram matrix (a faulty client): keep the model's classifier
             log.error("round %d: FFC failed, the classifier stays the model's own: %s", round, exc)
             return state, {**metrics, "ffc_failed": str(exc)}
@@ -199,6 +281,25 @@ class FfcPhase:
         new = self.calibrated(state, calibration.weight, round)
         return dataclasses.replace(new, extra={**new.extra, "ffc_round": round}), metrics
 
+    def _private_sums(self, state: ServerState, results: list[ClientResult], count: int,
+                      dim: int) -> tuple[FfcStats, ServerState, dict[str, Any], float]:
+        """The private release of an FFC pass: each device's packed G and B held to ``privacy.ffc_clip`` again
+        (it may not have scaled them, or a float32 rounding may have pushed them over), summed, noised once
+        (:meth:`CentralPrivacy.release_ffc`), G unpacked (mirrored, so symmetric); the state with the pass
+        accounted, the row's ``dp_*`` columns, and the eigenvalue floor for the noisy G (0 without noise)."""
+        central = self.central_privacy()
+        assert central is not None
+        sums: dict[str, torch.Tensor] = {}
+        clipped = 0
+        for r in results:
+            bounded, was = clip_stats({k: r.tensors[k].to(torch.float64) for k in BOUNDED_NAMES}, central.ffc_clip)
+            clipped += int(was or r.metrics.get("ffc_clipped", 0.0) == 1.0)
+            for k, v in bounded.items():
+                sums[k] = v if k not in sums else sums[k] + v
+        noisy, state, row = central.release_ffc(state, sums, clipped, len(results))
+        total = FfcStats(unpack_upper(noisy["ffc.gram"], dim), noisy["ffc.cross"], count)
+        return total, state, row, noise_floor(row["dp_ffc_noise_std"], dim)
+
     @staticmethod
     def ffc_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The last calibration's figures, for summary.json."""
@@ -206,7 +307,12 @@ class FfcPhase:
         if not calibrated:
             return {}
         last = calibrated[-1]
-        return {"ffc_round": last["round"], **{k: last[k] for k in _SUMMARY_KEYS if k in last}}
+        out = {"ffc_round": last["round"], **{k: last[k] for k in _SUMMARY_KEYS if k in last}}
+        private = [r for r in rows if "dp_ffc_passes" in r]
+        if private:
+            out.update({k: private[-1][k] for k in ("dp_ffc_passes", "dp_ffc_epsilon", "dp_ffc_clip",
+                                                    "dp_ffc_noise_std")})
+        return out
 
 
 class SphereFed(FfcPhase, FedProx):
@@ -223,9 +329,9 @@ class SphereFed(FfcPhase, FedProx):
         self.sphere_seed = sphere_seed
         self.ffc = ffc
         self.lr_schedule, self.rounds = lr_schedule, rounds
-        # Calibration ships each device's feature statistics, exactly: nothing the noise covers.
-        self.central_dp = "its FFC calibration sends every device's feature statistics (set ffc.enabled = false)" \
-            if ffc.enabled else ""
+        # Central DP covers the FFC pass (its own bound and noise); personal classifiers' accuracies it does not.
+        self.central_dp = "ffc.personalize reports every device's own classifier's accuracy without noise (set " \
+                          "ffc.personalize = false)" if ffc.enabled and ffc.personalize else ""
         self.broadcast = broadcast      # the download goes once per round as a broadcast, not per task
         self._fixed: torch.Tensor | None = None
 
@@ -314,7 +420,7 @@ class SphereFed(FfcPhase, FedProx):
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The classifier bytes saved over the run and the last calibration's figures."""
         out: dict[str, Any] = {"classifier_bytes_saved": sum(r.get("classifier_bytes_saved", 0) for r in rows)}
-        return {**out, **self.ffc_summary(rows)}
+        return {**super().summary(rows), **out, **self.ffc_summary(rows)}
 
 
 @torch.no_grad()
@@ -345,10 +451,11 @@ class FedAvgFfc(FfcPhase, FedAvg):
 
     name = FEDAVG_FFC
     sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
-    central_dp = "its FFC calibration sends every device's feature statistics"
 
-    def __init__(self, train: dict[str, Any], *, ffc: FfcSection = FfcSection(), sphere_seed: int = 0) -> None:
+    def __init__(self, train: dict[str, Any], *, ffc: FfcSection = FfcSection(), sphere_seed: int = 0,
+                 rounds: int = 0) -> None:
         super().__init__(train)
+        self.rounds = rounds
         if not ffc.enabled or ffc.every or ffc.personalize:
             raise ConfigError(f"{FEDAVG_FFC} calibrates once after the last round: it needs ffc.enabled = true, "
                               "ffc.every = 0 and ffc.personalize = false")
@@ -357,7 +464,7 @@ class FedAvgFfc(FfcPhase, FedAvg):
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "FedAvgFfc":
-        return cls(dataclasses.asdict(cfg.train), ffc=cfg.ffc, sphere_seed=cfg.run.seed)
+        return cls(dataclasses.asdict(cfg.train), ffc=cfg.ffc, sphere_seed=cfg.run.seed, rounds=cfg.run.rounds)
 
     def initialize(self, spec: dict[str, Any], params: dict[str, torch.Tensor]) -> ServerState:
         weight, bias = params.get(CLASSIFIER), params.get("classifier.bias")
