@@ -194,13 +194,26 @@ def ffc_epsilon(passes: int, *, noise_multiplier: float, delta: float) -> float:
                          ffc_noise_multiplier=noise_multiplier)
 
 
-def noise_for_epsilon(epsilon: float, *, rounds: int, sampling_rate: float, delta: float) -> float:
-    """The smallest noise multiplier z whose account after ``rounds`` rounds stays within ``epsilon`` at
-    ``delta`` (``dp_accounting``'s calibration over the same event :func:`epsilon_after` composes): what to
-    set ``privacy.noise_multiplier`` to for a target, before the run, instead of finding it by trial."""
+def noise_for_epsilon(epsilon: float, *, rounds: int, sampling_rate: float, delta: float, ffc_passes: int = 0,
+                      ffc_noise_multiplier: float = 0.0) -> float:
+    """The smallest noise multiplier z whose account after ``rounds`` rounds (and ``ffc_passes`` FFC passes at
+    ``ffc_noise_multiplier``) stays within ``epsilon`` at ``delta`` (``dp_accounting``'s calibration over the
+    same event :func:`epsilon_after` composes): what to set ``privacy.noise_multiplier`` to for a target,
+    before the run, instead of finding it by trial."""
     if rounds < 1 or not (0 < sampling_rate <= 1):
         raise ValueError("rounds must be at least 1 and the sampling rate in (0, 1]")
-    return _calibrate(lambda z: _central_event(rounds, sampling_rate, z), epsilon, delta)
+    if ffc_passes < 1:
+        return _calibrate(lambda z: _central_event(rounds, sampling_rate, z), epsilon, delta)
+    if not ffc_noise_multiplier > 0:
+        raise ValueError("FFC passes without noise (ffc_noise_multiplier 0) have no finite epsilon")
+    passes = ffc_epsilon(ffc_passes, noise_multiplier=ffc_noise_multiplier, delta=delta)
+    if passes >= epsilon:
+        raise ValueError(f"{ffc_passes} FFC pass(es) at z_ffc = {ffc_noise_multiplier:g} alone spend epsilon "
+                         f"{passes:.4g}, not less than the target {epsilon:g}: raise the FFC noise multiplier")
+    import dp_accounting
+
+    return _calibrate(lambda z: dp_accounting.ComposedDpEvent(
+        [_central_event(rounds, sampling_rate, z), _ffc_event(ffc_passes, ffc_noise_multiplier)]), epsilon, delta)
 
 
 def local_epsilon(participations: int, *, noise_multiplier: float, delta: float) -> float:

@@ -191,3 +191,14 @@ def test_central_dp_runs_ffc_and_repeated_passes_are_each_accounted():
     assert "FFC pass" in strategy.stop_before(1, state)
     assert make_strategy(config(**CENTRAL, **{"ffc.enabled": False})).privacy is not None
     assert make_strategy(config(**CENTRAL, **{"run.strategy": "fedavg_ffc", "model.head": "linear"})).privacy
+
+
+def test_the_privacy_command_says_what_the_ffc_pass_costs(capsys):
+    from coordinator.ui.cli import main as coordinator_main
+
+    assert coordinator_main(["privacy", "--epsilon", "8", "--epsilon", "1", "--rounds", "10", "--per-round", "10",
+                             "--expected", "10", "--ffc-noise", "4"]) == 0
+    out = capsys.readouterr().out
+    alone = ffc_epsilon(1, noise_multiplier=4.0, delta=1e-5)
+    assert f"alone: epsilon {alone:.4g}" in out and "privacy.noise_multiplier = " in out
+    assert "epsilon 1: out of reach" in out   # the pass alone spends more than 1
