@@ -196,11 +196,6 @@ class PrivacySection:
     # Noise on the count of updates within the bound, as a multiplier of that count's sensitivity (1/2 per
     # device, the bits being centred); 0: clients per round / 10 (Andrew et al.'s count noise of m / 20).
     count_noise_multiplier: float = 0.0
-    # FFC's calibration pass under central DP (run.strategy spherefed or fedavg_ffc with [ffc]): the L2 bound on one
-    # device's statistics, its packed Gram matrix and class sums taken as one vector (each unit feature adds at most
-    # sqrt(2); a device's grows with its samples), and z_ffc: the noise on their sum has std z_ffc x ffc_clip.
-    ffc_clip: float = 300.0
-    ffc_noise_multiplier: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ update, so the coordinator need not be trusted: it neither clips nor adds noise,
 per device, over the rounds that device was given a task in, each a Gaussian mechanism of sensitivity
 2C (any change of the device's data) without amplification by sampling.
 
-FFC's calibration pass (:mod:`methods.spherefed`) is one more central release: every device bounds the
-L2 norm of its feature statistics (``privacy.ffc_clip``), the coordinator adds Gaussian noise of std
-z_ffc x that bound to their sum once (:meth:`CentralPrivacy.release_ffc`), and the account composes one
-unsampled ``GaussianDpEvent(z_ffc)`` per pass after the training rounds' events, in the same accountant.
+A method may release more than training's rounds: a pass in which every device sends statistics bounded
+in L2 norm (a calibration after training, say). :meth:`CentralPrivacy.release_sum` adds the Gaussian noise
+to their sum once and the account composes one unsampled ``GaussianDpEvent(z)`` per such release after
+the training rounds' events, in the same accountant; the method says what is bounded and how.
 
 The functions are pure (noise comes from the generator they are given); :class:`CentralPrivacy` and
 :class:`LocalPrivacy` hold a run's settings. The clip norm, the rounds accounted and the devices'
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from coordinator.config_sections import PrivacySection
 from coordinator.strategies.base import ClientResult, WeightedSum
 from edge_client.privacy import fresh_generator
 from storage.state import ServerState
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CentralPrivacy", "LocalPrivacy", "AdaptiveClip", "noisy_mean", "adapted_clip_norm",
            "accounted_noise_multiplier", "epsilon_after", "noise_for_epsilon", "local_epsilon",
-           "local_noise_for_epsilon", "fresh_generator", "clipped_count", "noisy_sum", "ffc_epsilon"]
+           "local_noise_for_epsilon", "fresh_generator", "clipped_count", "noisy_sum", "release_epsilon"]
 
 class _QuietOrders(logging.Filter):
     """dp_accounting warns (through absl) for every fractional RDP order whose series does not converge, and
@@ -61,7 +60,8 @@ class _QuietOrders(logging.Filter):
 
 logging.getLogger("absl").addFilter(_QuietOrders())
 
-# ServerState.extra[EXTRA_KEY]: central {"clip_norm": C, "rounds": rounds accounted, "ffc_passes": FFC passes};
+# ServerState.extra[EXTRA_KEY]: central {"clip_norm": C, "rounds": rounds accounted,
+# "releases": [noise multiplier of each unsampled release so far]};
 # local {"participations": {device id: rounds it was given a training task in}}
 EXTRA_KEY = "privacy"
 
@@ -89,8 +89,8 @@ def noisy_sum(sums: Mapping[str, torch.Tensor], noise_std: float,
               generator: torch.Generator) -> dict[str, torch.Tensor]:
     """``sums`` + N(0, noise_std^2) on every coordinate, float64: a released sum of bounded contributions.
 
-    FFC's statistics travel as the packed upper triangle of G and as B, so noising that vector
-    and unpacking it (mirroring) gives a symmetric noisy G at the sensitivity of the packed vector.
+    A symmetric matrix sent as its packed upper triangle, noised so and unpacked (mirrored), stays
+    symmetric at the sensitivity of the packed vector.
     """
     if not (noise_std >= 0 and math.isfinite(noise_std)):
         raise ValueError(f"the noise std must be a finite number >= 0, got {noise_std}")
@@ -158,19 +158,18 @@ def _local_event(participations: int, noise_multiplier: float) -> Any:
     return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier / 2), participations)
 
 
-def _ffc_event(passes: int, noise_multiplier: float) -> Any:
-    """``passes`` FFC calibration passes under central DP: each device's statistics within the bound B, their
-    sum plus N(0, (z_ffc B)^2) per coordinate, every device in it (q = 1, no amplification): a Gaussian
-    mechanism of multiplier z_ffc, once per pass."""
+def _release_event(multipliers: Sequence[float]) -> Any:
+    """Releases with every device in them (q = 1, no amplification): each device's contribution within a
+    bound B, their sum plus N(0, (z B)^2) per coordinate, a Gaussian mechanism of multiplier z each."""
     import dp_accounting
 
-    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier), passes)
+    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z) for z in multipliers])
 
 
 def epsilon_after(rounds: int, *, sampling_rate: float, noise_multiplier: float, delta: float,
-                  ffc_passes: int = 0, ffc_noise_multiplier: float = 0.0) -> float:
-    """Epsilon at ``delta`` after ``rounds`` rounds, each a Poisson-sampled Gaussian mechanism, then
-    ``ffc_passes`` FFC passes, each an unsampled Gaussian mechanism (one RDP account for all of them)."""
+                  releases: Sequence[float] = ()) -> float:
+    """Epsilon at ``delta`` after ``rounds`` rounds, each a Poisson-sampled Gaussian mechanism, then one
+    unsampled Gaussian mechanism per multiplier in ``releases`` (one RDP account for all of them)."""
     import dp_accounting
 
     events = []
@@ -178,42 +177,39 @@ def epsilon_after(rounds: int, *, sampling_rate: float, noise_multiplier: float,
         if noise_multiplier <= 0:
             return math.inf
         events.append(_central_event(rounds, sampling_rate, noise_multiplier))
-    if ffc_passes > 0:
-        if ffc_noise_multiplier <= 0:
+    if releases:
+        if min(releases) <= 0:
             return math.inf
-        events.append(_ffc_event(ffc_passes, ffc_noise_multiplier))
+        events.append(_release_event(releases))
     if not events:
         return 0.0
     return _epsilon(events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events), delta)
 
 
-def ffc_epsilon(passes: int, *, noise_multiplier: float, delta: float) -> float:
-    """Epsilon at ``delta`` of ``passes`` private FFC passes alone (what they add to a run without training
-    noise; composed with training, :func:`epsilon_after` gives the run's, which is less than the sum)."""
-    return epsilon_after(0, sampling_rate=1.0, noise_multiplier=1.0, delta=delta, ffc_passes=passes,
-                         ffc_noise_multiplier=noise_multiplier)
+def release_epsilon(releases: Sequence[float], *, delta: float) -> float:
+    """Epsilon at ``delta`` of unsampled releases alone (one per multiplier; composed with training,
+    :func:`epsilon_after` gives the run's, which is less than the two added)."""
+    return epsilon_after(0, sampling_rate=1.0, noise_multiplier=1.0, delta=delta, releases=releases)
 
 
-def noise_for_epsilon(epsilon: float, *, rounds: int, sampling_rate: float, delta: float, ffc_passes: int = 0,
-                      ffc_noise_multiplier: float = 0.0) -> float:
-    """The smallest noise multiplier z whose account after ``rounds`` rounds (and ``ffc_passes`` FFC passes at
-    ``ffc_noise_multiplier``) stays within ``epsilon`` at ``delta`` (``dp_accounting``'s calibration over the
-    same event :func:`epsilon_after` composes): what to set ``privacy.noise_multiplier`` to for a target,
-    before the run, instead of finding it by trial."""
+def noise_for_epsilon(epsilon: float, *, rounds: int, sampling_rate: float, delta: float,
+                      releases: Sequence[float] = ()) -> float:
+    """The smallest noise multiplier z whose account after ``rounds`` rounds (and the unsampled ``releases``)
+    stays within ``epsilon`` at ``delta`` (``dp_accounting``'s calibration over the same event
+    :func:`epsilon_after` composes): what to set ``privacy.noise_multiplier`` to for a target, before the
+    run, instead of finding it by trial."""
     if rounds < 1 or not (0 < sampling_rate <= 1):
         raise ValueError("rounds must be at least 1 and the sampling rate in (0, 1]")
-    if ffc_passes < 1:
+    if not releases:
         return _calibrate(lambda z: _central_event(rounds, sampling_rate, z), epsilon, delta)
-    if not ffc_noise_multiplier > 0:
-        raise ValueError("FFC passes without noise (ffc_noise_multiplier 0) have no finite epsilon")
-    passes = ffc_epsilon(ffc_passes, noise_multiplier=ffc_noise_multiplier, delta=delta)
-    if passes >= epsilon:
-        raise ValueError(f"{ffc_passes} FFC pass(es) at z_ffc = {ffc_noise_multiplier:g} alone spend epsilon "
-                         f"{passes:.4g}, not less than the target {epsilon:g}: raise the FFC noise multiplier")
+    alone = release_epsilon(releases, delta=delta)
+    if alone >= epsilon:
+        raise ValueError(f"the {len(releases)} release(s) alone spend epsilon {alone:.4g}, not less than the "
+                         f"target {epsilon:g}: raise their noise multiplier")
     import dp_accounting
 
     return _calibrate(lambda z: dp_accounting.ComposedDpEvent(
-        [_central_event(rounds, sampling_rate, z), _ffc_event(ffc_passes, ffc_noise_multiplier)]), epsilon, delta)
+        [_central_event(rounds, sampling_rate, z), _release_event(releases)]), epsilon, delta)
 
 
 def local_epsilon(participations: int, *, noise_multiplier: float, delta: float) -> float:
@@ -254,8 +250,6 @@ class CentralPrivacy:
     per_round: int              # devices selected per round: the fixed denominator
     sampling_rate: float        # per_round / expected
     adaptive: AdaptiveClip | None = None
-    ffc_clip: float = PrivacySection.ffc_clip   # L2 bound on one device's FFC statistics (packed G and B together)
-    ffc_noise_multiplier: float = PrivacySection.ffc_noise_multiplier   # z_ffc: the noise on the summed statistics has std z_ffc x ffc_clip
 
     @classmethod
     def from_config(cls, config: RunConfig) -> CentralPrivacy | None:
@@ -267,7 +261,7 @@ class CentralPrivacy:
         if p.adaptive_clip:
             adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise_multiplier or m / 10)
         return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, m, m / config.clients.expected,
-                   adaptive, p.ffc_clip, p.ffc_noise_multiplier)
+                   adaptive)
 
     mode: ClassVar[str] = "central"
 
@@ -284,36 +278,36 @@ class CentralPrivacy:
         return accounted_noise_multiplier(self.noise_multiplier,
                                           None if self.adaptive is None else self.adaptive.count_noise_multiplier)
 
-    def epsilon(self, rounds: int, ffc_passes: int = 0) -> float:
-        """The run's epsilon after ``rounds`` training rounds and ``ffc_passes`` FFC passes (one account)."""
+    def epsilon(self, rounds: int, releases: Sequence[float] = ()) -> float:
+        """The run's epsilon after ``rounds`` training rounds and the unsampled ``releases`` (one account)."""
         return epsilon_after(rounds, sampling_rate=self.sampling_rate, noise_multiplier=self.accounted_multiplier,
-                             delta=self.delta, ffc_passes=ffc_passes, ffc_noise_multiplier=self.ffc_noise_multiplier)
+                             delta=self.delta, releases=releases)
 
     def kept(self, state: ServerState) -> tuple[float, int]:
         """(clip norm for the next round, rounds accounted so far) from ``state``."""
         kept = state.extra.get(EXTRA_KEY, {})
         return float(kept.get("clip_norm", self.clip_norm)), int(kept.get("rounds", 0))
 
-    def ffc_passes(self, state: ServerState) -> int:
-        """FFC passes accounted so far (from ``state``)."""
-        return int(state.extra.get(EXTRA_KEY, {}).get("ffc_passes", 0))
+    def releases(self, state: ServerState) -> list[float]:
+        """The noise multipliers of the unsampled releases accounted so far (from ``state``)."""
+        return [float(z) for z in state.extra.get(EXTRA_KEY, {}).get("releases", [])]
 
     def _keep(self, state: ServerState, **changes: Any) -> ServerState:
         kept = {**state.extra.get(EXTRA_KEY, {}), **changes}
         return dataclasses.replace(state, extra={**state.extra, EXTRA_KEY: kept})
 
-    def stop_before(self, state: ServerState, ffc_passes: int = 0) -> str:
+    def stop_before(self, state: ServerState, planned: Sequence[float] = ()) -> str:
         """Why the next round must not run (it would take epsilon past the target), "" when it may.
-        ``ffc_passes``: FFC passes still to come with or after it, which the check counts in."""
+        ``planned``: multipliers of the unsampled releases still to come with or after it, counted in."""
         if self.target_epsilon <= 0:
             return ""
         _, rounds = self.kept(state)
-        done = self.ffc_passes(state)
-        after = self.epsilon(rounds + 1, done + ffc_passes)
+        done = self.releases(state)
+        after = self.epsilon(rounds + 1, [*done, *planned])
         if after <= self.target_epsilon:
             return ""
-        planned = f" and {ffc_passes} FFC pass(es)" if ffc_passes else ""
-        return (f"privacy: stopping before round {state.round + 1}: it{planned} would take epsilon from "
+        planned_text = f" and {len(planned)} planned release(s) of every device" if planned else ""
+        return (f"privacy: stopping before round {state.round + 1}: it{planned_text} would take epsilon from "
                 f"{self.epsilon(rounds, done):.4g} to {after:.4g}, past privacy.target_epsilon = "
                 f"{self.target_epsilon:g} (delta {self.delta:g})")
 
@@ -334,28 +328,22 @@ class CentralPrivacy:
             following, noisy = adapted_clip_norm(clip, len(results) - clipped, self.per_round, quantile=a.quantile,
                                                  lr=a.lr, count_std=a.count_noise_multiplier / 2, generator=generator)
             row.update({"dp_next_clip_norm": following, "dp_unclipped_noisy_fraction": noisy})
-        row["dp_epsilon"] = self.epsilon(rounds + 1, self.ffc_passes(state))
+        row["dp_epsilon"] = self.epsilon(rounds + 1, self.releases(state))
         return update, self._keep(state, clip_norm=following, rounds=rounds + 1), row
 
-    def release_ffc(self, state: ServerState, sums: Mapping[str, torch.Tensor], clipped: int, devices: int,
+    def release_sum(self, state: ServerState, sums: Mapping[str, torch.Tensor], bound: float, noise_multiplier: float,
                     generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], ServerState,
                                                                        dict[str, Any]]:
-        """An FFC pass's noisy sums, ``state`` with one more pass accounted, and the row's ``dp_*`` columns.
-
-        ``sums``: the devices' statistics, each held to ``ffc_clip`` (all of its tensors as one vector),
-        summed; they get N(0, (z_ffc x ffc_clip)^2) per coordinate once. No denominator: the least-squares
-        solve is the same for any common scale of G and B, so the sum is released as it is.
-        """
-        generator = generator or fresh_generator()
-        std = self.ffc_noise_multiplier * self.ffc_clip
-        noisy = noisy_sum(sums, std, generator)
+        """A release with every device in it: ``sums`` of contributions each held to L2 norm ``bound`` (all of a
+        device's tensors as one vector) plus N(0, (noise_multiplier x bound)^2) per coordinate, once; ``state``
+        with the release accounted; the row's ``dp_epsilon`` (the run's, composed) and ``dp_releases``."""
+        if not (bound > 0 and math.isfinite(bound)):
+            raise ValueError(f"the bound must be a positive finite number, got {bound}")
+        noisy = noisy_sum(sums, noise_multiplier * bound, generator or fresh_generator())
         _, rounds = self.kept(state)
-        passes = self.ffc_passes(state) + 1
-        row = {"dp_mode": "central", "dp_epsilon": self.epsilon(rounds, passes),
-               "dp_ffc_epsilon": ffc_epsilon(passes, noise_multiplier=self.ffc_noise_multiplier, delta=self.delta),
-               "dp_ffc_passes": passes, "dp_ffc_clip": self.ffc_clip, "dp_ffc_noise_std": std,
-               "dp_ffc_clipped_fraction": clipped / devices if devices else 0.0}
-        return noisy, self._keep(state, ffc_passes=passes), row
+        releases = [*self.releases(state), float(noise_multiplier)]
+        row = {"dp_mode": "central", "dp_epsilon": self.epsilon(rounds, releases), "dp_releases": len(releases)}
+        return noisy, self._keep(state, releases=releases), row
 
 
 def clipped_count(results: Sequence[ClientResult]) -> int:

@@ -16,7 +16,7 @@ import torch
 from dp_accounting.rdp import RdpAccountant
 
 from coordinator.config import ConfigError, load_config
-from coordinator.privacy import CentralPrivacy, ffc_epsilon
+from coordinator.privacy import CentralPrivacy, release_epsilon
 from coordinator.runtime.run import run_federated
 from coordinator.strategies.base import ClientResult
 from coordinator.strategy_setup import make_strategy
@@ -90,20 +90,19 @@ def test_device_statistics_are_within_the_bound_as_one_vector(digits, dtype):
 
 # -- the coordinator's noise ------------------------------------------------------------------------------------
 def test_the_summed_statistics_get_noise_of_z_times_the_bound_and_g_stays_symmetric():
-    privacy = CentralPrivacy(1.0, 1.0, 1e-5, 0.0, 2, 0.5, ffc_clip=40.0, ffc_noise_multiplier=0.7)
+    privacy = CentralPrivacy(1.0, 1.0, 1e-5, 0.0, 2, 0.5)
     d, classes = 200, 10
     sums = {"ffc.gram": torch.zeros(packed_size(d), dtype=torch.float64),
             "ffc.cross": torch.zeros(d, classes, dtype=torch.float64)}
     state = ServerState(round=3, params={}, extra={"privacy": {"clip_norm": 1.0, "rounds": 3}})
-    noisy, after, row = privacy.release_ffc(state, sums, clipped=1, devices=4,
-                                            generator=torch.Generator().manual_seed(0))
+    noisy, after, row = privacy.release_sum(state, sums, 40.0, 0.7, generator=torch.Generator().manual_seed(0))
     values = torch.cat([noisy["ffc.gram"], noisy["ffc.cross"].flatten()])
     assert float(values.std()) == pytest.approx(0.7 * 40.0, rel=0.01)
     assert abs(float(values.mean())) < 5 * 28.0 / math.sqrt(values.numel())
     gram = unpack_upper(noisy["ffc.gram"], d)
     assert torch.equal(gram, gram.t())
-    assert row["dp_ffc_noise_std"] == 28.0 and row["dp_ffc_passes"] == 1 and row["dp_ffc_clipped_fraction"] == 0.25
-    assert after.extra["privacy"] == {"clip_norm": 1.0, "rounds": 3, "ffc_passes": 1}   # training's account kept
+    assert row["dp_releases"] == 1 and row["dp_epsilon"] == pytest.approx(privacy.epsilon(3, [0.7]))
+    assert after.extra["privacy"] == {"clip_norm": 1.0, "rounds": 3, "releases": [0.7]}   # training's account kept
     # the floor makes the noisy G positive definite, so the solve is well posed
     floored = floor_eigenvalues(gram, noise_floor(28.0, d))
     assert float(torch.linalg.eigvalsh(gram)[0]) < 0 < float(torch.linalg.eigvalsh(floored)[0])
@@ -115,19 +114,20 @@ def test_without_noise_and_with_a_loose_bound_the_private_head_is_the_plain_one(
     strategy = SphereFed({}, sphere_seed=7, ffc=FfcSection())
     state = strategy.initialize({}, {k: v.clone() for k, v in model.state_dict().items()})
     plain, _ = strategy.aggregate("ffc", 1, state, device_stats(model, digits, parts))
-    private = SphereFed({}, sphere_seed=7, ffc=FfcSection())
-    private.privacy = CentralPrivacy(1.0, 1.0, 1e-5, 0.0, 2, 0.5, ffc_clip=1e9, ffc_noise_multiplier=0.0)
+    private = SphereFed({}, sphere_seed=7, ffc=FfcSection(clip=1e9, noise_multiplier=0.0))
+    private.privacy = CentralPrivacy(1.0, 1.0, 1e-5, 0.0, 2, 0.5)
     tasks = private.configure("ffc", 1, state, ["c0"])
     assert tasks[0].hyper["clip"] == 1e9
     new, metrics = private.aggregate("ffc", 1, state, device_stats(model, digits, parts, clip=1e9))
     assert torch.allclose(new.params[CLASSIFIER], plain.params[CLASSIFIER], rtol=0, atol=1e-6)
     assert metrics["dp_ffc_noise_std"] == 0.0 and metrics["dp_epsilon"] == math.inf
     # with noise the head moves, and the pass is accounted
-    private.privacy = CentralPrivacy(1.0, 1.0, 1e-5, 0.0, 2, 0.5, ffc_clip=50.0, ffc_noise_multiplier=1.0)
+    private.ffc = FfcSection(clip=50.0, noise_multiplier=1.0)
     noisy, metrics = private.aggregate("ffc", 1, state, device_stats(model, digits, parts, clip=50.0))
     assert not torch.allclose(noisy.params[CLASSIFIER], plain.params[CLASSIFIER], atol=1e-3)
-    assert metrics["dp_ffc_epsilon"] == pytest.approx(ffc_epsilon(1, noise_multiplier=1.0, delta=1e-5))
-    assert noisy.extra["privacy"]["ffc_passes"] == 1 and metrics["dp_ffc_eigenvalue_floor"] > 0
+    assert metrics["dp_ffc_epsilon"] == pytest.approx(release_epsilon([1.0], delta=1e-5))
+    assert noisy.extra["privacy"]["releases"] == [1.0] and metrics["dp_ffc_eigenvalue_floor"] > 0
+    assert metrics["dp_ffc_clipped_fraction"] == 1.0
 
 
 # -- the account ------------------------------------------------------------------------------------------------
@@ -140,21 +140,20 @@ def _by_hand(rounds, q, z, z_ffc, delta, passes=1):
 
 
 def test_the_pass_is_composed_after_the_training_rounds_in_one_account():
-    privacy = CentralPrivacy(1.0, 1.1, 1e-5, 0.0, 2, 0.2, ffc_clip=10.0, ffc_noise_multiplier=3.0)
-    assert privacy.epsilon(7, 1) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5))
-    assert privacy.epsilon(7, 2) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5, passes=2))
-    assert privacy.epsilon(7) < privacy.epsilon(7, 1) < privacy.epsilon(7) + ffc_epsilon(1, noise_multiplier=3.0,
-                                                                                         delta=1e-5)
+    privacy = CentralPrivacy(1.0, 1.1, 1e-5, 0.0, 2, 0.2)
+    assert privacy.epsilon(7, [3.0]) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5))
+    assert privacy.epsilon(7, [3.0, 3.0]) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5, passes=2))
+    assert privacy.epsilon(7) < privacy.epsilon(7, [3.0]) < privacy.epsilon(7) + release_epsilon([3.0], delta=1e-5)
     # a target check before the last round counts its pass in
-    tight = CentralPrivacy(1.0, 1.1, 1e-5, privacy.epsilon(7, 0) * 1.001, 2, 0.2, ffc_noise_multiplier=3.0)
+    tight = CentralPrivacy(1.0, 1.1, 1e-5, privacy.epsilon(7) * 1.001, 2, 0.2)
     state = ServerState(round=6, params={}, extra={"privacy": {"rounds": 6}})
-    assert tight.stop_before(state) == "" and "FFC pass" in tight.stop_before(state, 1)
+    assert tight.stop_before(state) == "" and "planned release" in tight.stop_before(state, [3.0])
 
 
 def test_a_private_ffc_run_reports_the_composed_epsilon_in_its_row_and_summary(tmp_path):
     sets = {**CENTRAL, "run.strategy": "fedavg_ffc", "model.head": "linear", "run.out": str(tmp_path),
-            "privacy.clip_norm": 5.0, "privacy.noise_multiplier": 0.8, "privacy.ffc_noise_multiplier": 2.0,
-            "privacy.ffc_clip": 100.0}
+            "privacy.clip_norm": 5.0, "privacy.noise_multiplier": 0.8, "ffc.noise_multiplier": 2.0,
+            "ffc.clip": 100.0}
     result = run_federated(config(**sets), say=lambda s: None)
     rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
@@ -163,7 +162,7 @@ def test_a_private_ffc_run_reports_the_composed_epsilon_in_its_row_and_summary(t
     assert rows[-2]["dp_epsilon"] < expected   # round 1: training only
     summary = json.loads((result.out_dir / "summary.json").read_text())
     assert summary["dp_epsilon"] == pytest.approx(expected) and summary["dp_ffc_passes"] == 1
-    assert summary["dp_ffc_epsilon"] == pytest.approx(ffc_epsilon(1, noise_multiplier=2.0, delta=1e-5))
+    assert summary["dp_ffc_epsilon"] == pytest.approx(release_epsilon([2.0], delta=1e-5))
     assert last["ffc_clients"] == 4 and last["dp_ffc_noise_std"] == 200.0
 
 
@@ -172,8 +171,8 @@ def test_a_private_ffc_run_reports_the_composed_epsilon_in_its_row_and_summary(t
     ({"privacy.mode": "local"}, "privacy.mode = 'local' cannot run FFC"),
     ({"secagg.enabled": True, "clients.per_round": 4}, "secagg.enabled = true cannot run FFC"),
     ({**CENTRAL, "ffc.personalize": True, "data.local_test_fraction": 0.2}, "ffc.personalize = false"),
-    ({**CENTRAL, "privacy.ffc_clip": 0.0}, "privacy.ffc_clip must be a positive number"),
-    ({**CENTRAL, "privacy.ffc_noise_multiplier": -1.0}, "privacy.ffc_noise_multiplier must be >= 0"),
+    ({**CENTRAL, "ffc.clip": 0.0}, "ffc.clip must be a positive number"),
+    ({**CENTRAL, "ffc.noise_multiplier": -1.0}, "ffc.noise_multiplier must be >= 0"),
     ({**CENTRAL, "privacy.target_epsilon": 1.0}, "a run the target stops early is never calibrated"),
 ])
 def test_what_ffc_still_cannot_run_with_is_refused_naming_the_key(sets, message):
@@ -186,9 +185,9 @@ def test_central_dp_runs_ffc_and_repeated_passes_are_each_accounted():
     assert isinstance(strategy.privacy, CentralPrivacy) and strategy.calibrates(1, False)
     state = ServerState(round=0, params={})
     # target check before round 1 of 2 with a pass every round: both passes are counted
-    tight = CentralPrivacy(1.0, 1.0, 1e-5, strategy.privacy.epsilon(1, 1) * 1.001, 2, 0.5)
+    tight = CentralPrivacy(1.0, 1.0, 1e-5, strategy.privacy.epsilon(1, [1.0]) * 1.001, 2, 0.5)
     strategy.privacy = tight
-    assert "FFC pass" in strategy.stop_before(1, state)
+    assert "2 planned release" in strategy.stop_before(1, state)
     assert make_strategy(config(**CENTRAL, **{"ffc.enabled": False})).privacy is not None
     assert make_strategy(config(**CENTRAL, **{"run.strategy": "fedavg_ffc", "model.head": "linear"})).privacy
 
@@ -197,8 +196,8 @@ def test_the_privacy_command_says_what_the_ffc_pass_costs(capsys):
     from coordinator.ui.cli import main as coordinator_main
 
     assert coordinator_main(["privacy", "--epsilon", "8", "--epsilon", "1", "--rounds", "10", "--per-round", "10",
-                             "--expected", "10", "--ffc-noise", "4"]) == 0
+                             "--expected", "10", "--release-noise", "4"]) == 0
     out = capsys.readouterr().out
-    alone = ffc_epsilon(1, noise_multiplier=4.0, delta=1e-5)
+    alone = release_epsilon([4.0], delta=1e-5)
     assert f"alone: epsilon {alone:.4g}" in out and "privacy.noise_multiplier = " in out
     assert "epsilon 1: out of reach" in out   # the pass alone spends more than 1

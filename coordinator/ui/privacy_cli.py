@@ -28,12 +28,10 @@ def add_command(sub, name: str = "privacy") -> None:  # sub: the parser's subpar
     cmd.add_argument("--participations", type=at_least(1),
                      help="local: rounds one device takes part in (at most run.rounds; about run.rounds x "
                           "clients.per_round / clients.expected on average with random selection)")
-    cmd.add_argument("--ffc-noise", type=positive, metavar="Z_FFC",
-                     help="central: privacy.ffc_noise_multiplier of the run's FFC calibration pass(es) (spherefed, "
-                          "fedavg_ffc): prints what the pass alone costs and composes it into the account")
-    cmd.add_argument("--ffc-passes", type=at_least(1), default=1,
-                     help="central, with --ffc-noise: FFC passes of the run (1: after the last round; more with "
-                          "ffc.every)")
+    cmd.add_argument("--release-noise", type=positive, metavar="Z", action="append", default=[],
+                     help="central: the noise multiplier of one more release with every device in it (q = 1), such "
+                          "as a method's calibration pass over all devices (repeatable: one per release); prints "
+                          "what the releases alone cost and composes them into the account (docs/privacy.md)")
     cmd.add_argument("--delta", type=positive, default=1e-5, help="privacy.delta (default 1e-5)")
     cmd.set_defaults(handler=_privacy)
 
@@ -44,7 +42,7 @@ def _refuse(message: str) -> int:
 
 
 def _privacy(args: argparse.Namespace) -> int:
-    from coordinator.privacy import ffc_epsilon, local_noise_for_epsilon, noise_for_epsilon
+    from coordinator.privacy import local_noise_for_epsilon, release_epsilon, noise_for_epsilon
 
     if not args.delta < 1:
         return _refuse("--delta must be below 1 (1e-5 is usual: below 1 / number of devices)")
@@ -58,26 +56,26 @@ def _privacy(args: argparse.Namespace) -> int:
             print(f"  epsilon {epsilon:g}: privacy.noise_multiplier = {z:.4g}  (noise on each device's update: "
                   f"{z:.4g} x the clip norm per coordinate)")
         return 0
-    if args.ffc_noise is not None and args.mode != "central":
-        return _refuse("--ffc-noise is for --mode central: local DP refuses FFC")
+    if args.release_noise and args.mode != "central":
+        return _refuse("--release-noise is for --mode central")
     if None in (args.rounds, args.per_round, args.expected) or args.participations is not None:
         return _refuse("--mode central takes --rounds, --per-round and --expected, not --participations")
     if args.per_round > args.expected:
         return _refuse("--per-round cannot exceed --expected")
     q = args.per_round / args.expected
-    passes = args.ffc_passes if args.ffc_noise is not None else 0
-    ffc = ""
-    if passes:
-        alone = ffc_epsilon(passes, noise_multiplier=args.ffc_noise, delta=args.delta)
-        ffc = f" and {passes} FFC pass(es) at privacy.ffc_noise_multiplier = {args.ffc_noise:g}"
-        print(f"{passes} FFC pass(es) at privacy.ffc_noise_multiplier = {args.ffc_noise:g} (every device, q = 1), "
-              f"alone: epsilon {alone:.4g} at delta {args.delta:g}")
-    print(f"{args.rounds} rounds, {args.per_round} of {args.expected} devices a round (q = {q:g}){ffc}, "
+    releases = [float(z) for z in args.release_noise]
+    extra = ""
+    if releases:
+        alone = release_epsilon(releases, delta=args.delta)
+        zs = ", ".join(f"{z:g}" for z in releases)
+        extra = f" and {len(releases)} release(s) of every device at z = {zs}"
+        print(f"{len(releases)} release(s) of every device (q = 1) at z = {zs}, alone: epsilon {alone:.4g} "
+              f"at delta {args.delta:g}")
+    print(f"{args.rounds} rounds, {args.per_round} of {args.expected} devices a round (q = {q:g}){extra}, "
           f"delta {args.delta:g}:")
     for epsilon in args.epsilon:
         try:
-            z = noise_for_epsilon(epsilon, rounds=args.rounds, sampling_rate=q, delta=args.delta, ffc_passes=passes,
-                                  ffc_noise_multiplier=args.ffc_noise or 0.0)
+            z = noise_for_epsilon(epsilon, rounds=args.rounds, sampling_rate=q, delta=args.delta, releases=releases)
         except ValueError as exc:
             print(f"  epsilon {epsilon:g}: out of reach: {exc}")
             continue

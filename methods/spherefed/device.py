@@ -336,7 +336,7 @@ class FfcHyper:
     personalize: bool = False    # also solve this client's own classifier (kept in the state dir, scored locally)
     ridge: float = 0.0           # lambda of that personal solve
     batch_size: int = 256
-    # Central DP (privacy.ffc_clip): G (packed) and B, as one vector, scaled to this L2 norm at most before they
+    # Central DP (ffc.clip): G (packed) and B, as one vector, scaled to this L2 norm at most before they
     # are sent. None: sent as they are.
     clip: float | None = None
 

@@ -16,10 +16,10 @@ separates what SphereFed's fixed head does from what a calibration on every clie
 Both strategies take the ``ffc`` phase from :class:`FfcPhase`.
 
 Under central DP (``privacy.mode = "central"``) the pass is private too: each device scales its
-statistics to the L2 bound ``privacy.ffc_clip``, the coordinator holds each to it again, adds
-Gaussian noise of std ``privacy.ffc_noise_multiplier`` x that bound to the sums once, raises the
-noisy Gram matrix's eigenvalues to the noise's scale and solves; the pass is composed into the
-run's account (:meth:`coordinator.privacy.CentralPrivacy.release_ffc`, docs/privacy.md).
+statistics to the L2 bound ``ffc.clip``, the coordinator holds each to it again, adds Gaussian
+noise of std ``ffc.noise_multiplier`` x that bound to the sums once, raises the noisy Gram
+matrix's eigenvalues to the noise's scale and solves; the pass is composed into the run's
+account (:meth:`coordinator.privacy.CentralPrivacy.release_sum`, docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from coordinator.errors import ConfigError
-from coordinator.privacy import CentralPrivacy
+from coordinator.privacy import CentralPrivacy, release_epsilon
 from coordinator.strategies.base import ClientResult, TaskPlan, WeightedSum, summarize_personalized
 from coordinator.strategies.fedavg import FedAvg, FedProx
 from methods.spherefed.device import (BOUNDED_NAMES, STAT_NAMES, WIRE_CODECS, WIRE_DTYPES, FfcStats, clip_stats,
@@ -99,6 +99,11 @@ class FfcSection:
     ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one
     dtype: str = "float64"          # statistics on the wire: float64 (exact) or float32 (half the bytes)
     personalize: bool = False       # clients also solve their own classifier (kept in their state dir), scored locally
+    # Under privacy.mode = "central": the L2 bound on one device's statistics, its packed G and B taken as one vector
+    # (each unit feature adds at most sqrt(2), so a device's grows with its samples), and z_ffc: the noise on their
+    # sum has std noise_multiplier x clip (docs/privacy.md, "FFC's sums under DP").
+    clip: float = 300.0
+    noise_multiplier: float = 1.0
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [
@@ -132,23 +137,23 @@ class FfcSection:
             return checks
         need = "privacy.mode = 'central' with FFC needs"
         checks += [
-            (math.isfinite(p.ffc_clip) and p.ffc_clip > 0,
-             f"privacy.ffc_clip must be a positive number (the L2 bound on a device's FFC statistics), got {p.ffc_clip}"),
-            (math.isfinite(p.ffc_noise_multiplier) and p.ffc_noise_multiplier >= 0,
-             f"privacy.ffc_noise_multiplier must be >= 0 (0: no noise on the FFC sums, no privacy), "
-             f"got {p.ffc_noise_multiplier}"),
+            (math.isfinite(self.clip) and self.clip > 0,
+             f"ffc.clip must be a positive number (the L2 bound on a device's FFC statistics), got {self.clip}"),
+            (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0,
+             f"ffc.noise_multiplier must be >= 0 (0: no noise on the FFC sums, no privacy), "
+             f"got {self.noise_multiplier}"),
             (not self.personalize, f"{need} ffc.personalize = false: each device's own classifier is scored on its "
                                    "data and reported without noise"),
         ]
         if all(ok for ok, _ in checks) and p.target_epsilon > 0 and config.privacy.noise_multiplier > 0:
             planned = planned_passes(self, 1, config.run.rounds)
             privacy = CentralPrivacy.from_config(config)
-            eps = privacy.epsilon(config.run.rounds, planned) if privacy is not None else 0.0
+            eps = privacy.epsilon(config.run.rounds, [self.noise_multiplier] * planned) if privacy is not None else 0.0
             checks.append((eps <= p.target_epsilon,
                            f"privacy.target_epsilon = {p.target_epsilon:g} is below the {eps:.4g} that run.rounds = "
                            f"{config.run.rounds} and {planned} FFC pass(es) spend, and a run the target stops early "
-                           "is never calibrated: raise privacy.noise_multiplier or privacy.ffc_noise_multiplier, "
-                           "or lower run.rounds (fedge-coordinator privacy --ffc-noise says what a pass costs)"))
+                           "is never calibrated: raise privacy.noise_multiplier or ffc.noise_multiplier, "
+                           "or lower run.rounds (fedge-coordinator privacy --release-noise says what a pass costs)"))
         return checks
 
     def _fedavg_checks(self, config: RunConfig) -> list[tuple[bool, str]]:
@@ -212,7 +217,7 @@ class FfcPhase:
         hyper: dict[str, Any] = {"dtype": self.ffc.dtype, "personalize": self.ffc.personalize, "ridge": self.ffc.ridge}
         central = self.central_privacy()
         if central is not None:
-            hyper["clip"] = central.ffc_clip
+            hyper["clip"] = self.ffc.clip
         down = self.ffc_down(state)
         return [TaskPlan(client_id=c, objective="ffc_stats", hyper=hyper, down=down, up=list(STAT_NAMES),
                          expect=wire_shapes(dim, classes), codec=WIRE_CODECS[self.ffc.dtype]) for c in clients]
@@ -229,7 +234,7 @@ class FfcPhase:
         if central is None or not self.ffc.enabled:
             return super().stop_before(round, state)   # type: ignore[misc]
         last = self.rounds if self.rounds >= round else round
-        return central.stop_before(state, max(planned_passes(self.ffc, round, last), 1))
+        return central.stop_before(state, [self.ffc.noise_multiplier] * max(planned_passes(self.ffc, round, last), 1))
 
     def aggregate_ffc(self, round: int, state: ServerState,
                       results: list[ClientResult]) -> tuple[ServerState, dict[str, Any]]:
@@ -283,22 +288,27 @@ class FfcPhase:
 
     def _private_sums(self, state: ServerState, results: list[ClientResult], count: int,
                       dim: int) -> tuple[FfcStats, ServerState, dict[str, Any], float]:
-        """The private release of an FFC pass: each device's packed G and B held to ``privacy.ffc_clip`` again
+        """The private release of an FFC pass: each device's packed G and B held to ``ffc.clip`` again
         (it may not have scaled them, or a float32 rounding may have pushed them over), summed, noised once
-        (:meth:`CentralPrivacy.release_ffc`), G unpacked (mirrored, so symmetric); the state with the pass
+        (:meth:`CentralPrivacy.release_sum`), G unpacked (mirrored, so symmetric); the state with the pass
         accounted, the row's ``dp_*`` columns, and the eigenvalue floor for the noisy G (0 without noise)."""
         central = self.central_privacy()
         assert central is not None
         sums: dict[str, torch.Tensor] = {}
         clipped = 0
         for r in results:
-            bounded, was = clip_stats({k: r.tensors[k].to(torch.float64) for k in BOUNDED_NAMES}, central.ffc_clip)
+            bounded, was = clip_stats({k: r.tensors[k].to(torch.float64) for k in BOUNDED_NAMES}, self.ffc.clip)
             clipped += int(was or r.metrics.get("ffc_clipped", 0.0) == 1.0)
             for k, v in bounded.items():
                 sums[k] = v if k not in sums else sums[k] + v
-        noisy, state, row = central.release_ffc(state, sums, clipped, len(results))
+        z, bound = self.ffc.noise_multiplier, self.ffc.clip
+        noisy, state, row = central.release_sum(state, sums, bound, z)
+        passes = len(central.releases(state))   # this method's only unsampled release
+        row.update({"dp_ffc_passes": passes, "dp_ffc_epsilon": release_epsilon([z] * passes, delta=central.delta),
+                    "dp_ffc_clip": bound, "dp_ffc_noise_std": z * bound,
+                    "dp_ffc_clipped_fraction": clipped / len(results) if results else 0.0})
         total = FfcStats(unpack_upper(noisy["ffc.gram"], dim), noisy["ffc.cross"], count)
-        return total, state, row, noise_floor(row["dp_ffc_noise_std"], dim)
+        return total, state, row, noise_floor(z * bound, dim)
 
     @staticmethod
     def ffc_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
