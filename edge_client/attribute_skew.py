@@ -2,10 +2,10 @@
 attribute (colour, rotation, contrast) rather than in their labels, for methods that must tell the
 two apart; and the normalization and evaluation split a model trained under such a partition needs.
 
-``attribute:colorlabel:DOMAINS:P`` is the Colored-MNIST kind of attribute skew DFL's paper measures
-on: within each client the colour predicts the label (a spurious correlation of strength ``P``), the
-correlation differs between clients, and the coordinator's test split has none, so a model that
-learned colour instead of shape fails there.
+``attribute:colorlabel:DOMAINS:P`` is the Colored-MNIST kind of attribute skew: within each client the
+colour predicts the label (a spurious correlation of strength ``P``), the correlation differs between
+clients, and the coordinator's test split has none, so a model that learned colour instead of shape
+fails there.
 """
 
 from __future__ import annotations

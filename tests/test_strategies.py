@@ -240,7 +240,7 @@ def test_make_strategy_fedavg_and_fedprox():
 
 
 def test_an_unknown_strategy_is_refused_when_the_config_is_read():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'scaffold'; available: fedavg, fedprox, spherefed, dfl"):
+    with pytest.raises(ConfigError, match=r"unknown strategy 'scaffold'; available: fedavg, fedprox, spherefed, fedavg_ffc, dfl"):
         load_config(None, [("run", "strategy", "scaffold")])
     config = load_config(None, [])
     with pytest.raises(ConfigError, match="unknown strategy 'scaffold'"):
