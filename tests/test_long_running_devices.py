@@ -227,7 +227,7 @@ def test_a_device_that_announces_itself_and_vanishes_cannot_end_the_run(tmp_path
     liar = presence_payload("liar", PresenceBody("online", num_samples=1_000_000_000, input_shape=(1, 8, 8),
                                                  num_classes=10))
     publish.single(f"{prefix}/clients/liar/presence", liar, qos=1, retain=True, hostname=host, port=int(port))
-    out, timeout, rounds = tmp_path / "run", 6.0, 20
+    out, timeout, rounds = tmp_path / "run", 6.0, 8
     done = subprocess.run(coordinator_cmd(out, mosquitto, prefix, rounds, "--set", f"clients.round_timeout={timeout}",
                                           "--set", "clients.per_round=3", "--set", "clients.expected=4"),
                           capture_output=True, text=True, timeout=600)
