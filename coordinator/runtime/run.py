@@ -140,7 +140,7 @@ def _open_transport(config: RunConfig, run_id: str,
                                   max_message_bytes=t.max_message_bytes, ca_file=t.ca_file or None,
                                   cert_file=t.cert_file or None, key_file=t.key_file or None,
                                   password_source=t.password_env)
-        transport = MqttTransport(settings, f"fedge-coordinator-{run_id}").connect()
+        transport = MqttTransport(settings, f"fedge-coordinator-{run_id}", flow_control=True).connect()
         try:
             yield transport, {"url": url, "username": username, "password": password,
                               "protocol": transport.protocol or protocol,

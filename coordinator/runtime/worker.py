@@ -283,7 +283,7 @@ def serve_worker(config: RunConfig, worker_id: str, *, exit_after_run: bool = Fa
                               password_source=t.password_env)
     topics = Topics(t.prefix)
     will = Will(topics.worker(worker_id, "presence"), presence_payload(worker_id, PresenceBody("offline")))
-    transport = MqttTransport(settings, f"fedge-{worker_id}", will=will).connect()
+    transport = MqttTransport(settings, f"fedge-{worker_id}", will=will, flow_control=True).connect()
     worker = AggregationWorker(config, transport, worker_id)
     try:
         worker.start()

@@ -10,14 +10,16 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from typing import Iterable
+from typing import Callable, Iterable
 
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.transport_base import Incoming
 
-__all__ = ["Inbox"]
+__all__ = ["Inbox", "Ack"]
 
 log = logging.getLogger("fedge.transport")
+
+Ack = Callable[[], None] | None   # acknowledges one message to its sender (the broker)
 
 
 class Inbox:
@@ -33,6 +35,14 @@ class Inbox:
     dropped on arrival, before it costs a decode. Topics named by :meth:`prefer` (the
     result topics of the clients selected this round) are served before the rest. Drops
     are counted by reason (:attr:`dropped_by`) and their warnings throttled.
+
+    Backpressure: a message put with an ``ack`` (the transport's MQTT acknowledgement) is
+    acknowledged when it is taken by :meth:`get`, or at once when it is dropped as a flood, so
+    a broker honouring the receive maximum sends no more than the inbox holds. A full inbox
+    does not drop such a message: :meth:`put` waits up to ``hold`` seconds for room (the
+    sender's thread stops reading, so the broker keeps the rest queued), then keeps it anyway,
+    counted in :attr:`held_over`: the message is already in memory, and dropping it would cost
+    a re-send of the whole result.
     """
 
     def __init__(self, maxsize: int, max_bytes: int = 256 * 1024 * 1024, share: float = 0.25,
@@ -43,39 +53,56 @@ class Inbox:
         self.rate, self.burst = rate, burst
         self._buckets: dict[str, tuple[float, float]] = {}   # topic -> (tokens, when counted)
         self._preferred: frozenset[str] = frozenset()
-        self._queues: OrderedDict[str, deque[Incoming]] = OrderedDict()   # topics in serving order
+        self._queues: OrderedDict[str, deque[tuple[Incoming, Ack]]] = OrderedDict()   # topics in serving order
         self._bytes: dict[str, int] = {}
         self._count = self._total_bytes = 0
         self._ready = threading.Condition()
+        self._room = threading.Condition(self._ready._lock)   # same lock: a get() wakes a waiting put()
         self.dropped_by: Counter[str] = Counter()
+        self.held_over = 0      # acknowledged-on-take messages kept past the bounds after waiting for room
         self._warn = ThrottledLog(log)
 
     @property
     def dropped(self) -> int:
         return sum(self.dropped_by.values())
 
-    def put(self, item: Incoming) -> None:
+    def put(self, item: Incoming, ack: Ack = None, hold: float = 0.0) -> None:
+        """Queue ``item``; with ``ack``, wait up to ``hold`` s for room rather than drop it when full."""
         size = len(item.payload)
         with self._ready:
-            queue_ = self._queues.get(item.topic)
-            held = len(queue_) if queue_ is not None else 0
+            held = len(self._queues.get(item.topic, ()))
             if not self._take_token(item.topic, item.received_at):
                 reason = "one topic over its rate limit"
             elif held >= self.topic_messages or self._bytes.get(item.topic, 0) + size > self.topic_bytes:
                 reason = "one topic over its share of the inbox"
-            elif self._count >= self.maxsize or self._total_bytes + size > self.max_bytes:
+            elif self._full(size) and ack is not None:
+                if not self._room.wait_for(lambda: not self._count or not self._full(size), timeout=hold):
+                    self.held_over += 1
+                self._append(item, ack, size)
+                return
+            elif self._full(size):
                 reason = "inbox full"
             else:
-                if queue_ is None:
-                    queue_ = self._queues[item.topic] = deque()
-                queue_.append(item)
-                self._bytes[item.topic] = self._bytes.get(item.topic, 0) + size
-                self._count += 1
-                self._total_bytes += size
-                self._ready.notify()
+                self._append(item, ack, size)
                 return
             self.dropped_by[reason] += 1
+        if ack is not None:
+            ack()   # a flood is not taken: let the broker move on
         self._warn.warning("dropped a message on %s: %s", item.topic, reason)
+
+    def _full(self, size: int) -> bool:
+        return self._count >= self.maxsize or self._total_bytes + size > self.max_bytes
+
+    def _append(self, item: Incoming, ack: Ack, size: int) -> None:
+        """Queue ``item`` (call holding the lock)."""
+        queue_ = self._queues.get(item.topic)
+        if queue_ is None:
+            queue_ = self._queues[item.topic] = deque()
+        queue_.append((item, ack))
+        self._bytes[item.topic] = self._bytes.get(item.topic, 0) + size
+        self._count += 1
+        self._total_bytes += size
+        self._ready.notify()
 
     def prefer(self, topics: Iterable[str]) -> None:
         """Serve these topics' messages before any other's until the next call."""
@@ -109,7 +136,7 @@ class Inbox:
             if topic is None:
                 topic = next(iter(self._queues))
             queue_ = self._queues[topic]
-            item = queue_.popleft()
+            item, ack = queue_.popleft()
             if queue_:
                 self._queues.move_to_end(topic)     # the next topic's turn
             else:
@@ -119,4 +146,7 @@ class Inbox:
                 self._bytes[topic] -= len(item.payload)
             self._count -= 1
             self._total_bytes -= len(item.payload)
-            return item
+            self._room.notify()
+        if ack is not None:
+            ack()
+        return item

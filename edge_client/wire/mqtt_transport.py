@@ -5,6 +5,7 @@ say what to fix, since MQTT itself reports most of them by silence.
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 import threading
@@ -34,10 +35,20 @@ class MqttTransport(Transport):
     Subscriptions are remembered and renewed on every (re)connect, so a broker that
     lost our session still delivers. Call :meth:`connect` explicitly; the
     constructor does no I/O.
+
+    ``flow_control`` (the coordinator and the aggregation workers, which take results from
+    a whole fleet): a QoS 1 message is acknowledged when it is taken from the receive queue,
+    not when it arrives, and MQTT 5's Receive Maximum tells the broker how many unacknowledged
+    messages we hold at most (the queue's bound in messages, or in bytes over the largest
+    message), so a busy receiver slows the broker's delivery instead of dropping messages the
+    sender must re-send. A full queue also stops this connection's reading for up to a third
+    of the keepalive (brokers that release more than the Receive Maximum, as Mosquitto 2.0.11
+    does after each acknowledgement, are held back by TCP). Off for devices, whose loop
+    may not read while it trains.
     """
 
     def __init__(self, settings: BrokerSettings, client_id: str, *, will: Will | None = None,
-                 queue_size: int = 10_000) -> None:
+                 queue_size: int = 10_000, flow_control: bool = False) -> None:
         if settings.protocol not in PROTOCOLS:
             raise TransportError(f"MQTT protocol must be one of {PROTOCOLS}, got {settings.protocol!r}")
         self.settings = settings
@@ -45,6 +56,10 @@ class MqttTransport(Transport):
         self.will = will
         self.protocol: str | None = None
         self._inbox = Inbox(queue_size)
+        self.flow_control = flow_control
+        # Unacknowledged messages the broker may send us: what the queue holds, in messages and in bytes.
+        self.receive_maximum = max(1, min(65_535, queue_size, self._inbox.max_bytes // settings.max_message_bytes))
+        self._session = 0     # connections made: an acknowledgement belongs to the one its message came on
         self._filters: list[str] = []
         self._lock = threading.Lock()
         self._connected = threading.Event()
@@ -103,6 +118,7 @@ class MqttTransport(Transport):
             client_id=self.client_id,
             protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
             clean_session=None if v5 else False,
+            manual_ack=self.flow_control,
         )
         if self.settings.username is not None:
             client.username_pw_set(self.settings.username, self.settings.password)
@@ -120,6 +136,8 @@ class MqttTransport(Transport):
         if v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.settings.session_expiry
+            if self.flow_control:
+                props.ReceiveMaximum = self.receive_maximum
         host, port = self.settings.host_port()
         self._connected.clear()
         self._refused = None
@@ -159,6 +177,7 @@ class MqttTransport(Transport):
             return
         self._broker_max = getattr(properties, "MaximumPacketSize", None)
         self._connected_at = time.monotonic()
+        self._session += 1
         if self._too_large is not None:
             self._drop_oversize(client)
         with self._lock:
@@ -249,7 +268,20 @@ class MqttTransport(Transport):
                       self.client_id, access, topic, reason)
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
-        self._inbox.put(Incoming(msg.topic, bytes(msg.payload)))
+        ack = functools.partial(self._ack, msg.mid, self._session) if self.flow_control and msg.qos else None
+        self._inbox.put(Incoming(msg.topic, bytes(msg.payload)), ack, hold=self.settings.keepalive / 3)
+
+    def _ack(self, mid: int, session: int) -> None:
+        """Acknowledge a taken message, on the connection it came on: after a reconnect the broker
+        sends unacknowledged ones again, and a packet id of the old connection may name another message."""
+        client = self._client
+        if client is not None and session == self._session:
+            client.ack(mid, 1)
+
+    @property
+    def held_over(self) -> int:
+        """Messages kept past the receive queue's bounds: the broker sent more than the Receive Maximum."""
+        return self._inbox.held_over
 
     # -- messaging --------------------------------------------------------------
     def subscribe(self, topic_filter: str) -> None:
