@@ -44,7 +44,12 @@ def presence_payload(client_id: str, body: PresenceBody) -> bytes:
 
 @dataclass
 class _Pending:
-    """A result sent but not yet acknowledged; re-sent until ack or give-up time."""
+    """A result sent but not yet acknowledged; re-sent until ack or give-up time, each wait twice the last.
+
+    The re-send covers a message the broker lost (a restart without persistence); a result
+    that is merely queued behind a busy coordinator is not lost, and re-sending it every
+    ``resend_every`` seconds would add a copy of every queued result to the queue. Doubling
+    the wait, as TCP does, keeps the first re-send prompt and stops that pile-up."""
 
     run_id: str
     round: int
@@ -353,3 +358,4 @@ class DeviceProtocol:
         if now >= p.next_send_at:
             out.publish.append(Publish(self.topics.client(self.client_id, "result"), p.payload, result_of=p.task_id))
             p.next_send_at = now + p.resend_every
+            p.resend_every *= 2

@@ -105,6 +105,7 @@ def test_a_task_of_the_running_run_runs_once_and_its_result_goes_until_acknowled
     assert results(sent) == [b"r1"] and sent.publish[0].result_of == "t1"
     assert results(d.later(1.0)) == []                 # resend_every is 2 s
     assert results(d.later(1.5)) == [b"r1"]
+    assert results(d.later(3.9)) == [] and results(d.later(0.2)) == [b"r1"]   # then waits twice as long: 4 s
     again = d.task(task("t1"))                         # delivered again before the ack: the same result, now
     assert ran(again) == [] and results(again) == [b"r1"]
     acked = d.on(T.client(ME, "status"), ack("t1"))
