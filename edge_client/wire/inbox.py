@@ -38,16 +38,18 @@ class Inbox:
 
     Backpressure: a message put with an ``ack`` (the transport's MQTT acknowledgement) is
     acknowledged when it is taken by :meth:`get`, or at once when it is dropped as a flood, so
-    a broker honouring the receive maximum sends no more than the inbox holds. A full inbox
-    does not drop such a message: :meth:`put` waits up to ``hold`` seconds for room (the
-    sender's thread stops reading, so the broker keeps the rest queued), then keeps it anyway,
-    counted in :attr:`held_over`: the message is already in memory, and dropping it would cost
-    a re-send of the whole result.
+    a broker honouring the receive maximum (``window``) never has more than that many
+    messages delivered and not taken. Such a message is never dropped for a full inbox: it
+    is already in memory, and dropping it costs its sender a re-send of the whole result. A
+    broker that releases more than one message per acknowledgement (Mosquitto 2.0.11 sends a
+    whole window after each) is held back by acknowledging only while the inbox holds at most
+    one window: the acknowledgements of messages taken meanwhile wait, one sent per later
+    take. What was kept beyond the bounds anyway is counted in :attr:`held_over`.
     """
 
     def __init__(self, maxsize: int, max_bytes: int = 256 * 1024 * 1024, share: float = 0.25,
-                 rate: float = 200.0, burst: int = 2_000) -> None:
-        self.maxsize, self.max_bytes = maxsize, max_bytes
+                 rate: float = 200.0, burst: int = 2_000, window: int = 0) -> None:
+        self.maxsize, self.max_bytes, self.window = maxsize, max_bytes, window
         self.topic_messages = max(1, int(maxsize * share))
         self.topic_bytes = max(1, int(max_bytes * share))
         self.rate, self.burst = rate, burst
@@ -57,7 +59,7 @@ class Inbox:
         self._bytes: dict[str, int] = {}
         self._count = self._total_bytes = 0
         self._ready = threading.Condition()
-        self._room = threading.Condition(self._ready._lock)   # same lock: a get() wakes a waiting put()
+        self._unacked: deque[Callable[[], None]] = deque()   # taken, acknowledgement held back
         self.dropped_by: Counter[str] = Counter()
         self.held_over = 0      # acknowledged-on-take messages kept past the bounds after waiting for room
         self._warn = ThrottledLog(log)
@@ -66,8 +68,8 @@ class Inbox:
     def dropped(self) -> int:
         return sum(self.dropped_by.values())
 
-    def put(self, item: Incoming, ack: Ack = None, hold: float = 0.0) -> None:
-        """Queue ``item``; with ``ack``, wait up to ``hold`` s for room rather than drop it when full."""
+    def put(self, item: Incoming, ack: Ack = None) -> None:
+        """Queue ``item``; with ``ack``, acknowledge it when taken, and keep it even when the inbox is full."""
         size = len(item.payload)
         with self._ready:
             held = len(self._queues.get(item.topic, ()))
@@ -75,14 +77,10 @@ class Inbox:
                 reason = "one topic over its rate limit"
             elif held >= self.topic_messages or self._bytes.get(item.topic, 0) + size > self.topic_bytes:
                 reason = "one topic over its share of the inbox"
-            elif self._full(size) and ack is not None:
-                if not self._room.wait_for(lambda: not self._count or not self._full(size), timeout=hold):
-                    self.held_over += 1
-                self._append(item, ack, size)
-                return
-            elif self._full(size):
+            elif self._full(size) and ack is None:
                 reason = "inbox full"
             else:
+                self.held_over += ack is not None and self._full(size)
                 self._append(item, ack, size)
                 return
             self.dropped_by[reason] += 1
@@ -125,28 +123,38 @@ class Inbox:
 
     def get(self, timeout: float) -> Incoming | None:
         deadline = time.monotonic() + max(0.0, timeout)
+        item: Incoming | None = None
         with self._ready:
             while not self._queues:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._warn.flush()
-                    return None
+                    break
                 self._ready.wait(remaining)
-            topic = next((t for t in self._queues if t in self._preferred), None) if self._preferred else None
-            if topic is None:
-                topic = next(iter(self._queues))
-            queue_ = self._queues[topic]
-            item, ack = queue_.popleft()
-            if queue_:
-                self._queues.move_to_end(topic)     # the next topic's turn
             else:
-                del self._queues[topic]
-                self._bytes.pop(topic, None)
-            if topic in self._bytes:
-                self._bytes[topic] -= len(item.payload)
-            self._count -= 1
-            self._total_bytes -= len(item.payload)
-            self._room.notify()
+                item, taken = self._take()
+                if taken is not None:
+                    self._unacked.append(taken)
+            # One held-back acknowledgement per call: after a take while at most a window waits, or when quiet.
+            ack = self._unacked.popleft() if self._unacked and self._count <= self.window else None
         if ack is not None:
             ack()
         return item
+
+    def _take(self) -> tuple[Incoming, Ack]:
+        """The next message in serving order, out of its queue (call holding the lock)."""
+        topic = next((t for t in self._queues if t in self._preferred), None) if self._preferred else None
+        if topic is None:
+            topic = next(iter(self._queues))
+        queue_ = self._queues[topic]
+        item, ack = queue_.popleft()
+        if queue_:
+            self._queues.move_to_end(topic)     # the next topic's turn
+        else:
+            del self._queues[topic]
+            self._bytes.pop(topic, None)
+        if topic in self._bytes:
+            self._bytes[topic] -= len(item.payload)
+        self._count -= 1
+        self._total_bytes -= len(item.payload)
+        return item, ack

@@ -39,12 +39,10 @@ class MqttTransport(Transport):
     ``flow_control`` (the coordinator and the aggregation workers, which take results from
     a whole fleet): a QoS 1 message is acknowledged when it is taken from the receive queue,
     not when it arrives, and MQTT 5's Receive Maximum tells the broker how many unacknowledged
-    messages we hold at most (the queue's bound in messages, or in bytes over the largest
+    messages we hold at most (half the queue's bound in messages, or in bytes over the largest
     message), so a busy receiver slows the broker's delivery instead of dropping messages the
-    sender must re-send. A full queue also stops this connection's reading for up to a third
-    of the keepalive (brokers that release more than the Receive Maximum, as Mosquitto 2.0.11
-    does after each acknowledgement, are held back by TCP). Off for devices, whose loop
-    may not read while it trains.
+    sender must re-send (:class:`~edge_client.wire.inbox.Inbox` says how brokers that release
+    more are held back). Off for devices, whose loop may not read while it trains.
     """
 
     def __init__(self, settings: BrokerSettings, client_id: str, *, will: Will | None = None,
@@ -55,10 +53,11 @@ class MqttTransport(Transport):
         self.client_id = client_id
         self.will = will
         self.protocol: str | None = None
-        self._inbox = Inbox(queue_size)
+        # Unacknowledged messages the broker may send us: half what the queue holds, in messages and in bytes.
+        max_bytes = 256 * 1024 * 1024
+        self.receive_maximum = max(1, min(65_535, queue_size // 2, max_bytes // (2 * settings.max_message_bytes)))
+        self._inbox = Inbox(queue_size, max_bytes, window=self.receive_maximum)
         self.flow_control = flow_control
-        # Unacknowledged messages the broker may send us: what the queue holds, in messages and in bytes.
-        self.receive_maximum = max(1, min(65_535, queue_size, self._inbox.max_bytes // settings.max_message_bytes))
         self._session = 0     # connections made: an acknowledgement belongs to the one its message came on
         self._filters: list[str] = []
         self._lock = threading.Lock()
@@ -269,7 +268,7 @@ class MqttTransport(Transport):
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         ack = functools.partial(self._ack, msg.mid, self._session) if self.flow_control and msg.qos else None
-        self._inbox.put(Incoming(msg.topic, bytes(msg.payload)), ack, hold=self.settings.keepalive / 3)
+        self._inbox.put(Incoming(msg.topic, bytes(msg.payload)), ack)
 
     def _ack(self, mid: int, session: int) -> None:
         """Acknowledge a taken message, on the connection it came on: after a reconnect the broker
