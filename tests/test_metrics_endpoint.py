@@ -108,7 +108,7 @@ def test_status_lists_the_devices_of_a_run_directory(watched_run, capsys):
     result, _, _ = watched_run
     assert main(["status", "--run-dir", str(result.out_dir), "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
-    assert status["broker"] is None   # the run's broker (in-process) is gone with it
+    assert status["broker"] is None   # a run directory alone reads no broker
     assert status["run"]["finished"] and status["run"]["round"] == 2
     assert [d["client_id"] for d in status["devices"]] == ["sim-000", "sim-001", "sim-002"]
     for device in status["devices"]:

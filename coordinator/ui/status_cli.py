@@ -38,9 +38,12 @@ def add_command(sub, name: str = "status") -> None:  # sub: the parser's subpars
                     "presence on the broker), its class and site (FEDGE_DEVICE_CLASS and FEDGE_SITE on the device, "
                     "else its board or architecture), when it last answered a task, its last profile (task seconds, "
                     "median step, peak memory, temperature) and its failures among its last 10 answers (errors and "
-                    "missed tasks), with the run's state and last round. The broker is --broker, or transport.broker "
-                    "of --config or of RUN_DIR/config.toml; it is read for --wait seconds. Profiles and failures "
-                    "need --run-dir. docs/monitoring.md says more.")
+                    "missed tasks), with the run's state and last round. The broker is read (for --wait seconds) "
+                    "when --broker or --config names it; its other settings come from --config, else from "
+                    "RUN_DIR/config.toml, and --set. On a broker with use_username_as_clientid (deploy/mosquitto.conf) "
+                    "log in as a read-only user (--set transport.username=monitor), never as the coordinator: a "
+                    "second login under its name disconnects the run. Profiles and failures need --run-dir. "
+                    "docs/monitoring.md says more.")
     cmd.add_argument("--run-dir", type=Path, default=None, metavar="DIR", help="a run directory (its --out)")
     cmd.add_argument("--broker", default=None, help="broker URL mqtt://HOST:PORT or mqtts://HOST[:PORT] "
                                                     "[transport.broker]")
@@ -54,15 +57,19 @@ def add_command(sub, name: str = "status") -> None:  # sub: the parser's subpars
 
 # -- the broker ------------------------------------------------------------------------------
 def _broker_config(args: argparse.Namespace):  # -> RunConfig | None
-    """The configuration whose [transport] says how to reach the broker; None when no broker is named."""
+    """The configuration whose [transport] says how to reach the broker; None unless --broker or --config
+    asks for the broker. A run directory alone is not reason enough: its config logs in as the coordinator,
+    and on a broker with ``use_username_as_clientid`` a second login under that name disconnects the run."""
     from coordinator.config import load_config, parse_override
 
+    if not (args.broker or args.config):
+        return None
     path = args.config
     if path is None and args.run_dir is not None and (args.run_dir / "config.toml").is_file():
         path = args.run_dir / "config.toml"
     overrides = [parse_override(item) for item in args.set]
-    if args.broker:
-        overrides.append(("transport", "broker", args.broker))
+    if args.broker:   # whatever transport the run had (in-process, embedded broker): this broker now
+        overrides += [("transport", "kind", "mqtt"), ("transport", "broker", args.broker)]
     config = load_config(path, overrides)
     return config if config.transport.kind == "mqtt" and config.transport.broker else None
 
@@ -183,16 +190,7 @@ def _status(args: argparse.Namespace) -> int:
             raise ConfigError("nothing to read: give --broker mqtt://HOST:PORT (or a --config naming "
                               "transport.broker) and/or --run-dir DIR")
         run_dir = read_run_dir(args.run_dir) if args.run_dir is not None else None
-        broker = None
-        if config is not None:
-            try:
-                broker = read_broker(config, args.wait)
-            except TransportError as exc:
-                if args.broker or args.config or run_dir is None:
-                    raise
-                # the broker only the run directory's config names: the run's files still say something
-                print(f"fedge-coordinator status: not reading the broker of {args.run_dir / 'config.toml'}: {exc}",
-                      file=sys.stderr)
+        broker = read_broker(config, args.wait) if config is not None else None
     except (ConfigError, TransportError) as exc:
         print(f"fedge-coordinator status: {exc}", file=sys.stderr)
         return 2
@@ -206,10 +204,11 @@ def _status(args: argparse.Namespace) -> int:
 
 def _print_table(status: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    def show(value: Any, form: str = "{}") -> str:
-        return "-" if value is None else form.format(value)
+    def show(value: Any, form: str = "{}") -> str:   # escaped: devices choose their ids, classes and errors
+        return "-" if value is None or value == "" else escape(form.format(value))
 
     console = Console(width=None if sys.stdout.isatty() else 200)   # piped: wide enough for every column
     broker, run = status["broker"], status["run"]
@@ -217,12 +216,13 @@ def _print_table(status: dict[str, Any]) -> None:
         r = broker["run"]
         said = f"run {r['run_id']} {r['state']} at round {r['round']}" if r else "no run status retained"
         workers = ", ".join(f"{w} {s}" for w, s in broker["workers"].items()) or "none"
-        console.print(f"broker {broker['url']} (prefix {broker['prefix']}): {said}; aggregation workers: {workers}",
-                      highlight=False, soft_wrap=True)
+        console.print(escape(f"broker {broker['url']} (prefix {broker['prefix']}): {said}; aggregation workers: "
+                             f"{workers}"), highlight=False, soft_wrap=True)
     if run is not None:
         accuracy = show(run["test_accuracy"], "{:.4f}")
-        console.print(f"run directory {run['dir']}: {'finished' if run['finished'] else 'not finished'}, last row "
-                      f"round {show(run['round'])}, test accuracy {accuracy}", highlight=False, soft_wrap=True)
+        console.print(escape(f"run directory {run['dir']}: {'finished' if run['finished'] else 'not finished'}, "
+                             f"last row round {run['round']}, test accuracy {accuracy}"), highlight=False,
+                      soft_wrap=True)
     table = Table(title=f"{len(status['devices'])} devices")
     for column in ("device", "state", "last answer", "class", "site", "task s", "step ms", "peak MB", "temp C",
                    "failures", "last failure"):
@@ -231,9 +231,9 @@ def _print_table(status: dict[str, Any]) -> None:
         state = {True: "[green]online[/green]", False: "[red]offline[/red]", None: "-"}[d["online"]]
         answered = show(d["last_answer_at"]) + (f" (round {d['last_round']})" if d["last_round"] is not None else "")
         failures = show(d["recent_failures"]) + (f"/{d['recent_answers']}" if d["recent_answers"] else "")
-        table.add_row(d["client_id"], state, answered, d["device_class"] or "-", d["site"] or "-",
+        table.add_row(show(d["client_id"]), state, answered, show(d["device_class"]), show(d["site"]),
                       show(d["task_seconds"], "{:.2f}"),
                       show(None if d["step_seconds"] is None else d["step_seconds"] * 1000, "{:.1f}"),
                       show(None if d["peak_memory_bytes"] is None else d["peak_memory_bytes"] / 2**20, "{:.0f}"),
-                      show(d["temperature_c"], "{:.1f}"), failures, show(d["last_failure"])[:60])
+                      show(d["temperature_c"], "{:.1f}"), failures, show((d["last_failure"] or "")[:60]))
     console.print(table)
