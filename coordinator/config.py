@@ -20,9 +20,9 @@ from typing import Any
 
 from coordinator.config_checks import check_config
 from coordinator.config_sections import (AggregateSection, AsyncSection, CheckpointSection, ClientsSection,
-                                         CodecSection, DataSection, EvalSection, ExportSection, PrivacySection,
-                                         RunSection, SecAggSection, SelectionSection, SimSection, TrainSection,
-                                         TransportSection, WorkersSection)
+                                         CodecSection, DataSection, EvalSection, ExportSection, MetricsSection,
+                                         PrivacySection, RunSection, SecAggSection, SelectionSection, SimSection,
+                                         TrainSection, TransportSection, WorkersSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
 
@@ -54,6 +54,7 @@ class RunConfig:
     selection: SelectionSection = field(default_factory=SelectionSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     secagg: SecAggSection = field(default_factory=SecAggSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     # The methods' own sections (name -> dataclass), read as attributes: ``config.fedprox.mu``.
     methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
     # "section.key" the user set (file or flags): a method's defaults never override these.

@@ -70,6 +70,7 @@ def check_config(config: RunConfig) -> None:
         *_selection_checks(config),
         *_privacy_checks(config),
         *_secagg_checks(config),
+        *_metrics_checks(config),
         ("name" in config.model, "model.name is required"),
         *(check for section in config.methods.values() for check in section.checks(config)),
     ]
@@ -104,6 +105,18 @@ def _order_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (config.run.mode == "sync", f"{need} needs run.mode = 'sync': an asynchronous version is made of whichever "
                                     "results come first"),
     ]
+
+
+def _metrics_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``[metrics]``: checked only when on, so a coordinator without prometheus-client runs as before."""
+    m = config.metrics
+    if not m.enabled:
+        return []
+    from coordinator.telemetry import missing_library
+
+    return [(0 <= m.port <= 65535, f"metrics.port must be 0 (a free port) to 65535, got {m.port}"),
+            (bool(m.host), "metrics.host must be an address to bind, e.g. 127.0.0.1"),
+            (missing_library() == "", missing_library())]
 
 
 def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:

@@ -14,7 +14,8 @@ from edge_client.hyper import LocalTraining
 
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
-           "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection"]
+           "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection",
+           "MetricsSection"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
@@ -209,3 +210,13 @@ class SecAggSection:
     clip: float = 1.0               # each weighted update entry is clipped to [-clip, clip]; privacy.clip_norm under DP
     bits: int = 32                  # the sum is taken mod 2^bits (32: 4 bytes a word; up to 64)
     stage_timeout: float = 60.0     # seconds each of the share, mask and unmask exchanges waits for answers
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    """``[metrics]``: a Prometheus endpoint for the run, up while it runs (coordinator/telemetry.py,
+    docs/monitoring.md). Off unless asked for, and bound to this machine unless ``host`` says otherwise."""
+
+    enabled: bool = False
+    port: int = 9464                # 0: a free port, said at start and written to coordinator.log
+    host: str = "127.0.0.1"         # the address to bind: "0.0.0.0" for a Prometheus on another machine

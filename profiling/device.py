@@ -64,7 +64,8 @@ def device_facts() -> dict[str, Any]:
     ``ram_bytes`` is the host's memory as the OS reports it; inside a container with
     a memory limit the limit is lower, and ``memory_total_bytes`` / ``memory_available_bytes``
     say what this process may use (the cgroup's limit when it is lower). ``battery_percent`` and
-    ``power_plugged`` only where the device has a battery.
+    ``power_plugged`` only where the device has a battery. ``device_class`` and ``site`` are what the
+    variables ``FEDGE_DEVICE_CLASS`` and ``FEDGE_SITE`` say, for grouping a fleet.
     """
     torch = sys.modules.get("torch")
     return {
@@ -81,5 +82,8 @@ def device_facts() -> dict[str, Any]:
         "torch": _version("torch"),
         "torch_threads": torch.get_num_threads() if torch is not None else None,
         "onnxruntime": _version("onnxruntime"),
+        # the operator's own grouping, for the coordinator's metrics and status (docs/monitoring.md)
+        "device_class": os.environ.get("FEDGE_DEVICE_CLASS") or None,
+        "site": os.environ.get("FEDGE_SITE") or None,
         **battery(),
     }

@@ -30,6 +30,7 @@ class ProfileStore:
 
     def __init__(self, directory: Path, *, completed_rounds: int = 0) -> None:
         self.directory = directory
+        self.latest: dict[str, dict[str, Any]] = {}   # client id -> its latest profile this process took
         self._drop_rounds_after(completed_rounds)
 
     def _drop_rounds_after(self, completed_rounds: int) -> None:
@@ -52,6 +53,8 @@ class ProfileStore:
                   "late": late, "missed": missed, "error": error, "profile": profile or {}}
         with open(self.directory / f"{client_id}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
+        if profile:
+            self.latest[client_id] = profile
         latest = self.directory / f"{client_id}.json"
         if profile or not latest.exists():   # a missed task has no profile to show: keep the last real one
             latest.write_text(json.dumps({"client_id": client_id, "round": round, "profile": profile or {},

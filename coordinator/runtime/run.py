@@ -30,6 +30,7 @@ from coordinator.runtime.run_summary import run_summary
 from coordinator.ops.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import Strategy
+from coordinator.telemetry import run_telemetry
 from edge_client.data import (Dataset, describe_partitions, evaluation_split, load_dataset, model_normalization,
                                partition_indices)
 from edge_client.models import federated_names
@@ -235,16 +236,17 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     metrics_path = out / "metrics.jsonl"
     rows = _read_metrics(metrics_path, state.round) if resume else []
     eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
-    with _open_transport(config, run_id, say) as (transport, reach):
+    with _open_transport(config, run_id, say) as (transport, reach), run_telemetry(config, run_id, say) as telemetry:
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
                                   eval_data=eval_data, on_progress=on_progress)
+        telemetry.watch(coordinator.roster, coordinator.profile_store)   # [metrics]: the fleet at each scrape
         coordinator.announce("running")
         spawned = SpawnedClients()
         completed = False
         try:
             spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
             _wait_for_clients(coordinator, spawned, say)
-            _train(coordinator, rows, metrics_path, on_round)
+            _train(coordinator, rows, metrics_path, telemetry.observing(on_round))
             completed = True
         finally:
             # "stopped": the run may be resumed; devices drop what it queued instead of training it.

@@ -90,7 +90,7 @@ class AggregationWorker:
         self._warn = ThrottledLog(log)
         self.finished = False                  # a run this worker served was announced finished
         self._served: set[str] = set()        # runs whose manifest this worker read
-        self.stats = {"claimed": 0, "folded": 0, "dropped": 0, "partials": 0, "unusable": 0}
+        self.stats = {"claimed": 0, "folded": 0, "dropped": 0, "partials": 0, "unusable": 0, "bytes_received": 0}
 
     def start(self) -> None:
         """Subscribe and say we are here (retained; the last will says when we are not)."""
@@ -127,6 +127,7 @@ class AggregationWorker:
     def _handle(self, incoming: Any) -> None:
         topic = incoming.topic
         if self.topics.client_of(topic) is not None:   # a device's result, our share of them
+            self.stats["bytes_received"] += incoming.wire_bytes or len(incoming.payload)
             if incoming.error:
                 self._warn.warning("lost a result on %s: %s. If results come in chunks, a shared subscription "
                                    "spreads their chunks over the workers: raise the devices' max_message_bytes "
@@ -273,8 +274,11 @@ class _NoBroadcast(Exception):
 
 
 def serve_worker(config: RunConfig, worker_id: str, *, exit_after_run: bool = False,
-                 stop: threading.Event | None = None, say: Any = print) -> dict[str, int]:
-    """Connect to the run's broker as aggregation worker ``worker_id`` and serve until stopped; the counts."""
+                 stop: threading.Event | None = None, say: Any = print,
+                 metrics: tuple[str, int] | None = None) -> dict[str, int]:
+    """Connect to the run's broker as aggregation worker ``worker_id`` and serve until stopped; the counts.
+
+    ``metrics``: (host, port) to serve the worker's counters at for Prometheus (coordinator/telemetry.py)."""
     t = config.transport
     settings = BrokerSettings(url=t.broker, username=t.username or None, password=os.environ.get(t.password_env),
                               protocol=t.protocol, max_message_bytes=t.max_message_bytes,
@@ -285,10 +289,18 @@ def serve_worker(config: RunConfig, worker_id: str, *, exit_after_run: bool = Fa
     will = Will(topics.worker(worker_id, "presence"), presence_payload(worker_id, PresenceBody("offline")))
     transport = MqttTransport(settings, f"fedge-{worker_id}", will=will, flow_control=True).connect()
     worker = AggregationWorker(config, transport, worker_id)
+    server = None
     try:
+        if metrics is not None:
+            from coordinator.telemetry import MetricsServer, WorkerTelemetry
+
+            server = MetricsServer(WorkerTelemetry(worker).registry, *metrics)
+            say(f"serving metrics at {server.url}")
         worker.start()
         say(f"aggregation worker {worker_id} on {t.broker}, shared subscription group {config.workers.group!r}")
         worker.run(stop, exit_after_run=exit_after_run)
     finally:
         worker.close()
+        if server is not None:
+            server.close()
     return worker.stats

@@ -1,6 +1,6 @@
 """``fedge-coordinator``: run federated training (``run``), the whole pipeline (``demo``), provision a
-deployment (``provision``), take a share of a run's results (``worker``), or a method's own command
-(each method's ``cli.py``, named in :mod:`edge_client.registry`)."""
+deployment (``provision``), take a share of a run's results (``worker``), list the fleet (``status``), or a
+method's own command (each method's ``cli.py``, named in :mod:`edge_client.registry`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, positive
 from edge_client.registry import commands, model_options, resolve, strategies
-from coordinator.ui import kit_cli, privacy_cli
+from coordinator.ui import kit_cli, privacy_cli, status_cli
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the run in --out from its last checkpoint (reads OUT/config.toml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override any config key, e.g. --set train.lr=0.01 (repeatable)")
+    run.add_argument("--metrics-port", type=at_least(0), default=None, metavar="PORT",
+                     help="serve the run's metrics for Prometheus at http://127.0.0.1:PORT/metrics while it runs (0: a "
+                          "free port, printed); sets metrics.enabled and metrics.port, metrics.host binds another "
+                          "address; needs prometheus-client (docs/monitoring.md)")
     run.add_argument("-v", "--verbose", action="store_true", help="log client and round events to the terminal")
     demo = sub.add_parser("demo", help="the whole pipeline on digits with 4 local client processes",
                           description="Start the embedded broker, spawn 4 client processes on scikit-learn's "
@@ -78,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_provision(sub)
     kit_cli.add_command(sub)
     privacy_cli.add_command(sub)
+    status_cli.add_command(sub)
     _add_worker(sub)
     return parser
 
@@ -97,6 +102,11 @@ def _add_worker(sub) -> None:  # sub: the parser's subparsers
                         help="override a config key, e.g. --set workers.group=site-a (repeatable)")
     worker.add_argument("--id", default=None, help="this worker's id (default worker-HOST-PID)")
     worker.add_argument("--exit-after-run", action="store_true", help="exit once the coordinator says the run finished")
+    worker.add_argument("--metrics-port", type=at_least(0), default=None, metavar="PORT",
+                        help="serve this worker's counters for Prometheus at http://HOST:PORT/metrics (0: a free "
+                             "port, printed); needs prometheus-client (docs/monitoring.md)")
+    worker.add_argument("--metrics-host", default="127.0.0.1",
+                        help="the address the metrics endpoint binds (default 127.0.0.1: this machine only)")
     worker.add_argument("-v", "--verbose", action="store_true", help="log every claim and partial sum")
 
 
@@ -110,6 +120,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from coordinator.config import ConfigError, load_config, parse_override
     from coordinator.runtime.worker import default_worker_id, serve_worker
+    from coordinator.telemetry import MetricsError, missing_library
     from edge_client.wire.protocol import valid_client_id
     from edge_client.wire.transport import TransportError
 
@@ -127,8 +138,13 @@ def _worker(args: argparse.Namespace) -> int:
         worker_id = args.id or default_worker_id()
         if not valid_client_id(worker_id):
             raise ConfigError(f"--id {worker_id!r}: use up to 64 letters, digits, '.', '_' or '-'")
-        stats = serve_worker(config, worker_id, exit_after_run=args.exit_after_run, stop=stop)
-    except (ConfigError, TransportError) as exc:
+        metrics = None
+        if args.metrics_port is not None:
+            if missing_library():
+                raise ConfigError(missing_library())
+            metrics = (args.metrics_host, args.metrics_port)
+        stats = serve_worker(config, worker_id, exit_after_run=args.exit_after_run, stop=stop, metrics=metrics)
+    except (ConfigError, TransportError, MetricsError) as exc:
         print(f"fedge-coordinator worker: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -207,6 +223,8 @@ def _config_from_args(args: argparse.Namespace):  # -> RunConfig
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             overrides.append((section, key, value))
+    if getattr(args, "metrics_port", None) is not None:
+        overrides += [("metrics", "enabled", True), ("metrics", "port", args.metrics_port)]
     overrides += [parse_override(item) for item in args.set]
     return load_config(_config_path(args), overrides)
 
