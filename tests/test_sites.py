@@ -296,3 +296,28 @@ def test_a_site_bridge_user_can_carry_only_its_own_sites_topics(deployment):
     finally:
         centre.close()
         a1.close()
+
+
+def test_site_files_are_secret_and_a_site_device_rotates_in_its_sites_password_file(tmp_path):
+    """The bridge's password makes a site's fedge.conf a secret; a site device's password lives in its
+    site's password file; a site device that was never provisioned is refused before anything is written."""
+    from coordinator.ops.provision import ProvisionError, rotate_password
+
+    sites = [Site("site-a", "a.lan", ("a-1", "a-2"), True)]
+    done = provision(tmp_path / "d", hosts=["centre.lan"], devices=DEVICES, sites=sites)
+    site = done.sites["site-a"]
+    for secret in ("fedge.conf", "fedge.passwd", "server.key", "aggregator.toml"):
+        assert (site / secret).stat().st_mode & 0o777 == 0o600, secret
+    assert read_bundle(done.bundles["a-1"]).broker == "mqtts://a.lan:8883"
+    assert read_bundle(done.bundles["c-1"]).broker == "mqtts://centre.lan:8883"
+    central = (done.out_dir / "broker" / "fedge.passwd").read_text()
+    assert "bridge-site-a:" in central and "a-1:" not in central and "agg-site-a:" not in central
+    before = (site / "fedge.passwd").read_text()
+    assert rotate_password(done.out_dir, "a-1") == done.bundles["a-1"]
+    assert (site / "fedge.passwd").read_text() != before
+    with pytest.raises(ProvisionError, match="provision the deployment again"):
+        rotate_password(done.out_dir, "bridge-site-a")
+    with pytest.raises(ProvisionError, match=r"devices \['a-3'\] are not provisioned"):
+        provision(tmp_path / "e", hosts=["centre.lan"], devices=DEVICES,
+                  sites=[Site("site-a", "a.lan", ("a-1", "a-3"))])
+    assert not (tmp_path / "e").exists()
