@@ -140,6 +140,9 @@ class WorkersSection:
     count: int = 0                  # workers the coordinator waits for before round 1; 0: it takes every result itself
     group: str = "fedge-aggregators"   # the shared subscription's group name
     flush_timeout: float = 30.0     # seconds to wait for the workers' partial sums once a round's results are in
+    # The coordinator also takes the results that reach its own broker (devices on it, and sites without an
+    # aggregator), while the workers, site aggregators on the sites' brokers, take their sites' (docs/sites.md).
+    direct_results: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,12 @@ directory, so no secret is ever typed or pasted:
   with ``allow_anonymous false`` and ``use_username_as_clientid true``.
 - ``coordinator/``: ``coordinator.toml`` (the ``[transport]`` section to run with) and
   ``password``.
-- ``devices/ID.toml``: one bundle per device (:mod:`edge_client.bundle`).
+- ``devices/ID.toml``: one bundle per device (:mod:`edge_client.bundle`); a site's devices' bundles name
+  their site broker.
+- ``sites/NAME/`` for each site (:mod:`coordinator.ops.sites`): the site broker's certificate, password
+  file, ACL and ``fedge.conf`` with the bridge to the central broker, and ``aggregator.toml``, the site
+  aggregator's bundle, when the site has one. The bridge's user goes into the central broker's password
+  file and ACL, with rights to its site's topics only.
 
 Keys, passwords and bundles are written with mode 0600 and never logged or printed.
 Certificates are made with the ``openssl`` command, which every Linux that runs
@@ -26,11 +31,14 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.ops.provision_texts import (COORDINATOR_USER, broker_acl, bundle_comment, coordinator_toml,
-                                             mosquitto_conf)
+from coordinator.ops.provision_texts import (COORDINATOR_USER, bridge_conf, broker_acl, bundle_comment,
+                                             aggregator_comment, coordinator_toml, mosquitto_conf,
+                                             site_acl)
+from coordinator.ops.sites import Site, SiteError, check_sites
 from edge_client.bundle import Bundle, BundleError, bundle_toml, read_bundle
 from edge_client.wire.protocol import ProtocolError, Topics, valid_client_id
 from storage.errors import FedgeError
@@ -60,6 +68,7 @@ class Provisioned:
     bundles: dict[str, Path]
     ca_created: bool
     workers: dict[str, Path] = field(default_factory=dict)   # aggregation worker user -> its password file
+    sites: dict[str, Path] = field(default_factory=dict)     # site name -> its directory (sites/NAME)
 
 
 def worker_ids(count: int) -> list[str]:
@@ -187,46 +196,83 @@ def _make_server_cert(hosts: list[str], ca_crt: Path, ca_key: Path, crt: Path, k
 
 def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int = 8883, prefix: str = "fedge",
               ca_cert: Path | None = None, ca_key: Path | None = None, broker_dir: str = "/etc/mosquitto/fedge",
-              listen: str = "", workers: int = 0) -> Provisioned:
+              listen: str = "", workers: int = 0, sites: Sequence[Site] = ()) -> Provisioned:
     """Write a whole deployment into ``out_dir`` (which must not exist or be empty); see the module docstring.
 
     ``hosts``: the broker's host names or IPs, all named in its certificate; the first goes into
-    the bundles' URL. ``broker_dir``: where the broker's files will be installed, which
-    ``fedge.conf`` refers to. ``listen``: the address the listener binds (empty: all).
+    the bundles' URL and the sites' bridges. ``broker_dir``: where the broker's files will be
+    installed, which ``fedge.conf`` refers to (on the site brokers too). ``listen``: the address
+    the listeners bind (empty: all). ``sites``: devices that log in to a site broker instead.
     """
     out_dir = Path(out_dir).resolve()
-    agents = _check_request(out_dir, devices, workers, hosts, port, prefix, ca_cert, ca_key)
+    agents = _check_request(out_dir, devices, workers, hosts, port, prefix, ca_cert, ca_key, sites)
     out_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(out_dir, 0o700)   # it holds every secret of the deployment
     broker = out_dir / "broker"
-    ca_pem = _write_certificates(out_dir, hosts, ca_cert, ca_key)
+    ca_pem, ca_pair = _write_certificates(out_dir, hosts, ca_cert, ca_key)
 
     host = hosts[0]
     url = f"mqtts://{f'[{host}]' if ':' in host else host}:{port}"
-    passwords = {COORDINATOR_USER: _new_password(), **{d: _new_password() for d in devices + agents}}
-    write_file(broker / "fedge.passwd", "".join(password_line(u, pw) + "\n" for u, pw in passwords.items()), 0o600)
-    write_file(broker / "fedge.acl", broker_acl(prefix, agents), 0o644)
+    site_of = {d: site for site in sites for d in site.devices}
+    bridges = [site.bridge_user for site in sites]
+    site_agents = [site.aggregator_user for site in sites if site.aggregator_user]
+    passwords = {COORDINATOR_USER: _new_password(), **{u: _new_password() for u in devices + agents + bridges
+                                                       + site_agents}}
+    central = [COORDINATOR_USER, *(d for d in devices if d not in site_of), *agents, *bridges]
+    write_file(broker / "fedge.passwd", _passwd(passwords, central), 0o600)
+    write_file(broker / "fedge.acl", broker_acl(prefix, agents, sites), 0o644)
     write_file(broker / "fedge.conf", mosquitto_conf(port, listen, broker_dir), 0o644)
     coordinator = out_dir / "coordinator"
     write_file(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
-    write_file(coordinator / "coordinator.toml", coordinator_toml(url, prefix, out_dir), 0o644)
+    write_file(coordinator / "coordinator.toml",
+               coordinator_toml(url, prefix, out_dir, workers + len(site_agents), bool(site_agents) and not workers),
+               0o644)
     bundles = {}
     for device in devices:
         path = out_dir / "devices" / f"{device}.toml"
-        bundle = Bundle(broker=url, client_id=device, username=device, password=passwords[device], prefix=prefix,
-                        ca_cert=ca_pem)
+        bundle = Bundle(broker=site_of[device].url if device in site_of else url, client_id=device, username=device,
+                        password=passwords[device], prefix=prefix, ca_cert=ca_pem)
         write_file(path, bundle_toml(bundle, comment=bundle_comment(device)), 0o600)
         bundles[device] = path
     worker_passwords = {}
     for agent in agents:   # the worker reads it from the variable transport.password_env names
         worker_passwords[agent] = out_dir / "workers" / f"{agent}.password"
         write_file(worker_passwords[agent], passwords[agent] + "\n", 0o600)
+    centre = f"{host}:{port}"
+    site_dirs = {site.name: _write_site(out_dir / "sites" / site.name, site, prefix=prefix, centre=centre,
+                                        passwords=passwords, ca_pem=ca_pem, ca_pair=ca_pair, listen=listen,
+                                        broker_dir=broker_dir) for site in sites}
     return Provisioned(out_dir, broker / "fedge.conf", coordinator / "coordinator.toml", coordinator / "password",
-                       bundles, ca_created=ca_cert is None, workers=worker_passwords)
+                       bundles, ca_created=ca_cert is None, workers=worker_passwords, sites=site_dirs)
+
+
+def _passwd(passwords: dict[str, str], users: Sequence[str]) -> str:
+    """A Mosquitto password file with these users' lines."""
+    return "".join(password_line(u, passwords[u]) + "\n" for u in users)
+
+
+def _write_site(site_dir: Path, site: Site, *, prefix: str, centre: str, passwords: dict[str, str], ca_pem: str,
+                ca_pair: tuple[Path, Path], listen: str, broker_dir: str) -> Path:
+    """A site broker's files: its certificate for the site host, its devices' and aggregator's passwords and
+    ACL, and ``fedge.conf`` (its TLS listener and the bridge, with the bridge user's password: 0600)."""
+    write_file(site_dir / "ca.crt", ca_pem, 0o644)
+    _make_server_cert([site.host], *ca_pair, site_dir / "server.crt", site_dir / "server.key")
+    users = [*site.devices, *([site.aggregator_user] if site.aggregator_user else [])]
+    write_file(site_dir / "fedge.passwd", _passwd(passwords, users), 0o600)
+    write_file(site_dir / "fedge.acl", site_acl(prefix, site), 0o644)
+    conf = mosquitto_conf(site.port, listen, broker_dir) + bridge_conf(site, prefix, centre,
+                                                                       passwords[site.bridge_user], broker_dir)
+    write_file(site_dir / "fedge.conf", conf, 0o600)
+    if site.aggregator_user:
+        agent = site.aggregator_user
+        bundle = Bundle(broker=site.url, client_id=agent, username=agent, password=passwords[agent], prefix=prefix,
+                        ca_cert=ca_pem)
+        write_file(site_dir / "aggregator.toml", bundle_toml(bundle, comment=aggregator_comment(site.name)), 0o600)
+    return site_dir
 
 
 def _check_request(out_dir: Path, devices: list[str], workers: int, hosts: list[str], port: int, prefix: str,
-                   ca_cert: Path | None, ca_key: Path | None) -> list[str]:
+                   ca_cert: Path | None, ca_key: Path | None, sites: Sequence[Site] = ()) -> list[str]:
     """Refuse a provisioning request before anything is written, so a mistake leaves no half-made
     deployment behind; return the aggregation workers' user names."""
     _check_ids(devices)
@@ -234,6 +280,10 @@ def _check_request(out_dir: Path, devices: list[str], workers: int, hosts: list[
     if set(agents) & set(devices):
         raise ProvisionError(f"device ids {sorted(set(agents) & set(devices))} are aggregation workers' user names: "
                              "rename those devices")
+    try:
+        check_sites(sites, devices, [COORDINATOR_USER, *agents])
+    except SiteError as exc:
+        raise ProvisionError(str(exc)) from None
     if not hosts or not all(hosts):
         raise ProvisionError("give the broker's host name or IP with --broker-host (as devices will reach it)")
     if not 1 <= port <= 65535:
@@ -250,9 +300,11 @@ def _check_request(out_dir: Path, devices: list[str], workers: int, hosts: list[
     return agents
 
 
-def _write_certificates(out_dir: Path, hosts: list[str], ca_cert: Path | None, ca_key: Path | None) -> str:
+def _write_certificates(out_dir: Path, hosts: list[str], ca_cert: Path | None,
+                        ca_key: Path | None) -> tuple[str, tuple[Path, Path]]:
     """The CA (made here, or the given pair copied after checking they belong together) and the broker's
-    certificate signed by it; return the CA certificate's PEM text, which every bundle carries."""
+    certificate signed by it; return the CA certificate's PEM text, which every bundle carries, and the
+    CA's certificate and key files (the site brokers' certificates are signed with them too)."""
     broker = out_dir / "broker"
     if ca_cert is None or ca_key is None:
         _make_ca(out_dir / "ca.crt", out_dir / "ca.key")
@@ -264,33 +316,43 @@ def _write_certificates(out_dir: Path, hosts: list[str], ca_cert: Path | None, c
     ca_pem = ca_crt_path.read_text(encoding="utf-8")
     write_file(broker / "ca.crt", ca_pem, 0o644)
     _make_server_cert(hosts, ca_crt_path, ca_key_path, broker / "server.crt", broker / "server.key")
-    return ca_pem
+    return ca_pem, (ca_crt_path, ca_key_path)
 
 
 def rotate_password(out_dir: Path, user: str) -> Path:
-    """Give ``user`` (a device, or ``coordinator``) a new password in the provisioning directory: its line in
-    ``broker/fedge.passwd`` and its bundle (or ``coordinator/password``). Returns the file to deliver."""
+    """Give ``user`` (a device, an aggregation worker, a site aggregator or ``coordinator``) a new password in
+    the provisioning directory: its line in ``broker/fedge.passwd`` (a site's own users: its site's
+    ``sites/NAME/fedge.passwd``) and its bundle or password file. Returns the file to deliver."""
     out_dir = Path(out_dir).resolve()
     passwd = out_dir / "broker" / "fedge.passwd"
     if not passwd.is_file():
         raise ProvisionError(f"{passwd} does not exist: give the --out directory of an earlier provision")
+    files = [passwd, *sorted((out_dir / "sites").glob("*/fedge.passwd"))]   # a site device's is its site's
+    holders = {line.split(":", 1)[0]: path for path in files for line in path.read_text(encoding="utf-8").splitlines()}
+    if user not in holders:
+        raise ProvisionError(f"no user {user!r} in {', '.join(map(str, files))}; users: {', '.join(holders)}")
+    if user.startswith("bridge-") and (out_dir / "sites" / user.removeprefix("bridge-") / "fedge.conf").is_file():
+        raise ProvisionError(f"{user} is a site bridge, whose password is also in its site's fedge.conf: "
+                             "provision the deployment again to change it")
+    passwd = holders[user]
     lines = passwd.read_text(encoding="utf-8").splitlines()
     users = [line.split(":", 1)[0] for line in lines]
-    if user not in users:
-        raise ProvisionError(f"no user {user!r} in {passwd}; users: {', '.join(users)}")
     password = _new_password()
+    aggregator = out_dir / "sites" / user.removeprefix("agg-") / "aggregator.toml"
     if user == COORDINATOR_USER or (out_dir / "workers" / f"{user}.password").is_file():
         target = out_dir / ("coordinator/password" if user == COORDINATOR_USER else f"workers/{user}.password")
         write_file(target, password + "\n", 0o600)
     else:
-        target = out_dir / "devices" / f"{user}.toml"
+        site_agent = user.startswith("agg-") and aggregator.is_file()
+        target = aggregator if site_agent else out_dir / "devices" / f"{user}.toml"
         try:
             old = read_bundle(target)
         except BundleError as exc:
             raise ProvisionError(str(exc)) from None
         fresh = Bundle(broker=old.broker, client_id=old.client_id, username=old.username, password=password,
                        prefix=old.prefix, ca_cert=old.ca_cert)
-        write_file(target, bundle_toml(fresh, comment=bundle_comment(user)), 0o600)
+        comment = aggregator_comment(user.removeprefix("agg-")) if site_agent else bundle_comment(user)
+        write_file(target, bundle_toml(fresh, comment=comment), 0o600)
     lines[users.index(user)] = password_line(user, password)
     write_file(passwd, "\n".join(lines) + "\n", 0o600)
     return target

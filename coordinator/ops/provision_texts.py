@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["COORDINATOR_USER", "broker_acl", "mosquitto_conf", "coordinator_toml", "bundle_comment"]
+from coordinator.ops.sites import IN, OUT, Site, bridged_topics
+from edge_client.wire.protocol import Topics
+
+__all__ = ["COORDINATOR_USER", "broker_acl", "site_acl", "mosquitto_conf", "bridge_conf", "coordinator_toml",
+           "bundle_comment", "aggregator_comment"]
 
 COORDINATOR_USER = "coordinator"
 
@@ -27,14 +31,44 @@ topic readwrite {prefix}/workers/{w}/#
 """ for w in workers)
 
 
-def broker_acl(prefix: str, workers: Sequence[str] = ()) -> str:
+def broker_acl(prefix: str, workers: Sequence[str] = (), sites: Sequence[Site] = ()) -> str:
     p = prefix
     return f"""# Mosquitto ACL written by fedge-coordinator provision for the topic prefix "{p}".
 # The coordinator reads and writes everything under the prefix.
 user {COORDINATOR_USER}
 topic readwrite {p}/#
 
-# "pattern" lines apply to every user; %u is the user name, which use_username_as_clientid
+""" + _device_patterns(p) + f"""
+# Optional: a read-only user for watching a run with mosquitto_sub without taking over the
+# coordinator's or a device's client id. Uncomment, then add its password with
+# sudo mosquitto_passwd /etc/mosquitto/fedge/fedge.passwd monitor
+#user monitor
+#topic read {p}/#
+""" + _worker_acl(p, list(workers)) + "".join(_bridge_acl(p, site) for site in sites)
+
+
+def site_acl(prefix: str, site: Site) -> str:
+    """A site broker's ACL: its devices as on the central broker, and its aggregator if it has one. The
+    bridge needs no line: Mosquitto's bridge is part of the broker, not a client it checks."""
+    return (f"# Mosquitto ACL of site {site.name}'s broker, written by fedge-coordinator provision (prefix \"{prefix}\").\n"
+            + _device_patterns(prefix) + _worker_acl(prefix, [site.aggregator_user] if site.aggregator_user else []))
+
+
+def _bridge_acl(prefix: str, site: Site) -> str:
+    """The site's bridge user on the central broker: read what comes down and write what goes up of
+    this site's topics (:func:`bridged_topics`), so a site can neither read nor pose as another site's
+    or a central device."""
+    rights = {IN: "read", OUT: "write"}
+    lines = "".join(f"topic {rights[way]} {pattern}\n" for pattern, way in bridged_topics(Topics(prefix), site))
+    return f"""
+# The bridge of site {site.name} (sites/{site.name}/fedge.conf): only its site's topics.
+user {site.bridge_user}
+""" + lines
+
+
+def _device_patterns(prefix: str) -> str:
+    p = prefix
+    return f"""# "pattern" lines apply to every user; %u is the user name, which use_username_as_clientid
 # makes the client id too, so a device cannot pose as another. A device writes only its own
 # presence and results, reads its own tasks, status and presence (to see the broker passes it
 # on), and reads what the coordinator publishes for all (run status, model broadcast). It
@@ -45,13 +79,7 @@ pattern write {p}/clients/%u/result/#
 pattern read {p}/clients/%u/task/#
 pattern read {p}/clients/%u/status/#
 pattern read {p}/coordinator/#
-
-# Optional: a read-only user for watching a run with mosquitto_sub without taking over the
-# coordinator's or a device's client id. Uncomment, then add its password with
-# sudo mosquitto_passwd /etc/mosquitto/fedge/fedge.passwd monitor
-#user monitor
-#topic read {p}/#
-""" + _worker_acl(p, list(workers))
+"""
 
 
 def mosquitto_conf(port: int, listen: str, broker_dir: str) -> str:
@@ -89,7 +117,39 @@ max_inflight_messages 100
 """
 
 
-def coordinator_toml(url: str, prefix: str, out_dir: Path) -> str:
+def bridge_conf(site: Site, prefix: str, centre: str, password: str, broker_dir: str) -> str:
+    """The bridge section of a site broker's ``fedge.conf``: one TLS uplink to the central broker at
+    ``centre`` (HOST:PORT, a host its certificate names), carrying :func:`bridged_topics` at QoS 1."""
+    d = broker_dir.rstrip("/")
+    topics = "".join(f"topic {pattern} {way} 1\n" for pattern, way in bridged_topics(Topics(prefix), site))
+    return f"""
+# Bridge to the central broker: the site's one uplink (docs/sites.md). The central broker's ACL
+# lets user {site.bridge_user} carry only the topics below. This file holds that user's password:
+# keep it mode 0600 (Mosquitto reads its configuration before it drops root).
+connection fedge-{site.name}
+address {centre}
+bridge_cafile {d}/ca.crt
+remote_clientid {site.bridge_user}
+remote_username {site.bridge_user}
+remote_password {password}
+# MQTT 3.1.1 with try_private (its default): the central broker treats the bridge as a bridge (retained
+# messages keep their flag) and keeps its session while the uplink is down, queueing what comes for
+# the site; with bridge_protocol_version mqttv50, Mosquitto 2.0.11 lost those messages instead.
+bridge_protocol_version mqttv311
+try_private true
+cleansession false
+# The "out" topics are written, never subscribed to, on the central broker: no unsubscribes to send.
+bridge_attempt_unsubscribe false
+# Reconnect after 2 s, backing off to 30 s while the centre stays unreachable.
+restart_timeout 2 30
+# The bridge's state ($SYS/broker/connection/...) stays on this broker; the centre's ACL has no line for it.
+notifications_local_only true
+
+# What crosses: "in" comes down from the centre, "out" goes up to it.
+{topics}"""
+
+
+def coordinator_toml(url: str, prefix: str, out_dir: Path, workers: int = 0, direct_results: bool = False) -> str:
     return f"""# fedge coordinator settings for the broker provisioned in {out_dir}.
 # Run with:  export FEDGE_MQTT_PASSWORD="$(cat {out_dir / 'coordinator' / 'password'})"
 #            fedge-coordinator run --config {out_dir / 'coordinator' / 'coordinator.toml'} ...
@@ -102,10 +162,23 @@ password_env = "FEDGE_MQTT_PASSWORD"
 ca_file = "{out_dir / 'ca.crt'}"
 # Spawned simulation clients (--spawn-clients N) log in with the device bundles of this directory.
 provision_dir = "{out_dir}"
-"""
+""" + (f"""
+# Aggregation workers: {workers} in all, counting one aggregator per site that has one (docs/sites.md).
+[workers]
+count = {workers}
+# The coordinator takes the results that reach the central broker itself (central devices and sites
+# without an aggregator); the site aggregators keep their sites' results.
+direct_results = {str(direct_results).lower()}
+""" if direct_results else "")
 
 
 def bundle_comment(device: str) -> str:
     return (f"fedge device bundle for {device}: broker, identity, password and CA of one device.\n"
             "It holds a password: keep it mode 0600 and readable only by the user that runs fedge-client.\n"
             "Use: fedge-client run --bundle THIS_FILE --data SPEC (docs/deploy.md)")
+
+
+def aggregator_comment(site: str) -> str:
+    return (f"fedge site aggregator bundle for site {site}: its site broker, id, password and CA.\n"
+            "It holds a password: keep it mode 0600 and readable only by the user that runs the aggregator.\n"
+            "Use: fedge-coordinator worker --config RUN.toml --bundle THIS_FILE (docs/sites.md)")

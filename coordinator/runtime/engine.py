@@ -231,7 +231,7 @@ class Coordinator:
         if workers:   # results go to the workers' shared subscription; claims and partial sums come here
             for kind in ("presence", "claim", "partial"):
                 self.transport.subscribe(self.topics.all_workers(kind))
-        else:
+        if not workers or self.config.workers.direct_results:   # site aggregators keep their sites' results
             self.transport.subscribe(self.topics.all_clients("result"))
         answering = self.roster.answering
         self._pump(time.monotonic() + timeout,

@@ -37,6 +37,7 @@ from coordinator.config import RunConfig
 from coordinator.runtime.intake import accept_result, one_torch_thread
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan
+from edge_client.bundle import Bundle
 from edge_client.client import presence_payload
 from edge_client.models import state_shapes
 from edge_client.registry import build_aside
@@ -274,17 +275,26 @@ class _NoBroadcast(Exception):
 
 
 def serve_worker(config: RunConfig, worker_id: str, *, exit_after_run: bool = False,
-                 stop: threading.Event | None = None, say: Any = print,
+                 stop: threading.Event | None = None, say: Any = print, bundle: Bundle | None = None,
                  metrics: tuple[str, int] | None = None) -> dict[str, int]:
     """Connect to the run's broker as aggregation worker ``worker_id`` and serve until stopped; the counts.
 
+    ``bundle``: a site aggregator's bundle (``fedge-coordinator provision --sites``): the password and CA
+    come from it, so a worker on a site machine needs no secret in its environment; the caller has put
+    its broker, user name and prefix into ``config``.
     ``metrics``: (host, port) to serve the worker's counters at for Prometheus (coordinator/telemetry.py)."""
     t = config.transport
-    settings = BrokerSettings(url=t.broker, username=t.username or None, password=os.environ.get(t.password_env),
+    password, source = os.environ.get(t.password_env), t.password_env
+    if bundle is not None and bundle.password:
+        password, source = bundle.password, "the aggregator bundle"
+    tls = t.broker.startswith("mqtts:")
+    ca_data = bundle.ca_cert if bundle is not None and bundle.ca_cert and tls and not t.ca_file else None
+    settings = BrokerSettings(url=t.broker, username=t.username or None, password=password,
                               protocol=t.protocol, max_message_bytes=t.max_message_bytes,
-                              ca_file=t.ca_file or None, cert_file=t.cert_file or None, key_file=t.key_file or None,
+                              ca_file=t.ca_file or None, ca_data=ca_data, cert_file=t.cert_file or None,
+                              key_file=t.key_file or None,
                               session_expiry=0,   # no session outlives us: the broker stops handing us results
-                              password_source=t.password_env)
+                              password_source=source)
     topics = Topics(t.prefix)
     will = Will(topics.worker(worker_id, "presence"), presence_payload(worker_id, PresenceBody("offline")))
     transport = MqttTransport(settings, f"fedge-{worker_id}", will=will, flow_control=True).connect()

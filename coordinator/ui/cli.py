@@ -100,7 +100,11 @@ def _add_worker(sub) -> None:  # sub: the parser's subparsers
     worker.add_argument("--broker", default=None, help="broker URL mqtt://HOST:PORT [transport.broker]")
     worker.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set workers.group=site-a (repeatable)")
-    worker.add_argument("--id", default=None, help="this worker's id (default worker-HOST-PID)")
+    worker.add_argument("--id", default=None, help="this worker's id (default worker-HOST-PID, or the bundle's)")
+    worker.add_argument("--bundle", type=Path, default=None,
+                        help="a site aggregator's bundle (fedge-coordinator provision --sites: sites/NAME/"
+                             "aggregator.toml): its site broker, id, user name, password and CA; --broker and "
+                             "--id override it (docs/sites.md)")
     worker.add_argument("--exit-after-run", action="store_true", help="exit once the coordinator says the run finished")
     worker.add_argument("--metrics-port", type=at_least(0), default=None, metavar="PORT",
                         help="serve this worker's counters for Prometheus at http://HOST:PORT/metrics (0: a free "
@@ -121,6 +125,7 @@ def _worker(args: argparse.Namespace) -> int:
     from coordinator.config import ConfigError, load_config, parse_override
     from coordinator.runtime.worker import default_worker_id, serve_worker
     from coordinator.telemetry import MetricsError, missing_library
+    from edge_client.bundle import BundleError, read_bundle
     from edge_client.wire.protocol import valid_client_id
     from edge_client.wire.transport import TransportError
 
@@ -128,14 +133,19 @@ def _worker(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        overrides = [parse_override(item) for item in args.set]
+        bundle = read_bundle(args.bundle) if args.bundle is not None else None
+        overrides = []
+        if bundle is not None:   # a site aggregator: its site broker, user, prefix and CA over the run's config
+            overrides += [("transport", "broker", bundle.broker), ("transport", "username", bundle.username),
+                          ("transport", "prefix", bundle.prefix), ("transport", "ca_file", "")]
+        overrides += [parse_override(item) for item in args.set]
         if args.broker:
             overrides.append(("transport", "broker", args.broker))
         config = load_config(args.config, overrides)
         if not config.transport.broker:
             raise ConfigError("a worker needs the broker the devices use: "
                               "--broker mqtt://HOST:PORT or transport.broker")
-        worker_id = args.id or default_worker_id()
+        worker_id = args.id or (bundle.client_id if bundle is not None else default_worker_id())
         if not valid_client_id(worker_id):
             raise ConfigError(f"--id {worker_id!r}: use up to 64 letters, digits, '.', '_' or '-'")
         metrics = None
@@ -143,8 +153,9 @@ def _worker(args: argparse.Namespace) -> int:
             if missing_library():
                 raise ConfigError(missing_library())
             metrics = (args.metrics_host, args.metrics_port)
-        stats = serve_worker(config, worker_id, exit_after_run=args.exit_after_run, stop=stop, metrics=metrics)
-    except (ConfigError, TransportError, MetricsError) as exc:
+        stats = serve_worker(config, worker_id, exit_after_run=args.exit_after_run, stop=stop, bundle=bundle,
+                             metrics=metrics)
+    except (ConfigError, TransportError, MetricsError, BundleError) as exc:
         print(f"fedge-coordinator worker: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -173,6 +184,10 @@ def _add_provision(sub) -> None:  # sub: the parser's subparsers
     prov.add_argument("--workers", type=int, default=0, metavar="N",
                       help="also N aggregation worker users, worker-1 ... worker-N, each with its own password "
                            "(workers/ID.password) and rights (docs/scale.md#aggregation-workers)")
+    prov.add_argument("--sites", type=Path, default=None, metavar="FILE",
+                      help="sites with brokers of their own, bridged to this one (TOML, one [NAME] table per site: "
+                           "host, devices, optional aggregator and port); writes sites/NAME/ for each, and the "
+                           "site's devices' bundles name its broker (docs/sites.md)")
     prov.add_argument("--port", type=int, default=8883, help="the broker's TLS port (default 8883)")
     prov.add_argument("--prefix", default="fedge", help="topic prefix of the ACL and the bundles (default fedge)")
     prov.add_argument("--ca-cert", type=Path, default=None, help="an existing CA certificate (PEM) to sign with")
@@ -186,6 +201,7 @@ def _add_provision(sub) -> None:  # sub: the parser's subparsers
 
 def _provision(args: argparse.Namespace) -> int:
     from coordinator.ops.provision import ProvisionError, device_ids, provision, read_names, rotate_password
+    from coordinator.ops.sites import SiteError, read_sites
 
     try:
         if args.rotate:
@@ -195,10 +211,11 @@ def _provision(args: argparse.Namespace) -> int:
                   f"{target.name} (docs/deploy.md#rotating-a-password)")
             return 0
         ids = read_names(args.names) if args.names is not None else device_ids(args.devices)
+        sites = read_sites(args.sites) if args.sites is not None else []
         done = provision(args.out, hosts=args.broker_host, devices=ids, port=args.port, prefix=args.prefix,
                          ca_cert=args.ca_cert, ca_key=args.ca_key, broker_dir=args.broker_dir, listen=args.listen,
-                         workers=args.workers)
-    except ProvisionError as exc:
+                         workers=args.workers, sites=sites)
+    except (ProvisionError, SiteError) as exc:
         print(f"fedge-coordinator provision: {exc}", file=sys.stderr)
         return 2
     out = done.out_dir
@@ -211,7 +228,12 @@ def _provision(args: argparse.Namespace) -> int:
     if done.workers:
         print(f"  workers:     {out / 'workers'}/ID.password for {', '.join(done.workers)}: start each with "
               "fedge-coordinator worker --id ID --set transport.username=ID (docs/scale.md#aggregation-workers)")
-    print("next: docs/deploy.md#provisioning")
+    for site in sites:
+        agg = (f"; aggregator: fedge-coordinator worker --config RUN.toml --bundle {done.sites[site.name]}/aggregator.toml"
+               if site.aggregator else "")
+        print(f"  site {site.name}: {done.sites[site.name]}/ -> install into {args.broker_dir}/ on {site.host} "
+              f"({len(site.devices)} device{'s' if len(site.devices) != 1 else ''}, bridged as {site.bridge_user}{agg})")
+    print("next: docs/deploy.md#provisioning" + (" and docs/sites.md" if sites else ""))
     return 0
 
 
