@@ -112,8 +112,7 @@ def _metrics_checks(config: RunConfig) -> list[tuple[bool, str]]:
     m = config.metrics
     if not m.enabled:
         return []
-    from coordinator.telemetry import missing_library
-
+    missing_library = m.missing_library
     return [(0 <= m.port <= 65535, f"metrics.port must be 0 (a free port) to 65535, got {m.port}"),
             (bool(m.host), "metrics.host must be an address to bind, e.g. 127.0.0.1"),
             (missing_library() == "", missing_library())]

@@ -7,6 +7,7 @@ Each method brings its own sections beside its strategy (:mod:`edge_client.regis
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from coordinator.aggregation import DEFAULT_TRIM
@@ -223,3 +224,12 @@ class MetricsSection:
     enabled: bool = False
     port: int = 9464                # 0: a free port, said at start and written to coordinator.log
     host: str = "127.0.0.1"         # the address to bind: "0.0.0.0" for a Prometheus on another machine
+
+    @staticmethod
+    def missing_library() -> str:
+        """What to install for metrics ("" when prometheus-client is there): checked with the configuration,
+        so a run asked for metrics stops before it starts rather than once devices wait."""
+        if importlib.util.find_spec("prometheus_client") is None:
+            return ("metrics need the prometheus-client package: pip install prometheus-client (it comes with "
+                    "pip install 'fedge[coordinator]'), or turn metrics off")
+        return ""

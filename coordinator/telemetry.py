@@ -22,7 +22,6 @@ how to install it before anything starts (:func:`missing_library`).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import math
 import socket
@@ -31,14 +30,14 @@ from collections.abc import Callable, Iterator, Mapping
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 
-from coordinator.runtime.presence import device_labels
+from coordinator.config_sections import MetricsSection
+from coordinator.runtime.profiles import device_labels
 from storage.errors import FedgeError
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
     from coordinator.runtime.presence import Roster
     from coordinator.runtime.profiles import ProfileStore
-    from coordinator.runtime.worker import AggregationWorker
 
 __all__ = ["MetricsError", "MetricsServer", "RunTelemetry", "WorkerTelemetry", "run_telemetry", "missing_library",
            "QUANTILES", "DEVICE_FIGURES", "ROW_FIGURES"]
@@ -69,12 +68,7 @@ class MetricsError(FedgeError, RuntimeError):
     """The metrics endpoint cannot be served; the message says what to change."""
 
 
-def missing_library() -> str:
-    """What to install for metrics ("" when prometheus-client is there)."""
-    if importlib.util.find_spec("prometheus_client") is None:
-        return ("metrics need the prometheus-client package: pip install prometheus-client (it comes with "
-                "pip install 'fedge[coordinator]'), or turn metrics off")
-    return ""
+missing_library = MetricsSection.missing_library
 
 
 def _prometheus() -> Any:
@@ -279,12 +273,13 @@ class WorkerTelemetry:
 
     OUTCOMES = {"claimed": "claimed", "folded": "folded", "dropped": "refused", "unusable": "unusable"}
 
-    def __init__(self, worker: AggregationWorker) -> None:
+    def __init__(self, worker_id: str, stats: Mapping[str, int]) -> None:
+        """``stats``: the worker's live counters (``AggregationWorker.stats``), read at each scrape."""
         prom = _prometheus()
         self.registry = prom.CollectorRegistry(auto_describe=True)
-        self._stats = worker.stats
+        self._stats = stats
         prom.Gauge("fedge_worker_info", "The aggregation worker serving this endpoint (always 1)", ["worker_id"],
-                   registry=self.registry).labels(worker.worker_id).set(1)
+                   registry=self.registry).labels(worker_id).set(1)
         self.registry.register(self)
 
     def describe(self) -> list[Any]:

@@ -183,7 +183,7 @@ def _exported_names() -> set[str]:
     telemetry.observe({"round": 1, "seconds": 1.0, **{key: 0.5 for key in ROW_FIGURES}})
     worker = AggregationWorker(load_config(None, []), InprocHub().connect("w"), "w")
     names = set()
-    for registry in (telemetry.registry, WorkerTelemetry(worker).registry):
+    for registry in (telemetry.registry, WorkerTelemetry(worker.worker_id, worker.stats).registry):
         for family in text_string_to_metric_families(generate_latest(registry).decode()):
             names.add(family.name)
             names |= {s.name for s in family.samples}

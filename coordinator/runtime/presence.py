@@ -15,32 +15,10 @@ from coordinator.runtime.selection import Absences
 from edge_client.wire.protocol import PresenceBody, ProtocolError, decode
 from edge_client.wire.throttle import ThrottledLog
 
-__all__ = ["Roster", "PRESENCE_BYTES", "device_labels", "parse_presence"]
+__all__ = ["Roster", "PRESENCE_BYTES", "parse_presence"]
 
 log = logging.getLogger("fedge.coordinator")
 PRESENCE_BYTES = 1024 * 1024   # the largest presence (or claim) read: neither carries tensors
-_LABEL_CHARS = 64
-
-
-def _label(value: Any) -> str:
-    """A device's own words made safe to show and to use as a metric label: printable, at most 64 characters."""
-    if not isinstance(value, str):
-        return ""
-    return "".join(ch for ch in value if ch.isprintable()).strip()[:_LABEL_CHARS]
-
-
-def device_labels(device: Any) -> tuple[str, str]:
-    """The class and site of a device, from the facts it announced (anything: they come over the network).
-
-    The class is what the device says it is (``device_class``, from ``FEDGE_DEVICE_CLASS`` on the device),
-    else its board ("Raspberry Pi 4 Model B Rev 1.4"), else its architecture, else "unknown"; the site is
-    its ``site`` (``FEDGE_SITE``), else "". The metrics endpoint and ``fedge-coordinator status`` group by them.
-    """
-    facts = device if isinstance(device, dict) else {}
-    klass = next((text for key in ("device_class", "board", "arch") if (text := _label(facts.get(key)))), "")
-    return klass or "unknown", _label(facts.get("site"))
-
-
 def parse_presence(client_id: str, payload: bytes) -> PresenceBody | None:
     """The presence ``payload`` on ``client_id``'s presence topic says; None when it is another message or
     another sender's (ignored without a word), ProtocolError when it does not decode or parse."""

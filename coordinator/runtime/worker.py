@@ -304,7 +304,7 @@ def serve_worker(config: RunConfig, worker_id: str, *, exit_after_run: bool = Fa
         if metrics is not None:
             from coordinator.telemetry import MetricsServer, WorkerTelemetry
 
-            server = MetricsServer(WorkerTelemetry(worker).registry, *metrics)
+            server = MetricsServer(WorkerTelemetry(worker.worker_id, worker.stats).registry, *metrics)
             say(f"serving metrics at {server.url}")
         worker.start()
         say(f"aggregation worker {worker_id} on {t.broker}, shared subscription group {config.workers.group!r}")

@@ -76,7 +76,8 @@ def _broker_config(args: argparse.Namespace):  # -> RunConfig | None
 
 def read_broker(config: Any, wait: float) -> dict[str, Any]:
     """The retained presences of devices and workers and the run status on ``config``'s broker, read for ``wait`` s."""
-    from coordinator.runtime.presence import device_labels, parse_presence
+    from coordinator.runtime.presence import parse_presence
+    from coordinator.runtime.profiles import device_labels
     from edge_client.wire.protocol import ProtocolError, StatusBody, Topics, decode
     from edge_client.wire.transport import BrokerSettings, MqttTransport
 
@@ -132,7 +133,7 @@ def _json(path: Path) -> Any:
 
 def read_run_dir(run_dir: Path) -> dict[str, Any]:
     """What ``run_dir`` says of its run and of each device that answered or missed a task."""
-    from coordinator.runtime.presence import device_labels
+    from coordinator.runtime.profiles import device_labels
     from storage.files import read_jsonl
 
     from coordinator.errors import ConfigError

@@ -15,11 +15,12 @@ from typing import Callable, Iterable
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.transport_base import Incoming
 
-__all__ = ["Inbox", "Ack"]
+__all__ = ["Inbox", "Ack", "DEFAULT_MAX_BYTES"]
 
 log = logging.getLogger("fedge.transport")
 
 Ack = Callable[[], None] | None   # acknowledges one message to its sender (the broker)
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 
 
 class Inbox:
@@ -47,7 +48,7 @@ class Inbox:
     take. What was kept beyond the bounds anyway is counted in :attr:`held_over`.
     """
 
-    def __init__(self, maxsize: int, max_bytes: int = 256 * 1024 * 1024, share: float = 0.25,
+    def __init__(self, maxsize: int, max_bytes: int = DEFAULT_MAX_BYTES, share: float = 0.25,
                  rate: float = 200.0, burst: int = 2_000, window: int = 0) -> None:
         self.maxsize, self.max_bytes, self.window = maxsize, max_bytes, window
         self.topic_messages = max(1, int(maxsize * share))

@@ -20,7 +20,7 @@ from paho.mqtt.properties import Properties
 from edge_client.wire.broker_settings import PROTOCOLS, BrokerSettings
 from edge_client.wire.connect_failures import (LOGIN_REFUSED, LoginRefused, NoConnack, login_refused,
                                                scheme_mismatch, tls_failure)
-from edge_client.wire.inbox import Inbox
+from edge_client.wire.inbox import DEFAULT_MAX_BYTES, Inbox
 from edge_client.wire.transport_base import Incoming, Transport, Will
 from edge_client.wire.transport_errors import MessageTooLarge, TlsError, TransportError
 
@@ -54,9 +54,9 @@ class MqttTransport(Transport):
         self.will = will
         self.protocol: str | None = None
         # Unacknowledged messages the broker may send us: half what the queue holds, in messages and in bytes.
-        max_bytes = 256 * 1024 * 1024
-        self.receive_maximum = max(1, min(65_535, queue_size // 2, max_bytes // (2 * settings.max_message_bytes)))
-        self._inbox = Inbox(queue_size, max_bytes, window=self.receive_maximum)
+        self.receive_maximum = max(1, min(65_535, queue_size // 2,
+                                          DEFAULT_MAX_BYTES // (2 * settings.max_message_bytes)))
+        self._inbox = Inbox(queue_size, window=self.receive_maximum)
         self.flow_control = flow_control
         self._session = 0     # connections made: an acknowledgement belongs to the one its message came on
         self._filters: list[str] = []
