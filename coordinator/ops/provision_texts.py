@@ -117,10 +117,14 @@ max_inflight_messages 100
 """
 
 
-def bridge_conf(site: Site, prefix: str, centre: str, password: str, broker_dir: str) -> str:
+def bridge_conf(site: Site, prefix: str, centre: str, password: str, broker_dir: str, *, tls: bool = True) -> str:
     """The bridge section of a site broker's ``fedge.conf``: one TLS uplink to the central broker at
-    ``centre`` (HOST:PORT, a host its certificate names), carrying :func:`bridged_topics` at QoS 1."""
+    ``centre`` (HOST:PORT, a host its certificate names), carrying :func:`bridged_topics` at QoS 1.
+
+    ``tls=False`` leaves out ``bridge_cafile``, for a plain uplink on loopback (``bench/fleet.py`` bridges
+    its bench sites with this very section, so what it measures is what provisioning writes)."""
     d = broker_dir.rstrip("/")
+    cafile = f"bridge_cafile {d}/ca.crt\n" if tls else ""
     topics = "".join(f"topic {pattern} {way} 1\n" for pattern, way in bridged_topics(Topics(prefix), site))
     return f"""
 # Bridge to the central broker: the site's one uplink (docs/sites.md). The central broker's ACL
@@ -128,8 +132,7 @@ def bridge_conf(site: Site, prefix: str, centre: str, password: str, broker_dir:
 # keep it mode 0600 (Mosquitto reads its configuration before it drops root).
 connection fedge-{site.name}
 address {centre}
-bridge_cafile {d}/ca.crt
-remote_clientid {site.bridge_user}
+{cafile}remote_clientid {site.bridge_user}
 remote_username {site.bridge_user}
 remote_password {password}
 # MQTT 3.1.1 with try_private (its default): the central broker treats the bridge as a bridge (retained
