@@ -58,6 +58,21 @@ Definitions (also written into the JSON):
 * **lost, late, rejected, dropped**: selected minus returned, and the ``late``,
   ``rejected`` and ``inbox_dropped`` counts of the coordinator's rows, summed over rounds.
 
+Sites (``--sites K``, docs/sites.md): the fleet split over K site brokers, device i on
+site i % K, each site broker bridged to the central broker by Mosquitto's own bridge with
+the section ``fedge-coordinator provision --sites`` writes (``bridge_conf`` over
+``bridged_topics``: MQTT 3.1.1, ``cleansession false``; without TLS and passwords, on
+loopback). Each bridge reaches the centre through a forwarder of this process that counts
+the bytes of that uplink each way (``bench/counting_link.py``); the coordinator stays on
+the central broker. ``--site-aggregators on`` adds a site aggregator per site (the real
+``fedge-coordinator worker --id agg-site-S`` on its site broker, as
+``sites/NAME/aggregator.toml`` starts it) and runs the coordinator with ``workers.count = K``
+and ``workers.direct_results = true``: the uplinks then carry claims and one partial sum per
+site and round instead of every result. Per cell and site: the uplink's bytes up and down
+per round, and the CPU seconds and peak RSS of the site broker and the site aggregator. A
+device process connects its devices ``CONNECT_WINDOW`` at a time (each waits for its
+CONNACK), so 10,000 devices do not overrun a broker's listen backlog at once.
+
 This machine runs the coordinator, Mosquitto and every device process on the same cores,
 so device work (model fetch, encoding) competes with the coordinator for CPU; the devices'
 CPU seconds per round are reported so that share is visible.
@@ -65,6 +80,7 @@ CPU seconds per round are reported so that share is visible.
     python bench/fleet.py [--fleet 10,100,300,1000] [--per-round tenth,all] [--codec-up fp32]
         [--rounds 3] [--processes 4] [--think lognormal:2:0.5] [--skip-existing]
     python bench/fleet.py --fleet 10,50,100,300 --secagg off,on [--secagg-drop 0,0.1] --out FILE   # secure rounds
+    python bench/fleet.py --fleet 1000 --per-round all --sites 0,4 --site-aggregators off,on --out FILE   # sites
     python bench/fleet.py --table        # the table of bench/results/fleet.json
 """
 
@@ -90,9 +106,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bench_io import RESULTS, write_result
+from counting_link import CountingLink
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES
 
 if TYPE_CHECKING:   # annotations only: a device process imports these when it starts
+    from coordinator.ops.sites import Site
     from edge_client.device_protocol import Actions, Publish, Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +118,7 @@ DEFAULT_OUT = RESULTS / "fleet.json"
 DEFAULT_PLOT = ROOT / "docs" / "images" / "fleet.png"
 PREFIX = "fleet"
 WORKERS_PACKET_BYTES = 8 * 1024 * 1024   # devices' and coordinator's max_message_bytes with aggregation workers
+CONNECT_WINDOW = 64          # devices of a process waiting for their CONNACK at once: the fleet connects in waves
 SAMPLE_EVERY = 0.2          # seconds between psutil samples of the coordinator, broker and devices
 TRAIN_IMAGES = 60_000       # Fashion-MNIST's train split, shared out as each device's num_samples
 DEFINITIONS = {
@@ -125,6 +144,28 @@ DEFINITIONS = {
     "workers_cpu_s_per_round": "CPU seconds of all worker processes between the start and end of each round",
     "device_cpu_s_per_round": "CPU seconds of all device processes between the start and end of each round "
                               "(psutil samples), mean over rounds",
+    "sites": "0: every device on the central broker; K: K site brokers (LocalMosquitto, anonymous, loopback), "
+             "device i on site i % K, each bridged to the central broker with the bridge section provisioning "
+             "writes (bridged_topics, MQTT 3.1.1, cleansession false, no TLS) through a byte-counting forwarder",
+    "site_aggregators": "an aggregation worker (fedge-coordinator worker --id agg-site-S) on each site broker; the "
+                        "coordinator with workers.count = K and workers.direct_results = true; results chunked as "
+                        "without workers (a site's lone aggregator gets every chunk)",
+    "uplink_bytes_up, uplink_bytes_down": "per round and site: bytes the site's bridge connection carried to and "
+                                          "from the central broker (TCP payload: MQTT packets with headers), "
+                                          "between the round's start and end (the coordinator's clock; the "
+                                          "forwarder stamps each count to the millisecond)",
+    "uplink_mb_per_round_up, uplink_mb_per_round_down": "those bytes summed over sites / 1e6, mean over rounds",
+    "uplink_bytes_cell": "each uplink's bytes over the whole cell (connection, presence, evaluations included)",
+    "site_broker_cpu_s_per_round, site_aggregator_cpu_s_per_round": "per site: CPU seconds of that process "
+                                                                    "between the start and end of each round, "
+                                                                    "mean over rounds",
+    "site_broker_peak_rss_mb, site_aggregator_peak_rss_mb": "per site: highest RSS sampled over the whole cell",
+    "bench_cpu_s_per_round": "CPU seconds of the bench's own process per round: the uplink forwarders' threads "
+                             "(and the sampling), which share the cores with everything else",
+    "worker_lost": "results granted to a worker whose partial sum never came (metrics.jsonl), summed over rounds",
+    "devices_connected_s": "from the first device's connection attempt until every device had connected once "
+                           f"(each process connects its devices {CONNECT_WINDOW} at a time)",
+    "site_aggregator_stats": "each site aggregator's closing counters (its 'worker done' line)",
 }
 
 
@@ -262,8 +303,9 @@ class TaskRecord:
 class Fleet:
     """The devices of one process and what they share: the network loop, timers, caches and counters."""
 
-    def __init__(self, broker: str, ids: list[str], think: Think, seed: int, samples: int,
+    def __init__(self, brokers: list[str], ids: list[str], think: Think, seed: int, samples: int,
                  max_message_bytes: int = DEFAULT_PACKET_BYTES, drop: float = 0.0) -> None:
+        """``brokers[i]``: the broker device ``ids[i]`` logs in to (the central one, or its site's)."""
         import torch
 
         from edge_client.device_protocol import BroadcastCache
@@ -271,7 +313,9 @@ class Fleet:
         from profiling.device import device_facts
 
         torch.set_num_threads(1)
-        self.host, self.port = parse_broker_url(broker)
+        if len(brokers) != len(ids):
+            raise ValueError(f"{len(ids)} devices need as many broker URLs, got {len(brokers)}")
+        addresses = {url: parse_broker_url(url) for url in set(brokers)}
         self.think = think
         self.seed = seed
         self.drop = drop   # secure rounds: chance that a device fails its mask task (a dropout after sharing)
@@ -289,7 +333,9 @@ class Fleet:
         self.dirty: set[Device] = set()
         self.link_class = _device_link_class()
         self.max_message_bytes = max_message_bytes   # above a result's size with aggregation workers: unchunked
-        self.devices = [Device(self, cid, samples) for cid in ids]
+        self.devices = [Device(self, cid, samples, addresses[url]) for cid, url in zip(ids, brokers)]
+        self.connecting_at: float | None = None  # wall time when the first device started to connect
+        self.connected_at: float | None = None   # wall time when every device had connected once
 
     def schedule(self, delay: float, action: Callable[[], None]) -> None:
         self.at(time.monotonic() + delay, action)
@@ -341,11 +387,19 @@ class Fleet:
         return self.decoded[key]
 
     def run(self, stop: Callable[[], bool]) -> None:
-        """Connect every device, then serve until all have seen their run finish (or ``stop()``)."""
-        for device in self.devices:
-            device.connect()
+        """Connect every device, at most :data:`CONNECT_WINDOW` waiting for their CONNACK at a time, and
+        serve until all have seen their run finish (or ``stop()``)."""
+        waiting, opening = deque(self.devices), []
+        self.connecting_at = time.time()
         last_misc = 0.0
         while not stop() and not all(d.finished for d in self.devices):
+            if waiting or opening:
+                opening = [d for d in opening if not d.link.connected]
+                while waiting and len(opening) < CONNECT_WINDOW:
+                    opening.append(waiting.popleft())
+                    opening[-1].connect()
+                if not waiting and not opening:
+                    self.connected_at = time.time()
             now = time.monotonic()
             wait = min(0.5, self.timers[0][0] - now) if self.timers else 0.5
             self.loop.poll(wait)
@@ -397,8 +451,10 @@ def _device_link_class() -> type:
         the process's loop calls it only when something arrived.
         """
 
-        def __init__(self, fleet: Fleet, client_id: str, will: Will, on_arrival: Callable[[], None]) -> None:
+        def __init__(self, fleet: Fleet, client_id: str, will: Will, on_arrival: Callable[[], None],
+                     address: tuple[str, int]) -> None:
             self.fleet = fleet
+            self.address = address   # (host, port) of this device's broker
             self.client_id = client_id
             self.inbox: deque[Incoming] = deque()
             self.filters: list[str] = []
@@ -419,7 +475,7 @@ def _device_link_class() -> type:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = 7 * 24 * 3600
             try:
-                self.client.connect(self.fleet.host, self.fleet.port, keepalive=30, clean_start=False,
+                self.client.connect(*self.address, keepalive=30, clean_start=False,
                                     properties=props)
             except OSError:
                 self.fleet.schedule(self.backoff, self.connect)
@@ -513,7 +569,7 @@ class Device:
 
     COUNTED = {"ignored": "undecodable", "lost": "lost_messages", "dropped": "dropped_tasks"}   # note -> counter
 
-    def __init__(self, fleet: Fleet, client_id: str, samples: int) -> None:
+    def __init__(self, fleet: Fleet, client_id: str, samples: int, address: tuple[str, int]) -> None:
         from edge_client.device_protocol import DeviceProtocol, presence_payload
         from edge_client.wire.chunking import ChunkingTransport
         from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, PresenceBody, Topics
@@ -532,7 +588,7 @@ class Device:
         self.protocol = DeviceProtocol(client_id, self.topics, _Held(fleet.broadcasts),
                                        max_decoded_bytes=DEFAULT_MAX_MESSAGE_BYTES, exit_after_run=True)
         will = Will(self.topics.client(client_id, "presence"), presence_payload(client_id, PresenceBody("offline")))
-        self.link = fleet.link_class(fleet, client_id, will, lambda: fleet.dirty.add(self))
+        self.link = fleet.link_class(fleet, client_id, will, lambda: fleet.dirty.add(self), address)
         self.transport = ChunkingTransport(self.link, max_message_bytes=fleet.max_message_bytes,
                                            max_decoded_bytes=DEFAULT_MAX_MESSAGE_BYTES)
         self.residuals = ResidualStore(None)
@@ -731,13 +787,14 @@ def devices_child(spec_path: Path) -> int:
     stopping = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("now", True))
     started = time.time()
-    fleet = Fleet(spec["broker"], spec["ids"], Think.parse(spec["think"]), spec["seed"], spec["samples"],
+    fleet = Fleet(spec["brokers"], spec["ids"], Think.parse(spec["think"]), spec["seed"], spec["samples"],
                   spec.get("max_message_bytes", DEFAULT_PACKET_BYTES), spec.get("drop", 0.0))
     try:
         fleet.run(lambda: stopping["now"])
     finally:
         fleet.leave()
-        out = {"ids": len(spec["ids"]), "started": started, "ended": time.time(),
+        out = {"ids": len(spec["ids"]), "started": started, "connecting": fleet.connecting_at,
+               "connected": fleet.connected_at, "ended": time.time(),
                "finished": sum(d.finished for d in fleet.devices), "counts": fleet.counts,
                "traffic": {str(k): v for k, v in sorted(fleet.traffic.items())},
                "cpu_s": time.process_time(), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -822,12 +879,22 @@ class Cell:
     workers: int = 0          # aggregation workers (fedge-coordinator worker); 0: the coordinator takes every result
     secagg: bool = False      # secure aggregation (SecAgg+, [secagg] enabled): four exchanges a round
     drop: float = 0.0         # secure rounds: share of a round's devices that fail at the mask stage
+    sites: int = 0            # site brokers bridged to the central one, the fleet split over them; 0: flat
+    site_aggregators: bool = False   # an aggregation worker on each site broker keeps its site's results
 
     @property
     def key(self) -> str:
         return (f"{self.fleet}/{self.per_round}/{self.codec}" + (f"/threads={self.threads}" if self.threads else "")
                 + (f"/workers={self.workers}" if self.workers else "") + ("/secagg" if self.secagg else "")
-                + (f"/drop={self.drop:g}" if self.drop else ""))
+                + (f"/drop={self.drop:g}" if self.drop else "")
+                + (f"/sites={self.sites}" + ("+aggregators" if self.site_aggregators else "") if self.sites else ""))
+
+    @property
+    def topology(self) -> str:
+        """How the fleet reaches the coordinator, in words (empty for the flat topology)."""
+        if not self.sites:
+            return ""
+        return f"{self.sites} sites" + (" with aggregators" if self.site_aggregators else " (results up the bridges)")
 
     @property
     def variant(self) -> bool:
@@ -838,7 +905,8 @@ class Cell:
     def of(cls, result: dict[str, Any]) -> Cell:
         """The cell a result in the JSON belongs to."""
         return cls(result["fleet"], result["per_round"], result["codec_up"], result.get("coordinator_torch_threads", 0),
-                   result.get("workers", 0), result.get("secagg", False), result.get("drop", 0.0))
+                   result.get("workers", 0), result.get("secagg", False), result.get("drop", 0.0),
+                   result.get("sites", 0), result.get("site_aggregators", False))
 
 
 class Sampler:
@@ -886,6 +954,11 @@ class Sampler:
             return later[0][column]
         return self.series[name][-1][column] if self.series.get(name) else None
 
+    def cpu(self, name: str, start: float, end: float) -> float:
+        """CPU seconds of ``name`` from the last sample before ``start`` to the first after ``end``: a round's
+        share, to a sample (0.2 s) either way."""
+        return (self.after(name, end, 2) or 0.0) - (self.at(name, start, 2) or 0.0)
+
 
 def _say(text: str) -> None:
     print(text, flush=True)
@@ -906,9 +979,9 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
 
     n, tag = cell.fleet, f"[N={cell.fleet} per round={cell.per_round} {cell.codec}" + \
         (f" coordinator torch threads={cell.threads}" if cell.threads else "") + \
-        (f" {cell.workers} workers]" if cell.workers else "]")
+        (f" {cell.workers} workers" if cell.workers else "") + (f" {cell.topology}]" if cell.sites else "]")
     processes = max(1, min(args.processes, n))
-    raise_open_files(n + 256)
+    raise_open_files(n + 256)   # the most any one process here holds: a flat broker, or all the sites' devices
     work = Path(tempfile.mkdtemp(prefix="fedge-fleet-"))
     began = time.time()
     # Mosquitto's listener takes any number of connections (max_connections -1, its default, said
@@ -919,6 +992,10 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
     sampler.watch("broker", broker.pid)   # the broker this cell started: sampled and stopped by PID
     children: list[subprocess.Popen] = []
     ids = [f"dev-{i:04d}" for i in range(n)]
+    sites = bench_sites(cell, ids)
+    site_brokers: list[Any] = []
+    uplinks: dict[str, CountingLink] = {}
+    brokers = [url] * n   # device i logs in to brokers[i]: the central broker, or site i % K's
     overrides = {
         "run.strategy": "fedavg", "run.rounds": args.rounds, "run.seed": args.seed, "run.out": str(work / "run"),
         "model.name": "cnn", "data.eval": "fashion-mnist", "clients.expected": n, "clients.per_round": cell.per_round,
@@ -932,12 +1009,30 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
             overrides["clients.min_results"] = max(3, cell.per_round // 2)
     if cell.workers:   # results must arrive whole: a shared subscription hands out each chunk on its own
         overrides.update({"workers.count": cell.workers, "transport.max_message_bytes": WORKERS_PACKET_BYTES})
+    if cell.site_aggregators:   # as provisioning writes it: the site aggregators, and the results that reach the centre
+        overrides.update({"workers.count": cell.sites, "workers.direct_results": True})
     coord_spec = {"overrides": overrides, "timing": str(work / "timing.jsonl"), "status": str(work / "status.json"),
                   "torch_threads": cell.threads}
     (work / "coordinator.json").write_text(json.dumps(coord_spec))
     log = (work / "coordinator.out").open("w")
     failure = ""
     try:
+        for s, site in enumerate(sites):   # each bridge up before any device logs in to its site
+            uplinks[site.name], site_broker = start_site(site, broker.port, work / site.name)
+            site_brokers.append(site_broker)
+            sampler.watch(f"{site.name}-broker", site_broker.pid)
+            brokers[s::len(sites)] = [site_broker.url] * len(site.devices)
+            if site.aggregator_user:   # the site's aggregation worker, on its site broker
+                aggregator = subprocess.Popen(
+                    [sys.executable, "-m", "coordinator.ui.cli", "worker", "--id", site.aggregator_user,
+                     "--exit-after-run", *(a for k, v in {**overrides, "transport.broker": site_broker.url}.items()
+                                           for a in ("--set", f"{k}={_toml_value(v)}"))],
+                    cwd=ROOT, stdout=(work / f"{site.name}-aggregator.out").open("w"), stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL)
+                children.append(aggregator)
+                sampler.watch(f"{site.name}-aggregator", aggregator.pid)
+        if sites:
+            sampler.watch("bench", os.getpid())   # the uplink forwarders are threads of this process
         for i in range(cell.workers):   # before the coordinator, which waits for them
             worker = subprocess.Popen([sys.executable, "-m", "coordinator.ui.cli", "worker", "--id", f"worker-{i}",
                                        "--exit-after-run", *(a for k, v in overrides.items()
@@ -952,7 +1047,7 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
         sampler.watch("coordinator", coordinator.pid)
         for p in range(processes):
             part = ids[p::processes]
-            spec = {"broker": url, "ids": part, "think": args.think.text, "seed": args.seed,
+            spec = {"brokers": brokers[p::processes], "ids": part, "think": args.think.text, "seed": args.seed,
                     "samples": max(1, TRAIN_IMAGES // n), "records": str(work / f"devices-{p}.json"), "drop": cell.drop,
                     "max_message_bytes": WORKERS_PACKET_BYTES if cell.workers else DEFAULT_PACKET_BYTES}
             (work / f"devices-{p}.spec.json").write_text(json.dumps(spec))
@@ -961,7 +1056,9 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
                                      stdin=subprocess.DEVNULL)
             children.append(child)
             sampler.watch(f"devices-{p}", child.pid)
-        _say(f"{tag} broker {url}, coordinator pid {coordinator.pid}, {processes} device processes")
+        _say(f"{tag} broker {url}, coordinator pid {coordinator.pid}, {processes} device processes"
+             + "".join(f", {site.name} {b.url} (bridge via :{uplinks[site.name].port})"
+                       for site, b in zip(sites, site_brokers)))
         deadline = time.monotonic() + args.cell_timeout
         last_line, last_kind, shown_at, status_path = "", None, 0.0, work / "status.json"
         while coordinator.poll() is None:
@@ -1006,12 +1103,24 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
                 child.wait()
         log.close()
         broker_log = (work / "mosquitto" / "mosquitto.log")
+        for site_broker in site_brokers:
+            site_broker.stop()
+        for link in uplinks.values():
+            link.stop()
         broker.stop()
-    result = summarize(cell, args, work, sampler, processes, time.time() - began)
+    result = summarize(cell, args, work, sampler, processes, time.time() - began, uplinks)
     warnings = broker_log.read_text(errors="replace").strip().splitlines() if broker_log.exists() else []
     result["broker_log_lines"] = len(warnings)
     result["broker_log_tail"] = warnings[-5:]
     result["coordinator_warnings"] = coordinator_warnings(work / "run" / "coordinator.log")
+    for site in sites:
+        lines = (work / site.name / "mosquitto.log").read_text(errors="replace").strip().splitlines() \
+            if (work / site.name / "mosquitto.log").exists() else []
+        result.setdefault("site_broker_log_lines", {})[site.name] = len(lines)
+        result.setdefault("site_broker_log_tail", {})[site.name] = lines[-3:]
+        if site.aggregator_user:
+            result.setdefault("site_aggregator_stats", {})[site.name] = worker_stats(
+                work / f"{site.name}-aggregator.out")
     if failure:
         result["failure"] = failure
         result["coordinator_log_tail"] = (work / "coordinator.out").read_text(errors="replace")[-3000:]
@@ -1020,6 +1129,61 @@ def run_cell(cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
         import shutil
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def bench_sites(cell: Cell, ids: list[str]) -> list[Site]:
+    """The cell's sites: device ``ids[i]`` on site ``i % K``, each with an aggregator when the cell has them.
+    Their host and port are placeholders: a bench site broker listens where LocalMosquitto finds room."""
+    from coordinator.ops.sites import Site
+
+    return [Site(f"site-{s}", "127.0.0.1", tuple(ids[s::cell.sites]), cell.site_aggregators)
+            for s in range(cell.sites)]
+
+
+def site_broker_config(site: Site, uplink_port: int, broker_dir: Path) -> str:
+    """What a bench site broker adds to LocalMosquitto's anonymous loopback listener: any number of
+    connections, and the bridge section ``fedge-coordinator provision --sites`` writes (``bridge_conf``:
+    the topics of ``bridged_topics``, MQTT 3.1.1, ``cleansession false``), without TLS, to the uplink
+    forwarder on ``uplink_port``. The central broker is anonymous: the bridge's password is not checked."""
+    from coordinator.ops.provision_texts import bridge_conf
+
+    return "max_connections -1\n" + bridge_conf(site, PREFIX, f"127.0.0.1:{uplink_port}", "unchecked",
+                                                  str(broker_dir), tls=False)
+
+
+def start_site(site: Site, centre_port: int, workdir: Path, timeout: float = 10.0) -> tuple[CountingLink, Any]:
+    """A site broker bridged to the central broker on ``centre_port`` through a :class:`CountingLink`,
+    once the bridge has connected (a device's presence published before that would not go up: the
+    bridge does not carry the site's retained messages when it connects). Both are stopped by the caller."""
+    from coordinator.ops.broker import BrokerError
+    from coordinator.ops.mosquitto import LocalMosquitto
+
+    link = CountingLink(centre_port).start()
+    broker = LocalMosquitto(workdir=workdir, extra_config=site_broker_config(site, link.port, workdir))
+    try:
+        broker.start()
+        deadline = time.monotonic() + timeout
+        while link.connections == 0:
+            if time.monotonic() > deadline:
+                log = (workdir / "mosquitto.log").read_text(errors="replace").strip()[-500:]
+                raise BrokerError(f"the bridge of {site.name} did not connect to the central broker within "
+                                  f"{timeout:.0f} s; its broker's log: {log or '(empty)'}")
+            time.sleep(0.02)
+    except BaseException:
+        broker.stop()
+        link.stop()
+        raise
+    return link, broker
+
+
+def worker_stats(path: Path) -> dict[str, int]:
+    """A worker's closing counters, from its last line ``worker done: folded 250, partials 3, ...``."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.startswith("worker done: ")] \
+        if path.exists() else []
+    if not lines:
+        return {}
+    pairs = (item.rsplit(" ", 1) for item in lines[-1][len("worker done: "):].split(", "))
+    return {k: int(v) for k, v in pairs if v.lstrip("-").isdigit()}
 
 
 def coordinator_warnings(path: Path, keep: int = 8) -> dict[str, Any]:
@@ -1031,7 +1195,7 @@ def coordinator_warnings(path: Path, keep: int = 8) -> dict[str, Any]:
 
 
 def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler, processes: int,
-              wall: float) -> dict[str, Any]:
+              wall: float, uplinks: dict[str, CountingLink] | None = None) -> dict[str, Any]:
     """One cell's figures from the coordinator's rows and timing, the devices' records and the samples."""
     def read_lines(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -1080,6 +1244,7 @@ def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler
             "coordinator_bytes_down": row.get("bytes_down", 0), "coordinator_bytes_up": row.get("bytes_up", 0),
             "resends": sum(t["resends"] for t in mine),
             "unacked": sum(1 for t in mine if t["ack"] is None),
+            "worker_lost": row.get("worker_lost", 0),
             **{k: v for k, v in row.items() if k.startswith("secagg_")},   # a secure round's stages
         })
     first = timing.get(1)
@@ -1129,11 +1294,54 @@ def summarize(cell: Cell, args: argparse.Namespace, work: Path, sampler: Sampler
         "cell_wall_s": wall,
         "secagg_seconds_per_round": _mean([p["secagg_seconds"] for p in per_round if "secagg_seconds" in p]) or None,
         "secagg_dropped": sum(p.get("secagg_dropped", 0) for p in per_round),
+        "worker_lost": sum(p["worker_lost"] for p in per_round),
+        "devices_connected_s": max(d["connected"] for d in device_files) - min(d["connecting"] for d in device_files)
+        if device_files and all(d.get("connected") for d in device_files) else None,
+        **site_figures(cell, sampler, per_round, timing, uplinks or {}),
         "per_round_detail": per_round,
     }
 
 
+def site_figures(cell: Cell, sampler: Sampler, per_round: list[dict[str, Any]], timing: dict[int, dict[str, Any]],
+                 uplinks: dict[str, CountingLink]) -> dict[str, Any]:
+    """A sites cell's own figures (none for the flat topology): each uplink's bytes per round (added to
+    ``per_round``'s rows) and over the cell, and what each site broker and site aggregator cost."""
+    if not cell.sites:
+        return {"sites": 0, "site_aggregators": False}
+    names = sorted(uplinks)
+    spans = {p["round"]: (timing[p["round"]]["wall_start"], timing[p["round"]]["wall_end"]) for p in per_round}
+    for p in per_round:
+        crossed = {name: uplinks[name].between(*spans[p["round"]]) for name in names}
+        p["uplink_bytes_up"] = {name: up for name, (up, _) in crossed.items()}
+        p["uplink_bytes_down"] = {name: down for name, (_, down) in crossed.items()}
+
+    def per_site(role: str) -> dict[str, float | None]:
+        """Each site's process ``NAME-role``: its CPU seconds per round, mean over rounds."""
+        return {name: _mean([sampler.cpu(f"{name}-{role}", *span) for span in spans.values()])
+                for name in names if f"{name}-{role}" in sampler.series}
+
+    return {
+        "sites": cell.sites, "site_aggregators": cell.site_aggregators,
+        "uplink_mb_per_round_up": _mean([sum(p["uplink_bytes_up"].values()) / 1e6 for p in per_round]),
+        "uplink_mb_per_round_down": _mean([sum(p["uplink_bytes_down"].values()) / 1e6 for p in per_round]),
+        "uplink_bytes_cell": {name: {"up": link.up, "down": link.down} for name, link in sorted(uplinks.items())},
+        "uplink_connections": {name: link.connections for name, link in sorted(uplinks.items())},
+        "site_broker_cpu_s_per_round": per_site("broker"),
+        "site_broker_peak_rss_mb": {name: sampler.peak.get(f"{name}-broker") for name in names},
+        "site_aggregator_cpu_s_per_round": per_site("aggregator") if cell.site_aggregators else None,
+        "site_aggregator_peak_rss_mb": {name: sampler.peak.get(f"{name}-aggregator") for name in names}
+        if cell.site_aggregators else None,
+        "bench_cpu_s_per_round": _mean([sampler.cpu("bench", *span) for span in spans.values()]),
+    }
+
+
 # ----------------------------------------------------------------------------- output
+
+def _order(c: dict[str, Any]) -> tuple:
+    """Cells in the JSON and the table: by N, per round, codec, then the variants (absent in older cells)."""
+    return (c["fleet"], c["per_round"], c["codec_up"], c.get("coordinator_torch_threads", 0), c.get("workers", 0),
+            c.get("sites", 0), c.get("site_aggregators", False))
+
 
 def table(cells: list[dict[str, Any]]) -> str:
     """The measured table in Markdown, one line per cell."""
@@ -1142,14 +1350,16 @@ def table(cells: list[dict[str, Any]]) -> str:
             "| MB/round (devices; coordinator) | lost / late / rejected / dropped |")
     lines = [head, "|" + "---|" * 10]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
-    for c in sorted(cells, key=lambda c: (c["fleet"], c["per_round"], c["codec_up"],
-                                          c.get("coordinator_torch_threads", 0), c.get("workers", 0))):
+    for c in sorted(cells, key=_order):
         lost = f"{c['lost']} / {c['late']} / {c['rejected']} / {c['inbox_dropped']}"
         mark = "" if c.get("complete") and not c.get("failure") else " (incomplete)"
         if c.get("coordinator_torch_threads"):
             mark += f", coordinator on {c['coordinator_torch_threads']} torch thread(s)"
         if c.get("workers"):
             mark += f", {c['workers']} aggregation worker(s) ({fmt(c.get('workers_cpu_s_per_round'), '.2f')} CPU s/round)"
+        if c.get("sites"):
+            mark += (f", {Cell.of(c).topology} (uplinks {fmt(c.get('uplink_mb_per_round_up'), ',.1f')} MB/round up, "
+                     f"{fmt(c.get('uplink_mb_per_round_down'), ',.1f')} down)")
         lines.append(f"| {c['fleet']} | {c['per_round']} | `{c['codec_up']}`{mark} | "
                      f"{fmt(c['overhead_s'], '.2f')}; {fmt(c['overhead_s_max'], '.2f')} | "
                      f"{fmt(c['coordinator_cpu_s_per_round'], '.2f')} | "
@@ -1176,6 +1386,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
                 and not Cell.of(c).variant:
             share = "all" if c["per_round"] == c["fleet"] else "N/10"
             mode = ("" if not c.get("secagg") else ", secure" + (f", {c['drop']:.0%} fail" if c.get("drop") else ""))
+            mode += f", {Cell.of(c).topology}" if c.get("sites") else ""
             groups.setdefault((share, c["codec_up"] + mode), []).append(c)
     panels = (("overhead_s", "round overhead: round time - slowest think", "seconds (log)"),
               ("coordinator_peak_rss_mb_rounds", "coordinator peak RSS during the rounds", "MB"),
@@ -1257,6 +1468,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "each K > 0 is a variant kept apart in the JSON and the table, run with results "
                              f"unchunked (max_message_bytes {WORKERS_PACKET_BYTES // 2**20} MiB). Default 0: the "
                              "coordinator takes every result itself")
+    parser.add_argument("--sites", type=_counts, default=[0], metavar="K[,K...]",
+                        help="site brokers the fleet is split over (device i on site i %% K), each bridged to the "
+                             "central broker by Mosquitto's bridge as `provision --sites` writes it, its uplink through "
+                             "a byte-counting forwarder; comma-separated, a cell each. Default 0: every device on the "
+                             "central broker")
+    parser.add_argument("--site-aggregators", type=_modes, default=[False], metavar="off,on",
+                        help="with --sites K > 0: off (results go up the bridges to the coordinator), on (an aggregation "
+                             "worker on each site broker keeps its site's results: workers.count = K, "
+                             "workers.direct_results), or off,on (a cell each). Default off")
     parser.add_argument("--secagg", type=_modes, default=[False], metavar="off,on",
                         help="secure aggregation off, on, or both (a cell each; default off): [secagg] enabled, four "
                              "exchanges a round, devices answer every stage with the device's own code")
@@ -1278,6 +1498,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.processes < 1:
         parser.error("--rounds and --processes must be at least 1")
+    if any(args.sites) and True in args.site_aggregators and (any(args.workers) or True in args.secagg):
+        parser.error("site aggregators are the run's aggregation workers: run them without --workers (central "
+                     "workers would take the results that reach the centre a second time) and without --secagg "
+                     "(secure rounds need every result at the coordinator); or use --site-aggregators off")
     return args
 
 
@@ -1287,6 +1511,16 @@ def _modes(text: str) -> list[bool]:
     if not chosen or any(v not in modes for v in chosen):
         raise argparse.ArgumentTypeError(f"expected off, on or off,on; got {text!r}")
     return [modes[v] for v in chosen]
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts >= 0, e.g. 0,4,10; got {text!r}")
+    return values
 
 
 def _fractions(text: str) -> list[float]:
@@ -1313,9 +1547,12 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
                 for workers in args.workers:
                     for secagg in args.secagg:
                         for drop in args.secagg_drop if secagg else [0.0]:
-                            cell = Cell(n, k, codec, args.coordinator_torch_threads, workers, secagg, drop)
-                            if cell.key not in args.skip_cell and cell not in cells:
-                                cells.append(cell)
+                            for sites in (s for s in args.sites if s <= n):   # no site without a device
+                                for aggregators in args.site_aggregators if sites else [False]:
+                                    cell = Cell(n, k, codec, args.coordinator_torch_threads, workers, secagg, drop,
+                                                sites, aggregators)
+                                    if cell.key not in args.skip_cell and cell not in cells:
+                                        cells.append(cell)
     return cells
 
 
@@ -1336,21 +1573,23 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"{len(todo)} cells to run" + (f", {len(results)} in {args.out} already" if results else ""))
     started = time.time()
     for i, cell in enumerate(todo, 1):
-        _say(f"cell {i}/{len(todo)}: N={cell.fleet}, {cell.per_round} per round, codec up {cell.codec}")
+        _say(f"cell {i}/{len(todo)}: N={cell.fleet}, {cell.per_round} per round, codec up {cell.codec}"
+             + (f", {cell.topology}" if cell.sites else ""))
         result = run_cell(cell, args)
         results = [c for c in results if Cell.of(c).key != cell.key] + [result]
         _say(f"  overhead {result['overhead_s'] if result['overhead_s'] is None else round(result['overhead_s'], 2)} s"
              f" per round, coordinator CPU {result['coordinator_cpu_s_per_round'] or 0:.2f} s/round, peak RSS "
              f"coordinator {result['coordinator_peak_rss_mb'] or 0:.0f} MB, broker {result['broker_peak_rss_mb'] or 0:.0f}"
-             f" MB; lost {result['lost']}, late {result['late']}; cell took {result['cell_wall_s']:.0f} s")
+             f" MB; lost {result['lost']}, late {result['late']}; cell took {result['cell_wall_s']:.0f} s"
+             + (f"; uplinks {result['uplink_mb_per_round_up'] or 0:,.1f} MB/round up, "
+                f"{result['uplink_mb_per_round_down'] or 0:,.1f} down" if cell.sites else ""))
         report = {
             "machine": {"python": platform.python_version(), "arch": platform.machine(), "cpus": os.cpu_count(),
                         "mosquitto": _mosquitto_version()},
             "model": "cnn on Fashion-MNIST 28x28 (1.69 MB of float32 parameters), FedAvg, codec.down fp32 with the "
                      "model broadcast, codec.error_feedback false",
             "definitions": DEFINITIONS,
-            "cells": sorted(results, key=lambda c: (c["fleet"], c["per_round"], c["codec_up"],
-                                                    c.get("coordinator_torch_threads", 0), c.get("workers", 0))),
+            "cells": sorted(results, key=_order),
         }
         write_result(args.out, report)
         plot(report["cells"], args.plot)

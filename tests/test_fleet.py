@@ -81,3 +81,60 @@ def test_ten_devices_every_result_counted(tmp_path: Path, needs_broker_and_data:
     assert cell["lost"] == 0 and cell["coordinator_peak_rss_mb"] > 0 and cell["broker_peak_rss_mb"] > 0
     assert png.stat().st_size > 0
     assert "| 10 | 10 | `fp32` |" in fleet.table(report["cells"])
+
+
+def test_a_counting_link_forwards_both_ways_and_dates_its_counts():
+    """The uplink forwarder of a bench site: what it carries arrives intact, each way is counted apart,
+    and ``between`` gives the bytes inside a window of wall time."""
+    import socket
+    import threading
+    import time
+
+    from counting_link import CountingLink
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def echo_twice() -> None:   # the "centre": answers every byte with two
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data * 2)
+
+    threading.Thread(target=echo_twice, daemon=True).start()
+    with CountingLink(server.getsockname()[1]) as link, socket.create_connection(("127.0.0.1", link.port)) as site:
+        site.sendall(b"x" * 1000)
+        got = b""
+        while len(got) < 2000:
+            got += site.recv(65536)
+        middle = time.time()
+        time.sleep(0.01)
+        site.sendall(b"y" * 10)
+        while len(got) < 2020:
+            got += site.recv(65536)
+        assert got == b"x" * 2000 + b"y" * 20
+        assert (link.up, link.down, link.connections) == (1010, 2020, 1)
+        assert link.between(0, middle) == (1000, 2000)
+        assert link.between(middle, time.time()) == (10, 20)
+    server.close()
+
+
+def test_a_bench_site_is_bridged_as_provisioning_writes_it():
+    """A bench site broker's bridge: provisioning's section over bridged_topics, MQTT 3.1.1 with a kept
+    session, without TLS, to the forwarder's port; with an aggregator its devices' results stay on the site."""
+    args = fleet.parse_args(["--fleet", "10", "--per-round", "all", "--sites", "0,3", "--site-aggregators", "off,on"])
+    cells = fleet.cells_of(args)
+    assert [c.key for c in cells] == ["10/10/fp32", "10/10/fp32/sites=3", "10/10/fp32/sites=3+aggregators"]
+    sites = fleet.bench_sites(cells[2], [f"dev-{i}" for i in range(10)])
+    assert [s.devices for s in sites][0] == ("dev-0", "dev-3", "dev-6", "dev-9")
+    conf = fleet.site_broker_config(sites[0], 4321, Path("/unused"))
+    assert "address 127.0.0.1:4321\n" in conf and "bridge_protocol_version mqttv311\n" in conf
+    assert "cleansession false\n" in conf and "bridge_cafile" not in conf
+    assert "topic fleet/clients/dev-3/task/# in 1\n" in conf and "topic fleet/clients/dev-1/task/#" not in conf
+    assert "topic fleet/workers/agg-site-0/partial/# out 1\n" in conf and "/result/#" not in conf
+    plain = fleet.site_broker_config(fleet.bench_sites(cells[1], [f"dev-{i}" for i in range(10)])[0], 4321, Path("/x"))
+    assert "topic fleet/clients/dev-3/result/# out 1\n" in plain and "agg-site-0" not in plain
+    # cells written before sites existed read as the flat topology
+    old = {"fleet": 10, "per_round": 10, "codec_up": "fp32"}
+    assert fleet.Cell.of(old).key == "10/10/fp32" and fleet.Cell.of(old).topology == ""
+    with pytest.raises(SystemExit):
+        fleet.parse_args(["--sites", "2", "--site-aggregators", "on", "--workers", "2"])
