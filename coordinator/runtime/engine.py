@@ -88,7 +88,9 @@ class Coordinator:
         self._network_key = ""                        # the spec self.model was built from (JSON)
         self.model, self.shapes = self._network()
         t = config.transport
-        if config.workers.count and self.fp32_model_bytes + 16384 > t.max_message_bytes:
+        # Site aggregators (direct_results) are alone on their brokers' shared subscriptions and reassemble chunks.
+        shared = config.workers.count and not config.workers.direct_results
+        if shared and self.fp32_model_bytes + 16384 > t.max_message_bytes:
             log.warning("a float32 result (%d bytes of tensors, and its envelope) is close to or over "
                         "transport.max_message_bytes (%d): it may travel in chunks, which a shared subscription "
                         "spreads over the aggregation workers; raise max_message_bytes (the devices' too) above "
