@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_client.secagg import (Advertise, ForwardedShares, MaskedInput, PublicKeys, RefusedError, RoundFailedError,
-                                SecAggParams, ShareBundle, UnmaskRequest, UnmaskResponse, advertise, aggregate,
+from edge_client.secagg import (Advertise, ForwardedShares, MaskedInput, MaskedSum, PublicKeys, RefusedError,
+                                RoundFailedError, SecAggParams, ShareBundle, UnmaskRequest, UnmaskResponse, advertise, aggregate,
                                 collect_keys, graph, keys, masked_input, masking, request_unmask, route_shares,
                                 shamir, share, unmask)
 from edge_client.secagg.errors import DecryptionError, MessageError, ParamsError, ShareError
@@ -316,6 +316,24 @@ def _to_unmask(params, xs):
     forwarded = route_shares(params, keys, bundles)
     states, masked = map(list, zip(*(masked_input(s, forwarded[i], xs[i]) for i, s in enumerate(states))))
     return states, keys, forwarded, masked
+
+
+def test_masked_inputs_added_as_they_come_give_the_same_sum_and_refuse_a_second_one():
+    params = _params()
+    xs = _inputs(params)
+    states, keys, forwarded, masked = _to_unmask(params, xs)
+    summed = MaskedSum(params, forwarded)
+    for m in masked[:-1]:
+        summed.add(m)
+    with pytest.raises(MessageError, match="sent two masked inputs"):
+        summed.add(masked[0])
+    request = request_unmask(params, forwarded, summed)           # the last client dropped after sharing
+    assert request.survivors == tuple(range(9)) and request.dropped == (9,)
+    responses = [unmask(states[i], request)[1] for i in request.survivors]
+    held = aggregate(params, keys, request, masked[:-1], responses)
+    added = aggregate(params, keys, request, summed, responses)
+    assert np.array_equal(added.residues, held.residues)
+    _check_sum(params, xs, added, range(9))
 
 
 def test_a_client_refuses_to_reveal_both_secrets_of_one_neighbour():

@@ -25,8 +25,8 @@ from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
 from edge_client.objectives import LocalData
-from edge_client.secagg import (MessageError, RefusedError, SecAggParams, advertise, collect_keys, masked_input,
-                                route_shares, share)
+from edge_client.secagg import (MaskedSum, MessageError, RefusedError, SecAggParams, advertise, collect_keys,
+                                masked_input, route_shares, share)
 from edge_client.secagg import masking
 from edge_client.secagg.stages import MASKED_TENSOR, StageReply, StageTask, split_sum
 from edge_client.secure_device import SecureRounds
@@ -166,6 +166,7 @@ def _round_with_keys():
     rnd.params, rnd.ids, rnd.replies = p, {"a": 0, "b": 1, "c": 2}, {}
     states, adverts = zip(*(advertise(p, i) for i in range(3)))
     rnd.keys, rnd.members, rnd.request = collect_keys(p, adverts), frozenset(range(3)), None
+    rnd.masked = MaskedSum(p, rnd.members)
     return rnd, p, states, adverts
 
 

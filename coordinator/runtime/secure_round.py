@@ -21,6 +21,7 @@ released, and the engine retries it as it retries a round with too few results.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -34,9 +35,9 @@ import torch
 from coordinator.runtime.round_book import Network, RoundBook
 from coordinator.runtime.tasks import TaskSender
 from coordinator.strategies.base import ClientResult, TaskPlan, WeightedSum
-from edge_client.secagg import (Advertise, MaskedInput, PublicKeys, SecAggParams, ShareBundle, UnmaskRequest,
-                                UnmaskResponse, aggregate, check_masked_input, check_share_bundle,
-                                check_unmask_response, collect_keys, request_unmask, route_shares)
+from edge_client.secagg import (Advertise, MaskedInput, MaskedSum, PublicKeys, SecAggParams, ShareBundle,
+                                UnmaskRequest, UnmaskResponse, aggregate, check_share_bundle, check_unmask_response,
+                                collect_keys, request_unmask, route_shares)
 from edge_client.secagg import masking
 from edge_client.secagg.errors import MessageError, SecAggError
 from edge_client.secagg.graph import suggested_degree
@@ -84,6 +85,7 @@ class SecureRound:
         self.replies: dict[int, Any] = {}          # device id -> its message of the stage in progress
         self.keys: PublicKeys | None = None
         self.members: frozenset[int] = frozenset()
+        self.masked: MaskedSum | None = None   # the mask stage's inputs, added as they come
         self.request: UnmaskRequest | None = None
         intake.secure = self.on_answer
 
@@ -107,7 +109,8 @@ class SecureRound:
         if isinstance(message, ShareBundle):
             check_share_bundle(params, self.keys, message)
         elif isinstance(message, MaskedInput):
-            check_masked_input(params, self.members, message)
+            self.masked.add(message)   # checked and added now: no vector is held until unmask
+            message = dataclasses.replace(message, vector=b"")
         elif isinstance(message, UnmaskResponse):
             check_unmask_response(params, self.request, message)
         if me in self.replies:
@@ -155,13 +158,13 @@ class SecureRound:
         sent = self._exchange(book, "share", {i: self.keys for i in self.keys.keys}, unit)
         forwarded = route_shares(p, self.keys, sent.values())
         self.members = frozenset(forwarded)
-        masked = self._exchange(book, "mask", forwarded, unit)
-        self.request = request_unmask(p, self.members, masked.values())
+        self.masked = MaskedSum(p, self.members)
+        self._exchange(book, "mask", forwarded, unit)
+        self.request = request_unmask(p, self.members, self.masked)
         answers = self._exchange(book, "unmask", {i: self.request for i in self.request.survivors}, unit)
         book.columns.update({"secagg_survivors": len(self.request.survivors),
                              "secagg_dropped": len(self.request.dropped)})
-        survivors = {i: masked[i] for i in self.request.survivors}
-        return aggregate(p, self.keys, self.request, survivors.values(), answers.values())
+        return aggregate(p, self.keys, self.request, self.masked, answers.values())
 
     def _exchange(self, book: RoundBook, stage: str, asked: dict[int, Any], unit: float) -> dict[int, Any]:
         """One stage: a task to each device in ``asked`` (by id) with its message, answers until all came or

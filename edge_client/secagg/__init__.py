@@ -9,12 +9,12 @@ from edge_client.secagg.errors import (DecryptionError, MessageError, ParamsErro
                                        SecAggError, ShareError)
 from edge_client.secagg.messages import (Advertise, ForwardedShares, MaskedInput, PublicKeys, SecAggParams,
                                          ShareBundle, UnmaskRequest, UnmaskResponse)
-from edge_client.secagg.protocol import (AggregateResult, ClientState, advertise, aggregate, check_masked_input,
-                                         check_share_bundle, check_unmask_response, collect_keys, masked_input,
-                                         request_unmask, route_shares, share, unmask)
+from edge_client.secagg.protocol import (AggregateResult, ClientState, MaskedSum, advertise, aggregate,
+                                         check_masked_input, check_share_bundle, check_unmask_response, collect_keys,
+                                         masked_input, request_unmask, route_shares, share, unmask)
 
 __all__ = ["SecAggError", "ParamsError", "MessageError", "ShareError", "DecryptionError", "RefusedError",
            "RoundFailedError", "SecAggParams", "Advertise", "PublicKeys", "ShareBundle", "ForwardedShares",
            "MaskedInput", "UnmaskRequest", "UnmaskResponse", "ClientState", "AggregateResult", "advertise", "share",
            "masked_input", "unmask", "collect_keys", "check_share_bundle", "route_shares", "check_masked_input",
-           "request_unmask", "check_unmask_response", "aggregate"]
+           "MaskedSum", "request_unmask", "check_unmask_response", "aggregate"]

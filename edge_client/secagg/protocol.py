@@ -42,8 +42,8 @@ from edge_client.secagg.shamir import (PRIME, SHARE_BYTES, point_of, reconstruct
                                        split)
 
 __all__ = ["ClientState", "AggregateResult", "advertise", "share", "masked_input", "unmask", "collect_keys",
-           "check_share_bundle", "route_shares", "check_masked_input", "request_unmask", "check_unmask_response",
-           "aggregate"]
+           "check_share_bundle", "route_shares", "check_masked_input", "MaskedSum", "request_unmask",
+           "check_unmask_response", "aggregate"]
 
 _ENCRYPT, _MASK = "encrypt", "mask"
 _SELF, _KEY = "self", "key"
@@ -270,16 +270,41 @@ def check_masked_input(params: SecAggParams, members: Collection[int], masked: M
     return masking.from_bytes(masked.vector, params.length, params.bits)
 
 
+class MaskedSum:
+    """The masked inputs received so far, added as they come: one vector's memory, not one per client.
+
+    A sum of masked vectors is as masked as each of them (the pairwise and self masks only
+    cancel, or are removed, once the survivors' secrets are reconstructed), so adding early
+    reveals nothing and keeps a round of many clients from holding every vector until unmask."""
+
+    def __init__(self, params: SecAggParams, members: Collection[int]) -> None:
+        self.params, self.members = params, frozenset(members)
+        self.total = np.zeros(params.length, dtype=masking.word_dtype(params.bits))
+        self.senders: set[int] = set()
+
+    def add(self, masked: MaskedInput) -> None:
+        """Check ``masked`` (:func:`check_masked_input`, one per client) and add its vector."""
+        vector = check_masked_input(self.params, self.members, masked)
+        if masked.sender in self.senders:
+            raise MessageError(f"client {masked.sender} sent two masked inputs; keep the first")
+        self.total = masking.add_mod(self.total, vector, self.params.bits)
+        self.senders.add(masked.sender)
+
+    @classmethod
+    def of(cls, params: SecAggParams, members: Collection[int], masked: Iterable[MaskedInput] | MaskedSum) -> MaskedSum:
+        if isinstance(masked, MaskedSum):
+            return masked
+        summed = cls(params, members)
+        for m in masked:
+            summed.add(m)
+        return summed
+
+
 def request_unmask(params: SecAggParams, members: Collection[int],
-                   masked: Iterable[MaskedInput]) -> UnmaskRequest:
+                   masked: Iterable[MaskedInput] | MaskedSum) -> UnmaskRequest:
     """Who survived (sent a masked input) and who dropped (shared, then sent none)."""
     members = frozenset(members)
-    survivors: set[int] = set()
-    for m in masked:
-        check_masked_input(params, members, m)
-        if m.sender in survivors:
-            raise MessageError(f"client {m.sender} sent two masked inputs; keep the first")
-        survivors.add(m.sender)
+    survivors = MaskedSum.of(params, members, masked).senders
     if len(survivors) < params.threshold:
         raise RoundFailedError(f"only {len(survivors)} clients sent masked inputs, fewer than the threshold "
                                f"{params.threshold}: the round fails and no sum is released")
@@ -316,12 +341,12 @@ def _recover(params: SecAggParams, responses: Mapping[int, UnmaskResponse], targ
         raise RoundFailedError(f"client {target}'s {what} cannot be reconstructed: {exc}") from None
 
 
-def aggregate(params: SecAggParams, keys: PublicKeys, request: UnmaskRequest, masked: Iterable[MaskedInput],
-              responses: Iterable[UnmaskResponse]) -> AggregateResult:
+def aggregate(params: SecAggParams, keys: PublicKeys, request: UnmaskRequest,
+              masked: Iterable[MaskedInput] | MaskedSum, responses: Iterable[UnmaskResponse]) -> AggregateResult:
     """The exact sum of the survivors' quantized vectors, with every remaining mask removed.
 
-    Every secret is reconstructed before any vector is touched, so a round that cannot
-    finish raises :class:`RoundFailedError` having computed nothing from the inputs.
+    Every secret is reconstructed before any mask is removed, so a round that cannot finish
+    raises :class:`RoundFailedError` having unmasked nothing.
     """
     _check_round(params, request.round_id, "the unmask request")
     members = set(request.survivors) | set(request.dropped)
@@ -329,13 +354,8 @@ def aggregate(params: SecAggParams, keys: PublicKeys, request: UnmaskRequest, ma
     if unknown:
         raise MessageError(f"the unmask request names clients {unknown} whose keys are not in the public keys given; "
                            "pass the keys of the same round")
-    inputs: dict[int, np.ndarray] = {}
-    for m in masked:
-        vector = check_masked_input(params, members, m)
-        if m.sender in inputs:
-            raise MessageError(f"client {m.sender} sent two masked inputs; keep the first")
-        inputs[m.sender] = vector
-    if sorted(inputs) != list(request.survivors):
+    summed = MaskedSum.of(params, members, masked)
+    if sorted(summed.senders) != list(request.survivors):
         raise MessageError("the masked inputs must be those of exactly the survivors named in the unmask request")
     answers: dict[int, UnmaskResponse] = {}
     for r in responses:
@@ -352,10 +372,7 @@ def aggregate(params: SecAggParams, keys: PublicKeys, request: UnmaskRequest, ma
     plus, minus = list(self_seeds), []
     for j, s_sk in mask_keys.items():
         for i in params.neighbours[j]:
-            if i in inputs:   # i added +PRG(s_ij) if i < j, else -PRG(s_ij)
+            if i in summed.senders:   # i added +PRG(s_ij) if i < j, else -PRG(s_ij)
                 (plus if i < j else minus).append(_mask_seed(params, s_sk, j, i, keys.keys[i][1]))
-    total = np.zeros(params.length, dtype=masking.word_dtype(params.bits))
-    for vector in inputs.values():
-        total = masking.add_mod(total, vector, params.bits)
-    residues = masking.sub_mod(total, masking.combined_mask(params.length, params.bits, plus, minus), params.bits)
+    residues = masking.sub_mod(summed.total, masking.combined_mask(params.length, params.bits, plus, minus), params.bits)
     return AggregateResult(residues, masking.dequantize(residues, params.scale, params.bits), request.survivors)
