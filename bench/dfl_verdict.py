@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_io import RESULTS, write_result
+from paired import paired_difference
 from run_matrix import expand, final_mean, load_matrix
 
 BENCH = Path(__file__).resolve().parent
@@ -62,8 +63,12 @@ def per_seed(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, d
 
 
 def _paired(seeds: dict[int, dict[str, float]], reference: dict[int, dict[str, float]]) -> dict[str, Any]:
-    """A row's personalized mean minus ``reference``'s, seed by seed, over the seeds both ran."""
-    return _stats([seeds[s]["mean"] - reference[s]["mean"] for s in sorted(set(seeds) & set(reference))])
+    """A row's personalized mean minus ``reference``'s, seed by seed, over the seeds both ran (the shared
+    pairing of bench/paired.py), shown as mean and population std like the table's other figures; the
+    95 % intervals are bench/paired_report.py's (run it on bench/matrices/dfl.toml)."""
+    diff = paired_difference({s: v["mean"] for s, v in seeds.items()}, {s: v["mean"] for s, v in reference.items()})
+    assert diff is not None, "callers pair only rows that share a seed"
+    return _stats(list(diff.differences))
 
 
 def compare(cells: dict[tuple[str, str], dict[int, dict[str, float]]], order: list[str]) -> dict[str, dict[str, Any]]:

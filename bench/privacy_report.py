@@ -38,10 +38,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from scipy import stats  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_io import RESULTS, write_result  # noqa: E402
+from paired import paired_difference  # noqa: E402
 from run_matrix import final_mean, load_matrix  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -78,15 +78,6 @@ def read_cells(results: Path, rounds: int) -> dict[tuple[str, str, str], dict[in
     return cells
 
 
-def paired(values: list[float]) -> dict[str, Any]:
-    """Mean of per-seed differences and its 95 % Student-t interval (None with fewer than 2 seeds)."""
-    out: dict[str, Any] = {"mean": statistics.fmean(values), "per_seed": values, "interval": None}
-    if len(values) > 1:
-        half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
-        out["interval"] = [out["mean"] - half, out["mean"] + half]
-    return out
-
-
 def table(cells: dict[tuple[str, str, str], dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per cell, in the matrix's order, with its cost against the non-private run of each seed."""
     matrix = load_matrix(MATRIX)
@@ -104,10 +95,12 @@ def table(cells: dict[tuple[str, str, str], dict[int, dict[str, Any]]]) -> list[
                                "failed": failed,
                                "accuracy": {"mean": statistics.fmean(accuracy), "std": statistics.pstdev(accuracy),
                                             "per_seed": accuracy} if accuracy else None}
-        common = sorted(set(seeds) & set(reference))
-        if key[2] != REFERENCE and common:
-            row["cost"] = paired([seeds[s]["accuracy"] - reference[s]["accuracy"] for s in common])
-            row["cost"]["seeds"] = common
+        cost = paired_difference({s: v["accuracy"] for s, v in seeds.items()},
+                                 {s: v["accuracy"] for s, v in reference.items()})
+        if key[2] != REFERENCE and cost is not None:
+            row["cost"] = {"mean": cost.mean, "per_seed": list(cost.differences),
+                           "interval": None if cost.interval is None else list(cost.interval),
+                           "seeds": list(cost.seeds)}
         for field in ("epsilon", "noise_std"):
             values = [every[s][field] for s in every if every[s][field] is not None]
             row[field] = max(values) if values else None

@@ -1,0 +1,51 @@
+"""The paired per-seed statistic (bench/paired.py) on small inputs worked out by hand."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from paired import paired, paired_difference  # noqa: E402
+
+
+def test_known_differences() -> None:
+    # differences 2, 3, 4: mean 3, sample std 1, t(0.975, 2) = 4.302653 -> half-width 4.302653 / sqrt(3) = 2.48
+    result = paired_difference({0: 12.0, 1: 13.0, 2: 14.0}, {0: 10.0, 1: 10.0, 2: 10.0})
+    assert result is not None
+    assert result.seeds == (0, 1, 2) and result.n == 3
+    assert result.mean == pytest.approx(3.0) and result.std == pytest.approx(1.0)
+    half = 4.302652729911275 / 3 ** 0.5
+    assert result.interval == pytest.approx((3.0 - half, 3.0 + half))
+    assert result.direction == 1 and result.as_dict()["excludes_zero"] is True
+
+
+def test_interval_straddling_zero() -> None:
+    result = paired([1.0, -1.0, 0.5])
+    assert result.interval is not None and result.interval[0] < 0 < result.interval[1]
+    assert result.direction == 0 and result.as_dict()["excludes_zero"] is False
+
+
+def test_below_zero() -> None:
+    assert paired([-2.0, -2.2, -1.8]).direction == -1
+
+
+def test_one_seed_has_no_interval() -> None:
+    result = paired_difference({0: 0.8, 1: 0.7}, {0: 0.75})
+    assert result is not None and result.n == 1 and result.seeds == (0,)
+    assert result.mean == pytest.approx(0.05)
+    assert result.std is None and result.interval is None and result.direction == 0
+
+
+def test_only_common_seeds_pair() -> None:
+    result = paired_difference({0: 1.0, 2: 3.0, 5: 9.0}, {1: 0.0, 2: 1.0, 5: 5.0})
+    assert result is not None and result.seeds == (2, 5) and result.differences == (2.0, 4.0)
+
+
+def test_no_common_seed_and_no_values() -> None:
+    assert paired_difference({0: 1.0}, {1: 1.0}) is None
+    with pytest.raises(ValueError, match="no seed ran in both"):
+        paired([])
