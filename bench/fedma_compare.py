@@ -17,7 +17,8 @@ seed, same trajectory) and FedMA's traffic falls within them, those evaluations 
 so the bounds are one round apart.
 
 Prints a table and writes ``bench/results/fedma_compare.json``: per (alpha, model, method) the mean
-and population std over seeds, and every seed's figures.
+and population std over seeds, every seed's figures, and FedMA minus the baseline at equal bytes and at
+equal rounds paired per seed with its 95 % t-interval (``bench/paired.py``).
 
     python bench/fedma_compare.py [--results bench/results] [--baselines fedavg,fedavg+pan]
 """
@@ -35,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_io import RESULTS, write_result  # noqa: E402
+from paired import paired  # noqa: E402
 
 
 def _curve(rows: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -79,6 +81,13 @@ def _stats(values: list[float | None]) -> dict[str, float] | None:
     return {"mean": mean(kept), "std": pstdev(kept), "n": len(kept)} if kept else None
 
 
+def _gain(result: dict[str, Any]) -> str:
+    """A paired difference in points with its interval (none from one seed)."""
+    interval = result["interval"]
+    return f"{result['mean'] * 100:+.2f}" + ("" if interval is None else
+                                             f" [{interval[0] * 100:+.2f}, {interval[1] * 100:+.2f}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the fedma/ run files are")
@@ -92,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         runs[(alpha, model, method, record["seed"])] = record
     out: list[dict[str, Any]] = []
     print("| alpha | model | FedMA | vs | seeds | FedMA accuracy | its total MB | baseline at equal bytes "
-          "(evaluations before; after) | baseline at equal rounds | baseline MB to FedMA's accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(evaluations before; after) | baseline at equal rounds | baseline MB to FedMA's accuracy "
+          "| FedMA minus baseline at equal bytes, paired (95 % interval) | same at equal rounds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (alpha, model, method, seed), record in sorted(runs.items()):
         if not method.startswith("fedma") or seed != min(s for a, m, k, s in runs if (a, m, k) == (alpha, model, method)):
             continue
@@ -108,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                     "baseline_accuracy_before_equal_bytes", "baseline_accuracy_after_equal_bytes",
                     "baseline_accuracy_at_equal_rounds", "baseline_bytes_to_fedma_accuracy")
             summary = {k: _stats([p[k] for p in pairs]) for k in keys}
+            seeds = [p["seed"] for p in pairs]
+            gains = {f"paired_at_equal_{at}": paired([p["fedma_accuracy"] - p[f"baseline_accuracy_at_equal_{at}"]
+                                                      for p in pairs], seeds).as_dict() for at in ("bytes", "rounds")}
             out.append({"alpha": alpha, "model": model, "method": method, "baseline": baseline,
-                        "seeds": [p["seed"] for p in pairs], "summary": summary, "per_seed": pairs})
+                        "seeds": seeds, "summary": summary, **gains, "per_seed": pairs})
             cell = lambda k, scale, fmt: ("-" if summary[k] is None else   # noqa: E731
                                           f"{summary[k]['mean'] * scale:{fmt}} ± {summary[k]['std'] * scale:{fmt}}")
             print(f"| {alpha} | {model} | {method} | {baseline} | {len(pairs)} | {cell('fedma_accuracy', 100, '.2f')} "
@@ -117,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({cell('baseline_accuracy_before_equal_bytes', 100, '.2f')}; "
                   f"{cell('baseline_accuracy_after_equal_bytes', 100, '.2f')}) "
                   f"| {cell('baseline_accuracy_at_equal_rounds', 100, '.2f')} "
-                  f"| {cell('baseline_bytes_to_fedma_accuracy', 1e-6, '.1f')} |")
+                  f"| {cell('baseline_bytes_to_fedma_accuracy', 1e-6, '.1f')} "
+                  f"| {_gain(gains['paired_at_equal_bytes'])} | {_gain(gains['paired_at_equal_rounds'])} |")
     write_result(args.results / "fedma_compare.json", {
         "definitions": {
             "fedma_bytes": "bytes_down + bytes_up over all of the FedMA run's phases",
