@@ -312,7 +312,10 @@ def serve_worker(config: RunConfig, worker_id: str, *, exit_after_run: bool = Fa
                               password_source=source)
     topics = Topics(t.prefix)
     will = Will(topics.worker(worker_id, "presence"), presence_payload(worker_id, PresenceBody("offline")))
-    transport = MqttTransport(settings, f"fedge-{worker_id}", will=will, flow_control=True).connect()
+    # No flow control here: a worker's verdicts and the flush come on its own session, and held back by the
+    # broker behind a window of results they arrived late (measured with one worker and 1,000 fp32 results a
+    # round: results granted but never flushed within workers.flush_timeout, 2.7 GB waiting for verdicts).
+    transport = MqttTransport(settings, f"fedge-{worker_id}", will=will).connect()
     worker = AggregationWorker(config, transport, worker_id)
     server = None
     try:
