@@ -123,11 +123,15 @@ def load_run_file(path: Path) -> dict[str, Any]:
     return record
 
 
+# Keys a run file may hold under an earlier name: (section, key) -> where the same setting lives now.
+RENAMED = {("spherefed", "lr_schedule"): ("schedule", "lr")}
+
+
 def rerun_config(record: dict[str, Any], out: Path) -> tuple[RunConfig, list[str]]:
     """The recorded configuration, to run in ``out``; and notes on what had to be supplied."""
     notes = []
-    overrides = [(section, key, value) for section, values in record["config"].items() if isinstance(values, dict)
-                 for key, value in values.items()]
+    overrides = [RENAMED.get((section, key), (section, key)) + (value,) for section, values in record["config"].items()
+                 if isinstance(values, dict) for key, value in values.items()]
     if "order" not in record["config"].get("aggregate", {}):
         notes.append("it predates aggregate.order: a streamed phase (FedAvg's mean, say) folded its results in "
                      "arrival order, which no re-run can repeat; re-running in client-id order, so a streaming cell "

@@ -21,8 +21,8 @@ from typing import Any
 from coordinator.config_checks import check_config
 from coordinator.config_sections import (AggregateSection, AsyncSection, CheckpointSection, ClientsSection,
                                          CodecSection, DataSection, EvalSection, ExportSection, MetricsSection,
-                                         PrivacySection, RunSection, SecAggSection, SelectionSection, SimSection,
-                                         TrainSection, TransportSection, WorkersSection)
+                                         PrivacySection, RunSection, ScheduleSection, SecAggSection, SelectionSection,
+                                         SimSection, TrainSection, TransportSection, WorkersSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
 
@@ -42,6 +42,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     clients: ClientsSection = field(default_factory=ClientsSection)
     train: TrainSection = field(default_factory=TrainSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
     transport: TransportSection = field(default_factory=TransportSection)
     codec: CodecSection = field(default_factory=CodecSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

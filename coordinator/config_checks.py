@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import MODES, ORDERS, PRIVACY_MODES, CodecSection, TransportSection
+from coordinator.config_sections import LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, CodecSection, TransportSection
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from coordinator.runtime.selection import SELECTIONS
@@ -37,6 +37,10 @@ def check_config(config: RunConfig) -> None:
         (c.max_misses >= 0, "clients.max_misses must be 0 (never leave a client out) or more"),
         (train.epochs >= 1 and train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
         (train.lr > 0 and train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
+        (config.schedule.lr in LR_SCHEDULES,
+         f"schedule.lr must be one of {', '.join(LR_SCHEDULES)}, got {config.schedule.lr!r}"),
+        (config.schedule.warmup_rounds >= 0,
+         f"schedule.warmup_rounds must be >= 0 (0: no warm-up), got {config.schedule.warmup_rounds}"),
         (0.0 <= config.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),
         (ev.every >= 1 and ev.finetune_epochs >= 0, "eval.every must be >= 1, eval.finetune_epochs >= 0"),
         (agg.rule in ("mean", "median", "trimmed_mean", "clipped_mean"),

@@ -8,6 +8,7 @@ Each method brings its own sections beside its strategy (:mod:`edge_client.regis
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 from coordinator.aggregation import DEFAULT_TRIM
@@ -16,7 +17,7 @@ from edge_client.hyper import LocalTraining
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection",
-           "MetricsSection"]
+           "MetricsSection", "ScheduleSection", "LR_SCHEDULES"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
@@ -55,6 +56,32 @@ class ClientsSection:
 
 
 TrainSection = LocalTraining   # [train]: the local training every task's hyperparameters start from
+
+LR_SCHEDULES = ("constant", "cosine")   # schedule.lr
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    """``[schedule]``: the local learning rate round by round, ``train.lr`` being its peak.
+
+    The coordinator writes each round's rate into the tasks (every strategy's, every task whose
+    hyperparameters carry ``lr``), so devices keep no schedule of their own: a device that restarts or joins
+    late trains at the fleet's rate, and the rate a round ran at is in its row (``train_lr``).
+    """
+
+    lr: str = "constant"            # constant | cosine: lr (1 + cos(pi (r - 1) / R)) / 2 in round r of run.rounds R
+    warmup_rounds: int = 0          # the rate rises linearly, train.lr x r / W, over the first W rounds
+
+    @property
+    def scheduled(self) -> bool:
+        return self.lr != "constant" or self.warmup_rounds > 0
+
+    def factor(self, round: int, rounds: int) -> float:
+        """What ``train.lr`` is multiplied by in ``round`` (1-based) of ``rounds``: never 0 (a device refuses a
+        rate of 0), 1 when nothing is scheduled."""
+        warm = min(1.0, round / self.warmup_rounds) if self.warmup_rounds > 0 else 1.0
+        decay = (1.0 + math.cos(math.pi * (round - 1) / max(rounds, 1))) / 2.0 if self.lr == "cosine" else 1.0
+        return warm * decay
 
 
 @dataclass(frozen=True)

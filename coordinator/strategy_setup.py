@@ -8,6 +8,7 @@ from it do not import each other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from coordinator.aggregation import Aggregator
 from coordinator.config import RunConfig
@@ -49,6 +50,8 @@ def make_strategy(config: RunConfig) -> Strategy:
                           "the sum of the round's updates, so use secagg.enabled = false or a strategy that folds one "
                           "update per device into one sum (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm; "
                           "docs/privacy.md)")
+    if config.schedule.scheduled:
+        strategy.lr_factor = functools.partial(config.schedule.factor, rounds=config.run.rounds)
     if strategy.robust:
         strategy.aggregator = Aggregator(a.rule, a.trim)
     if config.eval.personalized:

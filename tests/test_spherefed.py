@@ -25,7 +25,7 @@ from coordinator.runtime.engine import Coordinator, EvalData
 from coordinator.runtime.run import run_federated
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import ClientResult
-from methods.spherefed.strategy import SphereFed, cosine_lr
+from methods.spherefed.strategy import SphereFed
 from edge_client.wire.chunking import ChunkingTransport
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.wire.codec import parse_codec
@@ -370,21 +370,3 @@ def test_spherefed_with_ffc_over_mosquitto_never_sends_the_classifier(tmp_path, 
             assert len(incoming.payload) == 8 + header + 8 * wire_numbers(128, 10)
     spy.close()
     assert objectives == {"sphere_train", "ffc_stats"} and ffc_results >= 2
-
-
-# ----------------------------------------------------------------------------- the learning-rate schedule
-
-
-def test_cosine_schedule_decays_the_local_rate_over_the_run():
-    assert cosine_lr(0.1, 1, 100) == pytest.approx(0.1) and cosine_lr(0.1, 51, 100) == pytest.approx(0.05)
-    assert 0 < cosine_lr(0.1, 100, 100) < 1e-4
-    ok = [("run", "strategy", "spherefed"), ("run", "rounds", 4), ("train", "lr", 0.08)]
-    with pytest.raises(ConfigError, match="spherefed.lr_schedule must be one of constant, cosine"):
-        load_config(None, ok + [("spherefed", "lr_schedule", "step")])
-    constant = make_strategy(load_config(None, ok))
-    cosine = make_strategy(load_config(None, ok + [("spherefed", "lr_schedule", "cosine")]))
-    spec = {"name": "mlp", "hidden": [16], **DIGITS, "head": "sphere", "sphere_seed": 0}
-    state = cosine.initialize(spec, dict(build_model(spec).state_dict()))
-    rates = [cosine.configure_train(r, state, ["c"])[0].hyper["lr"] for r in (1, 2, 3, 4)]
-    assert rates == pytest.approx([0.08 * (1 + np.cos(np.pi * (r - 1) / 4)) / 2 for r in (1, 2, 3, 4)])
-    assert [constant.configure_train(r, state, ["c"])[0].hyper["lr"] for r in (1, 4)] == [0.08, 0.08]

@@ -368,6 +368,8 @@ class Coordinator:
             row.update({"norm_rejected": len(dropped), "norm_rejected_clients": dropped})
         if phase == "train":
             row.update(train_columns(book, results, totals, self.fp32_model_bytes))
+            if self.strategy.lr_factor is not None:
+                row["train_lr"] = self.config.train.lr * self.strategy.lr_factor(round)
             if self.config.run.diagnostics:   # before aggregation: how far apart the clients went
                 row.update(divergence_metrics([r.values() for r in results], [r.num_samples for r in results]))
         else:

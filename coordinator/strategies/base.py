@@ -10,7 +10,8 @@ checkpoint and the export read it without this module.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +197,8 @@ class Strategy:
 
     name = "base"
     personalized: PersonalizedEval | None = None
+    # round -> the factor on every training task's lr ([schedule], set by make_strategy); None: 1 in every round
+    lr_factor: Callable[[int], float] | None = None
     # Whether the strategy averages what clients send as updates of what it sent, so that
     # aggregate.rule and aggregate.norm_bound apply (coordinator/aggregation.py).
     robust = False
@@ -228,10 +231,19 @@ class Strategy:
 
     def configure(self, phase: str, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         if phase == "train":
-            return self.configure_train(round, state, clients)
+            return self.scheduled(round, self.configure_train(round, state, clients))
         if phase == "evaluate":
             return self.configure_evaluate(round, state, clients)
         raise NotImplementedError(f"{self.name} has no phase {phase!r}")
+
+    def scheduled(self, round: int, plans: list[TaskPlan]) -> list[TaskPlan]:
+        """``plans`` with their learning rate scaled by ``[schedule]``'s factor for ``round``: every task that
+        carries an ``lr``, so a method's own rates (a retraining pass at a tenth) keep their ratio to it."""
+        factor = 1.0 if self.lr_factor is None else self.lr_factor(round)
+        if factor == 1.0:
+            return plans
+        return [dataclasses.replace(p, hyper={**p.hyper, "lr": float(p.hyper["lr"]) * factor}) if "lr" in p.hyper
+                else p for p in plans]
 
     def streams(self, phase: str) -> bool:
         """Whether this phase's results can be folded into a partial aggregate as they arrive

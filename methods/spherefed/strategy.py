@@ -48,7 +48,7 @@ from storage.state import ServerState
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["SphereFed", "FedAvgFfc", "FfcPhase", "SphereFedSection", "FfcSection", "LR_SCHEDULES", "cosine_lr"]
+__all__ = ["SphereFed", "FedAvgFfc", "FfcPhase", "SphereFedSection", "FfcSection"]
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -62,19 +62,7 @@ _SUMMARY_KEYS = ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_clients", "ff
 
 # The trained linear head FedAvg + FFC replaces, kept (never sent, never exported) to score it in the same round.
 TRAINED_HEAD = "ffc.trained_head."
-LR_SCHEDULES = ("constant", "cosine")
 FEDAVG_FFC = "fedavg_ffc"
-
-
-def cosine_lr(lr: float, round: int, rounds: int) -> float:
-    """The learning rate of ``round`` (1-based) under cosine decay from ``lr`` over ``rounds`` rounds.
-
-    ``lr (1 + cos(pi (round - 1) / rounds)) / 2``: ``lr`` in round 1, falling toward 0 but never
-    reaching it in the last round (a device refuses a rate of 0). SphereFed's paper tunes its
-    rate with cosine decay; this lets the benchmark do the same without touching the core's
-    ``[train]`` section, which every other strategy sends as it is.
-    """
-    return lr * (1.0 + math.cos(math.pi * (round - 1) / max(rounds, 1))) / 2.0
 
 
 @dataclass(frozen=True)
@@ -82,12 +70,9 @@ class SphereFedSection:
     """``[spherefed]``: local training of SphereFed (docs/spherefed.md)."""
 
     mu: float = 0.0                 # FedProx's proximal weight in local training (0: off)
-    lr_schedule: str = "constant"   # "cosine": train.lr decays over run.rounds (cosine_lr)
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(self.mu >= 0, "spherefed.mu must be >= 0"),
-                (self.lr_schedule in LR_SCHEDULES,
-                 f"spherefed.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")]
+        return [(self.mu >= 0, "spherefed.mu must be >= 0")]
 
 
 @dataclass(frozen=True)
@@ -330,15 +315,10 @@ class SphereFed(FfcPhase, FedProx):
     sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, mu: float = 0.0, sphere_seed: int = 0,
-                 ffc: FfcSection = FfcSection(), broadcast: bool = True, lr_schedule: str = "constant",
-                 rounds: int = 0) -> None:
+                 ffc: FfcSection = FfcSection(), broadcast: bool = True) -> None:
         super().__init__(train, mu)
-        if lr_schedule not in LR_SCHEDULES or (lr_schedule == "cosine" and rounds < 1):
-            raise ConfigError(f"spherefed.lr_schedule must be one of {', '.join(LR_SCHEDULES)} (cosine needs "
-                              f"run.rounds >= 1), got {lr_schedule!r} over {rounds} rounds")
         self.sphere_seed = sphere_seed
         self.ffc = ffc
-        self.lr_schedule, self.rounds = lr_schedule, rounds
         # Central DP covers the FFC pass (its own bound and noise); personal classifiers' accuracies it does not.
         self.central_dp = "ffc.personalize reports every device's own classifier's accuracy without noise (set " \
                           "ffc.personalize = false)" if ffc.enabled and ffc.personalize else ""
@@ -348,13 +328,7 @@ class SphereFed(FfcPhase, FedProx):
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SphereFed":
         return cls(dataclasses.asdict(cfg.train), mu=cfg.spherefed.mu, ffc=cfg.ffc, broadcast=cfg.codec.broadcast,
-                   sphere_seed=with_sphere_seed(cfg.model, cfg.run.seed)["sphere_seed"],
-                   lr_schedule=cfg.spherefed.lr_schedule, rounds=cfg.run.rounds)
-
-    def round_lr(self, round: int) -> float:
-        """This round's local learning rate: ``train.lr``, or its cosine decay over ``run.rounds``."""
-        lr = float(self.train["lr"])
-        return cosine_lr(lr, round, self.rounds) if self.lr_schedule == "cosine" else lr
+                   sphere_seed=with_sphere_seed(cfg.model, cfg.run.seed)["sphere_seed"])
 
     # -- the classifier ---------------------------------------------------------
     def fixed(self, state: ServerState) -> torch.Tensor:
@@ -386,8 +360,7 @@ class SphereFed(FfcPhase, FedProx):
     # -- phases -----------------------------------------------------------------
     def configure_train(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         down = self.extractor(state)
-        hyper = {**self.hyper(), "lr": self.round_lr(round)}
-        return [TaskPlan(client_id=c, objective="sphere_train", hyper=hyper, down=down, up=sorted(down))
+        return [TaskPlan(client_id=c, objective="sphere_train", hyper=self.hyper(), down=down, up=sorted(down))
                 for c in clients]
 
     def calibrated(self, state: ServerState, weight: torch.Tensor, round: int) -> ServerState:
@@ -402,8 +375,6 @@ class SphereFed(FfcPhase, FedProx):
         new, metrics = super().aggregate(phase, round, state, results, partial)
         if phase == "train":
             metrics = {**metrics, "classifier_bytes_saved": self.classifier_bytes_saved(state, len(results))}
-            if self.lr_schedule != "constant":
-                metrics["train_lr"] = self.round_lr(round)
         return new, metrics
 
     def classifier_bytes_saved(self, state: ServerState, returned: int) -> int:
