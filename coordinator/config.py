@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coordinator.config_checks import check_config
-from coordinator.config_sections import (AggregateSection, AsyncSection, CheckpointSection, ClientsSection,
-                                         CodecSection, DataSection, EvalSection, ExportSection, MetricsSection,
-                                         PrivacySection, RunSection, ScheduleSection, SecAggSection, SelectionSection,
-                                         SimSection, TrainSection, TransportSection, WorkersSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import method_sections, requirements
+from coordinator.run_config import FIELD_OF, RunConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,55 +27,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "with_method_requirements", "parse_override",
-           "dump_config"]
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    run: RunSection = field(default_factory=RunSection)
-    model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
-    data: DataSection = field(default_factory=DataSection)
-    clients: ClientsSection = field(default_factory=ClientsSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    schedule: ScheduleSection = field(default_factory=ScheduleSection)
-    transport: TransportSection = field(default_factory=TransportSection)
-    codec: CodecSection = field(default_factory=CodecSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    export: ExportSection = field(default_factory=ExportSection)
-    sim: SimSection = field(default_factory=SimSection)
-    aggregate: AggregateSection = field(default_factory=AggregateSection)
-    workers: WorkersSection = field(default_factory=WorkersSection)
-    asynchronous: AsyncSection = field(default_factory=AsyncSection)   # the [async] section
-    selection: SelectionSection = field(default_factory=SelectionSection)
-    privacy: PrivacySection = field(default_factory=PrivacySection)
-    secagg: SecAggSection = field(default_factory=SecAggSection)
-    metrics: MetricsSection = field(default_factory=MetricsSection)
-    # The methods' own sections (name -> dataclass), read as attributes: ``config.fedprox.mu``.
-    methods: Mapping[str, Any] = field(default_factory=lambda: {k: cls() for k, cls in method_sections().items()})
-    # "section.key" the user set (file or flags): a method's defaults never override these.
-    explicit: frozenset[str] = field(default=frozenset(), compare=False)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _FIELD_OF:
-            return getattr(self, _FIELD_OF[name])
-        methods = self.__dict__.get("methods", {})
-        if name in methods:
-            return methods[name]
-        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
-
-    def validate(self) -> "RunConfig":
-        """Check the whole configuration (:mod:`coordinator.config_checks`); ConfigError on the first problem."""
-        check_config(self)
-        return self
-
-    @property
-    def selected_per_round(self) -> int:
-        return self.clients.per_round or self.clients.expected
-
-    @property
-    def required_results(self) -> int:
-        return self.clients.min_results or self.selected_per_round
+           "dump_config", "validate"]
 
 
 class OverrideText(str):
@@ -106,8 +53,7 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
 
 
 _NOT_SECTIONS = ("methods", "explicit")
-_FIELD_OF = {"async": "asynchronous"}   # sections whose name is a Python keyword -> their RunConfig field
-_SECTION_OF = {v: k for k, v in _FIELD_OF.items()}
+_SECTION_OF = {v: k for k, v in FIELD_OF.items()}
 
 
 def _core_sections() -> dict[str, Any]:
@@ -138,13 +84,13 @@ def _from_dict(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> R
         if name in methods:
             method_values[name] = value
         else:
-            sections[_FIELD_OF.get(name, name)] = value
+            sections[FIELD_OF.get(name, name)] = value
     return RunConfig(**sections, methods=method_values, explicit=explicit)
 
 
 def _to_dict(config: RunConfig) -> dict[str, Any]:
     core = {name: dict(config.model) if name == "model"
-            else dataclasses.asdict(getattr(config, _FIELD_OF.get(name, name))) for name in _core_sections()}
+            else dataclasses.asdict(getattr(config, FIELD_OF.get(name, name))) for name in _core_sections()}
     return {**core, **{name: dataclasses.asdict(value) for name, value in config.methods.items()}}
 
 
@@ -191,7 +137,13 @@ def load_config(path: Path | None = None, overrides: list[tuple[str, str, Any]] 
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     given = frozenset(f"{name}.{key}" for name, values in raw.items() if isinstance(values, dict) for key in values)
-    return with_method_requirements(apply_overrides(_from_dict(raw, given), overrides or [])).validate()
+    return validate(with_method_requirements(apply_overrides(_from_dict(raw, given), overrides or [])))
+
+
+def validate(config: RunConfig) -> RunConfig:
+    """``config``, checked as a whole (:mod:`coordinator.config_checks`); ConfigError on the first problem."""
+    check_config(config)
+    return config
 
 
 def dump_config(config: RunConfig, path: Path) -> None:

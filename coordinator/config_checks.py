@@ -11,10 +11,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, CodecSection, TransportSection
+from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SELECTIONS, CodecSection,
+                                         TransportSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
-from coordinator.runtime.selection import SELECTIONS
 from edge_client.device import DeviceError, resolve_device
 from edge_client.wire.broker_settings import parse_broker_address
 from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES
@@ -22,7 +22,7 @@ from edge_client.wire.codec import CodecError, parse_codec
 from edge_client.wire.transport_errors import BrokerUrlError
 
 if TYPE_CHECKING:
-    from coordinator.config import RunConfig
+    from coordinator.run_config import RunConfig
 
 __all__ = ["check_config"]
 

@@ -17,9 +17,10 @@ from edge_client.hyper import LocalTraining
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection",
-           "MetricsSection", "ScheduleSection", "LR_SCHEDULES"]
+           "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
+SELECTIONS = ("random", "deadline", "profile")   # clients.selection (coordinator/runtime/selection.py)
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-    from export.source import Checkpoint, Personalized
+    from export.records import Checkpoint, Personalized
 
 __all__ = ["ExportHook", "export_hooks", "prepare", "merged", "personalized", "no_global", "describe"]
 

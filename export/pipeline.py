@@ -174,7 +174,7 @@ def export_personalized(source_path: Path | None, state_dir: Path, *, round: int
     """One device's model (the run's global part with its own parts) to ``STATE_DIR/export/model.onnx``.
 
     Which parts come from where is the business of the method that kept some on the device (its export
-    hook); the card's ``personalized`` entry names them (:class:`export.source.Personalized`).
+    hook); the card's ``personalized`` entry names them (:class:`export.records.Personalized`).
 
     ``source_path`` may be omitted for a spawned client, whose state directory is ``RUN_DIR/clients/ID``.
     """

@@ -29,9 +29,9 @@ from edge_client.models import ModelSpecError, federated_names
 from edge_client.registry import build_aside
 from export import hooks
 from export.errors import SourceError
+from export.records import Checkpoint, Personalized
 from storage.checkpoint import CheckpointError, checkpoint_rounds, load_checkpoint
 from storage.files import read_jsonl
-from storage.state import ServerState
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,29 +40,6 @@ else:  # pragma: no cover
 
 __all__ = ["Checkpoint", "RunSource", "Personalized", "open_run", "find_checkpoint", "read_checkpoint", "build",
            "global_model", "personalized_model", "load_tensors", "read_state_file", "run_dir_of_state"]
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One round's global state as the coordinator saved it."""
-
-    path: Path
-    round: int
-    run_id: str
-    model_spec: dict[str, Any]
-    strategy: str
-    extra: dict[str, Any]
-    params: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(cls, path: Path, state: ServerState, info: Mapping[str, Any]) -> Checkpoint:
-        """The export's view of what ``load_checkpoint`` read: the state plus the run id and strategy
-        name the coordinator saved beside it."""
-        run_id, strategy = info.get("run_id"), info.get("strategy")
-        if not isinstance(run_id, str) or not isinstance(strategy, str):
-            raise SourceError(f"checkpoint {path} has no run id or strategy name in its metadata, so it was not "
-                              "written by fedge-coordinator; export a checkpoint of a fedge run")
-        return cls(path, state.round, run_id, state.spec, strategy, state.extra, state.params)
 
 
 @dataclass(frozen=True)
@@ -81,15 +58,6 @@ class RunSource:
     @property
     def partition(self) -> str:
         return self.config.get("data", {}).get("partition", "iid")
-
-
-@dataclass(frozen=True, eq=False)
-class Personalized:
-    """A device's model (eval mode) and, for its card, what was combined: ``global_parts`` (from the
-    checkpoint), ``device_parts`` (from the device), ``device_file`` and what that file says about itself."""
-
-    model: nn.Module
-    parts: dict[str, Any]
 
 
 def find_checkpoint(source: Path, round: int | None = None) -> tuple[Path, Path | None]:

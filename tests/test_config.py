@@ -10,6 +10,7 @@ from coordinator.config import (
     ConfigError,
     RunConfig,
     apply_overrides,
+    validate,
     dump_config,
     load_config,
     parse_override,
@@ -29,7 +30,7 @@ def _write(tmp_path, text: str):
 
 def test_defaults_validate():
     config = RunConfig()
-    assert config.validate() is config
+    assert validate(config) is config
     assert load_config() == config
     assert config.run.strategy == "fedavg" and config.run.rounds == 5
     assert config.model == {"name": "cnn"}
@@ -264,7 +265,7 @@ def test_validate_accepts_edge_values():
 
 def test_validate_requires_model_name():
     with pytest.raises(ConfigError, match="model.name is required"):
-        dataclasses.replace(RunConfig(), model={"hidden": [16]}).validate()
+        validate(dataclasses.replace(RunConfig(), model={"hidden": [16]}))
 
 
 # --------------------------------------------------------------------------- dump / load

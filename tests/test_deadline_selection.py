@@ -12,7 +12,8 @@ import torch
 
 from coordinator.config import ConfigError, load_config
 from coordinator.runtime.engine import Coordinator, EvalData
-from coordinator.runtime.selection import PROBE_AFTER, SAFETY, DeadlineFilter, RoundTimes
+from coordinator.runtime.round_times import SAFETY, RoundTimes
+from coordinator.runtime.selection import PROBE_AFTER, DeadlineFilter
 from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset

@@ -10,7 +10,8 @@ import pytest
 
 from coordinator.config import ConfigError, load_config
 from coordinator.runtime.device_book import DeviceBook, ModelSize
-from coordinator.runtime.selection import Absences, RoundTimes, Sampler
+from coordinator.runtime.round_times import RoundTimes
+from coordinator.runtime.selection import Absences, Sampler
 from edge_client.memory_guard import SLACK, MemoryGuard, MemoryRefusal, estimate_task_bytes, parameter_count
 from edge_client.registry import build_model
 from edge_client.wire.protocol import encode

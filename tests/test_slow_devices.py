@@ -11,7 +11,8 @@ import torch
 from coordinator.config import load_config
 from coordinator.runtime.attempts import Attempts
 from coordinator.runtime.round_book import RoundBook
-from coordinator.runtime.selection import Absences, RoundTimes, Sampler
+from coordinator.runtime.round_times import RoundTimes
+from coordinator.runtime.selection import Absences, Sampler
 from coordinator.strategies.base import TaskPlan
 from test_engine import ScriptedClient, make_coordinator
 from edge_client.wire.transport import InprocHub

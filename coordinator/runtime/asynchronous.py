@@ -42,7 +42,7 @@ __all__ = ["AsyncRun", "Flight"]
 
 log = logging.getLogger("fedge.coordinator")
 
-Pump = Callable[..., None]                                   # Coordinator._pump(until, done, progress)
+Pump = Callable[..., None]                                   # Coordinator.pump(until, done, progress)
 Complete = Callable[[dict[str, Any], ServerState], None]    # a version's row and the state to checkpoint
 POLL = 0.25   # seconds between looks at idle devices and expired tasks while no result comes
 

@@ -28,7 +28,6 @@ from typing import Any
 
 from torch import nn
 
-from coordinator.runtime.asynchronous import AsyncRun
 from coordinator.runtime.device_book import DeviceBook, ModelSize
 from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
                                              write_checkpoint)
@@ -45,7 +44,8 @@ from coordinator.runtime.round_book import Network, RoundBook, RoundNotes, Tally
 from coordinator.runtime.round_row import phase_columns, train_columns
 from coordinator.runtime.run_error import RunError
 from coordinator.runtime.secure_round import SecureRound
-from coordinator.runtime.selection import Absences, Draw, RoundTimes, Sampler
+from coordinator.runtime.round_times import RoundTimes
+from coordinator.runtime.selection import Absences, Draw, Sampler
 from coordinator.strategies.base import Strategy
 from coordinator.runtime.tasks import TaskSender
 from coordinator.runtime.worker_exchange import WorkerExchange
@@ -128,12 +128,12 @@ class Coordinator:
                                    profile_store=self.profile_store, device_book=self.device_book,
                                    network=network, warn=warn, started_after=self.started_after)
         self.workers = WorkerExchange(config, outbox=self.outbox, topics=self.topics, intake=self.intake,
-                                      network=network, warn=warn, wait=self._pump)
+                                      network=network, warn=warn, wait=self.pump)
         self.broadcast = Broadcast(self.outbox, self.topics, self.downlink, self.session)
         self.tasks = TaskSender(config, outbox=self.outbox, topics=self.topics, downlink=self.downlink,
                                 broadcast=self.broadcast, workers=self.workers, intake=self.intake, network=network)
         self.secure = SecureRound(config, intake=self.intake, tasks=self.tasks, roster=self.roster, network=network,
-                                  pump=self._pump, await_answers=self._await_answers) if config.secagg.enabled else None
+                                  pump=self.pump, await_answers=self._await_answers) if config.secagg.enabled else None
         self.evaluation = Evaluation(self.strategy, eval_data, resolve_device(config.eval.device))
         self.trained = TrainedRounds()   # rounds whose rows wait for their evaluation (run_rounds)
 
@@ -150,8 +150,8 @@ class Coordinator:
         return self.intake.sent_tasks
 
     # -- messages -------------------------------------------------------------
-    def _pump(self, until: float, done: Callable[[], bool],
-              progress: Callable[[], dict[str, Any]] | None = None) -> None:
+    def pump(self, until: float, done: Callable[[], bool],
+             progress: Callable[[], dict[str, Any]] | None = None) -> None:
         """Handle messages until ``done()`` or ``until``; report ``progress()`` whenever it changes."""
         shown: dict[str, Any] | None = None
         while not done() and time.monotonic() < until:
@@ -236,7 +236,7 @@ class Coordinator:
         if not workers or self.config.workers.direct_results:   # site aggregators keep their sites' results
             self.transport.subscribe(self.topics.all_clients("result"))
         answering = self.roster.answering
-        self._pump(time.monotonic() + timeout,
+        self.pump(time.monotonic() + timeout,
                    lambda: len(answering()) >= count and len(self.workers.online) >= workers,
                    lambda: {"kind": "waiting", "online": answering(), "needed": count})
         if len(self.workers.online) < workers:
@@ -313,7 +313,7 @@ class Coordinator:
     def _await_answers(self, book: RoundBook) -> None:
         """Handle messages until every client the attempt waits for answered or its deadline passed."""
         started, timeout = time.monotonic(), self.intake.deadline(book)
-        self._pump(started + timeout, lambda: book.answered,
+        self.pump(started + timeout, lambda: book.answered,
                    lambda: {"kind": "exchange", "round": book.round, "phase": book.phase, "attempt": book.attempt + 1,
                             "results": len(book.results) + len(book.granted), "selected": len(book.selected),
                             "bytes_down": book.tally.bytes_down, "bytes_up": book.tally.bytes_up,
@@ -401,11 +401,6 @@ class Coordinator:
                     done.evaluation = self.evaluation.in_background(done.state)
                 trained.add(done)
                 trained.complete()
-
-    def run_versions(self, first: int, last: int, complete: Callable[[dict[str, Any], ServerState], None]) -> None:
-        """``run.mode = "async"``: model versions ``first`` to ``last`` instead of rounds, each completed as
-        :meth:`run_rounds` completes a round (:mod:`coordinator.runtime.asynchronous`)."""
-        AsyncRun(self, pump=self._pump).run(last, complete)
 
     def evaluate(self) -> dict[str, Any]:
         """The strategy's evaluation of the current global state on the coordinator's test split, here and now

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from coordinator.runtime.outbox import Outbox
     from coordinator.runtime.presence import Roster
     from coordinator.runtime.profiles import ProfileStore
-    from coordinator.runtime.selection import RoundTimes
+    from coordinator.runtime.round_times import RoundTimes
 
 __all__ = ["Claim", "ResultIntake", "accept_result", "one_torch_thread"]
 

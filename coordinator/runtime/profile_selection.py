@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 from coordinator.runtime.device_book import DeviceBook, DeviceRecord
 
 if TYPE_CHECKING:
-    from coordinator.config import RunConfig
-    from coordinator.runtime.selection import RoundTimes
+    from coordinator.run_config import RunConfig
+    from coordinator.runtime.round_times import RoundTimes
 
 __all__ = ["ProfilePolicy", "Eligibility"]
 

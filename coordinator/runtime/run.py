@@ -25,6 +25,7 @@ import torch
 
 from coordinator.aggregation import tolerance
 from coordinator.config import ConfigError, RunConfig, dump_config
+from coordinator.runtime.asynchronous import AsyncRun
 from coordinator.runtime.engine import Coordinator, EvalData, RunError
 from coordinator.runtime.run_summary import run_summary
 from coordinator.ops.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
@@ -191,7 +192,7 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
     objectives a client runs instead of the registry's: a device that behaves otherwise, such as a
     hostile one in ``bench/poisoning.py``.
     ``on_round`` gets each round's metrics row; ``on_progress`` what happens in between (clients
-    coming online, results coming in: :meth:`coordinator.runtime.engine.Coordinator._pump`).
+    coming online, results coming in: :meth:`coordinator.runtime.engine.Coordinator.pump`).
     """
     strategy = strategy or make_strategy(config)   # a configuration it refuses leaves nothing behind
     if client_objectives is not None and not (config.transport.kind == "inproc" and config.clients.spawn):
@@ -339,8 +340,10 @@ def _train(coordinator: Coordinator, rows: list[dict[str, Any]], metrics_path: P
         coordinator.checkpoint(trained)
         on_round(row)
 
-    run = coordinator.run_versions if coordinator.config.run.mode == "async" else coordinator.run_rounds
-    run(coordinator.started_after + 1, coordinator.config.run.rounds, complete)
+    if coordinator.config.run.mode == "async":   # model versions instead of rounds, each completed as a round is
+        AsyncRun(coordinator, pump=coordinator.pump).run(coordinator.config.run.rounds, complete)
+    else:
+        coordinator.run_rounds(coordinator.started_after + 1, coordinator.config.run.rounds, complete)
     _write_metrics(metrics_path, rows)
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from edge_client.models import federated_names
 from export.hooks import ExportHook
-from export.source import Checkpoint, Personalized, build, load_tensors, read_state_file
+from export.records import Checkpoint, Personalized
+from export.source import build, load_tensors, read_state_file
 from methods.dfl.device import STATE_FILE, DeviceState
 from methods.dfl.model import INVARIANT, PREDICTOR, SPECIFIC, part_names
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from export.errors import SourceError
 from export.hooks import ExportHook
-from export.source import Checkpoint, Personalized, global_model
+from export.records import Checkpoint, Personalized
+from export.source import global_model
 from methods.spherefed.device import PERSONAL_CLASSIFIER_FILE, PERSONAL_METADATA, sphere_head
 from methods.spherefed.model import CLASSIFIER
 
