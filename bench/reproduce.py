@@ -33,7 +33,7 @@ from rich.console import Console
 
 from provenance import CODE, UNRECORDED, changes_since, library_versions, machine, source_state
 from run_matrix import execute, scratch_overrides
-from coordinator.config import ConfigError, RunConfig, load_config
+from coordinator.config import RENAMED, ConfigError, RunConfig, load_config
 from coordinator.strategies.base import Strategy
 from coordinator.strategy_setup import make_strategy
 from storage.errors import FedgeError
@@ -121,10 +121,6 @@ def load_run_file(path: Path) -> dict[str, Any]:
                                                                for r in record["rows"]):
         raise NotARunFileError(f"{path}: its config has no [run] section or its rows have no round numbers")
     return record
-
-
-# Keys a run file may hold under an earlier name: (section, key) -> where the same setting lives now.
-RENAMED = {("spherefed", "lr_schedule"): ("schedule", "lr")}
 
 
 def rerun_config(record: dict[str, Any], out: Path) -> tuple[RunConfig, list[str]]:

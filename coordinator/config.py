@@ -27,7 +27,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "with_method_requirements", "parse_override",
-           "dump_config", "validate"]
+           "dump_config", "validate", "RENAMED"]
 
 
 class OverrideText(str):
@@ -54,6 +54,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
 
 _NOT_SECTIONS = ("methods", "explicit")
 _SECTION_OF = {v: k for k, v in FIELD_OF.items()}
+# Keys an earlier fedge read: (section, key) -> where the same setting lives now.
+RENAMED = {("spherefed", "lr_schedule"): ("schedule", "lr")}
 
 
 def _core_sections() -> dict[str, Any]:
@@ -78,6 +80,9 @@ def _from_dict(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> R
         default = method_values[name] if name in methods else core[name]
         known = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
         for key in values:
+            if (name, key) in RENAMED:
+                raise ConfigError(f"{name}.{key} is now {'.'.join(RENAMED[name, key])} (the same values): rename it in "
+                                  "the file or the --set flag (a run directory's config.toml too, to resume it)")
             if key not in known:
                 raise ConfigError(f"unknown key {name}.{key}; valid: {', '.join(known)}")
         value = dataclasses.replace(default, **{k: _coerce(name, k, v, known[k]) for k, v in values.items()})

@@ -35,6 +35,7 @@ def test_the_factor_warms_up_linearly_and_decays_by_a_cosine():
     (("schedule", "lr", "step"), "schedule.lr must be one of constant, cosine, got 'step'"),
     (("schedule", "warmup_rounds", -1), "schedule.warmup_rounds must be >= 0"),
     (("schedule", "decay", 0.5), "unknown key schedule.decay; valid: lr, warmup_rounds"),
+    (("spherefed", "lr_schedule", "cosine"), "spherefed.lr_schedule is now schedule.lr"),
 ])
 def test_bad_schedules_are_refused_naming_the_key(setting, message):
     with pytest.raises(ConfigError, match=message):
