@@ -315,8 +315,9 @@ class SphereFed(FfcPhase, FedProx):
     sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, mu: float = 0.0, sphere_seed: int = 0,
-                 ffc: FfcSection = FfcSection(), broadcast: bool = True) -> None:
+                 ffc: FfcSection = FfcSection(), broadcast: bool = True, rounds: int = 0) -> None:
         super().__init__(train, mu)
+        self.rounds = rounds
         self.sphere_seed = sphere_seed
         self.ffc = ffc
         # Central DP covers the FFC pass (its own bound and noise); personal classifiers' accuracies it does not.
@@ -328,7 +329,7 @@ class SphereFed(FfcPhase, FedProx):
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "SphereFed":
         return cls(dataclasses.asdict(cfg.train), mu=cfg.spherefed.mu, ffc=cfg.ffc, broadcast=cfg.codec.broadcast,
-                   sphere_seed=with_sphere_seed(cfg.model, cfg.run.seed)["sphere_seed"])
+                   sphere_seed=with_sphere_seed(cfg.model, cfg.run.seed)["sphere_seed"], rounds=cfg.run.rounds)
 
     # -- the classifier ---------------------------------------------------------
     def fixed(self, state: ServerState) -> torch.Tensor:
