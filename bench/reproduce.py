@@ -33,7 +33,7 @@ from rich.console import Console
 
 from provenance import CODE, UNRECORDED, changes_since, library_versions, machine, source_state
 from run_matrix import execute, scratch_overrides
-from coordinator.config import RENAMED, ConfigError, RunConfig, load_config
+from coordinator.config import ConfigError, RunConfig, load_config, renamed_keys
 from coordinator.strategies.base import Strategy
 from coordinator.strategy_setup import make_strategy
 from storage.errors import FedgeError
@@ -126,7 +126,8 @@ def load_run_file(path: Path) -> dict[str, Any]:
 def rerun_config(record: dict[str, Any], out: Path) -> tuple[RunConfig, list[str]]:
     """The recorded configuration, to run in ``out``; and notes on what had to be supplied."""
     notes = []
-    overrides = [RENAMED.get((section, key), (section, key)) + (value,) for section, values in record["config"].items()
+    renamed = renamed_keys()
+    overrides = [renamed.get((section, key), (section, key)) + (value,) for section, values in record["config"].items()
                  if isinstance(values, dict) for key, value in values.items()]
     if "order" not in record["config"].get("aggregate", {}):
         notes.append("it predates aggregate.order: a streamed phase (FedAvg's mean, say) folded its results in "

@@ -27,7 +27,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "apply_overrides", "with_method_requirements", "parse_override",
-           "dump_config", "validate", "RENAMED"]
+           "dump_config", "validate", "renamed_keys"]
 
 
 class OverrideText(str):
@@ -54,14 +54,21 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
 
 _NOT_SECTIONS = ("methods", "explicit")
 _SECTION_OF = {v: k for k, v in FIELD_OF.items()}
-# Keys an earlier fedge read: (section, key) -> where the same setting lives now.
-RENAMED = {("spherefed", "lr_schedule"): ("schedule", "lr")}
+
 
 
 def _core_sections() -> dict[str, Any]:
     """The runtime's own sections: name -> default value (a dataclass, or the model dict)."""
     return {_SECTION_OF.get(f.name, f.name): f.default_factory()  # type: ignore[misc]
             for f in dataclasses.fields(RunConfig) if f.name not in _NOT_SECTIONS}
+
+
+def renamed_keys() -> dict[tuple[str, str], tuple[str, str]]:
+    """Keys an earlier fedge read, (section, key) -> (section, key) of the same setting now: each section
+    names its own (a ``renamed`` class attribute, old key -> "section.key"), for reading old run files."""
+    sections = {**_core_sections(), **{name: cls() for name, cls in method_sections().items()}}
+    return {(name, old): tuple(new.split(".", 1)) for name, default in sections.items()  # type: ignore[misc]
+            for old, new in getattr(default, "renamed", {}).items()}
 
 
 def _from_dict(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> RunConfig:
@@ -80,9 +87,9 @@ def _from_dict(raw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> R
         default = method_values[name] if name in methods else core[name]
         known = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
         for key in values:
-            if (name, key) in RENAMED:
-                raise ConfigError(f"{name}.{key} is now {'.'.join(RENAMED[name, key])} (the same values): rename it in "
-                                  "the file or the --set flag (a run directory's config.toml too, to resume it)")
+            if key in getattr(default, "renamed", {}):
+                raise ConfigError(f"{name}.{key} is now {default.renamed[key]} (the same values): rename it in the "
+                                  "file or the --set flag (a run directory's config.toml too, to resume it)")
             if key not in known:
                 raise ConfigError(f"unknown key {name}.{key}; valid: {', '.join(known)}")
         value = dataclasses.replace(default, **{k: _coerce(name, k, v, known[k]) for k, v in values.items()})

@@ -31,7 +31,6 @@ participations live in ``ServerState.extra``, so a resumed run continues them.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 
 from coordinator.strategies.base import ClientResult, WeightedSum
 from edge_client.privacy import fresh_generator
+from edge_client.privacy_account import local_event, rdp_epsilon
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -49,16 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["CentralPrivacy", "LocalPrivacy", "AdaptiveClip", "noisy_mean", "adapted_clip_norm",
            "accounted_noise_multiplier", "epsilon_after", "noise_for_epsilon", "local_epsilon",
            "local_noise_for_epsilon", "fresh_generator", "clipped_count", "noisy_sum", "release_epsilon"]
-
-class _QuietOrders(logging.Filter):
-    """dp_accounting warns (through absl) for every fractional RDP order whose series does not converge, and
-    leaves that order out of the minimum: nothing is wrong, and it would say so on every round."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "failed to converge" not in record.getMessage()
-
-
-logging.getLogger("absl").addFilter(_QuietOrders())
 
 # ServerState.extra[EXTRA_KEY]: central {"clip_norm": C, "rounds": rounds accounted,
 # "releases": [noise multiplier of each unsampled release so far]};
@@ -119,15 +109,6 @@ def accounted_noise_multiplier(noise_multiplier: float, count_noise_multiplier: 
     return (noise_multiplier ** -2 + count_noise_multiplier ** -2) ** -0.5
 
 
-def _epsilon(event: Any, delta: float) -> float:
-    """Epsilon at ``delta`` of a ``dp_accounting`` event, by the RDP accountant both modes keep."""
-    from dp_accounting.rdp import RdpAccountant
-
-    accountant = RdpAccountant()
-    accountant.compose(event)
-    return float(accountant.get_epsilon(delta))
-
-
 def _calibrate(event: Callable[[float], Any], epsilon: float, delta: float) -> float:
     """The smallest noise multiplier z whose ``event(z)`` stays within ``epsilon`` at ``delta``
     (``dp_accounting``'s calibration, by the same accountant as :func:`_epsilon`)."""
@@ -150,12 +131,9 @@ def _central_event(rounds: int, sampling_rate: float, noise_multiplier: float) -
 
 
 def _local_event(participations: int, noise_multiplier: float) -> Any:
-    """``participations`` releases of one device under local DP: its clipped update (norm at most C) plus
-    N(0, (z C)^2), for any change of its data (replace-one: two updates within C are up to 2C apart), is
-    a Gaussian mechanism of multiplier z C / 2C = z / 2. No sampling: the coordinator knows who took part."""
-    import dp_accounting
-
-    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier / 2), participations)
+    """``participations`` releases of one device under local DP at multiplier ``noise_multiplier``
+    (:func:`edge_client.privacy_account.local_event`)."""
+    return local_event({noise_multiplier: participations})
 
 
 def _release_event(multipliers: Sequence[float]) -> Any:
@@ -183,7 +161,7 @@ def epsilon_after(rounds: int, *, sampling_rate: float, noise_multiplier: float,
         events.append(_release_event(releases))
     if not events:
         return 0.0
-    return _epsilon(events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events), delta)
+    return rdp_epsilon(events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events), delta)
 
 
 def release_epsilon(releases: Sequence[float], *, delta: float) -> float:
@@ -218,7 +196,7 @@ def local_epsilon(participations: int, *, noise_multiplier: float, delta: float)
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    return _epsilon(_local_event(participations, noise_multiplier), delta)
+    return rdp_epsilon(_local_event(participations, noise_multiplier), delta)
 
 
 def local_noise_for_epsilon(epsilon: float, *, participations: int, delta: float) -> float:

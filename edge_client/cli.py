@@ -99,6 +99,15 @@ def _add_runtime_options(run: argparse.ArgumentParser) -> None:
                      help="never split messages: one over --max-message-bytes is an error")
     run.add_argument("--exit-after-run", action="store_true",
                      help="exit once a run this client took part in finishes (default: keep serving)")
+    run.add_argument("--privacy-budget", type=float, default=None, metavar="EPSILON",
+                     help="keep this device's own local-DP account: send only updates with its own noise "
+                          "(privacy.mode = 'local' on the coordinator) and refuse any task that would take its "
+                          "epsilon past this, over every run, kept in --state-dir (needs dp-accounting; "
+                          "docs/privacy.md)")
+    run.add_argument("--privacy-delta", type=float, default=1e-5,
+                     help="with --privacy-budget: the delta its epsilon is at (default 1e-5)")
+    run.add_argument("--min-noise-multiplier", type=float, default=0.0, metavar="Z",
+                     help="with --privacy-budget: refuse tasks asking for less noise than this (default 0)")
     run.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("-v", "--verbose", action="store_true",
                      help="log every event at INFO level; without it: connecting, one line per task, a run's end")
@@ -238,6 +247,11 @@ def _run(args: argparse.Namespace) -> int:
         if problem:
             print(f"fedge-client: {problem}", file=sys.stderr)
             return 2
+        try:
+            budget = _privacy_budget(args)
+        except ValueError as exc:
+            print(f"fedge-client: {exc}", file=sys.stderr)
+            return 2
         import torch
 
         from edge_client.client import ClientSettings
@@ -270,8 +284,25 @@ def _run(args: argparse.Namespace) -> int:
     settings = ClientSettings(client_id=args.client_id, topics=Topics(args.prefix), state_dir=args.state_dir,
                               max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
                               chunking=args.chunking, exit_after_run=args.exit_after_run,
-                              parent_pid=args.parent_pid, device=str(device))
+                              parent_pid=args.parent_pid, device=str(device), privacy_budget=budget)
     return _serve(broker, settings, data)
+
+
+def _privacy_budget(args: argparse.Namespace):  # -> BudgetSettings | None
+    """The device's own budget from the flags, its ledger read once now: a budget that cannot be kept (no
+    accountant, an unreadable ledger) stops the client before it connects."""
+    if args.privacy_budget is None:
+        if args.min_noise_multiplier or args.privacy_delta != 1e-5:
+            raise ValueError("--privacy-delta and --min-noise-multiplier apply with --privacy-budget EPSILON")
+        return None
+    from edge_client.privacy_budget import BudgetSettings, PrivacyBudget
+
+    settings = BudgetSettings(args.privacy_budget, args.privacy_delta, args.min_noise_multiplier)
+    ledger = PrivacyBudget(settings, args.state_dir)
+    logging.getLogger("fedge.client.activity").info(
+        "privacy budget: epsilon %.4g of %g spent at delta %g over %d updates (%s)", ledger.spent(),
+        settings.epsilon, settings.delta, len(ledger.releases), ledger.path)
+    return settings
 
 
 def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) -> int:

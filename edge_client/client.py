@@ -32,6 +32,7 @@ from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.objectives import LocalData, Objective, ObjectiveError, TaskContext, shuffle_seed, warm_up
+from edge_client.privacy_budget import BudgetSettings, PrivacyBudget, PrivacyBudgetError
 from edge_client.registry import OBJECTIVES, build_model
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, PresenceBody, ProtocolError, ResultBody,
@@ -65,6 +66,8 @@ class ClientSettings:
     # Objectives this client runs instead of the registry's of the same name: the extension point for a
     # simulated device that behaves otherwise (a hostile one in a robustness benchmark, an experiment).
     objectives: Mapping[str, Objective] = field(default_factory=dict)
+    # The device's own local-DP budget (edge_client/privacy_budget.py): None, it takes the task's noise on trust.
+    privacy_budget: BudgetSettings | None = None
 
 
 def _task_line(msg: Message, task: TaskBody | None, answer: ResultBody, wire_bytes: int) -> str:
@@ -136,6 +139,8 @@ class EdgeClient:
         self._residuals = ResidualStore(settings.state_dir)
         self.memory = MemoryGuard()   # refuses a task that would run this device out of memory
         self._secure: Any = None      # the secure round in progress (docs/privacy.md), made by the first stage
+        self._budget = None if settings.privacy_budget is None else PrivacyBudget(settings.privacy_budget,
+                                                                                   settings.state_dir)
         self.tasks_run = 0
 
     @staticmethod
@@ -240,6 +245,10 @@ class EdgeClient:
         try:
             if task.body is None:
                 raise ProtocolError(task.problem)
+            if self._budget is not None:
+                refused = self._budget.refusal(msg.task_id, task.body.objective, task.body.upload.noise_multiplier)
+                if refused:
+                    raise PrivacyBudgetError(refused)
             if task.body.secagg is None:
                 tensors, answer = self._execute(task, profiler)
             else:
@@ -247,7 +256,7 @@ class EdgeClient:
                 if outcome is None:   # a refused or malformed stage: answering could only reveal something
                     return
                 tensors, answer = outcome
-        except (ObjectiveError, ModelSpecError, ProtocolError) as exc:
+        except (ObjectiveError, ModelSpecError, ProtocolError, PrivacyBudgetError) as exc:
             log.warning("task %s failed: %s", msg.task_id, exc)
             tensors, answer = {}, ResultBody(error=str(exc))
         except Exception as exc:  # a task must never take the device's client down
@@ -361,6 +370,8 @@ class EdgeClient:
         if task.upload.noise_multiplier is not None:
             # Local differential privacy: the noisy update is the only thing about the data that leaves the
             # device; a training loss or the clipped bit would be releases the noise does not cover.
+            if self._budget is not None:   # on disk before it is sent
+                self._budget.record(msg.task_id, msg.run_id, msg.round, task.upload.noise_multiplier)
             metrics = {}
         else:
             metrics = dict(output.metrics)

@@ -98,6 +98,27 @@ def client_thread() -> Callable[..., ClientThread]:
         running.stop()
 
 
+@pytest.fixture
+def mqtt_device(mosquitto: str) -> Callable[..., ClientThread]:
+    """``mqtt_device(settings, data)``: an EdgeClient connected to the test's Mosquitto, looping on a thread;
+    after the test every one is stopped, then its connection closed."""
+    from edge_client.client import EdgeClient
+    from edge_client.wire.transport import BrokerSettings, MqttTransport
+
+    started: list[tuple[ClientThread, MqttTransport]] = []
+
+    def start(settings, data) -> ClientThread:
+        transport = MqttTransport(BrokerSettings(url=mosquitto), settings.client_id).connect()
+        started.append((ClientThread(EdgeClient(settings, transport, data)), transport))
+        return started[-1][0]
+
+    yield start
+    for running, _ in started:
+        running.stop()
+    for _, transport in started:
+        transport.close()
+
+
 def _run_beside_device(config, device_cmd: list[str], env: dict[str, str] | None = None) -> str:
     """Run ``config`` (a coordinator on a thread of this process) with one ``fedge-client`` process
     started by ``device_cmd`` (with ``--exit-after-run``); the device's stderr, once the run finished."""

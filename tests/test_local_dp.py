@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from types import SimpleNamespace
 
 import dp_accounting
@@ -19,14 +18,13 @@ from coordinator.runtime.intake import accept_result
 from coordinator.runtime.run import run_federated
 from coordinator.strategies.base import ClientResult, TaskPlan
 from coordinator.strategy_setup import make_strategy
-from edge_client.client import ClientSettings, EdgeClient
+from edge_client.client import ClientSettings
 from edge_client.data import load_dataset
 from edge_client.objectives import LocalData
 from edge_client.wire.bodies import ResultBody, TaskBody, UploadSettings
 from edge_client.wire.codec import parse_codec
 from edge_client.wire.errors import ProtocolError
 from edge_client.wire.topics import Topics
-from edge_client.wire.transport import BrokerSettings, MqttTransport
 from edge_client.wire.updates import ResidualStore, encode_clipped_upload
 from storage.state import ServerState
 
@@ -201,7 +199,7 @@ def test_the_participations_survive_resume(tmp_path):
     assert result.summary["dp_epsilon"] == last["dp_epsilon"] and result.summary["dp_mode"] == "local"
 
 
-def test_two_rounds_over_mosquitto_with_device_threads(tmp_path, mosquitto, prefix):
+def test_two_rounds_over_mosquitto_with_device_threads(tmp_path, mosquitto, prefix, mqtt_device):
     config = _load(**{"run.out": str(tmp_path), "run.rounds": 2, "clients.expected": 2,
                       "clients.round_timeout": 60.0, "clients.presence_timeout": 60.0,
                       "transport.broker": mosquitto, "transport.prefix": prefix})
@@ -216,22 +214,9 @@ def test_two_rounds_over_mosquitto_with_device_threads(tmp_path, mosquitto, pref
     strategy.aggregate = spy
     digits = load_dataset("digits")
     x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
-    stop, threads, transports = threading.Event(), [], []
     for i in range(2):
-        cid = f"ldp-{i}"
-        transports.append(MqttTransport(BrokerSettings(url=mosquitto), cid).connect())
-        client = EdgeClient(ClientSettings(client_id=cid, topics=Topics(prefix)), transports[-1],
-                            LocalData(x[i::2][:200], y[i::2][:200]))
-        threads.append(threading.Thread(target=client.run, args=(stop,), daemon=True))
-        threads[-1].start()
-    try:
-        result = run_federated(config, say=lambda s: None, strategy=strategy)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(5)
-        for transport in transports:
-            transport.close()
+        mqtt_device(ClientSettings(client_id=f"ldp-{i}", topics=Topics(prefix)), LocalData(x[i::2][:200], y[i::2][:200]))
+    result = run_federated(config, say=lambda s: None, strategy=strategy)
     trained = [r for r in _rows(result.out_dir) if r["round"] > 0]
     assert [r["dp_mode"] for r in trained] == ["local", "local"]
     assert trained[0]["dp_epsilon"] < trained[1]["dp_epsilon"] == result.summary["dp_epsilon"]

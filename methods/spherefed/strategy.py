@@ -30,7 +30,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -70,6 +70,8 @@ class SphereFedSection:
     """``[spherefed]``: local training of SphereFed (docs/spherefed.md)."""
 
     mu: float = 0.0                 # FedProx's proximal weight in local training (0: off)
+    # Keys it no longer reads, and where they went: run files written with them still re-run (bench/reproduce.py).
+    renamed: ClassVar[dict[str, str]] = {"lr_schedule": "schedule.lr"}
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [(self.mu >= 0, "spherefed.mu must be >= 0")]
