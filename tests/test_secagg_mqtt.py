@@ -149,7 +149,7 @@ def test_a_malformed_stage_task_is_logged_and_dropped_by_the_client(caplog):
     sent = []
     transport = SimpleNamespace(publish=lambda *a, **k: sent.append(a))
     client = EdgeClient.__new__(EdgeClient)
-    client._secure, client.settings = SecureRounds(), ClientSettings(client_id="dev1")
+    client._secure, client.settings, client._budget = SecureRounds(), ClientSettings(client_id="dev1"), None
     msg = decode(encode("task", run_id="r", round=1, task_id="t1", sender="coordinator",
                         body={"objective": "secagg", "model": {}, "up": [], "secagg": {"stage": "mask"}}))
     from edge_client.device_actions import Task
