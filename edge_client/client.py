@@ -248,7 +248,7 @@ class EdgeClient:
             if self._budget is not None:
                 refused = self._budget.refusal(msg.task_id, task.body.objective, task.body.upload.noise_multiplier)
                 if refused:
-                    raise PrivacyBudgetError(refused)
+                    raise PrivacyBudgetError(refused, final=True)
             if task.body.secagg is None:
                 tensors, answer = self._execute(task, profiler)
             else:
@@ -258,7 +258,7 @@ class EdgeClient:
                 tensors, answer = outcome
         except (ObjectiveError, ModelSpecError, ProtocolError, PrivacyBudgetError) as exc:
             log.warning("task %s failed: %s", msg.task_id, exc)
-            tensors, answer = {}, ResultBody(error=str(exc))
+            tensors, answer = {}, ResultBody(error=str(exc), withdrawn=getattr(exc, "final", False))
         except Exception as exc:  # a task must never take the device's client down
             log.exception("task %s failed unexpectedly", msg.task_id)
             tensors, answer = {}, ResultBody(error=f"{type(exc).__name__}: {exc}")

@@ -37,7 +37,15 @@ LEDGER_FILE = "privacy-ledger.json"
 
 
 class PrivacyBudgetError(FedgeError, ValueError):
-    """A task this device's privacy budget refuses, or a ledger it cannot trust; nothing is sent."""
+    """A task this device's privacy budget refuses, or a ledger it cannot trust; nothing is sent.
+
+    ``final``: every further task of the run would be refused too (the run's tasks carry no noise, or too
+    little, or the budget is spent), so the device withdraws from it; a ledger that could not be written
+    is not final."""
+
+    def __init__(self, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,9 @@ def test_the_command_line_says_what_is_wrong_before_connecting(tmp_path):
 
 def test_over_mosquitto_a_spent_device_refuses_and_the_run_goes_on(tmp_path, mosquitto, prefix, mqtt_device):
     """Three devices all drawn every round under local DP; one has a budget for two updates: it trains in rounds
-    1 and 2, refuses round 3 with its reason, and the run completes on the other two."""
-    sets = {"run.out": str(tmp_path / "run"), "run.rounds": 3, "model.name": "mlp", "model.hidden": [16],
+    1 and 2, refuses round 3 with its reason and withdraws, is not drawn in round 4, and the run completes on the
+    other two."""
+    sets = {"run.out": str(tmp_path / "run"), "run.rounds": 4, "model.name": "mlp", "model.hidden": [16],
             "data.eval": "digits", "export.enabled": False, "privacy.mode": "local", "privacy.clip_norm": 1.0,
             "privacy.noise_multiplier": Z, "clients.expected": 3, "clients.min_results": 2,
             "clients.round_timeout": 60.0, "clients.presence_timeout": 60.0, "clients.max_misses": 0,
@@ -112,10 +113,26 @@ def test_over_mosquitto_a_spent_device_refuses_and_the_run_goes_on(tmp_path, mos
                                    privacy_budget=budget if i == 0 else None), LocalData(x[i::3][:150], y[i::3][:150]))
     result = run_federated(config, say=lambda s: None)
     rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["returned"] for r in rows if r["round"] > 0] == [3, 3, 2]
+    assert [r["returned"] for r in rows if r["round"] > 0] == [3, 3, 2, 2]
+    assert [r["selected"] for r in rows if r["round"] > 0] == [3, 3, 3, 2]
     ledger = json.loads((tmp_path / "budget-0" / LEDGER_FILE).read_text())["releases"]
     assert [r["round"] for r in ledger] == [1, 2] and all(r["z"] == Z for r in ledger)
     answers = [json.loads(line) for line in (result.out_dir / "clients" / "budget-0.jsonl").read_text().splitlines()]
-    errors = [a["error"] for a in answers if a["round"] == 3]
-    assert errors and "privacy budget is spent" in errors[0]
+    assert [a["round"] for a in answers] == [1, 2, 3]   # withdrawn after round 3: no task in round 4
+    assert answers[2]["error"] and "privacy budget is spent" in answers[2]["error"]
     assert not (tmp_path / "budget-1" / LEDGER_FILE).exists()   # a device without a budget keeps no ledger
+
+
+def test_a_withdrawal_travels_only_with_an_error_and_benches_the_device_for_the_run():
+    from coordinator.runtime.selection import Absences
+    from edge_client.wire.bodies import ResultBody
+
+    body = ResultBody(error="budget spent", withdrawn=True).to_body()
+    assert body["withdrawn"] is True and ResultBody.from_body(body).withdrawn
+    assert "withdrawn" not in ResultBody(error="no data").to_body()
+    with pytest.raises(ValueError, match="withdrawn"):
+        ResultBody.from_body({"error": "x", "withdrawn": "yes"})
+    absences = Absences(limit=2)
+    assert absences.withdraw("d1") and not absences.withdraw("d1")
+    absences.returned("d1")   # a later answer or a reconnect does not bring it back in this run
+    assert absences.pool(["d0", "d1"], 1, retry=False) == ["d0"]

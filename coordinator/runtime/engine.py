@@ -244,10 +244,14 @@ class Coordinator:
                            f"{timeout:.0f} s: start them (fedge-coordinator worker --config ... on the same broker) "
                            "or lower workers.count")
         if len(answering()) < count:
-            benched = self.roster.benched_online()
+            withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
+            benched = [c for c in self.roster.benched_online() if c not in withdrawn]
             raise RunError(f"only {len(answering())} of {count} clients came online within {timeout:.0f} s "
                            f"({answering()})" + (f", besides {benched}, online but not answering their tasks"
-                                                 if benched else "") + "; start more clients or lower clients.expected")
+                                                 if benched else "")
+                           + (f", besides {withdrawn}, which withdrew from the run (their own privacy budgets: "
+                              "clients/ID.jsonl says why)" if withdrawn else "")
+                           + "; start more clients or lower clients.expected")
 
     def _sample(self, round: int, attempt: int, taken: set[str]) -> Draw:
         """The attempt's clients (besides ``taken``, which it already counts on), once enough are online."""

@@ -266,6 +266,9 @@ class ResultIntake:
         client is recorded with its profile and the round time measured here (late ones included)."""
         if self.roster.absences.returned(client_id):
             log.info("client %s answered again: it may be selected again", client_id)
+        if body is not None and body.withdrawn and self.roster.absences.withdraw(client_id):
+            log.warning("client %s withdrew from the run: %s; it is not drawn again in this run", client_id,
+                        (body.error or "")[:300])
         answered = self.round_times.answered(msg.task_id, client_id, time.monotonic())
         if answered is None:
             return

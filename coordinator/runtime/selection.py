@@ -91,6 +91,7 @@ class Absences:
         self.limit = limit                      # 0: never bench
         self._misses: dict[str, int] = {}
         self.just_missed: set[str] = set()      # clients without an answer in the attempt that just ended
+        self.withdrawn: set[str] = set()        # clients that said they refuse every further task of the run
 
     def missed(self, client_ids: Iterable[str]) -> list[str]:
         """An attempt ended with these clients' tasks unanswered; returns those benched just now."""
@@ -103,14 +104,22 @@ class Absences:
         return benched
 
     def returned(self, client_id: str) -> bool:
-        """The client answered or announced itself: it may be selected again; True if it was benched."""
-        was_benched = self.benched(client_id)
+        """The client answered or announced itself: it may be selected again (unless it withdrew); True if it
+        was benched for its misses."""
+        was_benched = bool(self.limit) and self._misses.get(client_id, 0) >= self.limit
         self._misses.pop(client_id, None)
         self.just_missed.discard(client_id)
         return was_benched
 
+    def withdraw(self, client_id: str) -> bool:
+        """The client refuses every further task of the run (its own privacy budget): never drawn again in
+        this run, whatever it answers or announces; True the first time."""
+        first = client_id not in self.withdrawn
+        self.withdrawn.add(client_id)
+        return first
+
     def benched(self, client_id: str) -> bool:
-        return bool(self.limit) and self._misses.get(client_id, 0) >= self.limit
+        return client_id in self.withdrawn or (bool(self.limit) and self._misses.get(client_id, 0) >= self.limit)
 
     def pool(self, online: Iterable[str], needed: int, retry: bool) -> list[str]:
         """The clients a selection draws from: the online ones not benched, and on a retry also not those

@@ -172,13 +172,17 @@ class ResultBody:
     profile: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     secagg: dict[str, Any] | None = None         # a secure-aggregation stage's answer (edge_client/secagg/stages.py)
+    # With ``error``: the device will refuse every further task of the run (its own privacy budget is spent or
+    # cannot cover the run's tasks), so drawing it again only wastes a place in a round.
+    withdrawn: bool = False
 
     @classmethod
     def from_body(cls, body: Any) -> ResultBody:
         f = Fields("result", body)
         profile = f.get("profile", "an object", is_object, {})
         if "error" in f:
-            return cls(error=f.get("error", "a string", is_str), profile=profile)
+            return cls(error=f.get("error", "a string", is_str), profile=profile,
+                       withdrawn=f.get("withdrawn", "true or false", lambda v: isinstance(v, bool), False))
         metrics = f.get("metrics", "an object of finite numbers",
                         lambda v: isinstance(v, dict) and all(is_number(x) for x in v.values()), {})
         return cls(num_samples=f.get("num_samples", "a positive integer", lambda v: is_int(v) and v >= 1),
@@ -189,7 +193,7 @@ class ResultBody:
 
     def to_body(self) -> dict[str, Any]:
         if self.error is not None:
-            return {"error": self.error, "profile": self.profile}
+            return {"error": self.error, "profile": self.profile, **({"withdrawn": True} if self.withdrawn else {})}
         out = {"num_samples": self.num_samples, "metrics": self.metrics, "codec": self.codec.text,
                "delta": list(self.delta), "profile": self.profile}
         if self.secagg is not None:
