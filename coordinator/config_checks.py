@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SELECTIONS, CodecSection,
-                                         TransportSection)
+from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SAMPLINGS, SELECTIONS,
+                                         CodecSection, TransportSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from edge_client.device import DeviceError, resolve_device
@@ -173,7 +173,8 @@ def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
     p = config.privacy
     checks = [(p.mode in PRIVACY_MODES, f"privacy.mode must be one of {', '.join(PRIVACY_MODES)}, got {p.mode!r}")]
     if p.mode not in ("central", "local"):
-        return checks
+        return checks + [(p.sampling == "fixed", f"privacy.sampling applies with privacy.mode = 'central'; got "
+                                                 f"{p.sampling!r} with privacy.mode = {p.mode!r}")]
     need = f"privacy.mode = {p.mode!r} needs"
     checks += [
         (math.isfinite(p.clip_norm) and p.clip_norm > 0,
@@ -205,6 +206,10 @@ def _central_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (config.clients.selection == "random",
          f"{need} clients.selection = 'random': the account assumes every device is equally likely to be drawn"),
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it records every device's model)"),
+        (p.sampling in SAMPLINGS, f"privacy.sampling must be one of {', '.join(SAMPLINGS)}, got {p.sampling!r}"),
+        (p.sampling != "poisson" or not config.secagg.enabled,
+         "privacy.sampling = 'poisson' cannot run with secagg.enabled = true: a Poisson round may draw fewer "
+         "devices than secure aggregation needs (3); use privacy.sampling = 'fixed'"),
     ]
 
 
@@ -223,6 +228,9 @@ def _local_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
          "is mostly its noise's, so they would cut or reject signal, not noise (mean, median and trimmed_mean work)"),
         (config.workers.count == 0,
          f"{need} workers.count = 0: aggregation workers hold results to the clip norm, which local DP must not do"),
+        (config.privacy.sampling == "fixed",
+         f"{need} privacy.sampling = 'fixed': Poisson sampling is central DP's amplification, which local DP's "
+         "account does not claim"),
     ]
 
 

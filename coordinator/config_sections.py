@@ -17,7 +17,7 @@ from edge_client.hyper import LocalTraining
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection",
-           "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS"]
+           "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SAMPLINGS"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 SELECTIONS = ("random", "deadline", "profile")   # clients.selection (coordinator/runtime/selection.py)
@@ -207,6 +207,7 @@ class SelectionSection:
 
 
 PRIVACY_MODES = ("off", "central", "local")
+SAMPLINGS = ("fixed", "poisson")   # privacy.sampling
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,10 @@ class PrivacySection:
     # Noise on the count of updates within the bound, as a multiplier of that count's sensitivity (1/2 per
     # device, the bits being centred); 0: clients per round / 10 (Andrew et al.'s count noise of m / 20).
     count_noise_multiplier: float = 0.0
+    # Central: how a round's devices are drawn. "fixed": clients.per_round of them, uniformly (the account's
+    # Poisson sampling is then an approximation); "poisson": each device on its own with probability
+    # q = per_round / expected, from the OS's entropy, rounds of any size (empty ones too): what the account assumes.
+    sampling: str = "fixed"
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,7 @@ class CentralPrivacy:
     per_round: int              # devices selected per round: the fixed denominator
     sampling_rate: float        # per_round / expected
     adaptive: AdaptiveClip | None = None
+    sampling: str = "fixed"     # privacy.sampling: how rounds are drawn ("poisson": as the account assumes)
 
     @classmethod
     def from_config(cls, config: RunConfig) -> CentralPrivacy | None:
@@ -239,7 +240,7 @@ class CentralPrivacy:
         if p.adaptive_clip:
             adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise_multiplier or m / 10)
         return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, m, m / config.clients.expected,
-                   adaptive)
+                   adaptive, p.sampling)
 
     mode: ClassVar[str] = "central"
 
@@ -298,7 +299,8 @@ class CentralPrivacy:
         clip, rounds = self.kept(state)
         update = noisy_mean(total, self.noise_multiplier * clip, self.per_round, generator)
         clipped = clipped_count(results)
-        row: dict[str, Any] = {"dp_mode": "central", "dp_clip_norm": clip, "dp_noise_std": self.noise_multiplier * clip / self.per_round,
+        row: dict[str, Any] = {"dp_mode": "central", "dp_sampling": self.sampling, "dp_clip_norm": clip,
+                               "dp_noise_std": self.noise_multiplier * clip / self.per_round,
                                "dp_clipped_fraction": clipped / len(results) if results else 0.0}
         following = clip
         if self.adaptive is not None:

@@ -154,6 +154,7 @@ def test_release_accounts_a_round_and_stops_before_the_target():
     (("run", "mode", "async"), "run.mode = 'sync'"),
     (("clients", "selection", "deadline"), "clients.selection = 'random'"),
     (("run", "diagnostics", True), "run.diagnostics = false"),
+    (("privacy", "sampling", "stratified"), "privacy.sampling must be one of fixed, poisson"),
 ])
 def test_bad_privacy_settings_are_refused_naming_the_key(setting, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -179,6 +180,36 @@ def test_server_optimizers_take_central_dp_with_equal_weights():
     a, b = _results(2, 0)
     folded = strategy.fold("train", strategy.fold("train", None, a), b)
     assert folded.weight == 2.0
+
+
+@pytest.mark.parametrize("sets, message", [
+    ([("privacy", "sampling", "poisson")], "privacy.sampling applies with privacy.mode = 'central'"),
+    ([("privacy", "mode", "local"), ("privacy", "sampling", "poisson")], "privacy.sampling = 'fixed'"),
+    ([*CENTRAL, ("privacy", "sampling", "poisson"), ("secagg", "enabled", True), ("clients", "expected", 6)],
+     "cannot run with secagg.enabled = true"),
+])
+def test_poisson_sampling_is_central_dps_alone(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, sets)
+
+
+def test_poisson_draws_each_device_with_probability_q_whatever_the_round_size():
+    import random
+
+    from coordinator.runtime.round_times import RoundTimes
+    from coordinator.runtime.selection import Absences, Sampler
+
+    config = _config(("privacy", "sampling", "poisson"), ("clients", "expected", 1000), ("clients", "per_round", 100))
+    sampler = Sampler(config, Absences(0), RoundTimes())
+    online = [f"d{i:04d}" for i in range(1000)]
+    sizes = [len(sampler.draw(online, r, 0).clients) for r in range(1, 21)]
+    assert abs(sum(sizes) / 20 - 100) < 3 * math.sqrt(100 * 0.9 / 20) and len(set(sizes)) > 1
+    sampler.entropy = random.Random(0)   # the same stream, the same draw: the draws come from ``entropy`` alone
+    first = sampler.draw(online, 1, 0).clients
+    sampler.entropy = random.Random(0)
+    assert sampler.draw(online, 2, 0).clients == first
+    fixed = Sampler(_config(("clients", "expected", 1000), ("clients", "per_round", 100)), Absences(0), RoundTimes())
+    assert fixed.poisson is None and len(fixed.draw(online, 1, 0).clients) == 100
 
 
 # -- a run --------------------------------------------------------------------------------------------------------
@@ -234,3 +265,27 @@ def test_the_privacy_command_prints_the_multiplier_and_refuses_impossible_sampli
     assert coordinator_main(["privacy", "--epsilon", "8", "--rounds", "100", "--per-round", "20",
                              "--expected", "10"]) == 2
     assert "cannot exceed" in capsys.readouterr().err
+
+
+def test_a_poisson_run_releases_rounds_of_any_size_empty_ones_included(tmp_path, monkeypatch):
+    """q = 1/4 over 4 devices: rounds of 0 to 4 devices, each released with its noise and accounted; an empty round
+    moves the model by the noise alone."""
+    import random
+
+    from coordinator.runtime import selection
+
+    monkeypatch.setattr(selection.random, "SystemRandom", lambda: random.Random(5))   # a stream with an empty round
+    sets = {"run.rounds": 6, "run.out": str(tmp_path), "model.name": "mlp", "model.hidden": [16],
+            "data.eval": "digits", "clients.expected": 4, "clients.spawn": 4, "clients.per_round": 1,
+            "clients.max_attempts": 1, "transport.kind": "inproc", "export.enabled": False,
+            "privacy.mode": "central", "privacy.sampling": "poisson", "privacy.clip_norm": 1.0,
+            "privacy.noise_multiplier": 0.5}
+    config = load_config(None, [(*k.split(".", 1), v) for k, v in sets.items()])
+    result = run_federated(config, say=lambda s: None)
+    trained = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(trained) == 6 and {r["dp_sampling"] for r in trained} == {"poisson"}
+    sizes = [r["selected"] for r in trained]
+    assert 0 in sizes and len(set(sizes)) > 1, sizes
+    assert all(r["returned"] == r["selected"] for r in trained)
+    assert [r["dp_epsilon"] for r in trained] == pytest.approx(
+        [epsilon_after(k, sampling_rate=0.25, noise_multiplier=0.5, delta=1e-5) for k in range(1, 7)])

@@ -304,7 +304,10 @@ class Coordinator:
             self.intake.close(book)
             totals.add(book.tally)
             tasked |= book.selected
-            if book.results and len(book.results) >= min(c.required_results, len(book.selected)):
+            # A Poisson-sampled training round counts whatever came back, none included: its noise covers it, and
+            # its fixed denominator keeps a device that did not answer from changing what the others weigh.
+            any_count = phase == "train" and self.sampler.poisson is not None
+            if any_count or (book.results and len(book.results) >= min(c.required_results, len(book.selected))):
                 self.state = self.strategy.tasked(phase, self.state, frozenset(tasked))
                 self.intake.open(RoundBook(round=round, attempt=-1))   # collects strays until the next exchange
                 return book, totals

@@ -151,6 +151,11 @@ class Sampler:
         self._deadline_filter = DeadlineFilter(times)
         self.book = book if book is not None else DeviceBook()
         self.profile = ProfilePolicy(config, self.book, times)
+        # privacy.sampling = "poisson": who is drawn must be unknown to whoever reads the released models, and
+        # the run's seed is in every task, so these draws come from the OS's entropy
+        self.poisson = (config.selected_per_round / config.clients.expected
+                        if config.privacy.mode == "central" and config.privacy.sampling == "poisson" else None)
+        self.entropy: random.Random = random.SystemRandom()
 
     def draw(self, online: Iterable[str], round: int, attempt: int, taken: Collection[str] = ()) -> Draw:
         """``taken``: clients the attempt already counts on (a result of an earlier attempt of the round, or
@@ -161,6 +166,8 @@ class Sampler:
         pool = self.absences.pool([k for k in online if k not in taken], need, retry=attempt > 0)
         skipped: list[str] = []
         size = max(0, c.selected_per_round - len(taken))
+        if self.poisson is not None:   # each device on its own, with probability q: a round of any size
+            return Draw(sorted(k for k in sorted(pool) if self.entropy.random() < self.poisson), [])
         if c.clients.selection == "profile":
             return Draw(*self.profile.draw(pool, round, attempt, size, need))
         if c.clients.selection == "deadline":

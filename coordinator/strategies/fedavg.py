@@ -89,7 +89,13 @@ class FedAvg(Strategy):
             update = (partial.mean(torch.float64) if partial is not None
                       else self.aggregator.combine([(r.deltas, 1.0) for r in results]))
             return self.server_step(round, state, update), self.privacy.row(state)
-        total = partial if partial is not None else WeightedSum.reduce(WeightedSum.of(r.deltas, 1.0) for r in results)
+        if partial is not None:
+            total = partial
+        elif results:
+            total = WeightedSum.reduce(WeightedSum.of(r.deltas, 1.0) for r in results)
+        else:   # a Poisson-sampled round that drew nobody, or heard from nobody: the release is noise alone
+            names = self.configure_train(round, state, ["-"])[0].up   # the tensors a training task sends back
+            total = WeightedSum({n: torch.zeros_like(state.params[n], dtype=torch.float64) for n in names}, 0.0)
         update, state, row = self.privacy.release(state, total, results)
         return self.server_step(round, state, update), row
 
