@@ -191,3 +191,10 @@ def test_async_mode_with_client_processes_over_mosquitto(tmp_path, mosquitto, pr
     for row in rows[1:]:
         assert row["results"] == 2 and row["rejected"] == 0 and row["failed"] == 0
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"]
+
+
+def test_a_schedule_sets_the_rate_of_each_version(tmp_path):
+    """[schedule] in async mode: the tasks toward version v carry the rate of round v, and its row says so."""
+    result = run_federated(async_config(tmp_path, train__lr=0.09, schedule__warmup_rounds=3), say=lambda s: None)
+    rows = [r for r in rows_of(result.out_dir) if r["round"] > 0]
+    assert [r["train_lr"] for r in rows] == pytest.approx([0.03, 0.06, 0.09])

@@ -211,7 +211,7 @@ class AsyncRun:
                "in_flight": len(self.flights), "selected": self.given, **tally.row(),
                "bytes_per_client": co.intake.notes.bytes_per_client(),
                "fp32_bytes_down": model_bytes * self.given,
-               "fp32_bytes_up": model_bytes * (self.buffer.count + self.dropped),
+               "fp32_bytes_up": model_bytes * (self.buffer.count + self.dropped), **co.lr_columns(version),
                "seconds": now - self._started}
         self._making = (co.state, self.buffer)   # until the version is checkpointed: a stop goes back to these
         co.state, self.buffer = state, AsyncBuffer()

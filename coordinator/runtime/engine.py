@@ -374,9 +374,7 @@ class Coordinator:
             results, dropped = within_norm_bound(results, self.config.aggregate.norm_bound, self.state.round + 1)
             row.update({"norm_rejected": len(dropped), "norm_rejected_clients": dropped})
         if phase == "train":
-            row.update(train_columns(book, results, totals, self.fp32_model_bytes))
-            if self.strategy.lr_factor is not None:
-                row["train_lr"] = self.config.train.lr * self.strategy.lr_factor(round)
+            row.update(train_columns(book, results, totals, self.fp32_model_bytes), **self.lr_columns(round))
             if self.config.run.diagnostics:   # before aggregation: how far apart the clients went
                 row.update(divergence_metrics([r.values() for r in results], [r.num_samples for r in results]))
         else:
@@ -387,6 +385,11 @@ class Coordinator:
         self._network()   # the strategy may have changed the network: the next phase checks against it
         row.update(phase_metrics)
         return row
+
+    def lr_columns(self, round: int) -> dict[str, float]:
+        """``train_lr``, the local rate the round's training tasks carried, when ``[schedule]`` sets one."""
+        factor = self.strategy.lr_factor
+        return {} if factor is None else {"train_lr": self.config.train.lr * factor(round)}
 
     def run_rounds(self, first: int, last: int, complete: Callable[[dict[str, Any], ServerState], None]) -> None:
         """Rounds ``first`` to ``last``, each test-set evaluation on a thread of its own while the next round trains.
