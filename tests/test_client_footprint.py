@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 HEAVY = ("sklearn", "scipy", "matplotlib", "rich", "onnx", "onnxruntime", "amqtt", "pandas", "cryptography",
-         "coordinator", "export")
+         "coordinator", "export", "dp_accounting")
 
 PROGRAM = textwrap.dedent("""
     import json, sys
