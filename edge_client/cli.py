@@ -99,15 +99,17 @@ def _add_runtime_options(run: argparse.ArgumentParser) -> None:
                      help="never split messages: one over --max-message-bytes is an error")
     run.add_argument("--exit-after-run", action="store_true",
                      help="exit once a run this client took part in finishes (default: keep serving)")
-    run.add_argument("--privacy-budget", type=float, default=None, metavar="EPSILON",
+    run.add_argument("--privacy-budget", type=float, default=os.environ.get("FEDGE_PRIVACY_BUDGET"),
+                     metavar="EPSILON",
                      help="keep this device's own local-DP account: send only updates with its own noise "
                           "(privacy.mode = 'local' on the coordinator) and refuse any task that would take its "
                           "epsilon past this, over every run, kept in --state-dir (needs dp-accounting; "
-                          "docs/privacy.md)")
-    run.add_argument("--privacy-delta", type=float, default=1e-5,
-                     help="with --privacy-budget: the delta its epsilon is at (default 1e-5)")
-    run.add_argument("--min-noise-multiplier", type=float, default=0.0, metavar="Z",
-                     help="with --privacy-budget: refuse tasks asking for less noise than this (default 0)")
+                          "docs/privacy.md; env FEDGE_PRIVACY_BUDGET)")
+    run.add_argument("--privacy-delta", type=float, default=os.environ.get("FEDGE_PRIVACY_DELTA", "1e-5"),
+                     help="with --privacy-budget: the delta its epsilon is at (default 1e-5; env FEDGE_PRIVACY_DELTA)")
+    run.add_argument("--min-noise-multiplier", type=float, default=os.environ.get("FEDGE_MIN_NOISE_MULTIPLIER", "0"),
+                     metavar="Z", help="with --privacy-budget: refuse tasks asking for less noise than this "
+                                       "(default 0; env FEDGE_MIN_NOISE_MULTIPLIER)")
     run.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     run.add_argument("-v", "--verbose", action="store_true",
                      help="log every event at INFO level; without it: connecting, one line per task, a run's end")
