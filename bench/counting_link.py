@@ -1,4 +1,4 @@
-"""A TCP forwarder on loopback that counts the bytes it carries each way: a site broker's uplink.
+"""A TCP forwarder on loopback that counts the bytes it carries each way, and can be cut: a site broker's uplink.
 
 ``bench/fleet.py`` points each site broker's bridge at one of these instead of at the central
 broker, so the bytes a site's uplink carries are measured on the wire (MQTT framing and
@@ -7,6 +7,8 @@ sends the centre (what the bridge connected to this forwarder writes), down is w
 centre sends back. The counters only grow, and each change is kept with its wall time, so a
 reader can ask for the bytes between two instants taken elsewhere (a round's start and end, as
 the coordinator's process saw them) to the millisecond rather than to a sampling period.
+``tests/test_sites.py`` cuts one (:meth:`cut`: every connection and the listener closed, so a
+reconnecting bridge is refused) and restores it on the same port mid-round.
 """
 
 from __future__ import annotations
@@ -34,13 +36,18 @@ class CountingLink:
         self.down = 0          # bytes from the target back
         self.connections = 0   # accepted and forwarded so far
         self.history: list[tuple[float, int, int]] = []   # (time.time(), up, down) after each change
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(8)
+        self._listener = self._listen(0)
         self.port: int = self._listener.getsockname()[1]
         self._running = False
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _listen(port: int) -> socket.socket:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(8)
+        return listener
 
     def start(self) -> "CountingLink":
         """Serve until :meth:`stop`; the port listens from construction on, so a bridge may connect first."""
@@ -54,8 +61,17 @@ class CountingLink:
         self._running = False
         if self._thread is not None:
             self._thread.join(5)
+            self._thread = None
         else:
             self._listener.close()
+
+    cut = stop
+
+    def restore(self) -> None:
+        """Listen again on the same port after :meth:`cut`, counting on from where it stopped."""
+        if self._thread is None:
+            self._listener = self._listen(self.port)
+            self.start()
 
     def between(self, start: float, end: float) -> tuple[int, int]:
         """Bytes (up, down) counted after wall time ``start`` and up to ``end`` (``time.time()`` values)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,6 @@ from coordinator.ops.provision import provision
 from coordinator.ops.sites import Site
 from coordinator.runtime.run import run_federated
 from coordinator.runtime.worker import serve_worker
-from cuttable_link import CuttableLink
 from edge_client.bundle import read_bundle
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.datasets import load_dataset
@@ -31,6 +31,9 @@ from edge_client.wire.protocol import Topics
 from edge_client.wire.transport import BrokerSettings, MqttTransport
 from storage.checkpoint import load_checkpoint
 from test_federation import config_for, read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from counting_link import CountingLink  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +47,7 @@ RUN = dict(run__rounds=2, checkpoint__keep="all", clients__expected=len(DEVICES)
 
 class Deployment:
     """`provision --sites` into a temporary directory, its central broker and one broker per site started
-    from the written configs (each site's bridge going through a CuttableLink), all stopped by PID."""
+    from the written configs (each site's bridge going through a CountingLink), all stopped by PID."""
 
     def __init__(self, root: Path, *, aggregator_a: bool) -> None:
         self.root = root
@@ -56,13 +59,13 @@ class Deployment:
                               broker_dir=str(self.out / "broker"), listen="127.0.0.1", sites=self.sites)
         self.centre = LocalMosquitto(workdir=root / "centre", config=self.done.broker_conf.read_text(),
                                      port=self.centre_port)
-        self.links: dict[str, CuttableLink] = {}
+        self.links: dict[str, CountingLink] = {}
         self.brokers: dict[str, LocalMosquitto] = {}
 
     def start(self) -> "Deployment":
         self.centre.start()
         for site in self.sites:
-            link = self.links[site.name] = CuttableLink(self.centre_port).start()
+            link = self.links[site.name] = CountingLink(self.centre_port).start()
             site_dir = self.done.sites[site.name]
             conf = (site_dir / "fedge.conf").read_text()
             conf = conf.replace(str(self.out / "broker"), str(site_dir))   # installed in its own directory here
