@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SAMPLINGS, SELECTIONS,
-                                         CodecSection, TransportSection)
+                                         SPENT_DEVICES, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from edge_client.device import DeviceError, resolve_device
@@ -172,6 +172,9 @@ def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
     account assumes; docs/privacy.md says why for each mode)."""
     p = config.privacy
     checks = [(p.mode in PRIVACY_MODES, f"privacy.mode must be one of {', '.join(PRIVACY_MODES)}, got {p.mode!r}")]
+    if p.mode != "local":
+        checks.append((p.spent_devices == "stop", f"privacy.spent_devices applies with privacy.mode = 'local'; got "
+                                                  f"{p.spent_devices!r} with privacy.mode = {p.mode!r}"))
     if p.mode not in ("central", "local"):
         return checks + [(p.sampling == "fixed", f"privacy.sampling applies with privacy.mode = 'central'; got "
                                                  f"{p.sampling!r} with privacy.mode = {p.mode!r}")]
@@ -231,6 +234,8 @@ def _local_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (config.privacy.sampling == "fixed",
          f"{need} privacy.sampling = 'fixed': Poisson sampling is central DP's amplification, which local DP's "
          "account does not claim"),
+        (config.privacy.spent_devices in SPENT_DEVICES,
+         f"privacy.spent_devices must be one of {', '.join(SPENT_DEVICES)}, got {config.privacy.spent_devices!r}"),
     ]
 
 

@@ -17,7 +17,7 @@ from edge_client.hyper import LocalTraining
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection",
-           "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SAMPLINGS"]
+           "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SAMPLINGS", "SPENT_DEVICES"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 SELECTIONS = ("random", "deadline", "profile")   # clients.selection (coordinator/runtime/selection.py)
@@ -208,6 +208,7 @@ class SelectionSection:
 
 PRIVACY_MODES = ("off", "central", "local")
 SAMPLINGS = ("fixed", "poisson")   # privacy.sampling
+SPENT_DEVICES = ("stop", "skip")   # privacy.spent_devices
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,10 @@ class PrivacySection:
     # Poisson sampling is then an approximation); "poisson": each device on its own with probability
     # q = per_round / expected, from the OS's entropy, rounds of any size (empty ones too): what the account assumes.
     sampling: str = "fixed"
+    # Local, with target_epsilon: "stop" ends the run before a round in which the most-used device, if drawn,
+    # would pass the target; "skip" draws only devices with room for one more round and stops when fewer than
+    # a round's results have room.
+    spent_devices: str = "stop"
 
 
 @dataclass(frozen=True)

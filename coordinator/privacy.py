@@ -344,13 +344,17 @@ class LocalPrivacy:
     noise_multiplier: float     # z: each device's noise has std z x clip_norm per coordinate
     delta: float
     target_epsilon: float       # 0: none
+    skip_spent: bool = False    # privacy.spent_devices = "skip": draw around spent devices instead of stopping
+    expected: int = 0           # clients.expected: the devices that may be drawn
+    required: int = 1           # the results a round needs
 
     @classmethod
     def from_config(cls, config: RunConfig) -> LocalPrivacy | None:
         p = config.privacy
         if p.mode != "local":
             return None
-        return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon)
+        return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, p.spent_devices == "skip",
+                   config.clients.expected, config.required_results)
 
     mode: ClassVar[str] = "local"
 
@@ -372,11 +376,27 @@ class LocalPrivacy:
             counts[client] = counts.get(client, 0) + 1
         return dataclasses.replace(state, extra={**state.extra, EXTRA_KEY: {"participations": counts}})
 
+    def spent(self, state: ServerState) -> frozenset[str]:
+        """With ``skip_spent`` and a target, the devices one more participation would take past it (not drawn)."""
+        if not self.skip_spent or self.target_epsilon <= 0:
+            return frozenset()
+        counts = self.participations(state)
+        room = {n: self.epsilon(n + 1) <= self.target_epsilon for n in set(counts.values())}   # one call per count
+        return frozenset(d for d, n in counts.items() if not room[n])
+
     def stop_before(self, state: ServerState) -> str:
-        """Why the next round must not run, "" when it may: any device may be drawn, so the round is refused
-        when the device with the most participations, drawn once more, would pass the target."""
+        """Why the next round must not run, "" when it may. Drawing any device (``spent_devices = "stop"``),
+        the round is refused when the device with the most participations, drawn once more, would pass the
+        target; drawing around spent devices, when fewer devices than a round's results have room left."""
         if self.target_epsilon <= 0:
             return ""
+        if self.skip_spent:
+            left = self.expected - len(self.spent(state)) if self.epsilon(1) <= self.target_epsilon else 0
+            if left >= self.required:
+                return ""
+            return (f"privacy: stopping before round {state.round + 1}: {left} of {self.expected} devices have room "
+                    f"for another round within privacy.target_epsilon = {self.target_epsilon:g} (delta "
+                    f"{self.delta:g}, local DP), fewer than the {self.required} results a round needs")
         most = max(self.participations(state).values(), default=0)
         after = self.epsilon(most + 1)
         if after <= self.target_epsilon:
@@ -389,6 +409,9 @@ class LocalPrivacy:
         """The row's ``dp_*`` columns after a round: the largest epsilon over the devices so far."""
         counts = self.participations(state)
         most = max(counts.values(), default=0)
-        return {"dp_mode": "local", "dp_epsilon": self.epsilon(most), "dp_clip_norm": self.clip_norm,
-                "dp_noise_std": self.noise_multiplier * self.clip_norm, "dp_max_participations": most,
-                "dp_devices": len(counts)}
+        row = {"dp_mode": "local", "dp_epsilon": self.epsilon(most), "dp_clip_norm": self.clip_norm,
+               "dp_noise_std": self.noise_multiplier * self.clip_norm, "dp_max_participations": most,
+               "dp_devices": len(counts)}
+        if self.skip_spent:
+            row["dp_spent_devices"] = len(self.spent(state))
+        return row

@@ -135,6 +135,39 @@ def test_the_account_grows_only_for_devices_that_took_part_and_stops_before_the_
         privacy.stop_before(state)
 
 
+def test_skipping_spent_devices_draws_around_them_until_too_few_have_room():
+    privacy = LocalPrivacy.from_config(_config(("privacy", "noise_multiplier", 8.0), ("privacy", "target_epsilon", 3.0),
+                                               ("privacy", "spent_devices", "skip"), ("clients", "expected", 4),
+                                               ("clients", "per_round", 2), ("clients", "min_results", 2)))
+    room = next(k for k in range(1, 100) if privacy.epsilon(k + 1) > 3.0)   # participations one device can have
+    state = ServerState(round=0, params={"w": torch.zeros(2)})
+    for _ in range(room):
+        state = privacy.took_part(state, frozenset({"a"}))
+    assert privacy.spent(state) == {"a"} and privacy.stop_before(state) == ""   # three devices still have room
+    assert privacy.row(state)["dp_spent_devices"] == 1
+    for _ in range(room):
+        state = privacy.took_part(state, frozenset({"b", "c"}))
+    assert privacy.spent(state) == {"a", "b", "c"}
+    assert "1 of 4 devices have room" in privacy.stop_before(state)
+    assert privacy.row(state)["dp_epsilon"] <= 3.0
+
+
+def test_a_local_run_skipping_spent_devices_goes_on_past_the_first_spent_one(tmp_path):
+    """4 devices, 2 a round, a target that allows 2 participations each: "stop" ends once a device has 2 (it
+    could pass the target if drawn again); "skip" draws around the spent ones until fewer than 2 have room."""
+    def run(policy: str) -> list[dict]:
+        out = tmp_path / policy
+        sets = {"run.out": str(out), "run.rounds": 8, "clients.expected": 4, "clients.spawn": 4, "clients.per_round": 2,
+                "transport.kind": "inproc", "privacy.noise_multiplier": 4.0, "privacy.spent_devices": policy,
+                "privacy.target_epsilon": local_epsilon(2, noise_multiplier=4.0, delta=1e-5) * 1.0001}
+        run_federated(_load(**sets), say=lambda s: None)
+        return [r for r in _rows(out) if r["round"] > 0]
+
+    stopped, skipped = run("stop"), run("skip")   # the same seeded draws until the first device is spent
+    assert len(stopped) < len(skipped) <= 4        # 4 devices x 2 participations: at most 4 rounds of 2
+    assert all(r["dp_max_participations"] <= 2 for r in skipped) and skipped[-1]["dp_spent_devices"] >= 3
+
+
 # -- refusals -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting, message", [
     (("privacy", "adaptive_clip", True), "privacy.adaptive_clip = false"),
@@ -144,6 +177,7 @@ def test_the_account_grows_only_for_devices_that_took_part_and_stops_before_the_
     (("eval", "personalized", True), "eval.personalized = false"),
     (("privacy", "noise_multiplier", -1.0), "privacy.noise_multiplier must be >= 0"),
     (("privacy", "clip_norm", math.inf), "privacy.clip_norm must be a positive number"),
+    (("privacy", "spent_devices", "rest"), "privacy.spent_devices must be one of stop, skip"),
 ])
 def test_what_local_dp_cannot_run_with_is_refused_naming_the_key(setting, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -184,11 +184,12 @@ def test_server_optimizers_take_central_dp_with_equal_weights():
 
 @pytest.mark.parametrize("sets, message", [
     ([("privacy", "sampling", "poisson")], "privacy.sampling applies with privacy.mode = 'central'"),
+    ([*CENTRAL, ("privacy", "spent_devices", "skip")], "privacy.spent_devices applies with privacy.mode = 'local'"),
     ([("privacy", "mode", "local"), ("privacy", "sampling", "poisson")], "privacy.sampling = 'fixed'"),
     ([*CENTRAL, ("privacy", "sampling", "poisson"), ("secagg", "enabled", True), ("clients", "expected", 6)],
      "cannot run with secagg.enabled = true"),
 ])
-def test_poisson_sampling_is_central_dps_alone(sets, message):
+def test_each_modes_own_settings_are_refused_in_the_other(sets, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, sets)
 

@@ -258,7 +258,8 @@ class Coordinator:
         c = self.config
         if len(self.roster.answering()) < c.required_results:
             self.wait_for_clients(c.required_results, c.clients.presence_timeout)
-        return self.sampler.draw(self.roster.online, round, attempt, taken)
+        barred = self.strategy.not_drawn(self.state)
+        return self.sampler.draw([k for k in self.roster.online if k not in barred], round, attempt, taken)
 
     def _choose(self, book: RoundBook) -> list[str]:
         """The clients to give a task in this attempt. A retry gives none to a client whose result of an

@@ -301,6 +301,10 @@ class Strategy:
         """Why the run must end before ``round`` (a privacy budget spent, say), "" when it may go on."""
         return ""
 
+    def not_drawn(self, state: ServerState) -> frozenset[str]:
+        """Devices no exchange may draw now (their privacy budget spent, say), online or not."""
+        return frozenset()
+
     def tasked(self, phase: str, state: ServerState, clients: frozenset[str]) -> ServerState:
         """The state once a phase's exchange is over, ``clients`` being every device given one of its tasks
         (in any attempt), before its aggregation: where a strategy counts who took part, such as local

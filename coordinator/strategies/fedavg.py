@@ -108,6 +108,10 @@ class FedAvg(Strategy):
     def stop_before(self, round: int, state: ServerState) -> str:
         return "" if self.privacy is None else self.privacy.stop_before(state)
 
+    def not_drawn(self, state: ServerState) -> frozenset[str]:
+        """Under local DP with ``privacy.spent_devices = "skip"``, the devices whose budget is spent."""
+        return self.privacy.spent(state) if isinstance(self.privacy, LocalPrivacy) else frozenset()
+
     def tasked(self, phase: str, state: ServerState, clients: frozenset[str]) -> ServerState:
         """Under local DP, one more participation for every device given a training task (docs/privacy.md)."""
         return self.privacy.took_part(state, clients) if phase == "train" and self.privacy is not None else state
