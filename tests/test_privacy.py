@@ -287,6 +287,7 @@ def test_a_poisson_run_releases_rounds_of_any_size_empty_ones_included(tmp_path,
     assert len(trained) == 6 and {r["dp_sampling"] for r in trained} == {"poisson"}
     sizes = [r["selected"] for r in trained]
     assert 0 in sizes and len(set(sizes)) > 1, sizes
+    assert result.summary["dp_sampling"] == "poisson"
     assert all(r["returned"] == r["selected"] for r in trained)
     assert [r["dp_epsilon"] for r in trained] == pytest.approx(
         [epsilon_after(k, sampling_rate=0.25, noise_multiplier=0.5, delta=1e-5) for k in range(1, 7)])

@@ -123,8 +123,9 @@ class FedAvg(Strategy):
         out = {"dp_mode": self.privacy.mode,
                "dp_epsilon": last.get("dp_epsilon", 0.0), "dp_delta": self.privacy.delta,
                "dp_rounds": sum(1 for r in rows if "dp_epsilon" in r)}
-        if "dp_max_participations" in last:
-            out["dp_max_participations"] = last["dp_max_participations"]
+        for key in ("dp_max_participations", "dp_sampling", "dp_spent_devices"):
+            if key in last:
+                out[key] = last[key]
         return out
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult],
