@@ -229,8 +229,6 @@ def _local_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (agg.rule != "clipped_mean" and agg.norm_bound == 0,
          f"{need} aggregate.rule other than 'clipped_mean' and aggregate.norm_bound = 0: the norm of a noisy update "
          "is mostly its noise's, so they would cut or reject signal, not noise (mean, median and trimmed_mean work)"),
-        (config.workers.count == 0,
-         f"{need} workers.count = 0: aggregation workers hold results to the clip norm, which local DP must not do"),
         (config.privacy.sampling == "fixed",
          f"{need} privacy.sampling = 'fixed': Poisson sampling is central DP's amplification, which local DP's "
          "account does not claim"),

@@ -184,11 +184,6 @@ def test_what_local_dp_cannot_run_with_is_refused_naming_the_key(setting, messag
         _config(setting)
 
 
-def test_workers_are_refused_under_local_dp():
-    with pytest.raises(ConfigError, match="privacy.mode = 'local' needs workers.count = 0"):
-        _config(("workers", "count", 1), ("transport", "broker", "mqtt://127.0.0.1:1883"))
-
-
 def test_what_central_dp_refuses_for_its_sampling_local_dp_allows():
     config = _config(("clients", "max_attempts", 3), ("clients", "selection", "deadline"),
                      ("run", "diagnostics", True), ("aggregate", "rule", "median"))

@@ -18,6 +18,7 @@ from coordinator.strategies.base import ClientResult, WeightedSum
 from coordinator.strategy_setup import make_strategy
 from coordinator.runtime.run import run_federated
 from edge_client.privacy import clip_update, update_norm
+from edge_client.registry import build_model
 from edge_client.wire.bodies import TaskBody, UploadSettings
 from edge_client.wire.codec import parse_codec
 from edge_client.wire.errors import ProtocolError
@@ -241,6 +242,33 @@ def test_worker_manifest_carries_the_clip_norm():
     body = {**manifest.to_body(), "clip_norm": -1}
     with pytest.raises(ProtocolError, match="clip_norm"):
         ManifestBody.from_body(body)
+    noisy = ManifestBody.from_body({**manifest.to_body(), "noise_multiplier": 2.0})   # local DP
+    assert noisy.noise_multiplier == 2.0 and manifest.noise_multiplier is None
+    with pytest.raises(ProtocolError, match="noise_multiplier"):
+        ManifestBody.from_body({**manifest.to_body(), "noise_multiplier": -1})
+
+
+def test_a_worker_holds_central_results_to_the_bound_but_not_local_ones():
+    """The worker's plan comes from the manifest: a clip norm alone (central) clips what it accepts; with the
+    device noise (local) the noisy update is kept as it came."""
+    from coordinator.runtime.worker import AggregationWorker
+    from edge_client.wire.protocol import decode, encode
+    from edge_client.wire.worker_bodies import ManifestBody
+
+    worker = AggregationWorker.__new__(AggregationWorker)
+    spec = {"name": "mlp", "hidden": [4], "num_classes": 3, "in_channels": 1, "image_size": 2}
+    sent = {n: torch.zeros(t.shape) for n, t in build_model(spec).state_dict().items()}   # the model broadcast
+    worker.strategy, worker.broadcasts, worker._shapes = make_strategy(_config()), {"a" * 64: sent}, ("", {})
+    big = {n: torch.full(t.shape, 10.0) for n, t in sent.items()}
+    names = sorted(big)
+    msg = decode(encode("result", run_id="r", round=1, task_id="t1", sender="c1",
+                        body={"num_samples": 5, "metrics": {"clipped": 1.0}, "codec": "fp32", "delta": names},
+                        tensors=big))
+    for noise, bounded in ((None, True), (1.0, False)):
+        manifest = ManifestBody("x", "train", spec, tuple(names), parse_codec("fp32"), {"t1": "c1"}, "a" * 64,
+                                clip_norm=0.5, noise_multiplier=noise)
+        result = worker._accept(manifest, "c1", msg)
+        assert (update_norm(result.deltas) <= 0.5 + 1e-6) == bounded
 
 
 def test_the_noise_for_a_target_epsilon_ends_the_account_there():

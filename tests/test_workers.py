@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from coordinator.config import dump_config
@@ -147,16 +148,18 @@ def test_worker_command_says_what_is_missing(capsys):
     assert "--id 'no/slashes'" in capsys.readouterr().err
 
 
-def test_a_worker_under_central_dp_gives_the_coordinators_own_clipped_mean(tmp_path, mosquitto, prefix):
-    """With central DP (z = 0, so the sum is exact) a worker's partial sums of clipped, equally weighted
-    updates give the models the coordinator makes alone: the clip norm reaches the worker in the
-    manifest and the fixed denominator is applied once, by the coordinator."""
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_a_worker_under_dp_gives_the_coordinators_own_mean(tmp_path, mosquitto, prefix, mode):
+    """With differential privacy (z = 0, so the sum is exact) a worker's partial sums of equally weighted updates
+    give the models the coordinator makes alone. Central: the clip norm reaches the worker in the manifest, it
+    holds results to it, and the fixed denominator is applied once, by the coordinator. Local: the manifest says
+    the results are noisy, so the worker does not clip them again, and the mean is over the answers."""
     sets = dict(run__rounds=2, checkpoint__keep="all", transport__broker=mosquitto, clients__expected=3,
                 clients__spawn=3, clients__max_attempts=1, transport__max_message_bytes=8 * 1024 * 1024,
-                privacy__mode="central", privacy__clip_norm=0.5, privacy__noise_multiplier=0.0)
-    alone = config_for(tmp_path / "alone", transport__prefix=prefix + "-dp-alone", **sets)
+                privacy__mode=mode, privacy__clip_norm=0.5, privacy__noise_multiplier=0.0)
+    alone = config_for(tmp_path / "alone", transport__prefix=prefix + f"-{mode}-alone", **sets)
     run_federated(alone, say=lambda s: None)
-    shared = config_for(tmp_path / "shared", transport__prefix=prefix + "-dp-shared", workers__count=1, **sets)
+    shared = config_for(tmp_path / "shared", transport__prefix=prefix + f"-{mode}-shared", workers__count=1, **sets)
     dump_config(shared, tmp_path / "shared.toml")
     worker = _start_worker(tmp_path / "shared.toml", "w0")
     try:
@@ -172,5 +175,7 @@ def test_a_worker_under_central_dp_gives_the_coordinators_own_clipped_mean(tmp_p
         for key in a.params:
             assert torch.allclose(a.params[key], b.params[key], rtol=1e-5, atol=1e-6), (round, key)
     rows = read_metrics(tmp_path / "shared")[1:]
-    assert all(r["dp_clip_norm"] == 0.5 and r["returned"] == 3 for r in rows)
-    assert any(r["dp_clipped_fraction"] > 0 for r in rows)   # the bound was at work, not only set
+    assert all(r["dp_clip_norm"] == 0.5 and r["returned"] == 3 and r["dp_mode"] == mode for r in rows)
+    assert "folded 6," in output   # the worker folded every result of both rounds
+    if mode == "central":
+        assert any(r["dp_clipped_fraction"] > 0 for r in rows)   # the bound was at work, not only set

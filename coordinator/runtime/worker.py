@@ -237,7 +237,7 @@ class AggregationWorker:
                 raise _NoBroadcast()
             down = self.broadcasts[manifest.broadcast]
         plan = TaskPlan(client_id=client_id, objective=manifest.phase, hyper={}, down=down, up=list(manifest.up),
-                        clip_norm=manifest.clip_norm)
+                        clip_norm=manifest.clip_norm, noise_multiplier=manifest.noise_multiplier)
         return accept_result(plan, msg, body, self._network_shapes(manifest.model), manifest.codec, self.strategy,
                              manifest.model)
 

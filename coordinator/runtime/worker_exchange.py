@@ -110,7 +110,7 @@ class WorkerExchange:
                                                                for t in body.tasks):
                 raise ProtocolError("its receipts name tasks that were not granted to it, or one twice")
             results = [book.granted[t][1] for t in body.tasks]
-            # Under central DP (the tasks carry a clip norm) every result weighs 1, whatever its samples.
+            # Under differential privacy (the tasks carry a clip norm) every result weighs 1, whatever its samples.
             equal = book.manifest.clip_norm is not None
             weight = len(results) if equal else sum(r.num_samples for r in results)
             if not math.isclose(body.weight, weight, rel_tol=1e-12):
@@ -132,7 +132,7 @@ class WorkerExchange:
         """The exchange's manifest, published before its tasks so the workers know them before any result."""
         book.manifest = ManifestBody(uuid.uuid4().hex[:16], book.phase, self.network().spec, tuple(plans[0].up),
                                      codec, {t: p.client_id for t, p in zip(task_ids, plans)}, broadcast,
-                                     clip_norm=plans[0].clip_norm)
+                                     clip_norm=plans[0].clip_norm, noise_multiplier=plans[0].noise_multiplier)
         self.publish_manifest(book)
 
     def publish_manifest(self, book: RoundBook) -> None:

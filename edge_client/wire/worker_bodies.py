@@ -35,6 +35,8 @@ class ManifestBody:
     broadcast: str | None = None
     flush: bool = False
     clip_norm: float | None = None   # the tasks' clip norm (central differential privacy): results are held to it
+    # The tasks' device noise (local differential privacy): results are noisy and are not held to the clip norm.
+    noise_multiplier: float | None = None
 
     @classmethod
     def from_body(cls, body: Any) -> ManifestBody:
@@ -46,7 +48,9 @@ class ManifestBody:
                                lambda v: isinstance(v, dict) and all(valid_client_id(c) for c in v.values())),
                    broadcast=f.get("broadcast", "a SHA-256 in hex", is_sha256, None),
                    flush=f.get("flush", "true or false", lambda v: isinstance(v, bool), False),
-                   clip_norm=f.get("clip_norm", "a positive number", lambda v: is_number(v) and v > 0, None))
+                   clip_norm=f.get("clip_norm", "a positive number", lambda v: is_number(v) and v > 0, None),
+                   noise_multiplier=f.get("noise_multiplier", "a number >= 0", lambda v: is_number(v) and v >= 0,
+                                          None))
 
     def to_body(self) -> dict[str, Any]:
         out = {"exchange": self.exchange, "phase": self.phase, "model": self.model, "up": list(self.up),
@@ -55,6 +59,8 @@ class ManifestBody:
             out["broadcast"] = self.broadcast
         if self.clip_norm is not None:
             out["clip_norm"] = self.clip_norm
+        if self.noise_multiplier is not None:
+            out["noise_multiplier"] = self.noise_multiplier
         return out
 
 
