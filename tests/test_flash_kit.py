@@ -77,6 +77,16 @@ def test_kit_envs_are_plain_shell_assignments(wheel):
     assert 'TORCH_PIP_ARGS="--index-url https://example.invalid/cpu"' in kit_env(options)
 
 
+def test_a_kit_with_a_privacy_budget_installs_the_accountant_and_sets_the_budget(wheel):
+    private = KitOptions(target="pi", wheel=wheel, privacy_budget=8.0, min_noise_multiplier=2.0)
+    assert 'FEDGE_EXTRA="private-client"' in kit_env(private)
+    assert "FEDGE_PRIVACY_BUDGET=8\n" in client_env(private) and "FEDGE_MIN_NOISE_MULTIPLIER=2\n" in client_env(private)
+    plain = KitOptions(target="pi", wheel=wheel)
+    assert 'FEDGE_EXTRA="client"' in kit_env(plain) and "PRIVACY" not in client_env(plain)
+    install = (REPO / "coordinator" / "ops" / "kit" / "install.sh").read_text()
+    assert '[$EXTRA]' in install and 'EXTRA="${FEDGE_EXTRA:-client}"' in install   # older kit.env: the client extra
+
+
 def test_rewriting_a_kit_replaces_the_old_wheel(deploy, wheel, tmp_path):
     write_kits(deploy, KitOptions(target="pi", wheel=wheel), ["pi-01"])
     newer = tmp_path / "fedge-0.2.0-py3-none-any.whl"
@@ -102,6 +112,8 @@ def test_a_jetson_kit_carries_nvidias_torch_wheel(deploy, wheel, tmp_path):
     ({"target": "jetson"}, "NVIDIA's PyTorch wheel"),
     ({"torch_threads": -1}, "--torch-threads"),
     ({"data_spec": "npz:$(reboot)"}, "may not contain"),
+    ({"privacy_budget": -1.0}, "--privacy-budget must be a positive epsilon"),
+    ({"min_noise_multiplier": 2.0}, "given only with --privacy-budget"),
 ])
 def test_bad_requests_are_refused_before_anything_is_written(deploy, wheel, change, message, tmp_path):
     fresh = tmp_path / "deploy"

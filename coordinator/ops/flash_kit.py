@@ -50,6 +50,8 @@ class KitOptions:
     low_memory: bool = False            # a 512 MB board: glibc gives freed memory back, one torch thread
     data: Path | None = None            # an npz for every kit (own data per device: copy it into kits/ID/data.npz)
     data_spec: str = "npz:/var/lib/fedge/data.npz"
+    privacy_budget: float = 0.0         # > 0: every device keeps its own local-DP budget (fedge-client --privacy-budget)
+    min_noise_multiplier: float = 0.0   # with it: the devices' floor on the tasks' noise multiplier
 
 
 def _check(options: KitOptions) -> None:
@@ -75,6 +77,10 @@ def _check(options: KitOptions) -> None:
         raise KitError("--torch-threads must be 0 (one per core) or more")
     if options.data is not None and not options.data.is_file():
         raise KitError(f"--data-file {options.data} does not exist")
+    if not (options.privacy_budget >= 0 and options.min_noise_multiplier >= 0) or (
+            options.min_noise_multiplier and not options.privacy_budget):
+        raise KitError("--privacy-budget must be a positive epsilon (0: none) and --min-noise-multiplier >= 0, "
+                       "given only with --privacy-budget")
     if any(c in options.data_spec + options.torch_pip_args for c in "\"'`$\\\n"):
         raise KitError("--data-spec and --torch-pip-args may not contain quotes, $, backslashes or newlines")
 
@@ -83,7 +89,9 @@ def kit_env(options: KitOptions) -> str:
     """``kit.env``: what install.sh installs, read by bash (so values are plain words, quoted)."""
     lines = ["# What install.sh installs; written by fedge-coordinator kit. No secrets here.",
              f'FEDGE_KIT_TARGET="{options.target}"',
-             f'FEDGE_WHEEL="{options.wheel.name}"']
+             f'FEDGE_WHEEL="{options.wheel.name}"',
+             # a device keeping its own privacy budget needs the accountant too
+             f'FEDGE_EXTRA="{"private-client" if options.privacy_budget else "client"}"']
     if options.target == "jetson":
         lines.append(f'TORCH_WHEEL="{options.torch_wheel.name}"')
     else:
@@ -107,6 +115,10 @@ def client_env(options: KitOptions) -> str:
     if options.low_memory:
         lines += ["# a board short of memory: glibc gives freed memory back (smaller peak, slower training)",
                   *(f"{k}={v}" for k, v in LOW_MEMORY_MALLOC.items())]
+    if options.privacy_budget:
+        lines += ["# this device's own local-DP budget: it refuses tasks that would take its epsilon past this",
+                  f"FEDGE_PRIVACY_BUDGET={options.privacy_budget:g}",
+                  f"FEDGE_MIN_NOISE_MULTIPLIER={options.min_noise_multiplier:g}"]
     return "\n".join(lines) + "\n"
 
 

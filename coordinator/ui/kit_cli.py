@@ -43,6 +43,11 @@ def add_command(sub, name: str = "kit") -> None:  # sub: the parser's subparsers
                           "put DEPLOY/kits/ID/data.npz there yourself")
     kit.add_argument("--data-spec", default="npz:/var/lib/fedge/data.npz",
                      help="the service's --data (default npz:/var/lib/fedge/data.npz, where the kit puts data.npz)")
+    kit.add_argument("--privacy-budget", type=float, default=0.0, metavar="EPSILON",
+                     help="every device keeps its own local-DP budget and refuses tasks that would take its epsilon "
+                          "past this (the kit installs the accountant; docs/privacy.md#the-devices-own-budget)")
+    kit.add_argument("--min-noise-multiplier", type=float, default=0.0, metavar="Z",
+                     help="with --privacy-budget: the devices refuse tasks asking for less noise than this")
     kit.set_defaults(handler=_kit)
 
 
@@ -52,7 +57,8 @@ def _kit(args: argparse.Namespace) -> int:
     options = KitOptions(target=args.target, wheel=args.wheel, torch_spec=args.torch,
                          torch_pip_args=args.torch_pip_args, torch_wheel=args.torch_wheel,
                          torch_threads=args.torch_threads, low_memory=args.low_memory, data=args.data_file,
-                         data_spec=args.data_spec)
+                         data_spec=args.data_spec, privacy_budget=args.privacy_budget,
+                         min_noise_multiplier=args.min_noise_multiplier)
     try:
         kits = write_kits(args.deploy, options, args.device or None)
     except KitError as exc:

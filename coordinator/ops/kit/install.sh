@@ -104,13 +104,15 @@ fi
 [ -n "$(have_torch)" ] || fail "torch does not import in $VENV; see the pip output above"
 done_step torch
 
-# 4. fedge and the rest of the client extra; a different wheel (a new build) replaces fedge alone
+# 4. fedge and the rest of its extra (client, or private-client with the privacy accountant); a different
+# wheel (a new build) or extra replaces fedge alone
+EXTRA="${FEDGE_EXTRA:-client}"
 stamp="$PREFIX/.fedge-wheel.sha256"
-sum=$(sha256sum "$KIT/$FEDGE_WHEEL" | cut -d' ' -f1)
+sum="$(sha256sum "$KIT/$FEDGE_WHEEL" | cut -d' ' -f1) $EXTRA"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ]; then
-    say "installing $FEDGE_WHEEL"
+    say "installing $FEDGE_WHEEL [$EXTRA]"
     "${PIP[@]}" install -q --force-reinstall --no-deps "$KIT/$FEDGE_WHEEL"
-    "${PIP[@]}" install -q "$KIT/$FEDGE_WHEEL[client]"
+    "${PIP[@]}" install -q "$KIT/$FEDGE_WHEEL[$EXTRA]"
     echo "$sum" > "$stamp"
 fi
 "$VENV/bin/fedge-client" run --help >/dev/null || fail "fedge-client does not start; see the error above"
