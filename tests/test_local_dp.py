@@ -251,3 +251,26 @@ def test_two_rounds_over_mosquitto_with_device_threads(tmp_path, mosquitto, pref
     assert trained[0]["dp_epsilon"] < trained[1]["dp_epsilon"] == result.summary["dp_epsilon"]
     assert all("train_loss" not in r for r in trained)
     assert len(seen) == 4 and all("clipped" not in m and "train_loss" not in m for m in seen)
+
+
+def test_tasks_of_a_round_cut_short_are_counted_on_resume(tmp_path):
+    """The devices of every training exchange are on disk before their tasks go out; a run resumed after a stop
+    mid-round counts that exchange's devices in its account, then runs the round again (a second release)."""
+    from coordinator.runtime.task_journal import JOURNAL_FILE
+
+    sets = {"run.out": str(tmp_path), "clients.expected": 2, "clients.spawn": 2, "transport.kind": "inproc"}
+    run_federated(_load(**sets, **{"run.rounds": 1}), say=lambda s: None)
+    journal = tmp_path / JOURNAL_FILE
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert lines == [{"round": 1, "attempt": 0, "clients": ["sim-000", "sim-001"]}]
+    with open(journal, "a") as fh:   # round 2's tasks went out to sim-000, and the coordinator died
+        fh.write(json.dumps({"round": 2, "attempt": 0, "clients": ["sim-000"]}) + "\n" + '{"round": 2, "att')
+    run_federated(_load(**sets, **{"run.rounds": 2}), resume=True, say=lambda s: None)
+    last = _rows(tmp_path)[-1]
+    assert last["round"] == 2 and last["dp_max_participations"] == 3   # rounds 1 and 2, and the lost exchange
+    assert last["dp_epsilon"] == pytest.approx(local_epsilon(3, noise_multiplier=0.02, delta=1e-5))
+    rerun = json.loads(journal.read_text().splitlines()[-1])   # written after the torn line, on a line of its own
+    assert rerun == {"round": 2, "attempt": 0, "clients": ["sim-000", "sim-001"]}
+    run_federated(_load(**{**sets, "run.out": str(tmp_path / "plain")}, **{"privacy.mode": "off", "run.rounds": 1}),
+                  say=lambda s: None)
+    assert not (tmp_path / "plain" / JOURNAL_FILE).exists()   # only a strategy that counts tasks keeps one

@@ -46,6 +46,7 @@ from coordinator.runtime.run_error import RunError
 from coordinator.runtime.secure_round import SecureRound
 from coordinator.runtime.round_times import RoundTimes
 from coordinator.runtime.selection import Absences, Draw, Sampler
+from coordinator.runtime.task_journal import TaskJournal
 from coordinator.strategies.base import Strategy
 from coordinator.runtime.tasks import TaskSender
 from coordinator.runtime.worker_exchange import WorkerExchange
@@ -103,6 +104,13 @@ class Coordinator:
         self.on_progress = on_progress or (lambda info: None)
         self.watchdog: Callable[[], None] = lambda: None   # raises RunError if spawned clients died
         self.started_after = state.round   # the last round done before this session (0: a new run)
+        # Local DP's account sees every task sent, those of a round a stop or a crash cut short included.
+        self.journal = TaskJournal(out_dir) if strategy.counts_tasks else None
+        if self.journal is not None:
+            self.state, replayed = self.journal.replay(self.state, strategy)
+            if replayed:
+                log.warning("counted the devices of %d training exchange(s) sent after round %d and never completed "
+                            "in the privacy account (%s)", replayed, state.round, self.journal.path)
         # This process's turn at the run: a resumed run re-issues rounds its devices saw, under a new session.
         self.session = uuid.uuid4().hex[:12]
         self._dropped_seen: dict[str, int] = {}       # the receive queue's drops already in a row
@@ -295,6 +303,8 @@ class Coordinator:
             self.announce("running", round)
             clients = self._choose(book)
             plans = self.strategy.configure(phase, round, self.state, clients) if clients else []
+            if plans and phase == "train" and self.journal is not None:
+                self.journal.sent(round, attempt, [p.client_id for p in plans])
             if plans and self.secure is not None and phase == "train":
                 self.secure.run(book, plans)   # four exchanges; the survivors' sum in book.partial
             else:

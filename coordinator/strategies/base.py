@@ -301,6 +301,12 @@ class Strategy:
         """Why the run must end before ``round`` (a privacy budget spent, say), "" when it may go on."""
         return ""
 
+    @property
+    def counts_tasks(self) -> bool:
+        """Whether :meth:`tasked` keeps an account that must see every training task sent, those of a round that
+        never completed included (coordinator/runtime/task_journal.py)."""
+        return False
+
     def not_drawn(self, state: ServerState) -> frozenset[str]:
         """Devices no exchange may draw now (their privacy budget spent, say), online or not."""
         return frozenset()

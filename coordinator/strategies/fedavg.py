@@ -108,6 +108,11 @@ class FedAvg(Strategy):
     def stop_before(self, round: int, state: ServerState) -> str:
         return "" if self.privacy is None else self.privacy.stop_before(state)
 
+    @property
+    def counts_tasks(self) -> bool:
+        """Local DP counts every device given a training task (:meth:`tasked`)."""
+        return isinstance(self.privacy, LocalPrivacy)
+
     def not_drawn(self, state: ServerState) -> frozenset[str]:
         """Under local DP with ``privacy.spent_devices = "skip"``, the devices whose budget is spent."""
         return self.privacy.spent(state) if isinstance(self.privacy, LocalPrivacy) else frozenset()
