@@ -245,8 +245,8 @@ class Coordinator:
             self.transport.subscribe(self.topics.all_clients("result"))
         answering = self.roster.answering
         self.pump(time.monotonic() + timeout,
-                   lambda: len(answering()) >= count and len(self.workers.online) >= workers,
-                   lambda: {"kind": "waiting", "online": answering(), "needed": count})
+                  lambda: len(answering()) >= count and len(self.workers.online) >= workers,
+                  lambda: {"kind": "waiting", "online": answering(), "needed": count})
         if len(self.workers.online) < workers:
             raise RunError(f"only {len(self.workers.online)} of {workers} aggregation workers came online within "
                            f"{timeout:.0f} s: start them (fedge-coordinator worker --config ... on the same broker) "
@@ -332,10 +332,10 @@ class Coordinator:
         """Handle messages until every client the attempt waits for answered or its deadline passed."""
         started, timeout = time.monotonic(), self.intake.deadline(book)
         self.pump(started + timeout, lambda: book.answered,
-                   lambda: {"kind": "exchange", "round": book.round, "phase": book.phase, "attempt": book.attempt + 1,
-                            "results": len(book.results) + len(book.granted), "selected": len(book.selected),
-                            "bytes_down": book.tally.bytes_down, "bytes_up": book.tally.bytes_up,
-                            "started": started, "timeout": timeout})
+                  lambda: {"kind": "exchange", "round": book.round, "phase": book.phase, "attempt": book.attempt + 1,
+                           "results": len(book.results) + len(book.granted), "selected": len(book.selected),
+                           "bytes_down": book.tally.bytes_down, "bytes_up": book.tally.bytes_up,
+                           "started": started, "timeout": timeout})
 
     def _inbox_drops(self) -> dict[str, int]:
         """Messages the receive queue dropped since the last round's row, by reason."""
