@@ -20,7 +20,7 @@ Prints the table, writes ``bench/results/privacy_epsilon.json`` and one figure,
 ``docs/images/privacy-epsilon.png`` (accuracy against epsilon, one line per fleet and partition, the
 non-private accuracy as a dashed line of the same colour).
 
-    python bench/privacy_report.py [--results bench/results] [--out-dir docs/images]
+    python bench/privacy_report.py [--results bench/results] [--out-dir docs/images] [--markdown]
 """
 
 from __future__ import annotations
@@ -135,6 +135,37 @@ def show(rows: list[dict[str, Any]]) -> None:
     Console(width=160).print(t)
 
 
+FLEETS = {"f100": "100 devices, 10 a round", "f1000": "1,000 devices, 100 a round"}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table docs/privacy.md shows, one line per fleet and partition and a column per epsilon: accuracy
+    (mean ± std over seeds) and the paired cost with its interval, so the page is pasted, not retyped."""
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["fleet"], r["partition"]), {})[r["eps"]] = r
+    epsilons = [e for e in dict.fromkeys(r["eps"] for r in rows) if e != REFERENCE]
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None or r["accuracy"] is None:
+            return "-"
+        acc = f"{_pct(r['accuracy']['mean'])} ± {_pct(r['accuracy']['std'])}"
+        cost = r.get("cost")
+        if not cost:
+            return acc
+        ci = "" if cost["interval"] is None else \
+            f" [{_pct(cost['interval'][0], True)}, {_pct(cost['interval'][1], True)}]"
+        return f"{acc}: {_pct(cost['mean'], True)}{ci}".replace("-", "−")
+
+    head = ["fleet", "partition", "without DP", *(f"ε = {e.lstrip('e')}" for e in epsilons)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (fleet, alpha), cells in groups.items():
+        seeds = len(cells[REFERENCE]["seeds"]) if REFERENCE in cells else 0
+        lines.append(f"| {FLEETS.get(fleet, fleet)} | Dirichlet {alpha.lstrip('a')} | {cell(cells.get(REFERENCE))} "
+                     f"({seeds} seeds) | " + " | ".join(cell(cells.get(e)) for e in epsilons) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> Path:
     """Accuracy against the final epsilon per fleet and partition; the non-private level dashed."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -173,6 +204,8 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="results directory (default bench/results)")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where the PNG goes (default docs/images)")
     parser.add_argument("--rounds", type=int, default=100, help="read runs of this length (default 100)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the table of docs/privacy.md (accuracy and paired cost per epsilon)")
     args = parser.parse_args()
     cells = read_cells(args.results, args.rounds)
     if not cells:
@@ -181,6 +214,8 @@ def main() -> int:
         return 1
     rows = table(cells)
     show(rows)
+    if args.markdown:
+        print(markdown(rows))
     figure = plot(rows, args.out_dir)
     write_result(args.results / "privacy_epsilon.json",
                  {"matrix": "privacy", "rounds": args.rounds, "reference": REFERENCE, "rows": rows,
