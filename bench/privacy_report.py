@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -186,6 +187,9 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path:
                 ax.axhline(100 * r["accuracy"]["mean"], color=colour, linestyle="--", linewidth=1,
                            label=f"{label} without DP ({len(r['seeds'])} seeds)")
     ax.set_xscale("log")
+    epsilons = sorted({round(r["epsilon"], 1) for r in rows if r["eps"] != REFERENCE and r["epsilon"]})
+    ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])   # the matrix's epsilons, not powers of ten
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("epsilon after 100 rounds (delta 1e-5)")
     ax.set_ylabel("test accuracy, mean of last 5 evaluations (%)")
     ax.set_title("Central DP, FedAvg, cnn on Fashion-MNIST")
