@@ -123,10 +123,10 @@ class PrivacyBudget:
                     f"{s.min_noise_multiplier:g}: raise privacy.noise_multiplier on the coordinator")
         if self.counted(task_id):
             return None
-        before, after = self.spent(), self.spent(noise_multiplier)
+        after = self.spent(noise_multiplier)   # one account per task; the one without it only to say why
         if after > s.epsilon:
             return (f"this device's privacy budget is spent: one more update at noise multiplier "
-                    f"{noise_multiplier:g} would take its epsilon from {before:.4g} to {after:.4g}, past its "
+                    f"{noise_multiplier:g} would take its epsilon from {self.spent():.4g} to {after:.4g}, past its "
                     f"budget of {s.epsilon:g} at delta {s.delta:g} ({len(self.releases)} updates released)")
         return None
 
