@@ -29,7 +29,7 @@ from edge_client.objectives import LocalData, ObjectiveError, TaskContext, Train
 from edge_client.registry import build_model
 from edge_client.seeding import seed_global_rng
 from edge_client.wire.protocol import Topics, decode, encode
-from methods.dfl.device import (STATE_FILE, DeviceState, DflHyper, device_seed, dfl_evaluate, dfl_train,
+from methods.dfl.device import (PREVIOUS_FILE, STATE_FILE, DeviceState, DflHyper, device_seed, dfl_evaluate, dfl_train,
                                 global_stage, local_stage)
 from methods.dfl.model import PairCritic, jsd_mutual_information, part_names
 from edge_client.wire.transport import InprocHub
@@ -258,6 +258,36 @@ def test_device_state_survives_a_restart_byte_for_byte(tmp_path, colored, caplog
         dfl_train(model, colored, hyper, TaskContext(seed=1, round=1, client_id="x", state_dir=None,
                                                      profiler=Profiler()))
 
+
+
+def test_a_task_sent_again_after_a_resume_trains_from_the_state_before_it(tmp_path, colored):
+    """A coordinator resumed from its last checkpoint sends the round in flight again: a device that had
+    trained it starts again from the state before it, so its branches are the same as if it ran once."""
+    hyper = {"train": {"batch_size": 32, "lr": 0.05}, "dfl": {"init_seed": 3}}
+    path = tmp_path / "dev1" / STATE_FILE
+
+    def train(round: int, seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)   # the received invariant branch: the same in every call
+        dfl_train(build_model(COLOR_SPEC), colored, hyper, TaskContext(seed=seed, round=round, client_id="dev1",
+                                                                   state_dir=tmp_path / "dev1", profiler=Profiler()))
+        return load_file(path)
+
+    after_1 = train(1, 11)
+    after_2 = train(2, 12)
+    again = train(2, 12)       # round 2 once more, as a resumed run sends it
+    assert all(torch.equal(again[k], after_2[k]) for k in after_2)
+    assert all(torch.equal(v, after_1[k]) for k, v in load_file(tmp_path / "dev1" / PREVIOUS_FILE).items())
+    after_3 = train(3, 13)     # the next round goes on from round 2's state, once
+    assert not all(torch.equal(after_3[k], after_2[k]) for k in after_2)
+    assert all(torch.equal(v, after_2[k]) for k, v in load_file(tmp_path / "dev1" / PREVIOUS_FILE).items())
+    # Round 1 sent again to a device that had no state before it: it initializes as it did the first time.
+    first = tmp_path / "fresh"
+    for _ in range(2):
+        torch.manual_seed(0)
+        dfl_train(build_model(COLOR_SPEC), colored, hyper, TaskContext(seed=11, round=1, client_id="dev1",
+                                                                   state_dir=first, profiler=Profiler()))
+    once = load_file(first / STATE_FILE)
+    assert all(torch.equal(once[k], after_1[k]) for k in after_1)
 
 
 def test_evaluate_can_refresh_the_device_branches_first_and_keeps_nothing(tmp_path, digits):

@@ -26,6 +26,12 @@ exactly where it was. A device without that file (or with one for another
 architecture) initializes them from the run seed and its client id. Each training
 task appends a ``dfl_state`` line to the device's history (``profile.jsonl``) with
 the SHA-256 of the file it started from and of the one it wrote.
+
+The file names the task that wrote it, and the state before that task is kept beside
+it (``dfl_state.previous.safetensors``): a coordinator that resumes from its last
+checkpoint sends the round that was in flight again, and a device that had already
+trained it starts that task again from the state it had before, instead of training
+its own branches twice (so a resumed run computes what an unbroken one does).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
@@ -55,13 +61,14 @@ from edge_client.seeding import private_rng, task_generator
 from methods.dfl.model import DEVICE_PARTS, TwoBranchModel, jsd_mutual_information, mi_penalty
 from profiling.history import append_history
 from profiling.profiler import Profiler
-from storage.files import write_tensors_atomic
+from storage.files import write_atomic, write_tensors_atomic
 
-__all__ = ["DflHyper", "DeviceState", "STATE_FILE", "dfl_train", "dfl_evaluate", "local_stage", "global_stage",
-           "stage_hyper", "device_seed", "refresh"]
+__all__ = ["DflHyper", "DeviceState", "STATE_FILE", "PREVIOUS_FILE", "dfl_train", "dfl_evaluate", "local_stage", "global_stage",
+           "stage_hyper", "device_seed", "refresh", "task_key"]
 
 log = logging.getLogger("fedge.dfl")
 STATE_FILE = "dfl_state.safetensors"
+PREVIOUS_FILE = "dfl_state.previous.safetensors"   # the state before the task that wrote STATE_FILE
 CRITIC_LR = 1e-3
 
 
@@ -96,24 +103,37 @@ def device_seed(init_seed: int, client_id: str) -> int:
 
 
 class DeviceState:
-    """The device-only parts of a DFL model, in one safetensors file written atomically."""
+    """The device-only parts of a DFL model, in one safetensors file written atomically, and the file
+    before the last training task's (see the module docstring: a task sent again starts from it)."""
 
     def __init__(self, directory: Path | None) -> None:
         if directory is None:
             raise ObjectiveError("DFL keeps its specific branch on the device between rounds: start the client "
                                  "with a state directory (--state-dir)")
         self.path = Path(directory) / STATE_FILE
+        self.previous = Path(directory) / PREVIOUS_FILE
+        self._before: bytes | None = None    # the saved state a training task started from, kept by its save
+        self._again = False                  # the task loaded was the one that wrote the saved state
 
     @staticmethod
     def tensors(model: TwoBranchModel) -> dict[str, torch.Tensor]:
         state = model.state_dict()
         return {k: v for k, v in state.items() if k.split(".", 1)[0] in DEVICE_PARTS}
 
-    def load_into(self, model: TwoBranchModel, seed: int) -> str | None:
-        """Load the saved parts into ``model``; return the file's SHA-256, or None after initializing."""
+    def load_into(self, model: TwoBranchModel, seed: int, task: str | None = None) -> str | None:
+        """Load the saved parts into ``model``; return the file's SHA-256, or None after initializing.
+        ``task``: the training task about to run (:func:`task_key`); if the saved state is that task's own
+        output, the state from before it is loaded (or the device initializes, if it had none)."""
+        current = self.path.read_bytes() if self.path.is_file() else None
+        self._again = task is not None and current is not None and _written_by(self.path) == task
+        self._before = current
+        data = current
+        if self._again:
+            data = self.previous.read_bytes() if self.previous.is_file() else None
+            log.info("%s was written by this task already (a resumed run sent it again): starting from the state "
+                     "before it", self.path)
         expected = {k: (tuple(v.shape), v.dtype) for k, v in self.tensors(model).items()}
-        if self.path.is_file():
-            data = self.path.read_bytes()
+        if data is not None:
             try:
                 saved = load_safetensors(data)
             except (SafetensorError, ValueError) as exc:
@@ -127,9 +147,33 @@ class DeviceState:
         _initialize(model, seed)
         return None
 
-    def save(self, model: TwoBranchModel) -> str:
-        """Write the device-only parts atomically; return the SHA-256 of the file."""
-        return write_tensors_atomic(self.path, self.tensors(model))
+    def save(self, model: TwoBranchModel, task: str | None = None) -> str:
+        """Write the device-only parts atomically, naming ``task``; return the SHA-256 of the file.
+        The state the task started from becomes the previous one first (unless the task was sent again:
+        then the previous one is already what it started from), so a crash between the two writes leaves
+        both files holding the old state, never neither."""
+        if not self._again:
+            if self._before is not None:
+                write_atomic(self.previous, self._before)
+            else:
+                self.previous.unlink(missing_ok=True)
+        metadata = {"task": task} if task is not None else None
+        return write_tensors_atomic(self.path, self.tensors(model), metadata)
+
+
+def task_key(ctx: TaskContext) -> str:
+    """What names a training task in the state file: its round and seed (the seed alone is (run seed,
+    round, client id)); the same task sent again after a resume has the same key."""
+    return f"{ctx.round}:{ctx.seed}"
+
+
+def _written_by(path: Path) -> str | None:
+    """The task a state file names (None: written before files named it, or unreadable)."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return (fh.metadata() or {}).get("task")
+    except (OSError, SafetensorError, ValueError):
+        return None
 
 
 def _initialize(model: TwoBranchModel, seed: int) -> None:
@@ -272,13 +316,13 @@ def dfl_train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: 
     if d.peers > len(model.peers):
         raise ObjectiveError(f"the task fills {d.peers} peer slots but the model has {len(model.peers)}")
     store = DeviceState(ctx.state_dir)
-    loaded = store.load_into(model, device_seed(d.init_seed, ctx.client_id))
+    loaded = store.load_into(model, device_seed(d.init_seed, ctx.client_id), task=task_key(ctx))
     gen = task_generator(ctx.seed)
     model.train()
     peers = list(model.peers)[:d.peers]
     local = local_stage(model, data, h, d, gen, ctx.profiler, peers)
     glob = global_stage(model, data, h, d, gen, ctx.profiler, peers)
-    saved = store.save(model)
+    saved = store.save(model, task=task_key(ctx))
     append_history(store.path.parent, "dfl_state", {"round": ctx.round, "loaded": loaded, "saved": saved})
     metrics = {"train_loss": glob.get("ce", local.get("ce", 0.0)), "local_stage_loss": local.get("ce", 0.0),
                "mi_inv_spe": glob.get("mi_inv_spe", local.get("mi_inv_spe", 0.0)),
