@@ -20,7 +20,8 @@ Each run goes through ``coordinator.runtime.run.run_federated`` with clients as 
 (``transport.kind = "inproc"``) and results folded in client-id order (``aggregate.order = "sorted"``:
 the same bits whatever ran alongside), and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
 (configuration, per-round metrics, summary, the final model's hash, and the commit, torch and numpy
-it ran with: ``bench/reproduce.py FILE`` runs it again and compares). The table, printed and written to
+it ran with: ``bench/reproduce.py FILE`` runs it again and compares). A run cut short by a stop goes on
+from its last round when the matrix runs again (``bench/unfinished.py``). The table, printed and written to
 ``bench/results/NAME.json``, is built from every run file of the matrix present:
 final accuracy = mean test accuracy of the last 5 evaluated rounds (``eval.every``), mean and spread (population
 standard deviation) over seeds, bytes down and up per round, seconds per run, and
@@ -43,7 +44,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +62,7 @@ from coordinator.runtime.run_error import RunError
 from coordinator.strategies.base import Strategy
 from storage.checkpoint import latest_checkpoint, load_checkpoint, params_digest
 from storage.files import read_jsonl
+from unfinished import UNFINISHED, Unfinished
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -250,15 +251,17 @@ def progress_printer(console: Console, label: str) -> Callable[[dict[str, Any]],
 
 
 def execute(config: RunConfig, on_round: Callable[[dict[str, Any]], None], *,
-            strategy: Strategy | None = None) -> dict[str, Any]:
+            strategy: Strategy | None = None, resume: bool = False,
+            source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``config`` (its ``run.out`` a scratch directory) and return what a run file keeps of it: the
     resolved configuration, seconds, rows, summary, the final model's hash, and the commit and library
     versions it ran with (``bench/provenance.py``), so that ``bench/reproduce.py`` can run it again and
-    compare. ``on_round`` gets each row as it completes; ``strategy``: one to use instead of the configured."""
-    source = source_state()   # before the run: the code that runs is the code the run file names
+    compare. ``on_round`` gets each row as it completes; ``strategy``: one to use instead of the configured;
+    ``resume``: go on from the last checkpoint in ``run.out``, whose run started at ``source``."""
+    source = source or source_state()   # before the run: the code that runs is the code the run file names
     started = time.monotonic()
     try:
-        result = run_federated(config, say=lambda s: None, on_round=on_round, strategy=strategy)
+        result = run_federated(config, resume=resume, say=lambda s: None, on_round=on_round, strategy=strategy)
     except RunError as exc:   # a run that cannot go on (every device's training diverged) is a result too
         return failed_record(config, str(exc), time.monotonic() - started, source)
     seconds = time.monotonic() - started
@@ -287,15 +290,30 @@ def failed_record(config: RunConfig, failure: str, seconds: float, source: dict[
 
 
 def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], protocol: Protocol) -> dict[str, Any]:
-    """Run one cell in a scratch directory and keep its configuration, metrics, summary, final model hash
-    and provenance in ``OUT_DIR/LABELS-sSEED-rROUNDS.json``."""
-    with tempfile.TemporaryDirectory(prefix="fedge-matrix-") as scratch:
-        ran = execute(run_config(run, Path(scratch) / "run"), progress_printer(console, f"{run.group} s{run.seed}"))
+    """Run one cell and keep its configuration, metrics, summary, final model hash and provenance in
+    ``OUT_DIR/LABELS-sSEED-rROUNDS.json``. It runs in ``OUT_DIR/.unfinished/`` and goes on from there if a
+    stop cut an earlier try short (``bench/unfinished.py``); the file then says after which rounds."""
+    work = Unfinished(out_dir / UNFINISHED / Path(run.file_name).stem)
+    config = run_config(run, work.run_dir)
+    said = work.begin(config, source_state())
+    if said:
+        console.print(f"  {said}", highlight=False)
+    progress = progress_printer(console, f"{run.group} s{run.seed}")
+
+    def on_round(row: dict[str, Any]) -> None:
+        progress(row)
+        work.tick()
+
+    ran = execute(config, on_round, resume=work.resuming, source=work.progress["source"])
+    ran["seconds"] = work.seconds()
+    if work.resuming:
+        ran["resumed_after"] = work.progress["resumed_after"]
     record = {"matrix": out_dir.name, "group": run.group, "labels": list(run.labels), "seed": run.seed,
               "rounds": run.rounds, "protocol": protocol.name, "departures": departures,
               "off_protocol": run.off_protocol, **ran}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / run.file_name).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    work.finish()
     return record
 
 

@@ -195,3 +195,58 @@ def test_a_run_that_stops_with_a_run_error_is_kept_as_failed_and_left_out_of_the
     assert json.loads((tmp_path / "m" / run.file_name).read_text())["failure"] == record["failure"]
     row, = summarize([record])
     assert row["final_accuracy_mean"] is None and row["failed"] == {0: record["failure"]}
+
+
+def test_a_run_cut_short_goes_on_from_its_last_round_to_the_same_bits(tmp_path, monkeypatch, capsys):
+    """A stop in the middle of a matrix run: running the cell again resumes it from its last checkpoint, and the
+    run file is what an unbroken run writes (DFL with diversity: state on the devices and peers on the server)."""
+    import run_matrix
+    import unfinished
+    from coordinator.runtime.run import RunInterrupted
+
+    clean = {"commit": "c0ffee", "dirty": False}
+    monkeypatch.setattr(run_matrix, "source_state", lambda: clean)
+    monkeypatch.setattr(unfinished, "changes_since", lambda commit: [])
+    cell = CELL + (("run", "strategy", "dfl"), ("dfl", "diversity", 1), ("clients", "per_round", 0),
+                   ("data", "partition", "attribute:colorlabel:4:0.9"), ("data", "local_test_fraction", 0.2))
+    run = Run(("dfl",), seed=0, rounds=4, overrides=cell, off_protocol="a test")
+    unbroken = run_one(run, tmp_path / "unbroken", Console(file=io.StringIO()), [], load_protocol())
+
+    printer = run_matrix.progress_printer
+
+    def stopping_printer(console, label):
+        def progress(row):
+            if row["round"] == 2:
+                raise KeyboardInterrupt   # what a stop of the machine does after round 2's checkpoint
+        return progress
+
+    monkeypatch.setattr(run_matrix, "progress_printer", stopping_printer)
+    with pytest.raises(RunInterrupted):
+        run_one(run, tmp_path / "cut", Console(file=io.StringIO()), [], load_protocol())
+    left = tmp_path / "cut" / unfinished.UNFINISHED / run.file_name[:-len(".json")]
+    assert (left / "run" / "checkpoints").is_dir() and not (tmp_path / "cut" / run.file_name).exists()
+
+    monkeypatch.setattr(run_matrix, "progress_printer", printer)
+    said = io.StringIO()
+    resumed = run_one(run, tmp_path / "cut", Console(file=said), [], load_protocol())
+    assert "resuming after round 2" in said.getvalue()
+    assert resumed["resumed_after"] == [2] and "resumed_after" not in unbroken
+    assert resumed["model_hash"] == unbroken["model_hash"]
+    assert reproduce.first_difference(unbroken["rows"], resumed["rows"]) is None   # what was learned, every round
+    assert not left.exists()   # the run file is written: the unfinished directory is gone
+
+
+def test_a_run_starts_over_when_what_it_ran_cannot_be_vouched_for(monkeypatch):
+    import unfinished
+
+    config = load_config(None, [("codec", "up", "fp32")])
+    monkeypatch.setattr(unfinished, "changes_since", lambda commit: [] if commit == "same" else ["abc1234 a change"])
+    clean = {"commit": "same", "dirty": False}
+    assert unfinished.why_not_resume(config, clean, clean) is None
+    assert "not committed" in unfinished.why_not_resume(config, {**clean, "dirty": True}, clean)
+    assert "not committed" in unfinished.why_not_resume(config, clean, {**clean, "dirty": True})
+    assert "abc1234 a change" in unfinished.why_not_resume(config, {"commit": "old", "dirty": False}, clean)
+    lossy = load_config(None, [("codec", "up", "int8")])
+    assert "error feedback" in unfinished.why_not_resume(lossy, clean, clean)
+    assert unfinished.why_not_resume(load_config(None, [("codec", "up", "int8"), ("codec", "error_feedback", False)]),
+                                     clean, clean) is None

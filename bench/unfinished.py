@@ -1,0 +1,110 @@
+"""A matrix run that a stop cut short goes on from its last round instead of starting over.
+
+Paper-regime runs take up to an hour each on two cores, and a machine that stops every few hours
+would otherwise lose the run in flight every time. While a run goes, its run directory lives in
+``RESULTS/MATRIX/.unfinished/NAME/run`` (a checkpoint after every round, the clients' state
+directories), beside ``progress.json`` (the commit it started at, its seconds so far, the rounds it
+was resumed after). ``bench/run_matrix.py`` resumes it from its last checkpoint when it runs the
+cell again, and deletes the directory once the run file is written.
+
+A resumed run computes what an unbroken one does: a checkpoint holds the server's whole state, and
+devices keep theirs in ``OUT/clients/ID`` and train a task sent again from the state before it (DFL's
+branches, FedMA's phase files). Its run file is then checked like any other by ``bench/reproduce.py``.
+It starts over instead, saying why, when the result could differ:
+
+- the code a cell runs (``provenance.CODE``) changed since it started: a run file names one commit;
+- the tree had changes not committed when it started or has now: no commit says what ran;
+- its uploads use a lossy codec with error feedback: a device's residual after a round it trained
+  cannot be taken back when that round is sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from provenance import changes_since
+from coordinator.config import RunConfig
+from edge_client.wire.codec import parse_codec
+from storage.checkpoint import checkpoint_rounds
+from storage.files import write_atomic
+
+__all__ = ["UNFINISHED", "Unfinished", "why_not_resume"]
+
+UNFINISHED = ".unfinished"
+
+
+def why_not_resume(config: RunConfig, started: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why a run that started at source ``started`` cannot go on at source ``now`` (None: it can)."""
+    if started.get("dirty") is not False or now.get("dirty") is not False:
+        return "the tree had changes not committed when it started or has now"
+    later = changes_since(str(started.get("commit")))
+    if later is None:
+        return f"its commit {started.get('commit')} is unknown to this checkout"
+    if later:
+        return f"the code changed since it started ({len(later)} commits, the latest: {later[0]})"
+    if config.codec.error_feedback and parse_codec(config.codec.up).lossy:
+        return f"its uploads use {config.codec.up} with error feedback: a device's residual cannot be taken back"
+    return None
+
+
+@dataclass
+class Unfinished:
+    """The directory of one cell's run while it goes, and what it knows of the sessions before."""
+
+    directory: Path
+    progress: dict[str, Any] = field(default_factory=dict)
+    _session_start: float = 0.0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.directory / "run"
+
+    @property
+    def _progress_file(self) -> Path:
+        return self.directory / "progress.json"
+
+    def begin(self, config: RunConfig, source: dict[str, Any]) -> str | None:
+        """Prepare the run: resume it if an earlier session left rounds that can go on, else start afresh.
+        Returns what to tell the person running the matrix (None for a plain start)."""
+        rounds = checkpoint_rounds(self.run_dir / "checkpoints") if self.run_dir.is_dir() else []
+        said = None
+        if rounds and self._progress_file.is_file():
+            progress = json.loads(self._progress_file.read_text(encoding="utf-8"))
+            reason = why_not_resume(config, progress["source"], source)
+            if reason is None:
+                progress["resumed_after"].append(max(rounds))
+                self._start(progress)
+                return f"resuming after round {max(rounds)} (started at {progress['source']['commit'][:10]})"
+            said = f"starting over ({max(rounds)} rounds done): {reason}"
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self._start({"source": source, "seconds": 0.0, "resumed_after": []})
+        return said
+
+    @property
+    def resuming(self) -> bool:
+        return bool(self.progress.get("resumed_after"))
+
+    def _start(self, progress: dict[str, Any]) -> None:
+        self.progress = progress
+        self._session_start = time.monotonic()
+        self._write(progress["seconds"])
+
+    def seconds(self) -> float:
+        """The run's seconds so far: earlier sessions' and this one's."""
+        return float(self.progress["seconds"]) + time.monotonic() - self._session_start
+
+    def tick(self) -> None:
+        """Record the seconds so far (after each round: a session killed later loses at most a round's)."""
+        self._write(self.seconds())
+
+    def _write(self, seconds: float) -> None:
+        write_atomic(self._progress_file, json.dumps({**self.progress, "seconds": seconds}, indent=1).encode())
+
+    def finish(self) -> None:
+        """The run file is written: the run directory is scratch now."""
+        shutil.rmtree(self.directory, ignore_errors=True)
