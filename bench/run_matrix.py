@@ -62,7 +62,7 @@ from coordinator.runtime.run_error import RunError
 from coordinator.strategies.base import Strategy
 from storage.checkpoint import latest_checkpoint, load_checkpoint, params_digest
 from storage.files import read_jsonl
-from unfinished import UNFINISHED, Unfinished
+from unfinished import UNFINISHED, StartedElsewhere, Unfinished
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -289,13 +289,15 @@ def failed_record(config: RunConfig, failure: str, seconds: float, source: dict[
     return record
 
 
-def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], protocol: Protocol) -> dict[str, Any]:
+def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], protocol: Protocol, *,
+            restart: bool = False) -> dict[str, Any]:
     """Run one cell and keep its configuration, metrics, summary, final model hash and provenance in
     ``OUT_DIR/LABELS-sSEED-rROUNDS.json``. It runs in ``OUT_DIR/.unfinished/`` and goes on from there if a
-    stop cut an earlier try short (``bench/unfinished.py``); the file then says after which rounds."""
+    stop cut an earlier try short (``bench/unfinished.py``); the file then says after which rounds.
+    Raises StartedElsewhere for such a run begun at other code, unless ``restart`` (then it starts over)."""
     work = Unfinished(out_dir / UNFINISHED / Path(run.file_name).stem)
     config = run_config(run, work.run_dir)
-    said = work.begin(config, source_state())
+    said = work.begin(config, source_state(), restart=restart)
     if said:
         console.print(f"  {said}", highlight=False)
     progress = progress_printer(console, f"{run.group} s{run.seed}")
@@ -464,6 +466,9 @@ def main() -> int:
     parser.add_argument("--off-protocol", action="store_true",
                         help="run cells that depart from the benchmark protocol (bench/protocol.toml), e.g. a short "
                              "trial with --rounds; their run files record each departure")
+    parser.add_argument("--restart-unfinished", action="store_true",
+                        help="start over a run a stop cut short that began at other code (by default it is left, to "
+                             "be resumed from a checkout of its commit; bench/unfinished.py)")
     args = parser.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 150)
     try:
@@ -485,13 +490,19 @@ def main() -> int:
                           highlight=False, soft_wrap=True)
         console.print(f"{len(runs)} runs")
         return 0
+    left: list[str] = []
     if not args.report:
         for i, (run, found) in enumerate(zip(runs, departures), 1):
             if args.skip_existing and (out_dir / run.file_name).exists():
                 console.print(f"[dim]{i}/{len(runs)} {run.group} seed {run.seed}: kept {run.file_name}[/dim]")
                 continue
             console.print(f"[bold]{i}/{len(runs)} {run.group} seed {run.seed}, {run.rounds} rounds[/bold]")
-            record = run_one(run, out_dir, console, found, protocol)
+            try:
+                record = run_one(run, out_dir, console, found, protocol, restart=args.restart_unfinished)
+            except StartedElsewhere as exc:
+                console.print(f"  [yellow]{exc}[/yellow]", soft_wrap=True)
+                left.append(run.file_name)
+                continue
             personal = final_mean(record["rows"], "personalized_accuracy_mean")
             console.print(f"  final accuracy {_fmt(final_mean(record['rows'], 'test_accuracy'))}"
                           + (f", personalized {personal:.4f}" if personal is not None else "")
@@ -528,6 +539,9 @@ def main() -> int:
     title = f"{matrix.name}: {report['ran']['cells']} of {cells} cells, rounds {ran_rounds}, seeds {ran_seeds}"
     print_table(console, title + (" (subset of the matrix)" if report["subset"] else ""), rows)
     console.print(f"written to {args.results / (matrix.name + '.json')} and {out_dir}/")
+    if left:
+        console.print(f"[yellow]left unfinished, begun at other code: {', '.join(left)}[/yellow]", soft_wrap=True)
+        return 1
     return 0
 
 

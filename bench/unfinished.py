@@ -10,12 +10,14 @@ cell again, and deletes the directory once the run file is written.
 A resumed run computes what an unbroken one does: a checkpoint holds the server's whole state, and
 devices keep theirs in ``OUT/clients/ID`` and train a task sent again from the state before it (DFL's
 branches, FedMA's phase files). Its run file is then checked like any other by ``bench/reproduce.py``.
-It starts over instead, saying why, when the result could differ:
+When the result could differ it does not resume:
 
-- the code a cell runs (``provenance.CODE``) changed since it started: a run file names one commit;
-- the tree had changes not committed when it started or has now: no commit says what ran;
-- its uploads use a lossy codec with error feedback: a device's residual after a round it trained
-  cannot be taken back when that round is sent again.
+- the code a cell runs (``provenance.CODE``) changed since it started, or the tree had changes not
+  committed when it started or has now (a run file names one commit): the cell is left as it is, to be
+  resumed from a checkout of the commit it started at (``git worktree add DIR COMMIT``), unless the
+  matrix runs with ``--restart-unfinished``, which starts it over;
+- its uploads use a lossy codec with error feedback (a device's residual after a round it trained
+  cannot be taken back when that round is sent again): it starts over.
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ from edge_client.wire.codec import parse_codec
 from storage.checkpoint import checkpoint_rounds
 from storage.files import write_atomic
 
-__all__ = ["UNFINISHED", "Unfinished", "why_not_resume"]
+__all__ = ["UNFINISHED", "Unfinished", "StartedElsewhere", "why_not_resume", "other_code"]
 
 UNFINISHED = ".unfinished"
 
 
-def why_not_resume(config: RunConfig, started: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """Why a run that started at source ``started`` cannot go on at source ``now`` (None: it can)."""
+class StartedElsewhere(Exception):
+    """An unfinished run started at code other than this checkout's: resume it from there, or start it over."""
+
+
+def other_code(started: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why the code now is not the code a run that started at source ``started`` ran (None: it is)."""
     if started.get("dirty") is not False or now.get("dirty") is not False:
         return "the tree had changes not committed when it started or has now"
     later = changes_since(str(started.get("commit")))
@@ -47,9 +53,14 @@ def why_not_resume(config: RunConfig, started: dict[str, Any], now: dict[str, An
         return f"its commit {started.get('commit')} is unknown to this checkout"
     if later:
         return f"the code changed since it started ({len(later)} commits, the latest: {later[0]})"
+    return None
+
+
+def why_not_resume(config: RunConfig, started: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why a run that started at source ``started`` cannot go on at source ``now`` (None: it can)."""
     if config.codec.error_feedback and parse_codec(config.codec.up).lossy:
         return f"its uploads use {config.codec.up} with error feedback: a device's residual cannot be taken back"
-    return None
+    return other_code(started, now)
 
 
 @dataclass
@@ -68,19 +79,27 @@ class Unfinished:
     def _progress_file(self) -> Path:
         return self.directory / "progress.json"
 
-    def begin(self, config: RunConfig, source: dict[str, Any]) -> str | None:
+    def begin(self, config: RunConfig, source: dict[str, Any], *, restart: bool = False) -> str | None:
         """Prepare the run: resume it if an earlier session left rounds that can go on, else start afresh.
-        Returns what to tell the person running the matrix (None for a plain start)."""
-        rounds = checkpoint_rounds(self.run_dir / "checkpoints") if self.run_dir.is_dir() else []
+        Returns what to tell the person running the matrix (None for a plain start). Raises
+        :class:`StartedElsewhere` for a run that started at other code, unless ``restart``."""
+        rounds = checkpoint_rounds(self.run_dir / "checkpoints") if self.run_dir.is_dir() else {}
         said = None
         if rounds and self._progress_file.is_file():
             progress = json.loads(self._progress_file.read_text(encoding="utf-8"))
-            reason = why_not_resume(config, progress["source"], source)
+            started = progress["source"]
+            reason = why_not_resume(config, started, source)
             if reason is None:
                 progress["resumed_after"].append(max(rounds))
                 self._start(progress)
-                return f"resuming after round {max(rounds)} (started at {progress['source']['commit'][:10]})"
-            said = f"starting over ({max(rounds)} rounds done): {reason}"
+                return f"resuming after round {max(rounds)} (started at {started['commit'][:10]})"
+            if not restart and other_code(started, source) is not None:
+                raise StartedElsewhere(
+                    f"{self.directory} holds {max(rounds)} rounds that started at commit {started['commit'][:10]}, "
+                    f"but {reason}: left as it is. Resume it from a checkout of that commit (git worktree add "
+                    f"DIR {started['commit'][:10]}, then run the matrix there with --results pointing here), "
+                    "or pass --restart-unfinished to start it over")
+            said = f"starting over (it had reached round {max(rounds)}): {reason}"
         shutil.rmtree(self.directory, ignore_errors=True)
         self._start({"source": source, "seconds": 0.0, "resumed_after": []})
         return said

@@ -250,3 +250,31 @@ def test_a_run_starts_over_when_what_it_ran_cannot_be_vouched_for(monkeypatch):
     assert "error feedback" in unfinished.why_not_resume(lossy, clean, clean)
     assert unfinished.why_not_resume(load_config(None, [("codec", "up", "int8"), ("codec", "error_feedback", False)]),
                                      clean, clean) is None
+
+
+def test_a_run_begun_at_other_code_is_left_for_its_commit_unless_restarted(tmp_path, monkeypatch):
+    import run_matrix
+    import unfinished
+    from coordinator.runtime.run import RunInterrupted
+
+    def stop_after_round_1(console, label):
+        def progress(row):
+            if row["round"] == 1:
+                raise KeyboardInterrupt
+        return progress
+
+    monkeypatch.setattr(run_matrix, "source_state", lambda: {"commit": "old", "dirty": False})
+    monkeypatch.setattr(unfinished, "changes_since", lambda commit: [] if commit == "new" else ["abc1234 a change"])
+    run = Run(("tiny",), seed=0, rounds=2, overrides=CELL, off_protocol="a test")
+    with monkeypatch.context() as patch:
+        patch.setattr(run_matrix, "progress_printer", stop_after_round_1)
+        with pytest.raises(RunInterrupted):
+            run_one(run, tmp_path, Console(file=io.StringIO()), [], load_protocol())
+    monkeypatch.setattr(run_matrix, "source_state", lambda: {"commit": "new", "dirty": False})
+    with pytest.raises(unfinished.StartedElsewhere, match="abc1234 a change.*git worktree add DIR old"):
+        run_one(run, tmp_path, Console(file=io.StringIO()), [], load_protocol())
+    assert (tmp_path / unfinished.UNFINISHED / run.file_name[:-len(".json")] / "run" / "checkpoints").is_dir()
+    said = io.StringIO()
+    record = run_one(run, tmp_path, Console(file=said), [], load_protocol(), restart=True)
+    assert "starting over (it had reached round 1)" in said.getvalue() and "resumed_after" not in record
+    assert record["source"]["commit"] == "new"
