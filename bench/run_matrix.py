@@ -297,7 +297,7 @@ def run_one(run: Run, out_dir: Path, console: Console, departures: list[str], pr
     Raises StartedElsewhere for such a run begun at other code, unless ``restart`` (then it starts over)."""
     work = Unfinished(out_dir / UNFINISHED / Path(run.file_name).stem)
     config = run_config(run, work.run_dir)
-    said = work.begin(config, source_state(), restart=restart)
+    said = work.begin(source_state(), restart=restart)
     if said:
         console.print(f"  {said}", highlight=False)
     progress = progress_printer(console, f"{run.group} s{run.seed}")

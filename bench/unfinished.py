@@ -8,16 +8,13 @@ was resumed after). ``bench/run_matrix.py`` resumes it from its last checkpoint 
 cell again, and deletes the directory once the run file is written.
 
 A resumed run computes what an unbroken one does: a checkpoint holds the server's whole state, and
-devices keep theirs in ``OUT/clients/ID`` and train a task sent again from the state before it (DFL's
-branches, FedMA's phase files). Its run file is then checked like any other by ``bench/reproduce.py``.
-When the result could differ it does not resume:
-
-- the code a cell runs (``provenance.CODE``) changed since it started, or the tree had changes not
-  committed when it started or has now (a run file names one commit): the cell is left as it is, to be
-  resumed from a checkout of the commit it started at (``git worktree add DIR COMMIT``), unless the
-  matrix runs with ``--restart-unfinished``, which starts it over;
-- its uploads use a lossy codec with error feedback (a device's residual after a round it trained
-  cannot be taken back when that round is sent again): it starts over.
+devices keep theirs in ``OUT/clients/ID`` and start a task sent again from the state before it (DFL's
+branches, FedMA's phase files, error-feedback residuals). Its run file is then checked like any other by
+``bench/reproduce.py``. A run begun at other code is not resumed: when the code a cell runs
+(``provenance.CODE``) changed since it started, or the tree had changes not committed when it started or
+has now (a run file names one commit), the cell is left as it is, to be resumed from a checkout of the
+commit it started at (``git worktree add DIR COMMIT``), unless the matrix runs with
+``--restart-unfinished``, which starts it over.
 """
 
 from __future__ import annotations
@@ -30,12 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from provenance import changes_since
-from coordinator.config import RunConfig
-from edge_client.wire.codec import parse_codec
 from storage.checkpoint import checkpoint_rounds
 from storage.files import write_atomic
 
-__all__ = ["UNFINISHED", "Unfinished", "StartedElsewhere", "why_not_resume", "other_code"]
+__all__ = ["UNFINISHED", "Unfinished", "StartedElsewhere", "other_code"]
 
 UNFINISHED = ".unfinished"
 
@@ -56,12 +51,6 @@ def other_code(started: dict[str, Any], now: dict[str, Any]) -> str | None:
     return None
 
 
-def why_not_resume(config: RunConfig, started: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """Why a run that started at source ``started`` cannot go on at source ``now`` (None: it can)."""
-    if config.codec.error_feedback and parse_codec(config.codec.up).lossy:
-        return f"its uploads use {config.codec.up} with error feedback: a device's residual cannot be taken back"
-    return other_code(started, now)
-
 
 @dataclass
 class Unfinished:
@@ -79,7 +68,7 @@ class Unfinished:
     def _progress_file(self) -> Path:
         return self.directory / "progress.json"
 
-    def begin(self, config: RunConfig, source: dict[str, Any], *, restart: bool = False) -> str | None:
+    def begin(self, source: dict[str, Any], *, restart: bool = False) -> str | None:
         """Prepare the run: resume it if an earlier session left rounds that can go on, else start afresh.
         Returns what to tell the person running the matrix (None for a plain start). Raises
         :class:`StartedElsewhere` for a run that started at other code, unless ``restart``."""
@@ -88,12 +77,12 @@ class Unfinished:
         if rounds and self._progress_file.is_file():
             progress = json.loads(self._progress_file.read_text(encoding="utf-8"))
             started = progress["source"]
-            reason = why_not_resume(config, started, source)
+            reason = other_code(started, source)
             if reason is None:
                 progress["resumed_after"].append(max(rounds))
                 self._start(progress)
                 return f"resuming after round {max(rounds)} (started at {started['commit'][:10]})"
-            if not restart and other_code(started, source) is not None:
+            if not restart:
                 raise StartedElsewhere(
                     f"{self.directory} holds {max(rounds)} rounds that started at commit {started['commit'][:10]}, "
                     f"but {reason}: left as it is. Resume it from a checkout of that commit (git worktree add "

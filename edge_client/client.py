@@ -365,7 +365,7 @@ class EdgeClient:
             return {}, ResultBody(num_samples=output.num_samples, secagg=reply.wire(stage.params.bits)[0])
         with profiler.phase("codec"):
             wire, delta, clipped = encode_clipped_upload(tensors, received, task.upload, self._residuals, msg.run_id,
-                                                         raw_only=raw_only,
+                                                         raw_only=raw_only, task=f"{msg.round}:{ctx.seed}",
                                                          generator=torch.Generator().manual_seed(ctx.seed))
         if task.upload.noise_multiplier is not None:
             # Local differential privacy: the noisy update is the only thing about the data that leaves the

@@ -264,6 +264,32 @@ def test_residuals_survive_a_restart_and_reset_for_another_run(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_task_sent_again_after_a_resume_adds_the_residuals_from_before_it(tmp_path):
+    """A resumed coordinator sends the round in flight again: the device adds what it dropped before that round,
+    so the upload is the one it sent the first time (and a resumed run computes what an unbroken one does),
+    across a restart of the device too."""
+    from edge_client.wire.updates import encode_clipped_upload
+
+    x = _tensors()
+    zero = {k: torch.zeros_like(v) for k, v in x.items()}
+    settings = UploadSettings(parse_codec("topk:0.1+int8"), "delta", True)
+
+    def send(store, task, update):
+        wire, _, _ = encode_clipped_upload(update, zero, settings, store, "run-1", task=task,
+                                           generator=torch.Generator().manual_seed(1))
+        return wire
+
+    store = ResidualStore(tmp_path)
+    send(store, "1:11", x)
+    second = {k: v * 0.5 for k, v in x.items()}
+    first_try = send(store, "2:12", second)
+    after = {k: v.clone() for k, v in store.tensors.items()}
+    again = send(ResidualStore(tmp_path), "2:12", second)    # restarted, then round 2 sent again
+    assert all(torch.equal(again[k], first_try[k]) for k in first_try)
+    reloaded = ResidualStore(tmp_path)
+    assert all(torch.equal(reloaded.for_run("run-1", "3:13")[k], after[k]) for k in after)   # round 3 goes on once
+
+
 def test_lossless_or_raw_uploads_keep_no_residual(tmp_path):
     x = _tensors()
     zero = {k: torch.zeros_like(v) for k, v in x.items()}

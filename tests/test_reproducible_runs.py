@@ -236,20 +236,15 @@ def test_a_run_cut_short_goes_on_from_its_last_round_to_the_same_bits(tmp_path, 
     assert not left.exists()   # the run file is written: the unfinished directory is gone
 
 
-def test_a_run_starts_over_when_what_it_ran_cannot_be_vouched_for(monkeypatch):
+def test_a_run_is_resumed_only_at_the_code_it_began_at(monkeypatch):
     import unfinished
 
-    config = load_config(None, [("codec", "up", "fp32")])
     monkeypatch.setattr(unfinished, "changes_since", lambda commit: [] if commit == "same" else ["abc1234 a change"])
     clean = {"commit": "same", "dirty": False}
-    assert unfinished.why_not_resume(config, clean, clean) is None
-    assert "not committed" in unfinished.why_not_resume(config, {**clean, "dirty": True}, clean)
-    assert "not committed" in unfinished.why_not_resume(config, clean, {**clean, "dirty": True})
-    assert "abc1234 a change" in unfinished.why_not_resume(config, {"commit": "old", "dirty": False}, clean)
-    lossy = load_config(None, [("codec", "up", "int8")])
-    assert "error feedback" in unfinished.why_not_resume(lossy, clean, clean)
-    assert unfinished.why_not_resume(load_config(None, [("codec", "up", "int8"), ("codec", "error_feedback", False)]),
-                                     clean, clean) is None
+    assert unfinished.other_code(clean, clean) is None
+    assert "not committed" in unfinished.other_code({**clean, "dirty": True}, clean)
+    assert "not committed" in unfinished.other_code(clean, {**clean, "dirty": True})
+    assert "abc1234 a change" in unfinished.other_code({"commit": "old", "dirty": False}, clean)
 
 
 def test_a_run_begun_at_other_code_is_left_for_its_commit_unless_restarted(tmp_path, monkeypatch):

@@ -41,6 +41,7 @@ __all__ = ["UPDATES", "UploadSettings", "ResidualStore", "encode_upload", "encod
 
 log = logging.getLogger("fedge.updates")
 RESIDUAL_FILE = "residual.safetensors"
+_BEFORE = "before/"   # in RESIDUAL_FILE: the residuals the last task started from
 
 
 @dataclass
@@ -48,19 +49,32 @@ class ResidualStore:
     """Error-feedback residuals of one run, by tensor name, saved atomically in ``directory``.
 
     A residual from another run (or with another shape) is meaningless and dropped.
-    Without a directory (in-process simulations) the residuals live in memory only.
+    Without a directory the residuals live in memory only.
+
+    The residuals before the last task are kept too (``before``), with that task's name: a
+    coordinator resumed from its last checkpoint sends the round in flight again, and the device
+    then adds what it had dropped before that round, not what it dropped from an upload the
+    coordinator never aggregated (which would also make a resumed run differ from an unbroken one).
     """
 
     directory: Path | None
     run_id: str = ""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    task: str = ""                # the last task that used the residuals ("round:seed")
+    before: dict[str, torch.Tensor] = field(default_factory=dict)   # the residuals that task started from
     _loaded: bool = False
 
-    def for_run(self, run_id: str) -> dict[str, torch.Tensor]:
+    def for_run(self, run_id: str, task: str = "") -> dict[str, torch.Tensor]:
+        """The residuals a task of ``run_id`` adds to its update (the caller updates them in place);
+        ``task`` names it, so that the same task sent again starts from the same residuals."""
         if not self._loaded:
             self._load()
         if run_id != self.run_id:
-            self.run_id, self.tensors = run_id, {}
+            self.run_id, self.tensors, self.task, self.before = run_id, {}, "", {}
+        if task and task == self.task:
+            self.tensors = dict(self.before)
+        else:
+            self.task, self.before = task, dict(self.tensors)
         return self.tensors
 
     def _load(self) -> None:
@@ -71,17 +85,20 @@ class ResidualStore:
         try:
             with safe_open(str(path), framework="pt") as fh:
                 meta = json.loads((fh.metadata() or {}).get("fedge", "{}"))
-                self.tensors = {k: fh.get_tensor(k).to(torch.float32) for k in fh.keys()}
-            self.run_id = str(meta.get("run_id", ""))
+                saved = {k: fh.get_tensor(k).to(torch.float32) for k in fh.keys()}
+            self.run_id, self.task = str(meta.get("run_id", "")), str(meta.get("task", ""))
+            self.tensors = {k: v for k, v in saved.items() if not k.startswith(_BEFORE)}
+            self.before = {k[len(_BEFORE):]: v for k, v in saved.items() if k.startswith(_BEFORE)}
         except (SafetensorError, OSError, ValueError) as exc:
             log.warning("ignored unreadable error-feedback residuals in %s: %s", path, exc)
-            self.tensors = {}
+            self.tensors, self.before, self.task = {}, {}, ""
 
     def save(self) -> None:
         if self.directory is None:
             return
-        write_tensors_atomic(self.directory / RESIDUAL_FILE, self.tensors,
-                             {"fedge": json.dumps({"run_id": self.run_id})})
+        write_tensors_atomic(self.directory / RESIDUAL_FILE,
+                             {**self.tensors, **{_BEFORE + k: v for k, v in self.before.items()}},
+                             {"fedge": json.dumps({"run_id": self.run_id, "task": self.task})})
 
 
 def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
@@ -102,7 +119,8 @@ def encode_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, to
 
 def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
                           settings: UploadSettings, residuals: ResidualStore, run_id: str, *,
-                          raw_only: bool = False, generator: torch.Generator | None = None
+                          raw_only: bool = False, generator: torch.Generator | None = None,
+                          task: str = ""
                           ) -> tuple[dict[str, torch.Tensor], list[str], bool]:
     """:func:`encode_upload`, and whether the differences were clipped to ``settings.clip_norm``.
 
@@ -112,6 +130,7 @@ def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping
     residual (docs/privacy.md). With ``settings.noise_multiplier`` (local differential privacy) the
     clipped update gets the device's Gaussian noise before the codec, which then only post-processes
     a private release; whether it was clipped is returned all the same, and the caller must not send it.
+    ``task`` names the task (its round and seed) for the error-feedback residuals (:class:`ResidualStore`).
     """
     spec = settings.codec
     delta = [] if raw_only or settings.update == "raw" else sorted(n for n in tensors if n in received)
@@ -120,7 +139,7 @@ def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping
         values[name] = values[name] - received[name]
     feedback = settings.error_feedback and spec.lossy and bool(delta)
     if feedback:
-        stored = residuals.for_run(run_id)
+        stored = residuals.for_run(run_id, task)
         for name in delta:
             old = stored.get(name)
             if old is not None and old.shape == values[name].shape:
