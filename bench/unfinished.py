@@ -93,6 +93,15 @@ class Unfinished:
         self._start({"source": source, "seconds": 0.0, "resumed_after": []})
         return said
 
+    def describe(self) -> str | None:
+        """What an earlier session left here, for a listing (None: nothing)."""
+        rounds = checkpoint_rounds(self.run_dir / "checkpoints") if self.run_dir.is_dir() else {}
+        if not rounds or not self._progress_file.is_file():
+            return None
+        progress = json.loads(self._progress_file.read_text(encoding="utf-8"))
+        return (f"unfinished: round {max(rounds)} done in {progress['seconds'] / 3600:.2f} h, "
+                f"begun at {progress['source']['commit'][:10]}")
+
     @property
     def resuming(self) -> bool:
         return bool(self.progress.get("resumed_after"))

@@ -225,6 +225,7 @@ def test_a_run_cut_short_goes_on_from_its_last_round_to_the_same_bits(tmp_path, 
         run_one(run, tmp_path / "cut", Console(file=io.StringIO()), [], load_protocol())
     left = tmp_path / "cut" / unfinished.UNFINISHED / run.file_name[:-len(".json")]
     assert (left / "run" / "checkpoints").is_dir() and not (tmp_path / "cut" / run.file_name).exists()
+    assert "unfinished: round 2 done" in unfinished.Unfinished(left).describe()   # what --dry-run lists
 
     monkeypatch.setattr(run_matrix, "progress_printer", printer)
     said = io.StringIO()
