@@ -489,7 +489,7 @@ def main() -> int:
             state = "written" if (out_dir / run.file_name).exists() else \
                 Unfinished(out_dir / UNFINISHED / Path(run.file_name).stem).describe()
             console.print(f"{run.group}  seed {run.seed}  {run.rounds} rounds  -> {out_dir / run.file_name}"
-                          f"{f' [{state}]' if state else ''}{note}", highlight=False, soft_wrap=True)
+                          f"{f' ({state})' if state else ''}{note}", highlight=False, soft_wrap=True)
         console.print(f"{len(runs)} runs")
         return 0
     left: list[str] = []
