@@ -23,7 +23,8 @@
    and the best evaluation, with its gap over FedAvg on each figure seed by seed, and the last
    round against FedAvg's best; and what the whole run sent, FFC's extra pass included: the
    participations of training and of the FFC pass (every client, once), bytes up and down and
-   FFC's part of them. ``--matrix spherefed_lr`` reads the rate tuning's runs instead.
+   FFC's part of them. ``--matrix spherefed_lr`` reads the rate tuning's runs instead, and adds the
+   rate's choice (:func:`rate_choice`).
 
 Prints the tables and writes ``bench/results/MATRIX_ffc.json`` (``spherefed_ffc.json`` by default).
 
@@ -203,6 +204,40 @@ def collect(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
+def rate_choice(records: list[dict[str, Any]], protocol_records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rate tuning's choice, made as FedAvg's rate was (bench/matrices/tuning.toml): per rate, the mean of
+    the last 5 evaluations averaged over the alphas, seed 0, with the protocol's constant 0.02 read from the
+    SphereFed matrix's ``cnn`` ``sphere+ffc`` seed-0 runs; the calibrated last round and the best evaluation
+    beside it. Sorted best first; ``chosen`` marks the first."""
+    by_rate: dict[str, dict[str, dict[str, Any]]] = {}
+    for rec in records:
+        alpha, rate = rec["labels"][0], rec["labels"][-1]
+        by_rate.setdefault(rate, {})[alpha] = _run_figures(rec)
+    for rec in protocol_records:
+        if rec["labels"][1:] == ["cnn", "sphere+ffc"] and rec["seed"] == 0 and rec["rounds"] == 100:
+            by_rate.setdefault("lr0.02", {})[rec["labels"][0]] = _run_figures(rec)
+    alphas = sorted({a for figs in by_rate.values() for a in figs})
+    rows = [{"rate": rate, "alphas": {a: {k: figs[a][k] for k in ("last5", "last", "best")} for a in alphas},
+             "selection": statistics.fmean(figs[a]["last5"] for a in alphas)}
+            for rate, figs in by_rate.items() if set(figs) == set(alphas)]
+    rows.sort(key=lambda r: -r["selection"])
+    for i, row in enumerate(rows):
+        row["chosen"] = i == 0
+    return rows
+
+
+def print_rate_choice(console: Console, rows: list[dict[str, Any]]) -> None:
+    alphas = sorted(rows[0]["alphas"]) if rows else []
+    table = Table(title="SphereFed + FFC's own learning rate, cnn, seed 0 (accuracy in %): chosen by the mean of the "
+                        "last 5 evaluations over both alphas, as FedAvg's was")
+    for column in ["rate", "selection", *(f"{a} {k}" for a in alphas for k in ("last 5", "last round", "best"))]:
+        table.add_column(column, justify="left" if column == "rate" else "right")
+    for row in rows:
+        table.add_row(row["rate"] + (" (chosen)" if row["chosen"] else ""), f"{100 * row['selection']:.2f}",
+                      *(f"{100 * row['alphas'][a][k]:.2f}" for a in alphas for k in ("last5", "last", "best")))
+    console.print(table)
+
+
 # A row's figure against FedAvg's in the same cell and seed: (row's metric, FedAvg's metric). The first three
 # compare like with like; the last three are the calibrated round against each of FedAvg's figures.
 GAPS = {"last5": ("last5", "last5"), "last": ("last", "last"), "best": ("best", "best"),
@@ -354,9 +389,13 @@ def main() -> int:
         report["final_accuracy"] = (f"last: the last round's test accuracy (after calibration for FFC runs); "
                                     f"last {LAST_ROUNDS}: mean of the last {LAST_ROUNDS} rounds' test accuracy")
         report["twin_check"] = twin_check(records)
+        if args.matrix == "spherefed_lr":
+            report["rate_choice"] = rate_choice(records, read_runs(args.results, "spherefed"))
     if report.get("accuracy"):
         print_report(console, report["accuracy"])
         print_verdict(console, report["accuracy"])
+    if report.get("rate_choice"):
+        print_rate_choice(console, report["rate_choice"])
     for check in report.get("twin_check", []):
         console.print(f"sphere against sphere+ffc before calibration, {check['cell']} seed {check['seed']}: "
                       f"{check['compared']} evaluated rounds, largest difference {check['max_abs_difference']}")
