@@ -31,7 +31,7 @@ from edge_client.device_protocol import Actions, BroadcastCache, DeviceProtocol,
 from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
 from edge_client.models import ModelSpecError, federated_names, state_shapes
-from edge_client.objectives import LocalData, Objective, ObjectiveError, TaskContext, shuffle_seed, warm_up
+from edge_client.objectives import LocalData, Objective, ObjectiveError, TaskContext, shuffle_seed, task_key, warm_up
 from edge_client.privacy_budget import BudgetSettings, PrivacyBudget, PrivacyBudgetError
 from edge_client.registry import OBJECTIVES, build_model
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
@@ -365,7 +365,7 @@ class EdgeClient:
             return {}, ResultBody(num_samples=output.num_samples, secagg=reply.wire(stage.params.bits)[0])
         with profiler.phase("codec"):
             wire, delta, clipped = encode_clipped_upload(tensors, received, task.upload, self._residuals, msg.run_id,
-                                                         raw_only=raw_only, task=f"{msg.round}:{ctx.seed}",
+                                                         raw_only=raw_only, task=task_key(ctx),
                                                          generator=torch.Generator().manual_seed(ctx.seed))
         if task.upload.noise_multiplier is not None:
             # Local differential privacy: the noisy update is the only thing about the data that leaves the

@@ -27,7 +27,7 @@ from edge_client.optim import DeviceSGD
 from edge_client.seeding import task_generator
 from profiling.profiler import Profiler
 
-__all__ = ["ObjectiveError", "LocalData", "TaskContext", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
+__all__ = ["ObjectiveError", "LocalData", "TaskContext", "task_key", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
            "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "holdout_seed",
            "local_data_view", "warm_up", "minibatches",
            "Objective"]
@@ -92,6 +92,12 @@ class TaskContext:
     state_dir: Path | None     # survives restarts: local state a method keeps on the device
     profiler: Profiler
     device: torch.device = torch.device("cpu")   # where the model and data live; new tensors go there too
+
+
+def task_key(ctx: TaskContext) -> str:
+    """What names a training task in state a device keeps: its round and seed. The same task sent again
+    after a coordinator resumes has the same key, so the device can start it from its state before it."""
+    return f"{ctx.round}:{ctx.seed}"
 
 
 @dataclass(frozen=True)

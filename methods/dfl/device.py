@@ -55,7 +55,7 @@ from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from edge_client.objectives import (LocalData, ObjectiveError, ObjectiveOutput, TaskContext, TrainHyper, evaluate,
-                                    minibatches, Objective)
+                                    minibatches, Objective, task_key)
 from edge_client.optim import DeviceAdam, DeviceSGD
 from edge_client.seeding import private_rng, task_generator
 from methods.dfl.model import DEVICE_PARTS, TwoBranchModel, jsd_mutual_information, mi_penalty
@@ -64,7 +64,7 @@ from profiling.profiler import Profiler
 from storage.files import write_atomic, write_tensors_atomic
 
 __all__ = ["DflHyper", "DeviceState", "STATE_FILE", "PREVIOUS_FILE", "dfl_train", "dfl_evaluate", "local_stage", "global_stage",
-           "stage_hyper", "device_seed", "refresh", "task_key"]
+           "stage_hyper", "device_seed", "refresh"]
 
 log = logging.getLogger("fedge.dfl")
 STATE_FILE = "dfl_state.safetensors"
@@ -159,12 +159,6 @@ class DeviceState:
                 self.previous.unlink(missing_ok=True)
         metadata = {"task": task} if task is not None else None
         return write_tensors_atomic(self.path, self.tensors(model), metadata)
-
-
-def task_key(ctx: TaskContext) -> str:
-    """What names a training task in the state file: its round and seed (the seed alone is (run seed,
-    round, client id)); the same task sent again after a resume has the same key."""
-    return f"{ctx.round}:{ctx.seed}"
 
 
 def _written_by(path: Path) -> str | None:
