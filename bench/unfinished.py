@@ -72,35 +72,40 @@ class Unfinished:
         """Prepare the run: resume it if an earlier session left rounds that can go on, else start afresh.
         Returns what to tell the person running the matrix (None for a plain start). Raises
         :class:`StartedElsewhere` for a run that started at other code, unless ``restart``."""
-        rounds = checkpoint_rounds(self.run_dir / "checkpoints") if self.run_dir.is_dir() else {}
+        done, progress = self._left()
         said = None
-        if rounds and self._progress_file.is_file():
-            progress = json.loads(self._progress_file.read_text(encoding="utf-8"))
+        if progress is not None:
             started = progress["source"]
             reason = other_code(started, source)
             if reason is None:
-                progress["resumed_after"].append(max(rounds))
+                progress["resumed_after"].append(done)
                 self._start(progress)
-                return f"resuming after round {max(rounds)} (started at {started['commit'][:10]})"
+                return f"resuming after round {done} (started at {started['commit'][:10]})"
             if not restart:
                 raise StartedElsewhere(
-                    f"{self.directory} holds {max(rounds)} rounds that started at commit {started['commit'][:10]}, "
+                    f"{self.directory} holds {done} rounds that started at commit {started['commit'][:10]}, "
                     f"but {reason}: left as it is. Resume it from a checkout of that commit (git worktree add "
                     f"DIR {started['commit'][:10]}, then run the matrix there with --results pointing here), "
                     "or pass --restart-unfinished to start it over")
-            said = f"starting over (it had reached round {max(rounds)}): {reason}"
+            said = f"starting over (it had reached round {done}): {reason}"
         shutil.rmtree(self.directory, ignore_errors=True)
         self._start({"source": source, "seconds": 0.0, "resumed_after": []})
         return said
 
     def describe(self) -> str | None:
         """What an earlier session left here, for a listing (None: nothing)."""
+        done, progress = self._left()
+        if progress is None:
+            return None
+        return (f"unfinished: round {done} done in {progress['seconds'] / 3600:.2f} h, "
+                f"begun at {progress['source']['commit'][:10]}")
+
+    def _left(self) -> tuple[int, dict[str, Any] | None]:
+        """The last checkpointed round an earlier session left and its progress (None: nothing to go on from)."""
         rounds = checkpoint_rounds(self.run_dir / "checkpoints") if self.run_dir.is_dir() else {}
         if not rounds or not self._progress_file.is_file():
-            return None
-        progress = json.loads(self._progress_file.read_text(encoding="utf-8"))
-        return (f"unfinished: round {max(rounds)} done in {progress['seconds'] / 3600:.2f} h, "
-                f"begun at {progress['source']['commit'][:10]}")
+            return 0, None
+        return max(rounds), json.loads(self._progress_file.read_text(encoding="utf-8"))
 
     @property
     def resuming(self) -> bool:
