@@ -57,7 +57,7 @@ from benchmark_protocol import Protocol, deviations, load_protocol, rounds_to_re
 from provenance import library_versions, machine, source_state
 from coordinator.config import ConfigError, RunConfig, load_config
 from coordinator.ui.report import human_bytes
-from coordinator.runtime.run import run_federated
+from coordinator.runtime.run import RunInterrupted, run_federated
 from coordinator.runtime.run_error import RunError
 from coordinator.strategies.base import Strategy
 from storage.checkpoint import latest_checkpoint, load_checkpoint, params_digest
@@ -505,6 +505,11 @@ def main() -> int:
                 console.print(f"  [yellow]{exc}[/yellow]", soft_wrap=True)
                 left.append(run.file_name)
                 continue
+            except RunInterrupted as exc:   # Ctrl-C or SIGTERM: the run is kept to go on from its last round
+                kept = ("before its first checkpoint" if exc.checkpointed_round is None
+                        else f"after round {exc.checkpointed_round}")
+                console.print(f"[yellow]stopped {kept}; run the same command to go on from there[/yellow]")
+                return 130
             personal = final_mean(record["rows"], "personalized_accuracy_mean")
             console.print(f"  final accuracy {_fmt(final_mean(record['rows'], 'test_accuracy'))}"
                           + (f", personalized {personal:.4f}" if personal is not None else "")

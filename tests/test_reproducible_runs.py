@@ -274,3 +274,19 @@ def test_a_run_begun_at_other_code_is_left_for_its_commit_unless_restarted(tmp_p
     record = run_one(run, tmp_path, Console(file=said), [], load_protocol(), restart=True)
     assert "starting over (it had reached round 1)" in said.getvalue() and "resumed_after" not in record
     assert record["source"]["commit"] == "new"
+
+
+def test_a_stopped_matrix_says_how_to_go_on(tmp_path, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM during a matrix: one line saying where the run stopped and that the same command
+    goes on from there, not a traceback."""
+    import run_matrix
+    from coordinator.runtime.run import RunInterrupted
+
+    def stopped(*args, **kwargs):
+        raise RunInterrupted(tmp_path / "run", 7)
+
+    monkeypatch.setattr(run_matrix, "run_one", stopped)
+    monkeypatch.setattr(sys, "argv", ["run_matrix.py", str(ROOT / "bench" / "matrices" / "tuning.toml"),
+                                      "--seeds", "0", "--results", str(tmp_path), "--off-protocol"])
+    assert run_matrix.main() == 130
+    assert "stopped after round 7; run the same command to go on from there" in capsys.readouterr().out
