@@ -20,8 +20,8 @@ of ``--key`` (``test_accuracy``, or ``personalized_accuracy_mean`` for DFL's per
 ``--derive ROW=TWIN`` reads ROW's missing seeds off TWIN's runs before their calibration, as
 ``bench/spherefed_ffc.py`` does for SphereFed without FFC (its runs are its twin's until the last round).
 
-Prints the table, writes ``bench/results/paired/NAME.json`` (``NAME-METRIC[-KEY].json`` for another
-figure, or ``--out``).
+Prints the table, writes ``bench/results/paired/NAME.json`` (``NAME[-vs-BASELINE][-METRIC][-KEY].json``
+for another baseline than the matrix's or another figure, or ``--out``).
 
     python bench/paired_report.py bench/matrices/fed2.toml [--baseline fedavg] [--metric last5|final|best]
         [--key test_accuracy] [--derive sphere=sphere+ffc] [--results bench/results] [--out FILE]
@@ -197,6 +197,16 @@ def show(console: Console, title: str, entries: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
+def default_name(matrix: Matrix, baseline: str, metric: str, key: str) -> str:
+    """``NAME[-vs-BASELINE][-METRIC][-KEY].json``: every choice other than the default is in the name, so
+    that pairing with another row or on another figure writes beside the default file, not over it."""
+    name = matrix.name
+    name += "" if matrix.baseline and baseline == matrix.baseline[1] else f"-vs-{baseline}"
+    name += "" if metric == "last5" else f"-{metric}"
+    name += "" if key == "test_accuracy" else f"-{key}"
+    return name + ".json"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("matrix", type=Path, help="matrix file, e.g. bench/matrices/fed2.toml")
@@ -209,7 +219,7 @@ def main() -> int:
     parser.add_argument("--derive", action="append", default=[], metavar="ROW=TWIN",
                         help="read ROW's missing seeds off TWIN's runs before calibration (sphere=sphere+ffc)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="results directory (default bench/results)")
-    parser.add_argument("--out", type=Path, help="JSON file (default RESULTS/paired/NAME.json)")
+    parser.add_argument("--out", type=Path, help="JSON file (default RESULTS/paired/NAME[-vs-BASELINE][-METRIC][-KEY].json)")
     args = parser.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 170)
     if not args.matrix.is_file():
@@ -236,9 +246,7 @@ def main() -> int:
     unpaired = sorted({e["row"] for e in entries if e["difference"] is None})
     if unpaired:
         console.print(f"not paired (no seed shared with {baseline}): {', '.join(unpaired)}")
-    suffix = "" if args.metric == "last5" else f"-{args.metric}"
-    suffix += "" if args.key == "test_accuracy" else f"-{args.key}"
-    out = args.out or args.results / "paired" / f"{matrix.name}{suffix}.json"
+    out = args.out or args.results / "paired" / default_name(matrix, baseline, args.metric, args.key)
     write_result(out, {
         "matrix": matrix.name, "file": str(args.matrix), "axis": axis, "baseline": baseline,
         "metric": args.metric, "key": args.key, "figure": figure,

@@ -49,3 +49,15 @@ def test_no_common_seed_and_no_values() -> None:
     assert paired_difference({0: 1.0}, {1: 1.0}) is None
     with pytest.raises(ValueError, match="no seed ran in both"):
         paired([])
+
+
+def test_a_report_on_another_baseline_or_figure_writes_beside_the_default() -> None:
+    from paired_report import default_name
+    from run_matrix import load_matrix
+
+    matrix = load_matrix(Path(__file__).resolve().parents[1] / "bench" / "matrices" / "spherefed.toml")
+    assert default_name(matrix, "fedavg", "last5", "test_accuracy") == "spherefed.json"
+    assert default_name(matrix, "fedavg", "final", "test_accuracy") == "spherefed-final.json"
+    assert default_name(matrix, "fedavg+ffc", "final", "test_accuracy") == "spherefed-vs-fedavg+ffc-final.json"
+    assert default_name(matrix, "fedavg", "last5", "personalized_accuracy_mean") == \
+        "spherefed-personalized_accuracy_mean.json"
