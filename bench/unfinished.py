@@ -14,7 +14,8 @@ branches, FedMA's phase files, error-feedback residuals). Its run file is then c
 (``provenance.CODE``) changed since it started, or the tree had changes not committed when it started or
 has now (a run file names one commit), the cell is left as it is, to be resumed from a checkout of the
 commit it started at (``git worktree add DIR COMMIT``), unless the matrix runs with
-``--restart-unfinished``, which starts it over.
+``--restart-unfinished``, which starts it over. The directory is all a resume needs, wherever it is: committed
+(``git add -f``), it carries a run cut short to a fresh clone (docs/benchmarks.md, "A run cut short").
 """
 
 from __future__ import annotations

@@ -198,8 +198,9 @@ def test_a_run_that_stops_with_a_run_error_is_kept_as_failed_and_left_out_of_the
 
 
 def test_a_run_cut_short_goes_on_from_its_last_round_to_the_same_bits(tmp_path, monkeypatch, capsys):
-    """A stop in the middle of a matrix run: running the cell again resumes it from its last checkpoint, and the
-    run file is what an unbroken run writes (DFL with diversity: state on the devices and peers on the server)."""
+    """A stop in the middle of a matrix run: running the cell again, here from another directory, resumes it from its
+    last checkpoint, and the run file is what an unbroken run writes (DFL with diversity: state on the devices and
+    peers on the server)."""
     import run_matrix
     import unfinished
     from coordinator.runtime.run import RunInterrupted
@@ -227,9 +228,12 @@ def test_a_run_cut_short_goes_on_from_its_last_round_to_the_same_bits(tmp_path, 
     assert (left / "run" / "checkpoints").is_dir() and not (tmp_path / "cut" / run.file_name).exists()
     assert "unfinished: round 2 done" in unfinished.Unfinished(left).describe()   # what --dry-run lists
 
+    # another checkout resumes it: the directory is all it needs (committed, it is what a fresh clone gets)
+    (tmp_path / "cut").rename(tmp_path / "clone")
+    left = tmp_path / "clone" / unfinished.UNFINISHED / run.file_name[:-len(".json")]
     monkeypatch.setattr(run_matrix, "progress_printer", printer)
     said = io.StringIO()
-    resumed = run_one(run, tmp_path / "cut", Console(file=said), [], load_protocol())
+    resumed = run_one(run, tmp_path / "clone", Console(file=said), [], load_protocol())
     assert "resuming after round 2" in said.getvalue()
     assert resumed["resumed_after"] == [2] and "resumed_after" not in unbroken
     assert resumed["model_hash"] == unbroken["model_hash"]
