@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edge_client.pooling import MaxPool2d
 from storage.errors import FedgeError
 from storage.pixels import DataError, Normalization
 
@@ -215,7 +216,7 @@ def cnn(num_classes: int, in_channels: int, image_size: int, norm: str = "gn", s
     conv1, c1 = build.conv(in_channels, _scaled(32, scale))
     conv2, c2 = build.conv(c1, _scaled(64, scale))
     fc, d = build.linear(c2 * (image_size // 4) ** 2, _scaled(128, scale), "none")
-    features = nn.Sequential(*conv1, nn.MaxPool2d(2), *conv2, nn.MaxPool2d(2), nn.Flatten(), *fc)
+    features = nn.Sequential(*conv1, MaxPool2d(2), *conv2, MaxPool2d(2), nn.Flatten(), *fc)
     return ImageClassifier(features, build.classifier(d, num_classes))
 
 
@@ -240,7 +241,7 @@ def vgg9(num_classes: int, in_channels: int, image_size: int, norm: str = "none"
     channels, size = in_channels, image_size
     for item in VGG9_LAYOUT:
         if item == "M":
-            layers.append(nn.MaxPool2d(2))
+            layers.append(MaxPool2d(2))
             size //= 2
         else:
             unit, channels = build.conv(channels, _scaled(int(item), scale))

@@ -10,6 +10,7 @@ from safetensors.torch import save, save_file
 from torch import nn
 
 from edge_client.models import MODELS, ModelSpecError, federated_names, state_shapes
+from edge_client.pooling import MaxPool2d
 from edge_client.registry import build_model
 from storage.checkpoint import (
     CheckpointError,
@@ -44,8 +45,8 @@ def test_cnn_parameter_count():
 def test_cnn_layer_structure():
     model = build_model(CNN28)
     f = model.features
-    expected_types = [nn.Conv2d, nn.GroupNorm, nn.ReLU, nn.MaxPool2d, nn.Conv2d, nn.GroupNorm, nn.ReLU,
-                      nn.MaxPool2d, nn.Flatten, nn.Linear, nn.ReLU]
+    expected_types = [nn.Conv2d, nn.GroupNorm, nn.ReLU, MaxPool2d, nn.Conv2d, nn.GroupNorm, nn.ReLU,
+                      MaxPool2d, nn.Flatten, nn.Linear, nn.ReLU]
     assert [type(m) for m in f] == expected_types
     conv1, gn1, conv2, gn2, fc = f[0], f[1], f[4], f[5], f[9]
     assert (conv1.in_channels, conv1.out_channels, conv1.kernel_size, conv1.padding) == (1, 32, (3, 3), (1, 1))
@@ -315,3 +316,44 @@ def test_explicit_widths_rebuild_a_grown_network_layer_by_layer():
     for bad in ([5, 6], [5, 0, 7], [5, 6.5, 7], "5,6,7"):
         with pytest.raises(ModelSpecError, match="widths lists the size of each of its 3 hidden weight layers"):
             build_model({"name": "cnn", "widths": bad, **shape})
+
+
+@pytest.mark.parametrize("shape, window", [((4, 8, 28, 28), (2,)), ((3, 5, 7, 9), (3, 2, 1)), ((1, 2, 6, 6), (2,))])
+def test_fedge_max_pooling_gives_torchs_outputs_and_gradients_bit_for_bit(shape, window):
+    """The faster pooling is only faster: the same values, the same argmax on ties (the first in the window),
+    the same gradients, and in evaluation the same outputs."""
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(shape)).clamp(max=0.5)   # many ties: zeros and the clamped maximum
+    upstream = torch.randn_like(nn.MaxPool2d(*window)(x))
+    grads, outs = [], []
+    for pool in (nn.MaxPool2d(*window), MaxPool2d(*window)):
+        leaf = x.clone().requires_grad_()
+        out = pool(leaf)
+        out.backward(upstream)
+        outs.append(out)
+        grads.append(leaf.grad)
+        with torch.no_grad():
+            outs.append(pool(x))
+    assert all(torch.equal(outs[0], o) for o in outs[1:]) and outs[1].is_contiguous()
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_a_model_with_fedge_pooling_trains_to_the_same_bits_and_exports_a_plain_maxpool():
+    import copy
+
+    torch.manual_seed(0)
+    fast = build_model(CNN28)
+    slow = copy.deepcopy(fast)
+    for module in slow.modules():
+        if isinstance(module, MaxPool2d):
+            module.__class__ = nn.MaxPool2d
+    x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
+    for model in (fast, slow):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for _ in range(3):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(fast.state_dict().values(), slow.state_dict().values()))
+    traced = torch.jit.trace(fast.eval(), x[:1])
+    assert "max_pool2d" in str(traced.inlined_graph) and "contiguous" not in str(traced.inlined_graph)
