@@ -10,6 +10,7 @@ mean stands right before the interval ("+5.89 [+4.74, +7.04]"), the mean must be
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ def _signed(text: str) -> str:
     return text if text[0] in "+-" else "+" + text
 
 
+@functools.cache   # both tests read the same results tree: read it once
 def _computed() -> set[tuple[str, ...]]:
     """Every results interval as the docs may print it: 1 or 2 decimals, points or fraction, either sign;
     as (low, high) and, where a mean is stored with it, as (mean, low, high) too."""
