@@ -9,7 +9,8 @@ mean stands right before the interval ("+5.89 [+4.74, +7.04]"), the mean must be
 
 The tables' "mean ± std" figures are checked the same way: each must be a mean and spread some results file
 holds (``X_mean`` beside ``X_spread`` or ``X_std``; a figure beside a ``per_seed`` list, with that list's
-population or sample std), in points, as a fraction or in MB, at the decimals quoted.
+population or sample std), in points, as a fraction or in MB, at the decimals quoted. And a signed difference
+per seed ("+1.14, +1.08, -1.38" or "+7.92 / +8.12 / +6.37") must be a stored ``per_seed`` list, in order.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import json
 import re
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +27,9 @@ RESULTS = ROOT / "bench" / "results"
 QUOTED = re.compile(r"\[([−+-]?\d+\.\d+), ([−+-]?\d+\.\d+)\]")
 QUOTED_WITH_MEAN = re.compile(r"([−+-]\d+\.\d+) \[([−+-]?\d+\.\d+), ([−+-]?\d+\.\d+)\]")
 QUOTED_SPREAD = re.compile(r"([−+-]?)(\d+\.?\d*) ± (\d+\.?\d*)")
+QUOTED_PER_SEED = re.compile(
+    r"(?<![\[\d.])[−+-]\d+\.\d+(?:(?: / |, )(?:\*\*)?[−+-]\d+\.\d+(?:\*\*)?){2}(?![\d.])")
+SIGNED = re.compile(r"[−+-]\d+\.\d+")
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Figures worked out from run files that no report aggregates, each with where it comes from. Every one must
 # still be quoted, so an entry goes when its figure does.
@@ -34,6 +38,8 @@ NOT_IN_A_REPORT = {
     "+1.12 ± 0.17": "dfl.md, the same on rotate5",
     "78.10 ± 0.26": "dfl.md, DFL on color5 with every run seeded exactly: dfl_postfix/ seeds 0, 1, dfl/ seed 2",
     "70.49 ± 0.64": "dfl.md, the same on rotate5",
+    "+2.31, +1.33, +1.13": "dfl.md, the refresh's gain per seed between those exact twins on color5",
+    "+1.03, +1.36, +0.97": "dfl.md, the same on rotate5",
 }
 
 
@@ -41,40 +47,51 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _intervals(node: object) -> Iterator[tuple[float | None, float, float]]:
-    """(the mean stored beside it or None, low, high) for every interval in a parsed results file."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if "interval" in key and isinstance(value, list) and len(value) == 2 and all(map(_number, value)):
-                mean = node.get("mean")
-                yield (float(mean) if _number(mean) else None), float(value[0]), float(value[1])
-            yield from _intervals(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _intervals(value)
+def _numbers(value: object, at_least: int) -> bool:
+    return isinstance(value, list) and len(value) >= at_least and all(map(_number, value))
 
 
-def _spreads(node: object) -> Iterator[tuple[float, float]]:
-    """(mean, std) for every mean stored with its spread over seeds in a parsed results file."""
-    if isinstance(node, dict):
-        per_seed = node.get("per_seed")
-        for key, value in node.items():
-            if _number(value) and key.endswith("mean"):
-                for spread in ("spread", "std"):
-                    if _number(node.get(key[:-4] + spread)):
-                        yield float(value), float(node[key[:-4] + spread])
-            if (_number(value) and isinstance(per_seed, list) and len(per_seed) > 1
-                    and all(isinstance(seed, dict) and _number(seed.get(key)) for seed in per_seed)):
-                values = [seed[key] for seed in per_seed]
-                yield float(value), statistics.pstdev(values)
-                yield float(value), statistics.stdev(values)
-            yield from _spreads(value)
-        if isinstance(per_seed, list) and len(per_seed) > 1 and all(map(_number, per_seed)):
-            yield statistics.fmean(per_seed), statistics.pstdev(per_seed)
-            yield statistics.fmean(per_seed), statistics.stdev(per_seed)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _spreads(value)
+@functools.cache   # every test reads the same results tree: read it once
+def _stored_dicts() -> list[dict]:
+    """Every JSON object, at any depth, in every file under bench/results/."""
+    found: list[dict] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            found.append(node)
+        for child in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+            walk(child)
+
+    for path in RESULTS.rglob("*.json"):
+        walk(json.loads(path.read_text()))
+    return found
+
+
+def _intervals(node: dict) -> Iterator[tuple[float | None, float, float]]:
+    """(the mean stored beside it or None, low, high) for each interval in one object."""
+    mean = node.get("mean")
+    for key, value in node.items():
+        if "interval" in key and _numbers(value, 2) and len(value) == 2:
+            yield (float(mean) if _number(mean) else None), float(value[0]), float(value[1])
+
+
+def _spreads(node: dict) -> Iterator[tuple[float, float]]:
+    """(mean, std over seeds) for each figure in one object stored with its spread or its per-seed values."""
+    per_seed = node.get("per_seed")
+    for key, value in node.items():
+        if not _number(value):
+            continue
+        for spread in ("spread", "std"):
+            if key.endswith("mean") and _number(node.get(key[:-4] + spread)):
+                yield float(value), float(node[key[:-4] + spread])
+        if (isinstance(per_seed, list) and len(per_seed) > 1
+                and all(isinstance(seed, dict) and _number(seed.get(key)) for seed in per_seed)):
+            values = [seed[key] for seed in per_seed]
+            yield float(value), statistics.pstdev(values)
+            yield float(value), statistics.stdev(values)
+    if _numbers(per_seed, 2):
+        yield statistics.fmean(per_seed), statistics.pstdev(per_seed)
+        yield statistics.fmean(per_seed), statistics.stdev(per_seed)
 
 
 def _signed(text: str) -> str:
@@ -82,54 +99,58 @@ def _signed(text: str) -> str:
     return text if text[0] in "+-" else "+" + text
 
 
-@functools.cache   # both tests read the same results tree: read it once
-def _computed() -> set[tuple[str, ...]]:
+@functools.cache
+def _printable_intervals() -> set[tuple[str, ...]]:
     """Every results interval as the docs may print it: 1 or 2 decimals, points or fraction, either sign;
     as (low, high) and, where a mean is stored with it, as (mean, low, high) too."""
     printable: set[tuple[str, ...]] = set()
-    for path in RESULTS.rglob("*.json"):
-        text = path.read_text()
-        if "interval" not in text:
-            continue
-        for mean, low, high in _intervals(json.loads(text)):
-            for scale in (1.0, 100.0):
-                for sign in (1.0, -1.0):
-                    a, b = sorted((sign * low * scale, sign * high * scale))
-                    for decimals in (1, 2):
-                        pair = (f"{a:+.{decimals}f}", f"{b:+.{decimals}f}")
-                        printable.add(pair)
-                        if mean is not None:
-                            printable.add((f"{sign * mean * scale:+.{decimals}f}", *pair))
+    for mean, low, high in (found for node in _stored_dicts() for found in _intervals(node)):
+        for scale in (1.0, 100.0, -1.0, -100.0):
+            a, b = sorted((low * scale, high * scale))
+            for decimals in (1, 2):
+                pair = (f"{a:+.{decimals}f}", f"{b:+.{decimals}f}")
+                printable.add(pair)
+                if mean is not None:
+                    printable.add((f"{mean * scale:+.{decimals}f}", *pair))
     return printable
 
 
 @functools.cache
-def _computed_spreads() -> set[tuple[str, str]]:
+def _printable_spreads() -> set[tuple[str, ...]]:
     """Every stored (mean, std) as the docs may print it: 0 to 3 decimals, points, fraction or MB."""
-    printable: set[tuple[str, str]] = set()
-    for path in RESULTS.rglob("*.json"):
-        for mean, spread in _spreads(json.loads(path.read_text())):
-            for scale in (1.0, 100.0, 1e-6):
-                for decimals in range(4):
-                    printable.add((f"{mean * scale:+.{decimals}f}", f"{spread * scale:.{decimals}f}"))
-    return printable
+    return {(f"{mean * scale:+.{decimals}f}", f"{spread * scale:.{decimals}f}")
+            for node in _stored_dicts() for mean, spread in _spreads(node)
+            for scale in (1.0, 100.0, 1e-6) for decimals in range(4)}
 
 
-def _unmatched(pattern: re.Pattern[str], computed: set[tuple[str, ...]]) -> tuple[int, list[str]]:
+@functools.cache
+def _printable_per_seed() -> set[tuple[str, ...]]:
+    """Every stored per-seed list as the docs may print it: 1 or 2 decimals, points or fraction, either sign."""
+    return {tuple(f"{value * scale:+.{decimals}f}" for value in values)
+            for node in _stored_dicts() for key, values in node.items() if "per_seed" in key and _numbers(values, 2)
+            for scale in (1.0, 100.0, -1.0, -100.0) for decimals in (1, 2)}
+
+
+def _unmatched(pattern: re.Pattern[str], printable: set[tuple[str, ...]],
+               figures: Callable[[re.Match[str]], tuple[str, ...]]) -> tuple[int, list[str]]:
+    """How many quotes of `pattern` the docs hold, and where those are whose figures no results file holds."""
     quoted, unmatched = 0, []
     for page in PAGES:
         for number, line in enumerate(page.read_text().splitlines(), 1):
             for match in pattern.finditer(line):
                 quoted += 1
-                if tuple(map(_signed, match.groups())) not in computed:
+                if figures(match) not in printable and match.group(0) not in NOT_IN_A_REPORT:
                     unmatched.append(f"{page.relative_to(ROOT)}:{number}: {match.group(0)}")
     return quoted, unmatched
 
 
+def _each_signed(match: re.Match[str]) -> tuple[str, ...]:
+    return tuple(map(_signed, match.groups()))
+
+
 def test_every_quoted_interval_is_in_a_results_file() -> None:
-    computed = _computed()
-    assert computed, "no intervals under bench/results: the paired reports are missing"
-    quoted, unmatched = _unmatched(QUOTED, computed)
+    assert _printable_intervals(), "no intervals under bench/results: the paired reports are missing"
+    quoted, unmatched = _unmatched(QUOTED, _printable_intervals(), _each_signed)
     assert quoted > 100, f"found only {quoted} quoted intervals: has the docs' format changed?"
     assert not unmatched, (
         "intervals no results file holds (re-run bench/paired_report.py and quote its figure, rounded once "
@@ -137,7 +158,7 @@ def test_every_quoted_interval_is_in_a_results_file() -> None:
 
 
 def test_every_mean_quoted_with_its_interval_is_the_stored_one() -> None:
-    quoted, unmatched = _unmatched(QUOTED_WITH_MEAN, _computed())
+    quoted, unmatched = _unmatched(QUOTED_WITH_MEAN, _printable_intervals(), _each_signed)
     assert quoted > 50, f"found only {quoted} means quoted with an interval: has the docs' format changed?"
     assert not unmatched, (
         "a mean and interval that no results file holds together (quote the mean stored beside the "
@@ -145,22 +166,24 @@ def test_every_mean_quoted_with_its_interval_is_the_stored_one() -> None:
 
 
 def test_every_quoted_mean_and_spread_is_in_a_results_file() -> None:
-    computed = _computed_spreads()
-    quoted, unmatched, exempt_seen = 0, [], set()
-    for page in PAGES:
-        for number, line in enumerate(page.read_text().splitlines(), 1):
-            for match in QUOTED_SPREAD.finditer(line):
-                quoted += 1
-                sign, mean, spread = match.groups()
-                if (_signed(sign + mean), spread) in computed:
-                    continue
-                if match.group(0) in NOT_IN_A_REPORT:
-                    exempt_seen.add(match.group(0))
-                else:
-                    unmatched.append(f"{page.relative_to(ROOT)}:{number}: {match.group(0)}")
+    quoted, unmatched = _unmatched(QUOTED_SPREAD, _printable_spreads(),
+                                   lambda match: (_signed(match[1] + match[2]), match[3]))
     assert quoted > 200, f"found only {quoted} quoted mean ± std figures: has the docs' format changed?"
     assert not unmatched, (
         "mean ± std figures no results file holds (quote the report's mean and spread, rounded once from the "
         "JSON; the matrix report's spread is the population std over seeds):\n" + "\n".join(unmatched))
-    assert exempt_seen == set(NOT_IN_A_REPORT), (
-        f"NOT_IN_A_REPORT lists figures the docs no longer quote: {sorted(set(NOT_IN_A_REPORT) - exempt_seen)}")
+
+
+def test_every_quoted_difference_per_seed_is_a_stored_list() -> None:
+    quoted, unmatched = _unmatched(QUOTED_PER_SEED, _printable_per_seed(),
+                                   lambda match: tuple(map(_signed, SIGNED.findall(match[0]))))
+    assert quoted > 10, f"found only {quoted} quoted per-seed differences: has the docs' format changed?"
+    assert not unmatched, (
+        "per-seed differences no results file holds (quote the paired report's per_seed, each rounded once "
+        "from the JSON, not the difference of two rounded figures):\n" + "\n".join(unmatched))
+
+
+def test_every_figure_not_in_a_report_is_still_quoted() -> None:
+    docs = "\n".join(page.read_text() for page in PAGES)
+    gone = [figure for figure in NOT_IN_A_REPORT if figure not in docs]
+    assert not gone, f"NOT_IN_A_REPORT lists figures the docs no longer quote (remove them): {gone}"
