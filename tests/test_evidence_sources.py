@@ -131,9 +131,11 @@ def _printable_per_seed() -> set[tuple[str, ...]]:
             for scale in (1.0, 100.0, -1.0, -100.0) for decimals in (1, 2)}
 
 
-def _unmatched(pattern: re.Pattern[str], printable: set[tuple[str, ...]],
-               figures: Callable[[re.Match[str]], tuple[str, ...]]) -> tuple[int, list[str]]:
-    """How many quotes of `pattern` the docs hold, and where those are whose figures no results file holds."""
+def _assert_quotes_held(pattern: re.Pattern[str], printable: set[tuple[str, ...]],
+                        figures: Callable[[re.Match[str]], tuple[str, ...]], at_least: int,
+                        what: str, how_to_fix: str) -> None:
+    """Every quote of `pattern` in the docs must print as a stored figure; a quote count far below
+    `at_least` means the pattern stopped matching the docs' format, not that they are all right."""
     quoted, unmatched = 0, []
     for page in PAGES:
         for number, line in enumerate(page.read_text().splitlines(), 1):
@@ -141,7 +143,8 @@ def _unmatched(pattern: re.Pattern[str], printable: set[tuple[str, ...]],
                 quoted += 1
                 if figures(match) not in printable and match.group(0) not in NOT_IN_A_REPORT:
                     unmatched.append(f"{page.relative_to(ROOT)}:{number}: {match.group(0)}")
-    return quoted, unmatched
+    assert quoted > at_least, f"found only {quoted} quoted {what}: has the docs' format changed?"
+    assert not unmatched, f"{what} no results file holds ({how_to_fix}):\n" + "\n".join(unmatched)
 
 
 def _each_signed(match: re.Match[str]) -> tuple[str, ...]:
@@ -150,37 +153,28 @@ def _each_signed(match: re.Match[str]) -> tuple[str, ...]:
 
 def test_every_quoted_interval_is_in_a_results_file() -> None:
     assert _printable_intervals(), "no intervals under bench/results: the paired reports are missing"
-    quoted, unmatched = _unmatched(QUOTED, _printable_intervals(), _each_signed)
-    assert quoted > 100, f"found only {quoted} quoted intervals: has the docs' format changed?"
-    assert not unmatched, (
-        "intervals no results file holds (re-run bench/paired_report.py and quote its figure, rounded once "
-        "from the JSON, or commit the report that computed it):\n" + "\n".join(unmatched))
+    _assert_quotes_held(QUOTED, _printable_intervals(), _each_signed, 100, "intervals",
+                        "re-run bench/paired_report.py and quote its figure, rounded once from the JSON, "
+                        "or commit the report that computed it")
 
 
 def test_every_mean_quoted_with_its_interval_is_the_stored_one() -> None:
-    quoted, unmatched = _unmatched(QUOTED_WITH_MEAN, _printable_intervals(), _each_signed)
-    assert quoted > 50, f"found only {quoted} means quoted with an interval: has the docs' format changed?"
-    assert not unmatched, (
-        "a mean and interval that no results file holds together (quote the mean stored beside the "
-        "interval, rounded once):\n" + "\n".join(unmatched))
+    _assert_quotes_held(QUOTED_WITH_MEAN, _printable_intervals(), _each_signed, 50,
+                        "means with an interval", "quote the mean stored beside the interval, rounded once")
 
 
 def test_every_quoted_mean_and_spread_is_in_a_results_file() -> None:
-    quoted, unmatched = _unmatched(QUOTED_SPREAD, _printable_spreads(),
-                                   lambda match: (_signed(match[1] + match[2]), match[3]))
-    assert quoted > 200, f"found only {quoted} quoted mean ± std figures: has the docs' format changed?"
-    assert not unmatched, (
-        "mean ± std figures no results file holds (quote the report's mean and spread, rounded once from the "
-        "JSON; the matrix report's spread is the population std over seeds):\n" + "\n".join(unmatched))
+    _assert_quotes_held(QUOTED_SPREAD, _printable_spreads(),
+                        lambda match: (_signed(match[1] + match[2]), match[3]), 200, "mean ± std figures",
+                        "quote the report's mean and spread, rounded once from the JSON; the matrix "
+                        "report's spread is the population std over seeds")
 
 
 def test_every_quoted_difference_per_seed_is_a_stored_list() -> None:
-    quoted, unmatched = _unmatched(QUOTED_PER_SEED, _printable_per_seed(),
-                                   lambda match: tuple(map(_signed, SIGNED.findall(match[0]))))
-    assert quoted > 10, f"found only {quoted} quoted per-seed differences: has the docs' format changed?"
-    assert not unmatched, (
-        "per-seed differences no results file holds (quote the paired report's per_seed, each rounded once "
-        "from the JSON, not the difference of two rounded figures):\n" + "\n".join(unmatched))
+    _assert_quotes_held(QUOTED_PER_SEED, _printable_per_seed(),
+                        lambda match: tuple(map(_signed, SIGNED.findall(match[0]))), 10,
+                        "per-seed differences", "quote the paired report's per_seed, each rounded once "
+                        "from the JSON, not the difference of two rounded figures")
 
 
 def test_every_figure_not_in_a_report_is_still_quoted() -> None:
