@@ -1,4 +1,4 @@
-"""FedMA against FedAvg (and FedAvg + PANs) at equal traffic and at equal rounds, from the fedma matrix's runs.
+"""FedMA against FedAvg (and FedAvg + PANs) at equal traffic and at equal rounds, from a FedMA matrix's runs.
 
 FedMA's claim is communication efficiency: better accuracy than FedAvg at fewer bytes. For every
 FedMA run (one pass, three passes) this reads its final test accuracy, its total traffic (every
@@ -16,11 +16,13 @@ Where the matrix has the baseline's first rounds tested after every round (``fed
 seed, same trajectory) and FedMA's traffic falls within them, those evaluations are read instead,
 so the bounds are one round apart.
 
-Prints a table and writes ``bench/results/fedma_compare.json``: per (alpha, model, method) the mean
-and population std over seeds, every seed's figures, and FedMA minus the baseline at equal bytes and at
-equal rounds paired per seed with its 95 % t-interval (``bench/paired.py``).
+Prints a table and writes ``bench/results/NAME_compare.json``: per (cell, method) the mean and
+population std over seeds, every seed's figures, and FedMA minus the baseline at equal bytes and at
+equal rounds paired per seed with its 95 % t-interval (``bench/paired.py``). A cell is a run's group
+without its last axis, the method (``a0.5/cnn`` in the protocol's matrix).
 
-    python bench/fedma_compare.py [--results bench/results] [--baselines fedavg,fedavg+pan]
+    python bench/fedma_compare.py [--matrix fedma] [--results bench/results] [--baselines fedavg,fedavg+pan]
+    python bench/fedma_compare.py --matrix fedma_paper     # the paper's regime
 """
 
 from __future__ import annotations
@@ -90,28 +92,33 @@ def _gain(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where the fedma/ run files are")
+    parser.add_argument("--matrix", default="fedma",
+                        help="the matrix whose runs to read, RESULTS/MATRIX/*.json (default fedma; fedma_paper "
+                             "for the paper's regime)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the matrix's run directory is")
     parser.add_argument("--baselines", default="fedavg,fedavg+pan",
                         help="method labels to compare with, comma-separated (default fedavg,fedavg+pan)")
     args = parser.parse_args(argv)
-    runs: dict[tuple[str, str, str, int], dict[str, Any]] = {}
-    for path in sorted((args.results / "fedma").glob("*.json")):
+    runs_dir = args.results / args.matrix
+    runs: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for path in sorted(runs_dir.glob("*.json")):
         record = json.loads(path.read_text())
-        alpha, model, method = record["group"].split("/")   # the matrix axes: alpha, model, method
-        runs[(alpha, model, method, record["seed"])] = record
+        cell, _, method = record["group"].rpartition("/")   # the method is the matrix's last axis
+        runs[(cell, method, record["seed"])] = record
+    if not runs:
+        parser.error(f"no run files in {runs_dir}: run bench/run_matrix.py bench/matrices/{args.matrix}.toml first")
     out: list[dict[str, Any]] = []
-    print("| alpha | model | FedMA | vs | seeds | FedMA accuracy | its total MB | baseline at equal bytes "
+    print("| cell | FedMA | vs | seeds | FedMA accuracy | its total MB | baseline at equal bytes "
           "(evaluations before; after) | baseline at equal rounds | baseline MB to FedMA's accuracy "
           "| FedMA minus baseline at equal bytes, paired (95 % interval) | same at equal rounds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (alpha, model, method, seed), record in sorted(runs.items()):
-        if not method.startswith("fedma") or seed != min(s for a, m, k, s in runs if (a, m, k) == (alpha, model, method)):
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (cell, method, seed), record in sorted(runs.items()):
+        if not method.startswith("fedma") or seed != min(s for c, k, s in runs if (c, k) == (cell, method)):
             continue
         for baseline in args.baselines.split(","):
-            pairs = [compare(runs[(alpha, model, method, s)], runs[(alpha, model, baseline, s)],
-                             runs.get((alpha, model, f"{baseline}-early", s)))
-                     for a, m, k, s in sorted(runs) if (a, m, k) == (alpha, model, method)
-                     and (alpha, model, baseline, s) in runs]
+            pairs = [compare(runs[(cell, method, s)], runs[(cell, baseline, s)],
+                             runs.get((cell, f"{baseline}-early", s)))
+                     for c, k, s in sorted(runs) if (c, k) == (cell, method) and (cell, baseline, s) in runs]
             if not pairs:
                 continue
             keys = ("fedma_accuracy", "fedma_bytes", "baseline_accuracy_at_equal_bytes",
@@ -121,18 +128,18 @@ def main(argv: list[str] | None = None) -> int:
             seeds = [p["seed"] for p in pairs]
             gains = {f"paired_at_equal_{at}": paired([p["fedma_accuracy"] - p[f"baseline_accuracy_at_equal_{at}"]
                                                       for p in pairs], seeds).as_dict() for at in ("bytes", "rounds")}
-            out.append({"alpha": alpha, "model": model, "method": method, "baseline": baseline,
+            out.append({"cell": cell, "method": method, "baseline": baseline,
                         "seeds": seeds, "summary": summary, **gains, "per_seed": pairs})
-            cell = lambda k, scale, fmt: ("-" if summary[k] is None else   # noqa: E731
+            figure = lambda k, scale, fmt: ("-" if summary[k] is None else   # noqa: E731
                                           f"{summary[k]['mean'] * scale:{fmt}} ± {summary[k]['std'] * scale:{fmt}}")
-            print(f"| {alpha} | {model} | {method} | {baseline} | {len(pairs)} | {cell('fedma_accuracy', 100, '.2f')} "
-                  f"| {cell('fedma_bytes', 1e-6, '.1f')} | {cell('baseline_accuracy_at_equal_bytes', 100, '.2f')} "
-                  f"({cell('baseline_accuracy_before_equal_bytes', 100, '.2f')}; "
-                  f"{cell('baseline_accuracy_after_equal_bytes', 100, '.2f')}) "
-                  f"| {cell('baseline_accuracy_at_equal_rounds', 100, '.2f')} "
-                  f"| {cell('baseline_bytes_to_fedma_accuracy', 1e-6, '.1f')} "
+            print(f"| {cell} | {method} | {baseline} | {len(pairs)} | {figure('fedma_accuracy', 100, '.2f')} "
+                  f"| {figure('fedma_bytes', 1e-6, '.1f')} | {figure('baseline_accuracy_at_equal_bytes', 100, '.2f')} "
+                  f"({figure('baseline_accuracy_before_equal_bytes', 100, '.2f')}; "
+                  f"{figure('baseline_accuracy_after_equal_bytes', 100, '.2f')}) "
+                  f"| {figure('baseline_accuracy_at_equal_rounds', 100, '.2f')} "
+                  f"| {figure('baseline_bytes_to_fedma_accuracy', 1e-6, '.1f')} "
                   f"| {_gain(gains['paired_at_equal_bytes'])} | {_gain(gains['paired_at_equal_rounds'])} |")
-    write_result(args.results / "fedma_compare.json", {
+    write_result(args.results / f"{args.matrix}_compare.json", {
         "definitions": {
             "fedma_bytes": "bytes_down + bytes_up over all of the FedMA run's phases",
             "baseline_accuracy_at_equal_bytes": "the baseline's test accuracy at the same cumulative traffic, "
