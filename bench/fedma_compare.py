@@ -60,6 +60,8 @@ def compare(fedma: dict[str, Any], base: dict[str, Any], early: dict[str, Any] |
     full = _curve(base["rows"])
     fine = _curve(early["rows"]) if early is not None else None
     rounds_b, bytes_b, acc_b = fine if fine is not None and spent <= fine[1][-1] else full
+    # at equal rounds likewise: the finer curve only where it reaches as many rounds as FedMA had phases
+    rounds_p, _, acc_p = fine if fine is not None and phases <= fine[0][-1] else full
     # where the baseline first reaches FedMA's accuracy: in the finer curve when it gets there
     rounds_r, bytes_r, acc_r = fine if fine is not None and (fine[2] >= final).any() else full
     reached = np.flatnonzero(acc_r >= final)
@@ -69,7 +71,7 @@ def compare(fedma: dict[str, Any], base: dict[str, Any], early: dict[str, Any] |
         "baseline_accuracy_at_equal_bytes": float(np.interp(spent, bytes_b, acc_b)),
         "baseline_accuracy_before_equal_bytes": float(acc_b[before]),
         "baseline_accuracy_after_equal_bytes": float(acc_b[after[0]]) if len(after) else None,
-        "baseline_accuracy_at_equal_rounds": float(np.interp(phases, rounds_b, acc_b)),
+        "baseline_accuracy_at_equal_rounds": float(np.interp(phases, rounds_p, acc_p)),
         "baseline_final_accuracy": float(acc_b[-1]),
         "baseline_bytes_to_fedma_accuracy": float(bytes_r[reached[0]]) if len(reached) else None,
         "baseline_rounds_to_fedma_accuracy": int(rounds_r[reached[0]]) if len(reached) else None,
