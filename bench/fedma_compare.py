@@ -52,31 +52,43 @@ def _curve(rows: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return r, b, a
 
 
-def compare(fedma: dict[str, Any], base: dict[str, Any], early: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One FedMA run against its seed's baseline run; ``early``: the same baseline's first rounds tested
-    after every round, read instead where FedMA's traffic falls within them."""
-    _, bytes_m, acc_m = _curve(fedma["rows"])
-    final, spent, phases = float(acc_m[-1]), float(bytes_m[-1]), int(fedma["rounds"])
-    full = _curve(base["rows"])
-    fine = _curve(early["rows"]) if early is not None else None
+def _baseline_at(spent: float, phases: int, full: tuple[np.ndarray, ...],
+                 fine: tuple[np.ndarray, ...] | None) -> dict[str, float | None]:
+    """The baseline at FedMA's traffic ``spent`` and after as many rounds as FedMA's ``phases``, read from
+    the finer curve (tested every round) where it reaches that far, else from the full run."""
     rounds_b, bytes_b, acc_b = fine if fine is not None and spent <= fine[1][-1] else full
-    # at equal rounds likewise: the finer curve only where it reaches as many rounds as FedMA had phases
     rounds_p, _, acc_p = fine if fine is not None and phases <= fine[0][-1] else full
-    # where the baseline first reaches FedMA's accuracy: in the finer curve when it gets there
-    rounds_r, bytes_r, acc_r = fine if fine is not None and (fine[2] >= final).any() else full
-    reached = np.flatnonzero(acc_r >= final)
     before, after = np.flatnonzero(bytes_b <= spent)[-1], np.flatnonzero(bytes_b >= spent)
     return {
-        "seed": fedma["seed"], "fedma_accuracy": final, "fedma_bytes": spent, "fedma_phases": phases,
         "baseline_accuracy_at_equal_bytes": float(np.interp(spent, bytes_b, acc_b)),
         "baseline_accuracy_before_equal_bytes": float(acc_b[before]),
         "baseline_accuracy_after_equal_bytes": float(acc_b[after[0]]) if len(after) else None,
         "baseline_accuracy_at_equal_rounds": float(np.interp(phases, rounds_p, acc_p)),
-        "baseline_final_accuracy": float(acc_b[-1]),
+    }
+
+
+def compare(fedma: dict[str, Any], base: dict[str, Any], early: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One FedMA run against its seed's baseline run, at its end and at each of its evaluations (a
+    pass's end, when the matrix tests only those); ``early``: the same baseline's first rounds tested
+    after every round, read instead where FedMA's traffic falls within them."""
+    rounds_m, bytes_m, acc_m = _curve(fedma["rows"])
+    final, spent, phases = float(acc_m[-1]), float(bytes_m[-1]), int(fedma["rounds"])
+    full = _curve(base["rows"])
+    fine = _curve(early["rows"]) if early is not None else None
+    # where the baseline first reaches FedMA's accuracy: in the finer curve when it gets there
+    rounds_r, bytes_r, acc_r = fine if fine is not None and (fine[2] >= final).any() else full
+    reached = np.flatnonzero(acc_r >= final)
+    return {
+        "seed": fedma["seed"], "fedma_accuracy": final, "fedma_bytes": spent, "fedma_phases": phases,
+        **_baseline_at(spent, phases, full, fine),
+        "baseline_final_accuracy": float(full[2][-1]),
         "baseline_bytes_to_fedma_accuracy": float(bytes_r[reached[0]]) if len(reached) else None,
         "baseline_rounds_to_fedma_accuracy": int(rounds_r[reached[0]]) if len(reached) else None,
         "widths": (fedma.get("summary") or {}).get("fedma_final_widths"),
         "match_seconds": (fedma.get("summary") or {}).get("fedma_match_seconds"),
+        "evaluations": [{"phase": int(r), "fedma_accuracy": float(a), "fedma_bytes": float(b),
+                         **_baseline_at(float(b), int(r), full, fine)}
+                        for r, b, a in zip(rounds_m, bytes_m, acc_m) if r > 0],
     }
 
 
@@ -92,6 +104,35 @@ def _gain(result: dict[str, Any]) -> str:
                                              f" [{interval[0] * 100:+.2f}, {interval[1] * 100:+.2f}]")
 
 
+SUMMARY_KEYS = ("fedma_accuracy", "fedma_bytes", "baseline_accuracy_at_equal_bytes",
+                "baseline_accuracy_before_equal_bytes", "baseline_accuracy_after_equal_bytes",
+                "baseline_accuracy_at_equal_rounds", "baseline_bytes_to_fedma_accuracy")
+
+
+def _summary(figures: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """Each figure's mean and spread over seeds, and FedMA minus the baseline at equal bytes and at equal
+    rounds paired per seed: the same for a run's end as for one of its evaluations."""
+    return {"summary": {k: _stats([f.get(k) for f in figures]) for k in SUMMARY_KEYS},
+            **{f"paired_at_equal_{at}": paired([f["fedma_accuracy"] - f[f"baseline_accuracy_at_equal_{at}"]
+                                                for f in figures], seeds).as_dict() for at in ("bytes", "rounds")}}
+
+
+def _table_row(cell: str, method: str, baseline: str, phase: int, n: int, result: dict[str, Any]) -> str:
+    summary = result["summary"]
+
+    def figure(key: str, scale: float, fmt: str) -> str:
+        stats = summary[key]
+        return "-" if stats is None else f"{stats['mean'] * scale:{fmt}} ± {stats['std'] * scale:{fmt}}"
+
+    return (f"| {cell} | {method} | {baseline} | {phase} | {n} | {figure('fedma_accuracy', 100, '.2f')} "
+            f"| {figure('fedma_bytes', 1e-6, '.1f')} | {figure('baseline_accuracy_at_equal_bytes', 100, '.2f')} "
+            f"({figure('baseline_accuracy_before_equal_bytes', 100, '.2f')}; "
+            f"{figure('baseline_accuracy_after_equal_bytes', 100, '.2f')}) "
+            f"| {figure('baseline_accuracy_at_equal_rounds', 100, '.2f')} "
+            f"| {figure('baseline_bytes_to_fedma_accuracy', 1e-6, '.1f')} "
+            f"| {_gain(result['paired_at_equal_bytes'])} | {_gain(result['paired_at_equal_rounds'])} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--matrix", default="fedma",
@@ -100,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the matrix's run directory is")
     parser.add_argument("--baselines", default="fedavg,fedavg+pan",
                         help="method labels to compare with, comma-separated (default fedavg,fedavg+pan)")
+    parser.add_argument("--each-evaluation", action="store_true",
+                        help="also print a row for each of FedMA's evaluations before its end (a pass's end "
+                             "when the matrix tests only those); the JSON always holds them")
     args = parser.parse_args(argv)
     runs_dir = args.results / args.matrix
     runs: dict[tuple[str, str, int], dict[str, Any]] = {}
@@ -110,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         parser.error(f"no run files in {runs_dir}: run bench/run_matrix.py bench/matrices/{args.matrix}.toml first")
     out: list[dict[str, Any]] = []
-    print("| cell | FedMA | vs | seeds | FedMA accuracy | its total MB | baseline at equal bytes "
+    print("| cell | FedMA | vs | phase | seeds | FedMA accuracy | its total MB | baseline at equal bytes "
           "(evaluations before; after) | baseline at equal rounds | baseline MB to FedMA's accuracy "
           "| FedMA minus baseline at equal bytes, paired (95 % interval) | same at equal rounds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (cell, method, seed), record in sorted(runs.items()):
         if not method.startswith("fedma") or seed != min(s for c, k, s in runs if (c, k) == (cell, method)):
             continue
@@ -123,24 +167,16 @@ def main(argv: list[str] | None = None) -> int:
                      for c, k, s in sorted(runs) if (c, k) == (cell, method) and (cell, baseline, s) in runs]
             if not pairs:
                 continue
-            keys = ("fedma_accuracy", "fedma_bytes", "baseline_accuracy_at_equal_bytes",
-                    "baseline_accuracy_before_equal_bytes", "baseline_accuracy_after_equal_bytes",
-                    "baseline_accuracy_at_equal_rounds", "baseline_bytes_to_fedma_accuracy")
-            summary = {k: _stats([p[k] for p in pairs]) for k in keys}
             seeds = [p["seed"] for p in pairs]
-            gains = {f"paired_at_equal_{at}": paired([p["fedma_accuracy"] - p[f"baseline_accuracy_at_equal_{at}"]
-                                                      for p in pairs], seeds).as_dict() for at in ("bytes", "rounds")}
-            out.append({"cell": cell, "method": method, "baseline": baseline,
-                        "seeds": seeds, "summary": summary, **gains, "per_seed": pairs})
-            figure = lambda k, scale, fmt: ("-" if summary[k] is None else   # noqa: E731
-                                          f"{summary[k]['mean'] * scale:{fmt}} ± {summary[k]['std'] * scale:{fmt}}")
-            print(f"| {cell} | {method} | {baseline} | {len(pairs)} | {figure('fedma_accuracy', 100, '.2f')} "
-                  f"| {figure('fedma_bytes', 1e-6, '.1f')} | {figure('baseline_accuracy_at_equal_bytes', 100, '.2f')} "
-                  f"({figure('baseline_accuracy_before_equal_bytes', 100, '.2f')}; "
-                  f"{figure('baseline_accuracy_after_equal_bytes', 100, '.2f')}) "
-                  f"| {figure('baseline_accuracy_at_equal_rounds', 100, '.2f')} "
-                  f"| {figure('baseline_bytes_to_fedma_accuracy', 1e-6, '.1f')} "
-                  f"| {_gain(gains['paired_at_equal_bytes'])} | {_gain(gains['paired_at_equal_rounds'])} |")
+            # every seed of a FedMA row is tested at the same phases: pair them evaluation by evaluation
+            evaluations = [{"phase": each[0]["phase"], **_summary(list(each), seeds)}
+                           for each in zip(*(p["evaluations"] for p in pairs))]
+            result = {"cell": cell, "method": method, "baseline": baseline, "seeds": seeds,
+                      **_summary(pairs, seeds), "evaluations": evaluations, "per_seed": pairs}
+            out.append(result)
+            for evaluation in evaluations[:-1] if args.each_evaluation else []:
+                print(_table_row(cell, method, baseline, evaluation["phase"], len(pairs), evaluation))
+            print(_table_row(cell, method, baseline, pairs[0]["fedma_phases"], len(pairs), result))
     write_result(args.results / f"{args.matrix}_compare.json", {
         "definitions": {
             "fedma_bytes": "bytes_down + bytes_up over all of the FedMA run's phases",

@@ -54,3 +54,14 @@ def test_equal_rounds_beyond_the_early_run_read_the_full_run() -> None:
     result = compare(fedma, FULL, EARLY)
     assert result["baseline_accuracy_at_equal_bytes"] == pytest.approx(0.1 + 0.07 * 5.4)
     assert result["baseline_accuracy_at_equal_rounds"] == pytest.approx(0.88 + 0.01 * 2 / 5)   # between rounds 25 and 30
+
+
+def test_each_evaluation_is_compared_at_its_own_traffic() -> None:
+    fedma = _run({3: 0.5, 6: 0.7}, 6, 5_000_000)     # 15 MB after 3 phases, 30 MB after 6
+    evaluations = compare(fedma, FULL, EARLY)["evaluations"]
+    assert [(e["phase"], e["fedma_bytes"], e["fedma_accuracy"]) for e in evaluations] == \
+        [(3, 15_000_000, 0.5), (6, 30_000_000, 0.7)]
+    assert [e["baseline_accuracy_at_equal_bytes"] for e in evaluations] == \
+        pytest.approx([0.1 + 0.07 * 1.5, 0.1 + 0.07 * 3])
+    assert [e["baseline_accuracy_at_equal_rounds"] for e in evaluations] == \
+        pytest.approx([0.1 + 0.07 * 3, 0.1 + 0.07 * 6])
