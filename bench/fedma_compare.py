@@ -12,6 +12,10 @@ round's ``bytes_down + bytes_up``) and its phases, and the same seed's FedAvg ru
   the same way;
 * the bytes FedAvg needed to first reach FedMA's final accuracy (first evaluation at or above it).
 
+The same equal-bytes and equal-rounds figures are read at each of FedMA's evaluations before its end
+(``evaluations``; in the paper-regime matrix each pass's end), since the claim is about the whole curve
+and not only its last point.
+
 Where the matrix has the baseline's first rounds tested after every round (``fedavg-early``, same
 seed, same trajectory) and FedMA's traffic falls within them, those evaluations are read instead,
 so the bounds are one round apart.
@@ -22,7 +26,7 @@ equal rounds paired per seed with its 95 % t-interval (``bench/paired.py``). A c
 without its last axis, the method (``a0.5/cnn`` in the protocol's matrix).
 
     python bench/fedma_compare.py [--matrix fedma] [--results bench/results] [--baselines fedavg,fedavg+pan]
-    python bench/fedma_compare.py --matrix fedma_paper     # the paper's regime
+    python bench/fedma_compare.py --matrix fedma_paper --each-evaluation     # the paper's regime, per pass
 """
 
 from __future__ import annotations
