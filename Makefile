@@ -9,6 +9,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+# Test processes (pytest-xdist). Two fit a two-core machine: the suite's time goes to waiting on
+# brokers and client processes as much as to computing. TEST_WORKERS=0 runs every test in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast install system-deps bench clean check-wheels
 
@@ -40,13 +43,13 @@ system-deps:
 	fi
 
 test: install system-deps
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # Everything but the integration tier (tests that start a broker, a process or a federated run;
 # tests/conftest.py marks them): a couple of minutes on two cores. Needs neither Mosquitto nor the
 # Fashion-MNIST files.
 test-fast: install
-	$(BIN)/python -m pytest -m "not integration"
+	$(BIN)/python -m pytest -m "not integration" -n $(TEST_WORKERS)
 
 bench: install
 	$(BIN)/python bench/fedavg_fashion.py
