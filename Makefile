@@ -12,6 +12,7 @@ TORCH_VERSION ?= 2.13.0
 # Test processes (pytest-xdist). Two fit a two-core machine: the suite's time goes to waiting on
 # brokers and client processes as much as to computing. TEST_WORKERS=0 runs every test in one process.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 .PHONY: demo test test-fast install system-deps bench clean check-wheels
 
@@ -43,13 +44,13 @@ system-deps:
 	fi
 
 test: install system-deps
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(PYTEST)
 
 # Everything but the integration tier (tests that start a broker, a process or a federated run;
-# tests/conftest.py marks them): a couple of minutes on two cores. Needs neither Mosquitto nor the
+# tests/conftest.py marks them): about a minute on two cores. Needs neither Mosquitto nor the
 # Fashion-MNIST files.
 test-fast: install
-	$(BIN)/python -m pytest -m "not integration" -n $(TEST_WORKERS)
+	$(PYTEST) -m "not integration"
 
 bench: install
 	$(BIN)/python bench/fedavg_fashion.py
