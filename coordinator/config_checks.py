@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SAMPLINGS, SELECTIONS,
-                                         SPENT_DEVICES, CodecSection, TransportSection)
+                                         SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from edge_client.device import DeviceError, resolve_device
@@ -155,7 +155,9 @@ def _async_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (0 <= a.concurrency <= config.clients.expected,
          f"async.concurrency must be between 0 (clients.per_round) and clients.expected, got {a.concurrency}"),
         (a.buffer_size >= 0, f"async.buffer_size must be >= 0 (0: half of async.concurrency), got {a.buffer_size}"),
-        (a.max_staleness >= 0, f"async.max_staleness must be >= 0, got {a.max_staleness}"),
+        (a.weighting in WEIGHTINGS, f"async.weighting must be one of {', '.join(WEIGHTINGS)} (fedbuff: FedBuff's "
+         f"discounted sum over the buffer's count; normalized: the sample-weighted mean), got {a.weighting!r}"),
+        (a.max_staleness >= 0, f"async.max_staleness must be >= 0 (0: no limit), got {a.max_staleness}"),
         (a.staleness_exponent >= 0, f"async.staleness_exponent must be >= 0, got {a.staleness_exponent}"),
         (a.server_lr > 0, f"async.server_lr must be > 0, got {a.server_lr}"),
         (config.workers.count == 0, f"{need} workers.count = 0: aggregation workers fold one round's results"),

@@ -16,12 +16,14 @@ from edge_client.hyper import LocalTraining
 
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
-           "AsyncSection", "MODES", "SelectionSection", "PrivacySection", "PRIVACY_MODES", "SecAggSection",
-           "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SAMPLINGS", "SPENT_DEVICES"]
+           "AsyncSection", "MODES", "WEIGHTINGS", "SelectionSection", "PrivacySection", "PRIVACY_MODES",
+           "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SAMPLINGS",
+           "SPENT_DEVICES"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 SELECTIONS = ("random", "deadline", "profile")   # clients.selection (coordinator/runtime/selection.py)
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
+WEIGHTINGS = ("fedbuff", "normalized")   # async.weighting: how a buffer combines its results (async_buffer.py)
 
 
 @dataclass(frozen=True)
@@ -180,10 +182,14 @@ class AsyncSection:
     without waiting for each other; every ``buffer_size`` results make the next model version."""
 
     concurrency: int = 0            # devices training at once; 0: clients.per_round
-    buffer_size: int = 0            # results per model version; 0: half the concurrency (at least 1)
-    max_staleness: int = 10         # results more versions behind than this are dropped (and counted)
-    staleness_exponent: float = 0.5  # a result s versions behind weighs (1 + s) ** -staleness_exponent
-    server_lr: float = 1.0          # scales the buffer's combined update before the strategy's server step
+    buffer_size: int = 0            # results per model version (FedBuff's K); 0: half the concurrency (at least 1)
+    # fedbuff: the sum of the deltas, each times its staleness discount, over the buffer's count (FedBuff as
+    # published); normalized: sample-weighted and discounted, over the total weight (the discount cancels
+    # when every result is equally stale)
+    weighting: str = "fedbuff"
+    max_staleness: int = 0          # results more versions behind than this are dropped (and counted); 0: none
+    staleness_exponent: float = 0.5  # a result s versions behind is discounted by (1 + s) ** -staleness_exponent
+    server_lr: float = 1.0          # FedBuff's server learning rate: scales the buffer's update before server_step
 
     def sizes(self, selected_per_round: int) -> tuple[int, int]:
         """(concurrency, buffer size) with the defaults resolved."""

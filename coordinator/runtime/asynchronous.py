@@ -1,10 +1,10 @@
-"""Asynchronous buffered aggregation (``run.mode = "async"``, FedBuff-style; docs/async.md).
+"""Asynchronous buffered aggregation (``run.mode = "async"``, FedBuff; docs/async.md).
 
 Rounds wait for their slowest device; here nobody waits. Up to ``async.concurrency`` devices
 train at once, each from the model version that was current when it got its task; every result
-is folded into a buffer with a weight discounted by its staleness (:mod:`async_buffer`), and
-every ``async.buffer_size`` results the strategy's ``server_step`` makes the next version. A
-version is what a round is elsewhere: ``run.rounds`` counts them, ``eval.every`` applies to
+is folded into a buffer discounted by its staleness (:mod:`async_buffer`), and every
+``async.buffer_size`` results, never more, the strategy's ``server_step`` makes the next version
+from them. A version is what a round is elsewhere: ``run.rounds`` counts them, ``eval.every`` applies to
 them, each has one row in ``metrics.jsonl`` and one checkpoint.
 
 The driver reuses the round engine's parts as they are: the sampler draws idle devices (those in
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from coordinator.runtime.async_buffer import AsyncBuffer
+from coordinator.runtime.async_buffer import AsyncBuffer, Batch
 from coordinator.runtime.bookkeeping import snapshot
 from coordinator.runtime.guards import check_finite
 from coordinator.runtime.round_book import RoundBook, RoundNotes, Tally
@@ -74,7 +74,9 @@ class AsyncRun:
         clients = dataclasses.replace(c.clients, per_round=self.concurrency, min_results=0)
         self.sampler = Sampler(dataclasses.replace(c, clients=clients), coordinator.absences,
                                coordinator.round_times, coordinator.device_book)
-        self.buffer, coordinator.state, before = AsyncBuffer.taken_from(coordinator.state)
+        s = self.settings
+        self.buffer, coordinator.state, before = AsyncBuffer.taken_from(coordinator.state, self.buffer_size,
+                                                                        s.weighting, s.staleness_exponent)
         if before and coordinator.started_after:
             log.info("%d task(s) were in flight when the run stopped: their results, if they come, count as late "
                      "(the models they trained from are not kept)", len(before))
@@ -83,7 +85,7 @@ class AsyncRun:
         self.given = self.dropped = self._draws = 0   # this version's tasks, stale drops and sampler draws
         self._started = time.monotonic()
         self._idle_since: float | None = None
-        self._making: tuple[ServerState, AsyncBuffer] | None = None   # the state and buffer a new version came from
+        self._making: tuple[ServerState, Batch] | None = None   # the state and batch a new version came from
 
     # -- the loop -----------------------------------------------------------------
     def run(self, last: int, complete: Complete) -> None:
@@ -95,7 +97,7 @@ class AsyncRun:
         try:
             while co.state.round < last:
                 self._step()
-                if self.buffer.count >= self.buffer_size:
+                while self.buffer.due() and co.state.round < last:
                     complete(*self._make_version())
                     self._making = None
         except BaseException:
@@ -118,8 +120,9 @@ class AsyncRun:
         """The version in progress as the live report shows an exchange: results buffered of those needed."""
         tally = self.book.tally
         return {"kind": "exchange", "round": self.co.state.round + 1, "phase": "train", "attempt": 1,
-                "results": self.buffer.count, "selected": self.buffer_size, "bytes_down": tally.bytes_down,
-                "bytes_up": tally.bytes_up, "started": self._started, "timeout": self.co.config.clients.round_timeout}
+                "results": min(self.buffer.count, self.buffer_size), "selected": self.buffer_size,
+                "bytes_down": tally.bytes_down, "bytes_up": tally.bytes_up, "started": self._started,
+                "timeout": self.co.config.clients.round_timeout}
 
     # -- tasks ----------------------------------------------------------------------
     def _fill(self) -> None:
@@ -161,16 +164,18 @@ class AsyncRun:
             self.co.on_progress(event)
 
     def _take(self, flight: Flight, result: ClientResult) -> dict[str, Any] | None:
-        """Fold a result into the buffer, or drop it as too stale; what the progress hears of it."""
-        co = self.co
-        staleness = co.state.round - flight.version
-        if staleness > self.settings.max_staleness:
+        """Fold a result into the buffer, or drop it as too stale (``async.max_staleness``, 0: never); what the
+        progress hears of it. Its staleness is counted against the version it will meet: past the full batches
+        waiting ahead of it."""
+        co, limit = self.co, self.settings.max_staleness
+        staleness = self.buffer.staleness(flight.version, co.state.round)
+        if limit and staleness > limit:
             self.dropped += 1
             log.info("dropped the result of %s: trained from version %d, %d versions behind (async.max_staleness "
-                     "%d)", flight.client_id, flight.version, staleness, self.settings.max_staleness)
+                     "%d)", flight.client_id, flight.version, staleness, limit)
             return None
         try:
-            self.buffer.add(result, staleness, self.settings.staleness_exponent)
+            self.buffer.add(result, staleness)
         except AggregationError as exc:
             co.intake.count("rejected", flight.client_id, f"cannot aggregate this result: {exc}")
             return None
@@ -199,22 +204,23 @@ class AsyncRun:
 
     # -- versions ---------------------------------------------------------------------
     def _make_version(self) -> tuple[dict[str, Any], ServerState]:
-        """The strategy's server step on the buffer's update: the next version, its row and what to checkpoint."""
+        """The strategy's server step on the first batch's update: the next version, its row, what to checkpoint."""
         co = self.co
         version = co.state.round + 1
-        state = self.strategy.server_step(version, co.state, self.buffer.update(self.settings.server_lr))
+        batch = self.buffer.take()
+        self._making = (co.state, batch)   # until the version is checkpointed: a stop goes back to these
+        state = self.strategy.server_step(version, co.state, batch.update(self.settings.server_lr))
         check_finite(state, version, "train", co.config.aggregate.rule)
         now = time.monotonic()
         tally, model_bytes = self.book.tally, co.fp32_model_bytes
-        row = {"round": version, "version": version, **self.buffer.columns(),
-               "returned": self.buffer.count + self.dropped, "dropped_stale": self.dropped,
+        row = {"round": version, "version": version, **batch.columns(),
+               "returned": batch.count + self.dropped, "dropped_stale": self.dropped,
                "in_flight": len(self.flights), "selected": self.given, **tally.row(),
                "bytes_per_client": co.intake.notes.bytes_per_client(),
                "fp32_bytes_down": model_bytes * self.given,
-               "fp32_bytes_up": model_bytes * (self.buffer.count + self.dropped), **co.lr_columns(version),
+               "fp32_bytes_up": model_bytes * (batch.count + self.dropped), **co.lr_columns(version),
                "seconds": now - self._started}
-        self._making = (co.state, self.buffer)   # until the version is checkpointed: a stop goes back to these
-        co.state, self.buffer = state, AsyncBuffer()
+        co.state = state
         self.given = self.dropped = self._draws = 0
         self.book.tally, co.intake.notes, self._started = Tally(), RoundNotes(), now
         if co.evaluates(version):   # here and now: the checkpoint of a version is written before the next one
@@ -229,10 +235,12 @@ class AsyncRun:
 
     def _save_buffer(self) -> None:
         """On a stop: the last version's checkpoint again, now with the results buffered since (never lost).
-        A stop while a new version was being evaluated or written goes back to the state and buffer it came
-        from: that version has no row and no checkpoint, so a resumed run makes it again from them."""
+        A stop while a new version was being made, evaluated or written goes back to the state and batch it
+        came from: that version has no row and no checkpoint, so a resumed run makes it again from them.
+        Results taken meanwhile go to the batches after it, never into it."""
         if self._making is not None:
-            self.co.state, self.buffer = self._making
+            self.co.state, batch = self._making
+            self.buffer.put_back(batch)
             self._making = None
         self._harvest(report=False)   # results the intake acknowledged while the stop came
         if not self.buffer.count or not self.buffer.finite():   # a NaN buffer would make the checkpoint unreadable

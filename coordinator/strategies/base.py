@@ -89,16 +89,29 @@ class ClientResult:
 
 @dataclass(frozen=True)
 class WeightedSum:
-    """A partial aggregate: sum of weight * tensor (float64) and the total weight."""
+    """A partial aggregate: sum of weight * tensor (float64) and the divisor of its mean.
+
+    The divisor is the total weight (a weighted mean) unless the parts were given another share of it
+    (:meth:`of`); either way parts add up associatively.
+    """
 
     sums: dict[str, torch.Tensor]
-    weight: float
+    weight: float     # the divisor of :meth:`mean`: the total weight, or the total of the shares given
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor], weight: float) -> "WeightedSum":
+    def of(cls, tensors: Mapping[str, torch.Tensor], weight: float, share: float | None = None) -> "WeightedSum":
+        """``weight * tensors``, adding ``share`` (``weight`` unless given) to the divisor of :meth:`mean`.
+
+        A weighted mean counts each part by its weight in both places. A rule that scales each part but
+        divides by how many there are, as FedBuff's buffer does (coordinator/runtime/async_buffer.py),
+        gives every part share 1: the mean is then the scaled sum over the count.
+        """
+        share = weight if share is None else share
         if not weight > 0:
             raise AggregationError(f"a result needs a positive weight, got {weight}")
-        return cls({k: v.to(torch.float64) * weight for k, v in tensors.items()}, float(weight))
+        if not share > 0:
+            raise AggregationError(f"a result needs a positive share of the divisor, got {share}")
+        return cls({k: v.to(torch.float64) * weight for k, v in tensors.items()}, float(share))
 
     def __add__(self, other: "WeightedSum") -> "WeightedSum":
         if self.sums.keys() != other.sums.keys():
