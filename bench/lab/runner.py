@@ -14,6 +14,7 @@ from typing import Any
 from lab import processes
 from lab.fleet import torch_threads
 from lab.lab import Lab
+from lab.memory import device_memory, device_profile_peaks, memory_by_class, read_status, status_peak
 from lab.policies import POLICIES, coordinator_config, toml_text
 from lab.results import accounting, accuracy_curve, contributors, outcome_counts, read_jsonl, training_start
 from lab.schedule import Scheduler, timeline
@@ -72,6 +73,7 @@ def _watch(lab: Lab, policy: str, coordinators: list[subprocess.Popen], clients:
     """Follow the run until the coordinator exits or the budget is spent. The budget counts from when
     training began: how long emulated devices take to import torch is the same for every policy."""
     started, seen, enforced, exits, status = time.monotonic(), {}, {}, {}, "completed"
+    proc_peaks: dict[str, int] = {}   # per device, the largest resident size /proc showed for its client
     budget, restart_after, restarts = lab.options.budget, lab.options.restart_after, []
     while coordinators[-1].poll() is None:
         now = time.monotonic() - started
@@ -86,6 +88,10 @@ def _watch(lab: Lab, policy: str, coordinators: list[subprocess.Popen], clients:
         for device, proc in clients.items():
             if device not in enforced and proc.poll() is None and now > 1.0:
                 enforced[device] = _enforced(lab, device, proc)
+            if proc.poll() is None:   # the pid is the client's once `sh` and `ip netns exec` have exec'd it
+                peak = status_peak(read_status(proc.pid))
+                if peak:
+                    proc_peaks[device] = max(peak, proc_peaks.get(device, 0))
             if device not in exits and proc.poll() is not None:
                 exits[device] = {"code": proc.returncode, "t": round(now, 2)}
                 if proc.returncode != 0:
@@ -99,21 +105,24 @@ def _watch(lab: Lab, policy: str, coordinators: list[subprocess.Popen], clients:
             coordinators[-1].send_signal(signal.SIGINT)
         time.sleep(0.5)
     return {"seen": seen, "enforced": enforced, "exits": exits, "status": status, "restarts": restarts,
-            "wall_clock_s": round(time.monotonic() - started, 2)}
+            "proc_peaks": proc_peaks, "wall_clock_s": round(time.monotonic() - started, 2)}
 
 
 def _device_rows(lab: Lab, before: dict[str, dict[str, int]], watched: dict[str, Any],
-                 clients: dict[str, subprocess.Popen]) -> dict[str, Any]:
+                 clients: dict[str, subprocess.Popen], base: Path) -> dict[str, Any]:
+    """Per device: its limits, exit, OOM kills, and its memory twice: the cgroup's peak and the client
+    process's peak RSS (lab/memory.py says why they differ)."""
     rows = {}
     for d in lab.fleet.devices:
         after = lab.cgroups.memory_events(d.id)
         code = clients[d.id].returncode
         oom = after.get("oom_kill", 0) - before[d.id].get("oom_kill", 0)
+        profiles = device_profile_peaks(base / "run", base / "state" / d.id, d.id)
         rows[d.id] = {"class": d.klass, "cpu_share": d.cpu_share, "memory_bytes": d.memory_bytes,
                       "exit_code": code, "exited_at_s": (watched["exits"].get(d.id) or {}).get("t"),
                       "oom_kills": oom, "memory_limit_hits": after.get("failcnt", 0) - before[d.id].get("failcnt", 0),
-                      "memory_peak_bytes": after.get("peak_bytes"), "oom_killed": oom > 0,
-                      "enforced": watched["enforced"].get(d.id)}
+                      **device_memory(after.get("peak_bytes"), profiles, watched["proc_peaks"].get(d.id)),
+                      "oom_killed": oom > 0, "enforced": watched["enforced"].get(d.id)}
     return rows
 
 
@@ -151,6 +160,7 @@ def run_policy(lab: Lab, policy: str) -> dict[str, Any]:
     error = "" if coordinator.returncode in (0, 130) else \
         (base / "coordinator.log").read_text(errors="replace").strip().splitlines()[-1:]
     classes = {d.id: d.klass for d in lab.fleet.devices}
+    devices = _device_rows(lab, before, watched, clients, base)
     return {"policy": policy, "overrides": POLICIES[policy], "run_dir": str(run_dir),
             "status": watched["status"] if not error else "error", "error": error or None,
             "coordinator_exit": coordinator.returncode, "wall_clock_s": watched["wall_clock_s"],
@@ -158,4 +168,4 @@ def run_policy(lab: Lab, policy: str) -> dict[str, Any]:
             "final_accuracy": curve[-1]["test_accuracy"] if curve else None, "accuracy_vs_time": curve,
             "results": outcome_counts(rows), "restarts": watched["restarts"],
             "accounting": accounting(run_dir, rows), "contributors": contributors(run_dir, classes),
-            "events": scheduler.log, "devices": _device_rows(lab, before, watched, clients)}
+            "events": scheduler.log, "memory": memory_by_class(devices), "devices": devices}
