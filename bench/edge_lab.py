@@ -22,13 +22,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lab.calibration import time_dilation  # noqa: E402
 from lab.fleet import FleetError, load_fleet  # noqa: E402
 from lab.lab import Lab, LabError, LabOptions, cleanup_all  # noqa: E402
+from lab.memory import device_memory, device_profile_peaks, memory_by_class  # noqa: E402
 from lab.policies import POLICIES, coordinator_config, toml_text  # noqa: E402
 from lab.results import accounting, accuracy_curve, read_jsonl, time_to_target  # noqa: E402
 from lab.system import System  # noqa: E402
 
 TARGET_POLICY = "sync-random"
+CALIBRATION = Path(__file__).resolve().parent / "results" / "edge_lab_calibration.json"
 
 
 class Stopped(Exception):
@@ -115,6 +118,21 @@ def _times_to_target(policies: dict[str, Any]) -> None:
         result["time_to_target_mean3_s"] = time_to_target(curve, mean3, window=3)
 
 
+def _calibration(cpu_scale: float, path: Path = CALIBRATION) -> dict[str, Any] | None:
+    """What the lab's seconds mean on the boards, from the last calibration (bench/lab_calibration.py):
+    ``time_dilation`` lab seconds per board second at this ``cpu_scale``. None without a calibration."""
+    try:
+        calibrated = json.loads(path.read_text()).get("calibrated_cpu_scale")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(calibrated, (int, float)) or calibrated <= 0:
+        return None
+    root = Path(__file__).resolve().parents[1]
+    return {"file": str(path.relative_to(root)) if path.is_relative_to(root) else str(path),
+            "calibrated_cpu_scale": calibrated, "cpu_scale": cpu_scale,
+            "time_dilation": round(time_dilation(calibrated, cpu_scale), 2)}
+
+
 def _summary(args: argparse.Namespace, lab: Lab, policies: dict[str, Any]) -> dict[str, Any]:
     """The results file: the fleet, the options, each policy and each policy's time to the target."""
     _times_to_target(policies)
@@ -124,22 +142,37 @@ def _summary(args: argparse.Namespace, lab: Lab, policies: dict[str, Any]) -> di
             "devices": len(fleet.devices),
             "classes": {c: sum(d.klass == c for d in fleet.devices) for c in fleet.classes},
             "expected_offline_fraction": round(fleet.expected_offline_fraction(), 3),
+            "calibration": _calibration(fleet.cpu_scale),
             "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(lab.options).items()},
             "target": {"policy": TARGET_POLICY, "accuracy": target, "accuracy_mean3": mean3,
                        "definition": TARGET_DEFINITION},
             "policies": policies}
 
 
+def _memory(result: dict[str, Any]) -> None:
+    """Each device's process peak RSS again, from the policy's directories (the run's ``clients/ID.jsonl``
+    and the devices' own ``state/ID/profile.jsonl``) and the ``/proc`` peak the lab recorded, beside the
+    cgroup peak recorded; and the per-class summary of both. Without those directories (a results file
+    from elsewhere, or from before process peaks were recorded) the process peak stays unknown (null)."""
+    run_dir = Path(result["run_dir"])
+    devices = result.get("devices") or {}
+    for device, row in devices.items():
+        profiles = device_profile_peaks(run_dir, run_dir.parent / "state" / device, device)
+        row.update(device_memory(row.get("memory_peak_bytes"), profiles, row.get("process_proc_peak_bytes")))
+    result["memory"] = memory_by_class(devices)
+
+
 def _report(out: Path) -> int:
-    """Recompute what the run directories say (the curves' training clock, the accounting, the target and the
-    times to it)
-    in an existing results file, e.g. after the way they are computed changed."""
+    """Recompute what the run directories say (the curves' training clock, the accounting, the devices'
+    memory, the target and the times to it) in an existing results file, e.g. after the way they are
+    computed changed."""
     if not out.exists():
         print(f"edge_lab.py: {out} does not exist; run a lab first", file=sys.stderr)
         return 2
     results = json.loads(out.read_text())
     policies = results.get("policies", {})
     for name, result in policies.items():
+        _memory(result)
         seen = {p["round"]: p["t"] for p in result.get("accuracy_vs_time", []) if p.get("t") is not None}
         rows = read_jsonl(Path(result["run_dir"]) / "metrics.jsonl")
         if not rows:   # the run directory is gone (another machine): keep what the file says
@@ -153,6 +186,10 @@ def _report(out: Path) -> int:
     for name, result in policies.items():
         say(f"{name}: final accuracy {result.get('final_accuracy')}, time to target {result['time_to_target_s']} s "
             f"(mean of 3 evaluations: {result['time_to_target_mean3_s']} s)")
+        for klass, m in result["memory"].items():
+            say(f"  {klass}: cgroup peak {m['cgroup_peak_mib']} MiB (page cache in, shared pages charged elsewhere); "
+                f"client process peak RSS {m['process_peak_rss_mib']} MiB ({m['with_process_peak']} of "
+                f"{m['devices']} devices known)")
     out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
@@ -163,6 +200,13 @@ def _dry_run(lab: Lab, policies: list[str]) -> int:
     say(f"busiest case: the {per_round} fastest devices training at once need "
         f"{lab.fleet.busiest_cpu(per_round):.2f} cores; expected offline share "
         f"{lab.fleet.expected_offline_fraction():.0%}")
+    calibration = _calibration(lab.fleet.cpu_scale)
+    if calibration:
+        d = calibration["time_dilation"]
+        say(f"calibration ({calibration['file']}): cpu_scale {lab.fleet.cpu_scale} against a calibrated "
+            f"{calibration['calibrated_cpu_scale']}: the lab runs {d:.2f}x slower than the boards; a "
+            f"{lab.options.round_timeout:.0f} s round deadline here is {lab.options.round_timeout / d:.0f} s "
+            "on the boards")
     for policy in policies:
         config = coordinator_config(policy, broker="mqtt://127.0.0.1:PORT", out=f"{lab.work}/{policy}/run",
                                     rounds=lab.options.rounds, seed=lab.options.seed, model=lab.options.model,
