@@ -1,8 +1,8 @@
 """How fast each emulated board is, from published figures, and how many of this machine's cores one
 unit of that speed is worth. Pure arithmetic, so the figures behind the fleet file can be checked.
 
-Relative speeds (Raspberry Pi Zero 2 W = 1.0) come from neural-network benchmarks that ran the same
-software on two boards, never from integer benchmarks such as sysbench: the lab's work is FP32
+Relative speeds (Raspberry Pi Zero 2 W = 1.0) come from neural-network benchmarks run on both boards
+of a pair, never from integer benchmarks such as sysbench: the lab's work is FP32
 training. Where a source measured a board at another clock than the fleet's, the ratio is scaled by
 clock, which is an upper bound (memory does not speed up with the core). The absolute scale comes
 from one published training time (:data:`ANCHOR`) and a measurement of the same work on this
@@ -43,8 +43,8 @@ NCNN_PI5_MS = {"squeezenet": 6.67, "mobilenet": 9.62, "mobilenet_v2": 9.69, "mob
 # Clocks (GHz) of the boards as the sources ran them and as the fleet emulates them.
 CLOCK_GHZ = {"pi3bplus": 1.4, "zero2w": 1.0, "pi4-early": 1.5, "pi4": 1.8, "orin-nano": 1.5, "orin-nano-super": 1.7}
 
-PI4_OVER_PI3_HACKSTER = 2.0      # "about x2" TensorFlow inference, Pi 4 against the Pi 3 (Hackster, 2019)
-PI5_OVER_PI4_FLOWER = 2.0        # PyTorch training, "consistently 2x" (Flower blog, 2023)
+PI4_OVER_PI3_HACKSTER = 2.0      # about 2x in TensorFlow inference, Pi 4 against the Pi 3 (Hackster, 2019)
+PI5_OVER_PI4_FLOWER = 2.0        # 2x in PyTorch training across the models (Flower blog, 2023)
 ORIN_SUPER_TOKENS_S, PI4_TOKENS_S = 87.0, 35.3   # llama.cpp on the CPU, 4 threads (hybridgroup/yzma)
 
 
@@ -94,7 +94,7 @@ def clock_scaled(ratio: float, from_ghz: float, to_ghz: float) -> float:
 def derived_speeds() -> dict[str, dict[str, float]]:
     """Each class's relative speed as each source gives it (Zero 2 W = 1.0), before rounding.
 
-    Pi 4: the Pi 3 B+ to Pi 4 ratio (ncnn, per-model median; Hackster's "about x2"), carried from the
+    Pi 4: the Pi 3 B+ to Pi 4 ratio (ncnn, per-model median; Hackster's about 2x), carried from the
     3 B+'s 1.4 GHz to the Zero's 1.0 GHz (the same Cortex-A53) and from the Pi 4's 1.5 GHz to 1.8 GHz.
     Pi 5: twice the 1.8 GHz Pi 4 (Flower, PyTorch training); ncnn's Pi 5 / Zero ratio beside it, which
     disagrees (ncnn computes in half precision on the Pi 5's Cortex-A76, FP32 training does not).
