@@ -2,9 +2,9 @@
 unit of that speed is worth. Pure arithmetic, so the figures behind the fleet file can be checked.
 
 Relative speeds (Raspberry Pi Zero 2 W = 1.0) come from neural-network benchmarks run on both boards
-of a pair, never from integer benchmarks such as sysbench: the lab's work is FP32
-training. Where a source measured a board at another clock than the fleet's, the ratio is scaled by
-clock, which is an upper bound (memory does not speed up with the core). The absolute scale comes
+of a pair, never from integer benchmarks such as sysbench: the lab's work is FP32 training. Where a
+source measured a board at another clock than the fleet's, the ratio is scaled by clock, which is an
+upper bound (memory does not speed up with the core). The absolute scale comes
 from one published training time (:data:`ANCHOR`) and a measurement of the same work on this
 machine (``bench/lab_calibration.py``). The sources' titles and what was taken from each are in
 docs/edge-lab.md ("Calibration").
