@@ -4,7 +4,9 @@ A run file that says which commit it ran at (and whether the tree had changes no
 be re-run from that commit (``bench/reproduce.py``), and one that predates a change to the code
 that produced it can be found. torch and numpy are recorded because their kernels decide the last
 bits of every sum; Python, the machine's architecture and its cores because torch's CPU kernels
-split work by thread count.
+split work by thread count; the CPU, its vector extensions and the instruction set torch's kernels use
+(``bench/isa.py``) because a wider vector adds in another order: the same code and libraries give other
+bits on an AVX2 CPU than on an AVX-512 one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import platform
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from isa import cpu_facts, in_force
 
 ROOT = Path(__file__).resolve().parents[1]
 UNRECORDED = "unrecorded"   # what a run file written before commits were recorded reads as
@@ -56,10 +60,14 @@ def library_versions() -> dict[str, str]:
 
 
 def machine() -> dict[str, Any]:
-    """Architecture and cores: torch's CPU kernels split work by thread count, and so round differently."""
+    """Architecture and cores (torch's CPU kernels split work by thread count, and so round differently), and
+    the CPU and instruction set the kernels ran with (:func:`isa.cpu_facts`, :func:`isa.in_force`): the model,
+    maker and generation, the vector extensions, the caches, torch's CPU capability and the variables capping
+    it. ``bench/reproduce.py`` tells a re-run on another CPU from a regression by these."""
     import torch
 
-    return {"arch": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    return {"arch": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            **cpu_facts(), **in_force()}
 
 
 def changes_since(commit: str, root: Path = ROOT) -> list[str] | None:

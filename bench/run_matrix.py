@@ -19,10 +19,10 @@ without them (``subset: false``). ``--seeds`` runs the given seeds in every cell
 Each run goes through ``coordinator.runtime.run.run_federated`` with clients as threads
 (``transport.kind = "inproc"``) and results folded in client-id order (``aggregate.order = "sorted"``:
 the same bits whatever ran alongside), and writes ``bench/results/NAME/LABELS-sSEED-rROUNDS.json``
-(configuration, per-round metrics, summary, the final model's hash, and the commit, torch and numpy
-it ran with: ``bench/reproduce.py FILE`` runs it again and compares). A run cut short by a stop goes on
-from its last round when the matrix runs again (``bench/unfinished.py``). The table, printed and written to
-``bench/results/NAME.json``, is built from every run file of the matrix present:
+(configuration, per-round metrics, summary, the final model's hash, and the commit, torch and numpy, the
+CPU and the instruction set it ran with: ``bench/reproduce.py FILE`` runs it again and compares). A run cut
+short by a stop goes on from its last round when the matrix runs again (``bench/unfinished.py``). The
+table, printed and written to ``bench/results/NAME.json``, is built from every run file of the matrix present:
 final accuracy = mean test accuracy of the last 5 evaluated rounds (``eval.every``), mean and spread (population
 standard deviation) over seeds, bytes down and up per round, seconds per run, and
 the mean weight divergence over the same rounds when ``run.diagnostics`` is on.
@@ -31,8 +31,14 @@ result it is) the table adds the personalized accuracy (mean over clients, and t
 worst client, over the same rounds) and the upload bytes per client per round.
 Later methods add their axes or matrices here rather than writing new loops.
 
+A cell gives the same bits again only on the same instruction set: torch's kernels on an AVX-512 CPU add
+in another order than on an AVX2 one. ``isa = "avx2"`` at the top of a matrix file (or ``--isa avx2``)
+pins ATen, oneDNN and MKL to that set (``bench/isa.py``), so that an AVX-512 CPU runs the kernels an
+AVX2-only one runs; the harness then starts itself again with the pin's environment variables, which torch
+reads only when it loads. The run file records the pin (``isa``) beside the CPU.
+
     python bench/run_matrix.py bench/matrices/pans.toml [--rounds N] [--seeds 0,1]
-        [--only SUBSTRING ...] [--dry-run] [--report]
+        [--only SUBSTRING ...] [--dry-run] [--report] [--isa avx2|avx512|native]
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+import isa
 from benchmark_protocol import Protocol, deviations, load_protocol, rounds_to_reach
 from provenance import library_versions, machine, source_state
 from coordinator.config import ConfigError, RunConfig, load_config
@@ -101,6 +108,7 @@ class Matrix:
     axes: dict[str, list[dict[str, Any]]]
     seeds: list[int]
     baseline: tuple[str, str] | None = None   # (axis, label) of the method the others are measured against
+    isa: str | None = None   # the instruction set its cells run under (bench/isa.py's PINS), None: the CPU's own
 
     @property
     def full_rounds(self) -> int:
@@ -148,7 +156,11 @@ def load_matrix(path: Path) -> Matrix:
         if axis not in axes or label not in [str(e["label"]) for e in axes[axis]]:
             raise ConfigError(f"{path}: baseline must be AXIS=LABEL of one of its axes, got {baseline!r}")
         baseline = (axis, label)
-    return Matrix(str(raw.get("name", path.stem)), path, raw.get("base", {}), axes, seeds, baseline)
+    pin = raw.get("isa")
+    if pin is not None and pin not in isa.PINS:
+        raise ConfigError(f"{path}: isa must be one of {', '.join(map(repr, isa.PINS))} (the instruction set its "
+                          f"cells are pinned to), got {pin!r}; leave it out to run on the CPU's own")
+    return Matrix(str(raw.get("name", path.stem)), path, raw.get("base", {}), axes, seeds, baseline, pin)
 
 
 _ENTRY_KEYS = ("label", "off_protocol", "only_with", "seeds")
@@ -254,10 +266,10 @@ def execute(config: RunConfig, on_round: Callable[[dict[str, Any]], None], *,
             strategy: Strategy | None = None, resume: bool = False,
             source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``config`` (its ``run.out`` a scratch directory) and return what a run file keeps of it: the
-    resolved configuration, seconds, rows, summary, the final model's hash, and the commit and library
-    versions it ran with (``bench/provenance.py``), so that ``bench/reproduce.py`` can run it again and
-    compare. ``on_round`` gets each row as it completes; ``strategy``: one to use instead of the configured;
-    ``resume``: go on from the last checkpoint in ``run.out``, whose run started at ``source``."""
+    resolved configuration, seconds, rows, summary, the final model's hash, the commit and library versions,
+    the machine and CPU (``bench/provenance.py``) and the instruction-set pin it ran with (``isa``, None for
+    none: ``bench/isa.py``), so that ``bench/reproduce.py`` can run it again and compare. ``on_round`` gets
+    each row as it completes; ``strategy``: one to use instead of the configured; ``resume``: go on from the last checkpoint in ``run.out``, whose run started at ``source``."""
     source = source or source_state()   # before the run: the code that runs is the code the run file names
     started = time.monotonic()
     try:
@@ -270,7 +282,7 @@ def execute(config: RunConfig, on_round: Callable[[dict[str, Any]], None], *,
     record = {"config": tomllib.loads((out / "config.toml").read_text()), "seconds": seconds,
               "rows": read_jsonl(out / "metrics.jsonl"), "summary": result.summary,
               "model_hash": params_digest(load_checkpoint(final)[0].params) if final is not None else None,
-              "source": source, "versions": library_versions(), "machine": machine()}
+              "source": source, "versions": library_versions(), "machine": machine(), "isa": isa.held()}
     record["config"]["run"]["out"] = ""   # the scratch directory is gone
     return record
 
@@ -283,7 +295,7 @@ def failed_record(config: RunConfig, failure: str, seconds: float, source: dict[
     record = {"config": tomllib.loads(conf.read_text()) if conf.exists() else {}, "seconds": seconds,
               "rows": read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else [],
               "summary": None, "model_hash": None, "failure": failure, "source": source,
-              "versions": library_versions(), "machine": machine()}
+              "versions": library_versions(), "machine": machine(), "isa": isa.held()}
     if record["config"].get("run"):
         record["config"]["run"]["out"] = ""
     return record
@@ -466,6 +478,9 @@ def main() -> int:
     parser.add_argument("--off-protocol", action="store_true",
                         help="run cells that depart from the benchmark protocol (bench/protocol.toml), e.g. a short "
                              "trial with --rounds; their run files record each departure")
+    parser.add_argument("--isa", choices=[*isa.PINS, isa.NATIVE],
+                        help="pin the instruction set of torch's CPU kernels (instead of the matrix's isa key; "
+                             f"{isa.NATIVE}: none), so the cells give the same bits on any CPU that has it")
     parser.add_argument("--restart-unfinished", action="store_true",
                         help="start over a run a stop cut short that began at other code (by default it is left, to "
                              "be resumed from a checkout of its commit; bench/unfinished.py)")
@@ -482,6 +497,17 @@ def main() -> int:
         return 2
     if not (args.report or args.dry_run or args.off_protocol) and refuse_departures(runs, departures, console):
         return 2
+    if not (args.report or args.dry_run):
+        try:   # before any cell: a pin takes effect only in a process that loads torch under it
+            isa.reexec_under(args.isa or matrix.isa)
+            isa.check_in_force(args.isa or matrix.isa)
+        except isa.IsaError as exc:
+            console.print(f"[red]{exc}[/red]", soft_wrap=True)
+            return 2
+        pin = isa.held()
+        if pin:
+            console.print(f"instruction set pinned to {pin} ({' '.join(f'{k}={v}' for k, v in isa.PINS[pin].items())})",
+                          highlight=False, soft_wrap=True)
     out_dir = args.results / matrix.name
     if args.dry_run:
         for run, found in zip(runs, departures):
