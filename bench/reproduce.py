@@ -10,9 +10,17 @@ that is not a run file).
 
 Not compared: what measures the machine rather than the learning (seconds, bytes, which client was
 slowest, messages counted late or twice): bytes move by a few with every run because each message
-header carries a wall-clock deadline. The run is bit-for-bit repeatable on the same kind of machine,
-with the same torch and numpy and the same thread counts; the file records them, and each one that
-differs is said before the run.
+header carries a wall-clock deadline.
+
+A run is repeatable bit for bit on the same instruction set, with the same torch and numpy and the same
+thread counts. torch picks its CPU kernels by what the CPU has (AVX-512, AVX2), and a wider vector adds
+in another order: the same cell on another CPU departs from round 1 in the last bits. The file records
+the CPU (model, maker and generation, vector extensions, caches), torch's CPU capability and the
+variables capping it (``bench/isa.py``); each that differs is said before the run, and a difference ends
+with a verdict: it may come from another CPU or instruction set, or, on the same CPU and set, it is a
+regression. A file run under a pin (``bench/run_matrix.py --isa avx2``) is re-run under its pin, in a new
+process (torch reads the pin only when it loads); ``--isa`` re-runs under another, or ``native`` for none.
+``bench/reproduce_isa.py`` measures what the set does to one cell's bits on this machine.
 
     python bench/reproduce.py bench/results/spherefed/a0.1-cnn-fedavg-s0-r100.json --rounds 5
     python bench/reproduce.py --stale bench/results/*/*-r*.json   # which files predate a code change
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +40,7 @@ from typing import Any
 
 from rich.console import Console
 
+import isa
 from provenance import CODE, UNRECORDED, changes_since, library_versions, machine, source_state
 from run_matrix import execute, scratch_overrides
 from coordinator.config import ConfigError, RunConfig, load_config, renamed_keys
@@ -38,11 +48,15 @@ from coordinator.strategies.base import Strategy
 from coordinator.strategy_setup import make_strategy
 from storage.errors import FedgeError
 
-__all__ = ["NotARunFileError", "Difference", "SYSTEM_KEYS", "compared_keys", "first_difference", "load_run_file",
-           "reproduce", "staleness", "main"]
+__all__ = ["NotARunFileError", "Difference", "SYSTEM_KEYS", "CPU_KEYS", "compared_keys", "first_difference",
+           "load_run_file", "cpu_differences", "verdict", "reproduce", "staleness", "main"]
 
 # Keys that measure the machine and the network, not the learning: never compared.
 SYSTEM_KEYS = frozenset({"slowest_client", "inbox_dropped", "late", "duplicates", "skipped"})
+# The keys of a run file's machine that say which CPU and instruction set torch's kernels ran with (bench/isa.py).
+CPU_KEYS = ("cpu_model", "cpu_id", "cpu_flags", "cpu_caches", "torch_cpu_capability", "isa_env")
+_UNRECORDED_CPU = ("it predates the recording of the CPU and its instruction set: a difference may come from "
+                   "another CPU (AVX-512 against AVX2, say), and the file cannot tell")
 
 
 class NotARunFileError(FedgeError, ValueError):
@@ -149,8 +163,60 @@ def _stopping_after(strategy: Strategy, rounds: int) -> Strategy:
     return strategy
 
 
+def _listed(values: dict[str, str] | None) -> str:
+    return " ".join(f"{k}={v}" for k, v in (values or {}).items()) or "none"
+
+
+def cpu_differences(recorded: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """How the CPU and the instruction set of a run file's ``machine`` differ from ``here`` (both as
+    ``provenance.machine()`` gives them), one note each, the one that decides the bits first; a file that
+    predates their recording gives one note saying so; [] when they agree."""
+    if not any(key in recorded for key in CPU_KEYS):
+        return [_UNRECORDED_CPU]
+    notes = []
+    if recorded.get("torch_cpu_capability") != here.get("torch_cpu_capability"):
+        notes.append(f"torch's CPU kernels: {recorded.get('torch_cpu_capability')} recorded, "
+                     f"{here.get('torch_cpu_capability')} here (another instruction set adds in another order)")
+    if (recorded.get("isa_env") or {}) != (here.get("isa_env") or {}):
+        notes.append(f"instruction-set caps: {_listed(recorded.get('isa_env'))} recorded, "
+                     f"{_listed(here.get('isa_env'))} here")
+    was, now = recorded.get("cpu_flags") or [], here.get("cpu_flags") or []
+    if set(was) != set(now):
+        gone, new = [f for f in was if f not in now], [f for f in now if f not in was]
+        notes.append("vector extensions: " + "; ".join(
+            ([f"the recorded CPU had {', '.join(gone)}, this one has not"] if gone else [])
+            + ([f"this CPU has {', '.join(new)}, the recorded one had not"] if new else [])))
+    if (recorded.get("cpu_model"), recorded.get("cpu_id")) != (here.get("cpu_model"), here.get("cpu_id")):
+        notes.append(f"another CPU: {recorded.get('cpu_model')} ({recorded.get('cpu_id')}) recorded, "
+                     f"{here.get('cpu_model')} ({here.get('cpu_id')}) here")
+    if recorded.get("cpu_caches") != here.get("cpu_caches"):
+        notes.append(f"caches: {_listed(recorded.get('cpu_caches'))} recorded, {_listed(here.get('cpu_caches'))} "
+                     "here (oneDNN sizes its blocks by them)")
+    return notes
+
+
+def verdict(recorded: dict[str, Any], here: dict[str, Any]) -> str:
+    """What a re-run that differs says, given the run file's ``machine`` and this one's: whether the difference
+    may come from another CPU or instruction set, from other core or thread counts, or from neither (the same
+    CPU and set: a regression)."""
+    cpu = cpu_differences(recorded, here)
+    if cpu == [_UNRECORDED_CPU]:
+        return ("the file does not record its CPU: the difference may come from another CPU or instruction set as "
+                "well as from the code; re-run the cell here to record it, then compare")
+    if cpu:
+        return (f"not the recorded CPU or instruction set ({cpu[0]}{'; ...' if len(cpu) > 1 else ''}): the "
+                "difference may come from that rather than from the code; re-run under the file's pin on a CPU like "
+                "the recorded one, or compare runs under one pin (bench/run_matrix.py --isa avx2)")
+    threads = [key for key in ("arch", "cpus", "torch_threads") if key in recorded and recorded[key] != here.get(key)]
+    if threads:
+        return (f"same CPU and instruction set, other {', '.join(threads)}: torch splits its sums by thread "
+                "count; re-run with the recorded counts")
+    return ("same CPU and instruction set as recorded: not the machine, a regression (in the code, or in a library "
+            "the notes above name)")
+
+
 def _provenance_notes(record: dict[str, Any]) -> list[str]:
-    """What differs between the run file's code, libraries and machine and this one's."""
+    """What differs between the run file's code, libraries, machine, CPU and instruction set and this one's."""
     notes = []
     source, now = record.get("source") or {}, source_state()
     commit = source.get("commit", UNRECORDED)
@@ -168,8 +234,12 @@ def _provenance_notes(record: dict[str, Any]) -> list[str]:
               if name in versions and versions[name] != here[name]]
     recorded_machine, this = record.get("machine") or {}, machine()
     notes += [f"{key} {recorded_machine[key]} recorded, {this[key]} here" for key in this
-              if key in recorded_machine and recorded_machine[key] != this[key]]
-    return notes
+              if key not in CPU_KEYS and key in recorded_machine and recorded_machine[key] != this[key]]
+    pin, here = record.get("isa"), isa.held()
+    if pin != here and ("isa" in record or here is not None):
+        notes.append(f"it ran {f'under the {pin} pin' if pin else 'unpinned'}, this process runs "
+                     f"{f'under the {here} pin' if here else 'unpinned'}: expect a difference")
+    return notes + cpu_differences(recorded_machine, this)
 
 
 def reproduce(path: Path, console: Console, rounds: int | None = None) -> Difference | None:
@@ -223,10 +293,29 @@ def staleness(path: Path) -> str:
     return f"stale       {path}: {len(since)} commit(s) since {commit[:12]} changed the code, newest {since[0]}{dirty}"
 
 
+def _in_pinned_process(path: Path, pin: str, rounds: int | None, console: Console) -> int:
+    """Reproduce ``path`` in a new Python process under the ``pin`` instruction set (its variables are read when
+    torch loads, and this process has loaded it); that process's exit status."""
+    try:
+        isa.require(pin)
+    except isa.IsaError as exc:
+        console.print(f"[bold]{path}[/bold]\n  [red]cannot re-run under the {pin} pin: {exc}[/red]", highlight=False)
+        return 2
+    console.print(f"[dim]{path.name}: under the {pin} pin ({_listed(isa.PINS.get(pin))}), in a new process[/dim]",
+                  highlight=False, soft_wrap=True)
+    sys.stdout.flush()
+    command = [sys.executable, str(Path(__file__).resolve()), str(path), "--isa", pin]
+    command += ["--rounds", str(rounds)] if rounds is not None else []
+    return subprocess.run(command, env=isa.pinned_environment(pin), check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="run files, bench/results/MATRIX/LABELS-sSEED-rROUNDS.json")
     parser.add_argument("--rounds", type=int, help="re-run only the first N rounds of each cell and compare those")
+    parser.add_argument("--isa", choices=[*isa.PINS, isa.NATIVE],
+                        help="re-run under this instruction-set pin instead of the one the file records (native: "
+                             "none); a file pinned, or this option, runs in a new process under the pin")
     parser.add_argument("--stale", action="store_true",
                         help=f"run nothing: say of each file whether the code it ran ({', '.join(CODE)}) changed "
                              "since its recorded commit")
@@ -242,11 +331,19 @@ def main(argv: list[str] | None = None) -> int:
                 status = 2
         return status
     for path in args.files:
-        console.print(f"[bold]{path}[/bold]" + (f": first {args.rounds} rounds" if args.rounds else ""),
-                      highlight=False)
         try:
+            pin = args.isa or load_run_file(path).get("isa")
+        except NotARunFileError:
+            pin = None   # said below
+        if pin is not None and not isa.holds(pin):
+            status = max(status, _in_pinned_process(path, pin, args.rounds, console))
+            continue
+        console.print(f"[bold]{path}[/bold]" + (f": first {args.rounds} rounds" if args.rounds else "")
+                      + (f", under the {pin} pin" if pin and pin != isa.NATIVE else ""), highlight=False)
+        try:
+            isa.check_in_force(pin)
             found = reproduce(path, console, args.rounds)
-        except (NotARunFileError, ConfigError) as exc:
+        except (NotARunFileError, ConfigError, isa.IsaError) as exc:
             console.print(f"[red]{exc}[/red]", highlight=False)
             status = max(status, 2)
             continue
@@ -254,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"  [green]bit-identical[/green]: {path.name}", highlight=False)
         else:
             console.print(f"  [red]differs[/red] at {found.describe()}", highlight=False)
+            console.print(f"  verdict: {verdict(load_run_file(path).get('machine') or {}, machine())}",
+                          highlight=False, soft_wrap=True)
             status = max(status, 1)
     return status
 
