@@ -75,6 +75,7 @@ def test_a_cell_is_bit_identical_whatever_the_timing_and_reproduce_says_so(tmp_p
     assert record["config"]["aggregate"]["order"] == "sorted"
     assert record["model_hash"].startswith("sha256:") and record["versions"]["torch"] == torch.__version__
     assert set(record["source"]) == {"commit", "dirty"}
+    assert set(reproduce.CPU_KEYS) <= set(record["machine"]) and record["isa"] is None   # the CPU; no pin
 
     again_arrivals: dict[int, list[str]] = defaultdict(list)
     again_folds: list[list[str]] = []
