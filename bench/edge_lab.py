@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lab-id", default=None, metavar="HEX4", help="the lab's 4-hex-digit id (default: random)")
     p.add_argument("--dry-run", action="store_true", help="print what would be created and run; change nothing")
     p.add_argument("--report", action="store_true",
-                   help="rebuild --out's curves and times to target from its policies' run directories; no lab")
+                   help="rebuild --out's curves, devices' memory and times to target from its policies' run "
+                        "directories; no lab")
     p.add_argument("--cleanup", action="store_true",
                    help="remove the leftovers of every crashed lab on this machine (processes, namespaces, "
                         "veths, bridges, cgroups named flabXXXX) and exit")
