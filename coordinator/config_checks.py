@@ -11,11 +11,13 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SAMPLINGS, SELECTIONS,
+from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SELECTIONS,
                                          SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
+from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
 from edge_client.device import DeviceError, resolve_device
+from edge_client.privacy_account import ACCOUNTANTS
 from edge_client.wire.broker_settings import parse_broker_address
 from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES
 from edge_client.wire.codec import CodecError, parse_codec
@@ -177,9 +179,14 @@ def _privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
     if p.mode != "local":
         checks.append((p.spent_devices == "stop", f"privacy.spent_devices applies with privacy.mode = 'local'; got "
                                                   f"{p.spent_devices!r} with privacy.mode = {p.mode!r}"))
+    checks.append((p.accountant in ACCOUNTANTS,
+                   f"privacy.accountant must be one of {', '.join(ACCOUNTANTS)}, got {p.accountant!r}"))
+    if p.mode != "central":
+        # "fixed" is what configurations written before central DP had three draws say: harmless without it
+        checks.append((p.sampling in ("", "fixed"), f"privacy.sampling applies with privacy.mode = 'central'; got "
+                                                    f"{p.sampling!r} with privacy.mode = {p.mode!r}"))
     if p.mode not in ("central", "local"):
-        return checks + [(p.sampling == "fixed", f"privacy.sampling applies with privacy.mode = 'central'; got "
-                                                 f"{p.sampling!r} with privacy.mode = {p.mode!r}")]
+        return checks
     need = f"privacy.mode = {p.mode!r} needs"
     checks += [
         (math.isfinite(p.clip_norm) and p.clip_norm > 0,
@@ -211,10 +218,13 @@ def _central_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (config.clients.selection == "random",
          f"{need} clients.selection = 'random': the account assumes every device is equally likely to be drawn"),
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it records every device's model)"),
-        (p.sampling in SAMPLINGS, f"privacy.sampling must be one of {', '.join(SAMPLINGS)}, got {p.sampling!r}"),
-        (p.sampling != "poisson" or not config.secagg.enabled,
-         "privacy.sampling = 'poisson' cannot run with secagg.enabled = true: a Poisson round may draw fewer "
-         "devices than secure aggregation needs (3); use privacy.sampling = 'fixed'"),
+        (p.sampling in ("", *SAMPLINGS), f"privacy.sampling must be one of {', '.join(SAMPLINGS)} (empty: "
+                                          f"{DEFAULT_SAMPLING}), got {p.sampling!r}"),
+        ((p.sampling or DEFAULT_SAMPLING) != "poisson" or not config.secagg.enabled
+         or config.selected_per_round >= config.clients.expected,
+         "privacy.sampling = 'poisson' (the default) cannot run with secagg.enabled = true: a Poisson round may "
+         "draw fewer devices than secure aggregation needs (3); use privacy.sampling = 'fixed' (a secret draw of "
+         "clients.per_round devices, accounted under replace-one)"),
     ]
 
 
@@ -231,9 +241,6 @@ def _local_privacy_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (agg.rule != "clipped_mean" and agg.norm_bound == 0,
          f"{need} aggregate.rule other than 'clipped_mean' and aggregate.norm_bound = 0: the norm of a noisy update "
          "is mostly its noise's, so they would cut or reject signal, not noise (mean, median and trimmed_mean work)"),
-        (config.privacy.sampling == "fixed",
-         f"{need} privacy.sampling = 'fixed': Poisson sampling is central DP's amplification, which local DP's "
-         "account does not claim"),
         (config.privacy.spent_devices in SPENT_DEVICES,
          f"privacy.spent_devices must be one of {', '.join(SPENT_DEVICES)}, got {config.privacy.spent_devices!r}"),
     ]

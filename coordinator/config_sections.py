@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from coordinator.aggregation import DEFAULT_TRIM
 from edge_client.hyper import LocalTraining
+from edge_client.privacy_account import DEFAULT_ACCOUNTANT
 
 __all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "WEIGHTINGS", "SelectionSection", "PrivacySection", "PRIVACY_MODES",
-           "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SAMPLINGS",
-           "SPENT_DEVICES"]
+           "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 SELECTIONS = ("random", "deadline", "profile")   # clients.selection (coordinator/runtime/selection.py)
@@ -213,7 +213,6 @@ class SelectionSection:
 
 
 PRIVACY_MODES = ("off", "central", "local")
-SAMPLINGS = ("fixed", "poisson")   # privacy.sampling
 SPENT_DEVICES = ("stop", "skip")   # privacy.spent_devices
 
 
@@ -237,10 +236,14 @@ class PrivacySection:
     # Noise on the count of updates within the bound, as a multiplier of that count's sensitivity (1/2 per
     # device, the bits being centred); 0: clients per round / 10 (Andrew et al.'s count noise of m / 20).
     count_noise_multiplier: float = 0.0
-    # Central: how a round's devices are drawn. "fixed": clients.per_round of them, uniformly (the account's
-    # Poisson sampling is then an approximation); "poisson": each device on its own with probability
-    # q = per_round / expected, from the OS's entropy, rounds of any size (empty ones too): what the account assumes.
-    sampling: str = "fixed"
+    # Central: how a round's devices are drawn, and so what the account may claim (coordinator/privacy_account.py).
+    # "poisson" (what "" means): each device on its own with probability q = per_round / expected, from the OS's
+    # entropy, rounds of any size (empty ones too); "fixed": exactly per_round of them, uniformly, from the OS's
+    # entropy, accounted under replace-one; "seeded": per_round of them drawn from run.seed (reproducible, and
+    # known to every device): no amplification, each device's rounds composed.
+    sampling: str = ""
+    # The dp_accounting accountant the account and the calibration use: "pld" (tighter) or "rdp".
+    accountant: str = DEFAULT_ACCOUNTANT
     # Local, with target_epsilon: "stop" ends the run before a round in which the most-used device, if drawn,
     # would pass the target; "skip" draws only devices with room for one more round and stops when fewer than
     # a round's results have room.

@@ -5,13 +5,15 @@ What is protected is one device's whole contribution to a round (client-level DP
 the L2 norm C (:mod:`edge_client.privacy`), every accepted update weighs the same, the sum gets
 Gaussian noise of std z x C once, and it is divided by the number of devices selected per round,
 a fixed denominator, so that a device's presence moves the released mean by at most C / m whether
-or not the others answered. The account is ``dp_accounting``'s RDP accountant over one Poisson-
-sampled Gaussian mechanism per round; no formula of it is written here.
+or not the others answered. The account (:mod:`coordinator.privacy_account`) is ``dp_accounting``'s, PLD
+or RDP (``privacy.accountant``), over the event the draw allows: Poisson-sampled, sampled without
+replacement, or not amplified at all when the draw is public (``privacy.sampling``); no formula of it is
+written here.
 
 With ``adaptive_clip`` the clip norm follows a quantile of the update norms (Andrew et al. 2021,
 "Differentially Private Learning with Adaptive Clipping"): each device reports one bit (was its
-update clipped), the coordinator counts the bits with noise and takes a geometric step. The count
-is a second release; its noise is folded into the multiplier the account uses.
+update clipped), the coordinator sums the centred bits b - 1/2 with noise and takes a geometric step. The
+count is a second release of sensitivity 1/2; its noise is folded into the multiplier the account uses.
 
 With local differential privacy (:class:`LocalPrivacy`) each device adds the noise to its own clipped
 update, so the coordinator need not be trusted: it neither clips nor adds noise, and keeps one account
@@ -31,6 +33,7 @@ participations live in ``ServerState.extra``, so a resumed run continues them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,18 +43,20 @@ import torch
 
 from coordinator.strategies.base import ClientResult, WeightedSum
 from edge_client.privacy import fresh_generator
-from edge_client.privacy_account import local_event, rdp_epsilon
+from coordinator.privacy_account import DEFAULT_SAMPLING, CentralAccount
+from edge_client.privacy_account import DEFAULT_ACCOUNTANT, calibrate, epsilon_of, local_event
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["CentralPrivacy", "LocalPrivacy", "AdaptiveClip", "noisy_mean", "adapted_clip_norm",
-           "accounted_noise_multiplier", "epsilon_after", "noise_for_epsilon", "local_epsilon",
+__all__ = ["CentralPrivacy", "LocalPrivacy", "AdaptiveClip", "noisy_mean", "adapted_clip_norm", "centred_count",
+           "COUNT_SENSITIVITY", "accounted_noise_multiplier", "epsilon_after", "noise_for_epsilon", "local_epsilon",
            "local_noise_for_epsilon", "fresh_generator", "clipped_count", "noisy_sum", "release_epsilon"]
 
 # ServerState.extra[EXTRA_KEY]: central {"clip_norm": C, "rounds": rounds accounted,
-# "releases": [noise multiplier of each unsampled release so far]};
+# "releases": [noise multiplier of each unsampled release so far],
+# "participations": {device id: rounds drawn in} (privacy.sampling = "seeded" only)};
 # local {"participations": {device id: rounds it was given a training task in}}
 EXTRA_KEY = "privacy"
 
@@ -88,20 +93,36 @@ def noisy_sum(sums: Mapping[str, torch.Tensor], noise_std: float,
             for name, s in sums.items()}
 
 
-def adapted_clip_norm(clip_norm: float, unclipped: int, denominator: int, *, quantile: float, lr: float,
-                      count_std: float, generator: torch.Generator) -> tuple[float, float]:
-    """The next clip norm and the noisy share of updates within the current one (Andrew et al.'s
-    geometric update): C exp(-lr (b - quantile)) with b = (unclipped + N(0, count_std^2)) / denominator.
+# What one device moves the count of adaptive clipping by: its bit enters centred, b - 1/2, so adding or removing
+# it moves the sum by 1/2 (Andrew et al.'s sensitivity, which their composition of the two releases assumes).
+COUNT_SENSITIVITY = 0.5
 
-    Too many updates within the bound (b > quantile) shrinks it, too few grows it.
+
+def centred_count(unclipped: int, answered: int) -> float:
+    """Sum over the answered devices of b - 1/2 (b = 1: the update was within the clip norm): the statistic whose
+    noisy value steps the clip norm. One device more or less moves it by at most :data:`COUNT_SENSITIVITY`."""
+    if not 0 <= unclipped <= answered:
+        raise ValueError(f"unclipped updates ({unclipped}) must be between 0 and the results ({answered})")
+    return unclipped - answered / 2
+
+
+def adapted_clip_norm(clip_norm: float, unclipped: int, answered: int, denominator: int, *, quantile: float,
+                      lr: float, count_noise_multiplier: float, generator: torch.Generator) -> tuple[float, float]:
+    """The next clip norm and the noisy share of updates within the current one (Andrew et al.'s geometric update):
+    C exp(-lr (b - quantile)), with b = (sum of centred bits + N(0, (z_count / 2)^2)) / denominator + 1/2.
+
+    Too many updates within the bound (b > quantile) shrinks it, too few grows it. A device that did not answer
+    contributes no bit, which counts as half within: the fixed denominator stands for the devices drawn.
     """
-    noisy = (unclipped + float(torch.randn((), dtype=torch.float64, generator=generator)) * count_std) / denominator
+    noise = float(torch.randn((), dtype=torch.float64, generator=generator)) * count_noise_multiplier * COUNT_SENSITIVITY
+    noisy = (centred_count(unclipped, answered) + noise) / denominator + 0.5
     return clip_norm * math.exp(-lr * (noisy - quantile)), noisy
 
 
 def accounted_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float | None) -> float:
     """The multiplier of the one Gaussian mechanism a round amounts to: the sum's alone, or with adaptive
-    clipping, the sum's and the count's together, (z^-2 + z_count^-2)^(-1/2) (Andrew et al., Theorem 1)."""
+    clipping, the sum's and the centred count's together, (z^-2 + z_count^-2)^(-1/2) (Andrew et al., Theorem 1:
+    the sum has sensitivity C and noise z C, the count sensitivity 1/2 and noise z_count / 2)."""
     if count_noise_multiplier is None:
         return noise_multiplier
     if noise_multiplier == 0 or count_noise_multiplier == 0:
@@ -109,103 +130,58 @@ def accounted_noise_multiplier(noise_multiplier: float, count_noise_multiplier: 
     return (noise_multiplier ** -2 + count_noise_multiplier ** -2) ** -0.5
 
 
-def _calibrate(event: Callable[[float], Any], epsilon: float, delta: float) -> float:
-    """The smallest noise multiplier z whose ``event(z)`` stays within ``epsilon`` at ``delta``
-    (``dp_accounting``'s calibration, by the same accountant as :func:`_epsilon`)."""
-    if not (epsilon > 0 and math.isfinite(epsilon)):
-        raise ValueError(f"epsilon must be a positive number, got {epsilon}")
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    return float(dp_accounting.calibrate_dp_mechanism(RdpAccountant, event, epsilon, delta))
-
-
-def _central_event(rounds: int, sampling_rate: float, noise_multiplier: float) -> Any:
-    """``rounds`` rounds of central DP: each a Poisson-sampled Gaussian mechanism over the noisy sum."""
-    import dp_accounting
-
-    return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)), rounds)
-
-
-def _local_event(participations: int, noise_multiplier: float) -> Any:
-    """``participations`` releases of one device under local DP at multiplier ``noise_multiplier``
-    (:func:`edge_client.privacy_account.local_event`)."""
-    return local_event({noise_multiplier: participations})
-
-
-def _release_event(multipliers: Sequence[float]) -> Any:
-    """Releases with every device in them (q = 1, no amplification): each device's contribution within a
-    bound B, their sum plus N(0, (z B)^2) per coordinate, a Gaussian mechanism of multiplier z each."""
-    import dp_accounting
-
-    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z) for z in multipliers])
-
-
 def epsilon_after(rounds: int, *, sampling_rate: float, noise_multiplier: float, delta: float,
-                  releases: Sequence[float] = ()) -> float:
-    """Epsilon at ``delta`` after ``rounds`` rounds, each a Poisson-sampled Gaussian mechanism, then one
-    unsampled Gaussian mechanism per multiplier in ``releases`` (one RDP account for all of them)."""
-    import dp_accounting
-
-    events = []
-    if rounds > 0:
-        if noise_multiplier <= 0:
-            return math.inf
-        events.append(_central_event(rounds, sampling_rate, noise_multiplier))
-    if releases:
-        if min(releases) <= 0:
-            return math.inf
-        events.append(_release_event(releases))
-    if not events:
-        return 0.0
-    return rdp_epsilon(events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events), delta)
+                  releases: Sequence[float] = (), sampling: str = DEFAULT_SAMPLING,
+                  accountant: str = DEFAULT_ACCOUNTANT, expected: int = 0) -> float:
+    """Epsilon at ``delta`` after ``rounds`` rounds drawn by ``sampling`` at rate ``sampling_rate`` (under
+    ``"seeded"``, the rounds of the most-drawn device), then one unsampled Gaussian mechanism per multiplier in
+    ``releases``: one account for all of them (:class:`CentralAccount`)."""
+    account = CentralAccount(sampling, sampling_rate, expected, accountant)
+    return account.epsilon(rounds, noise_multiplier, delta, releases)
 
 
-def release_epsilon(releases: Sequence[float], *, delta: float) -> float:
+def release_epsilon(releases: Sequence[float], *, delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
     """Epsilon at ``delta`` of unsampled releases alone (one per multiplier; composed with training,
     :func:`epsilon_after` gives the run's, which is less than the two added)."""
-    return epsilon_after(0, sampling_rate=1.0, noise_multiplier=1.0, delta=delta, releases=releases)
+    return CentralAccount(accountant=accountant).epsilon(0, 1.0, delta, releases)
 
 
 def noise_for_epsilon(epsilon: float, *, rounds: int, sampling_rate: float, delta: float,
-                      releases: Sequence[float] = ()) -> float:
+                      releases: Sequence[float] = (), sampling: str = DEFAULT_SAMPLING,
+                      accountant: str = DEFAULT_ACCOUNTANT, expected: int = 0) -> float:
     """The smallest noise multiplier z whose account after ``rounds`` rounds (and the unsampled ``releases``)
     stays within ``epsilon`` at ``delta`` (``dp_accounting``'s calibration over the same event
-    :func:`epsilon_after` composes): what to set ``privacy.noise_multiplier`` to for a target, before the
-    run, instead of finding it by trial."""
+    :func:`epsilon_after` composes, by the same accountant): what to set ``privacy.noise_multiplier`` to for a
+    target, before the run, instead of finding it by trial."""
     if rounds < 1 or not (0 < sampling_rate <= 1):
         raise ValueError("rounds must be at least 1 and the sampling rate in (0, 1]")
-    if not releases:
-        return _calibrate(lambda z: _central_event(rounds, sampling_rate, z), epsilon, delta)
-    alone = release_epsilon(releases, delta=delta)
-    if alone >= epsilon:
-        raise ValueError(f"the {len(releases)} release(s) alone spend epsilon {alone:.4g}, not less than the "
-                         f"target {epsilon:g}: raise their noise multiplier")
-    import dp_accounting
-
-    return _calibrate(lambda z: dp_accounting.ComposedDpEvent(
-        [_central_event(rounds, sampling_rate, z), _release_event(releases)]), epsilon, delta)
+    return CentralAccount(sampling, sampling_rate, expected, accountant).noise_for(epsilon, rounds, delta, releases)
 
 
-def local_epsilon(participations: int, *, noise_multiplier: float, delta: float) -> float:
-    """Epsilon at ``delta`` of one device under local DP after ``participations`` releases (RDP account)."""
+def local_epsilon(participations: int, *, noise_multiplier: float, delta: float,
+                  accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """Epsilon at ``delta`` of one device under local DP after ``participations`` releases."""
     if participations <= 0:
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    return rdp_epsilon(_local_event(participations, noise_multiplier), delta)
+    return epsilon_of(local_event({noise_multiplier: participations}), delta, accountant)
 
 
-def local_noise_for_epsilon(epsilon: float, *, participations: int, delta: float) -> float:
+def local_noise_for_epsilon(epsilon: float, *, participations: int, delta: float,
+                            accountant: str = DEFAULT_ACCOUNTANT) -> float:
     """The smallest device noise multiplier z (noise std z x C on the clipped update) that keeps a device
     within ``epsilon`` at ``delta`` over ``participations`` rounds it takes part in: the calibration of
     :func:`local_epsilon`'s event, for ``privacy.noise_multiplier`` under ``privacy.mode = "local"``."""
     if participations < 1:
         raise ValueError(f"participations must be at least 1, got {participations}")
-    return _calibrate(lambda z: _local_event(participations, z), epsilon, delta)
+    return calibrate(lambda z: local_event({z: participations}), epsilon, delta, accountant)
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_epsilon_cached(participations: int, noise_multiplier: float, delta: float, accountant: str) -> float:
+    """:func:`local_epsilon`, once per count: a round asks for the figure of every distinct count it sees."""
+    return local_epsilon(participations, noise_multiplier=noise_multiplier, delta=delta, accountant=accountant)
 
 
 @dataclass(frozen=True)
@@ -228,7 +204,9 @@ class CentralPrivacy:
     per_round: int              # devices selected per round: the fixed denominator
     sampling_rate: float        # per_round / expected
     adaptive: AdaptiveClip | None = None
-    sampling: str = "fixed"     # privacy.sampling: how rounds are drawn ("poisson": as the account assumes)
+    sampling: str = DEFAULT_SAMPLING         # privacy.sampling: how rounds are drawn, so what the account may claim
+    accountant: str = DEFAULT_ACCOUNTANT     # privacy.accountant
+    expected: int = 0                        # clients.expected
 
     @classmethod
     def from_config(cls, config: RunConfig) -> CentralPrivacy | None:
@@ -240,17 +218,31 @@ class CentralPrivacy:
         if p.adaptive_clip:
             adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise_multiplier or m / 10)
         return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, m, m / config.clients.expected,
-                   adaptive, p.sampling)
+                   adaptive, p.sampling or DEFAULT_SAMPLING, p.accountant, config.clients.expected)
 
     mode: ClassVar[str] = "central"
+
+    @property
+    def account(self) -> CentralAccount:
+        return CentralAccount(self.sampling, self.sampling_rate, self.expected, self.accountant)
 
     def upload(self, state: ServerState) -> tuple[float, float | None]:
         """(clip norm, device noise multiplier) a training task carries: the current clip norm, no device noise."""
         return self.kept(state)[0], None
 
     def took_part(self, state: ServerState, clients: frozenset[str]) -> ServerState:
-        """Central DP's account is per round (in :meth:`release`), not per device: ``state`` as it is."""
-        return state
+        """Under a seeded draw, one more round for each of ``clients`` (the account is each device's); otherwise
+        the account is per round (in :meth:`release`) and ``state`` is returned as it is."""
+        if not self.account.per_device:
+            return state
+        counts = self.participations(state)
+        for client in clients:
+            counts[client] = counts.get(client, 0) + 1
+        return self._keep(state, participations=counts)
+
+    def participations(self, state: ServerState) -> dict[str, int]:
+        """Device id -> rounds it was drawn in, kept under a seeded draw only."""
+        return {k: int(v) for k, v in state.extra.get(EXTRA_KEY, {}).get("participations", {}).items()}
 
     @property
     def accounted_multiplier(self) -> float:
@@ -258,9 +250,15 @@ class CentralPrivacy:
                                           None if self.adaptive is None else self.adaptive.count_noise_multiplier)
 
     def epsilon(self, rounds: int, releases: Sequence[float] = ()) -> float:
-        """The run's epsilon after ``rounds`` training rounds and the unsampled ``releases`` (one account)."""
-        return epsilon_after(rounds, sampling_rate=self.sampling_rate, noise_multiplier=self.accounted_multiplier,
-                             delta=self.delta, releases=releases)
+        """The run's epsilon after ``rounds`` training rounds (under a seeded draw: rounds its most-drawn device
+        took part in) and the unsampled ``releases`` (one account)."""
+        return self.account.epsilon(rounds, self.accounted_multiplier, self.delta, releases)
+
+    def accounted_rounds(self, state: ServerState) -> int:
+        """The rounds the account composes so far: the run's, or under a seeded draw its most-drawn device's."""
+        if self.account.per_device:
+            return max(self.participations(state).values(), default=0)
+        return self.kept(state)[1]
 
     def kept(self, state: ServerState) -> tuple[float, int]:
         """(clip norm for the next round, rounds accounted so far) from ``state``."""
@@ -277,18 +275,20 @@ class CentralPrivacy:
 
     def stop_before(self, state: ServerState, planned: Sequence[float] = ()) -> str:
         """Why the next round must not run (it would take epsilon past the target), "" when it may.
-        ``planned``: multipliers of the unsampled releases still to come with or after it, counted in."""
+        ``planned``: multipliers of the unsampled releases still to come with or after it, counted in. Under a
+        seeded draw, the round is refused when the most-drawn device, drawn once more, would pass the target."""
         if self.target_epsilon <= 0:
             return ""
-        _, rounds = self.kept(state)
+        rounds = self.accounted_rounds(state)
         done = self.releases(state)
         after = self.epsilon(rounds + 1, [*done, *planned])
         if after <= self.target_epsilon:
             return ""
         planned_text = f" and {len(planned)} planned release(s) of every device" if planned else ""
-        return (f"privacy: stopping before round {state.round + 1}: it{planned_text} would take epsilon from "
+        who = f" (its most-drawn device, in {rounds} rounds so far, drawn again)" if self.account.per_device else ""
+        return (f"privacy: stopping before round {state.round + 1}: it{planned_text}{who} would take epsilon from "
                 f"{self.epsilon(rounds, done):.4g} to {after:.4g}, past privacy.target_epsilon = "
-                f"{self.target_epsilon:g} (delta {self.delta:g})")
+                f"{self.target_epsilon:g} (delta {self.delta:g}, {self.account.describe()})")
 
     def release(self, state: ServerState, total: WeightedSum, results: Sequence[ClientResult],
                 generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], ServerState,
@@ -299,17 +299,21 @@ class CentralPrivacy:
         clip, rounds = self.kept(state)
         update = noisy_mean(total, self.noise_multiplier * clip, self.per_round, generator)
         clipped = clipped_count(results)
-        row: dict[str, Any] = {"dp_mode": "central", "dp_sampling": self.sampling, "dp_clip_norm": clip,
-                               "dp_noise_std": self.noise_multiplier * clip / self.per_round,
+        row: dict[str, Any] = {"dp_mode": "central", "dp_sampling": self.sampling, "dp_accountant": self.accountant,
+                               "dp_clip_norm": clip, "dp_noise_std": self.noise_multiplier * clip / self.per_round,
                                "dp_clipped_fraction": clipped / len(results) if results else 0.0}
         following = clip
         if self.adaptive is not None:
             a = self.adaptive
-            following, noisy = adapted_clip_norm(clip, len(results) - clipped, self.per_round, quantile=a.quantile,
-                                                 lr=a.lr, count_std=a.count_noise_multiplier / 2, generator=generator)
+            following, noisy = adapted_clip_norm(clip, len(results) - clipped, len(results), self.per_round,
+                                                 quantile=a.quantile, lr=a.lr,
+                                                 count_noise_multiplier=a.count_noise_multiplier, generator=generator)
             row.update({"dp_next_clip_norm": following, "dp_unclipped_noisy_fraction": noisy})
-        row["dp_epsilon"] = self.epsilon(rounds + 1, self.releases(state))
-        return update, self._keep(state, clip_norm=following, rounds=rounds + 1), row
+        state = self._keep(state, clip_norm=following, rounds=rounds + 1)
+        if self.account.per_device:
+            row["dp_max_participations"] = self.accounted_rounds(state)
+        row["dp_epsilon"] = self.epsilon(self.accounted_rounds(state), self.releases(state))
+        return update, state, row
 
     def release_sum(self, state: ServerState, sums: Mapping[str, torch.Tensor], bound: float, noise_multiplier: float,
                     generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], ServerState,
@@ -320,9 +324,9 @@ class CentralPrivacy:
         if not (bound > 0 and math.isfinite(bound)):
             raise ValueError(f"the bound must be a positive finite number, got {bound}")
         noisy = noisy_sum(sums, noise_multiplier * bound, generator or fresh_generator())
-        _, rounds = self.kept(state)
         releases = [*self.releases(state), float(noise_multiplier)]
-        row = {"dp_mode": "central", "dp_epsilon": self.epsilon(rounds, releases), "dp_releases": len(releases)}
+        row = {"dp_mode": "central", "dp_accountant": self.accountant,
+               "dp_epsilon": self.epsilon(self.accounted_rounds(state), releases), "dp_releases": len(releases)}
         return noisy, self._keep(state, releases=releases), row
 
 
@@ -347,6 +351,7 @@ class LocalPrivacy:
     skip_spent: bool = False    # privacy.spent_devices = "skip": draw around spent devices instead of stopping
     expected: int = 0           # clients.expected: the devices that may be drawn
     required: int = 1           # the results a round needs
+    accountant: str = DEFAULT_ACCOUNTANT   # privacy.accountant
 
     @classmethod
     def from_config(cls, config: RunConfig) -> LocalPrivacy | None:
@@ -354,7 +359,7 @@ class LocalPrivacy:
         if p.mode != "local":
             return None
         return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, p.spent_devices == "skip",
-                   config.clients.expected, config.required_results)
+                   config.clients.expected, config.required_results, p.accountant)
 
     mode: ClassVar[str] = "local"
 
@@ -363,7 +368,7 @@ class LocalPrivacy:
         return self.clip_norm, self.noise_multiplier
 
     def epsilon(self, participations: int) -> float:
-        return local_epsilon(participations, noise_multiplier=self.noise_multiplier, delta=self.delta)
+        return _local_epsilon_cached(participations, self.noise_multiplier, self.delta, self.accountant)
 
     def participations(self, state: ServerState) -> dict[str, int]:
         """Device id -> training rounds it was given a task in, so far (from ``state``)."""
@@ -409,7 +414,7 @@ class LocalPrivacy:
         """The row's ``dp_*`` columns after a round: the largest epsilon over the devices so far."""
         counts = self.participations(state)
         most = max(counts.values(), default=0)
-        row = {"dp_mode": "local", "dp_epsilon": self.epsilon(most), "dp_clip_norm": self.clip_norm,
+        row = {"dp_mode": "local", "dp_accountant": self.accountant, "dp_epsilon": self.epsilon(most), "dp_clip_norm": self.clip_norm,
                "dp_noise_std": self.noise_multiplier * self.clip_norm, "dp_max_participations": most,
                "dp_devices": len(counts)}
         if self.skip_spent:

@@ -9,8 +9,9 @@ its state directory, across runs and restarts, and refuses, with a reason the co
 - any task whose result would carry something about its data without its own noise (no
   ``upload.noise_multiplier``: plain training, evaluation, statistics, secure-aggregation stages);
 - a noise multiplier below its floor (``--min-noise-multiplier``);
-- a task that would take its epsilon, at its delta, past the budget (the same RDP account as the
-  coordinator's, :mod:`edge_client.privacy_account`, composed over the multipliers it actually used).
+- a task that would take its epsilon, at its delta, past the budget (the same account as the
+  coordinator's default, PLD, :mod:`edge_client.privacy_account`, composed over the multipliers it actually
+  used; a coordinator set to the looser RDP accountant stops its run before the device's budget refuses).
 
 A release is written to the ledger (atomically, on disk) before the result is sent; a ledger that cannot
 be written or read stops the device from sending anything. A task already in the ledger (a repeat of
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_client.privacy_account import MISSING_ACCOUNTANT, local_event, rdp_epsilon
+from edge_client.privacy_account import MISSING_ACCOUNTANT, epsilon_of, local_event
 from storage.errors import FedgeError
 from storage.files import write_atomic
 
@@ -106,7 +107,7 @@ class PrivacyBudget:
             return 0.0
         if 0.0 in counts:
             return math.inf
-        return rdp_epsilon(local_event(counts), self.settings.delta)
+        return epsilon_of(local_event(counts), self.settings.delta)
 
     def counted(self, task_id: str) -> bool:
         return any(r["task"] == task_id for r in self.releases)

@@ -13,7 +13,7 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from dp_accounting.rdp import RdpAccountant
+from dp_accounting.pld import PLDAccountant
 
 from coordinator.config import ConfigError, load_config
 from coordinator.privacy import CentralPrivacy, release_epsilon
@@ -132,7 +132,8 @@ def test_without_noise_and_with_a_loose_bound_the_private_head_is_the_plain_one(
 
 # -- the account ------------------------------------------------------------------------------------------------
 def _by_hand(rounds, q, z, z_ffc, delta, passes=1):
-    accountant = RdpAccountant()
+    """The run's default account (PLD), composed here from dp_accounting's own events."""
+    accountant = PLDAccountant()
     if rounds:
         accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)
     accountant.compose(dp_accounting.GaussianDpEvent(z_ffc), passes)
@@ -141,8 +142,8 @@ def _by_hand(rounds, q, z, z_ffc, delta, passes=1):
 
 def test_the_pass_is_composed_after_the_training_rounds_in_one_account():
     privacy = CentralPrivacy(1.0, 1.1, 1e-5, 0.0, 2, 0.2)
-    assert privacy.epsilon(7, [3.0]) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5))
-    assert privacy.epsilon(7, [3.0, 3.0]) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5, passes=2))
+    assert privacy.epsilon(7, [3.0]) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5), abs=1e-3)
+    assert privacy.epsilon(7, [3.0, 3.0]) == pytest.approx(_by_hand(7, 0.2, 1.1, 3.0, 1e-5, passes=2), abs=1e-3)
     assert privacy.epsilon(7) < privacy.epsilon(7, [3.0]) < privacy.epsilon(7) + release_epsilon([3.0], delta=1e-5)
     # a target check before the last round counts its pass in
     tight = CentralPrivacy(1.0, 1.1, 1e-5, privacy.epsilon(7) * 1.001, 2, 0.2)
@@ -158,10 +159,10 @@ def test_a_private_ffc_run_reports_the_composed_epsilon_in_its_row_and_summary(t
     rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     expected = _by_hand(2, 0.5, 0.8, 2.0, 1e-5)
-    assert last["dp_epsilon"] == pytest.approx(expected) and last["dp_ffc_passes"] == 1
+    assert last["dp_epsilon"] == pytest.approx(expected, abs=1e-3) and last["dp_ffc_passes"] == 1
     assert rows[-2]["dp_epsilon"] < expected   # round 1: training only
     summary = json.loads((result.out_dir / "summary.json").read_text())
-    assert summary["dp_epsilon"] == pytest.approx(expected) and summary["dp_ffc_passes"] == 1
+    assert summary["dp_epsilon"] == pytest.approx(expected, abs=1e-3) and summary["dp_ffc_passes"] == 1
     assert summary["dp_ffc_epsilon"] == pytest.approx(release_epsilon([2.0], delta=1e-5))
     assert last["ffc_clients"] == 4 and last["dp_ffc_noise_std"] == 200.0
 
@@ -196,8 +197,8 @@ def test_the_privacy_command_says_what_the_ffc_pass_costs(capsys):
     from coordinator.ui.cli import main as coordinator_main
 
     assert coordinator_main(["privacy", "--epsilon", "8", "--epsilon", "1", "--rounds", "10", "--per-round", "10",
-                             "--expected", "10", "--release-noise", "4"]) == 0
+                             "--expected", "10", "--release-noise", "4", "--accountant", "rdp"]) == 0
     out = capsys.readouterr().out
-    alone = release_epsilon([4.0], delta=1e-5)
+    alone = release_epsilon([4.0], delta=1e-5, accountant="rdp")
     assert f"alone: epsilon {alone:.4g}" in out and "privacy.noise_multiplier = " in out
     assert "epsilon 1: out of reach" in out   # the pass alone spends more than 1

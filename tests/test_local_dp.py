@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import dp_accounting
 import pytest
 import torch
+from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from coordinator.config import ConfigError, load_config
@@ -109,7 +110,11 @@ def test_a_devices_epsilon_is_dp_accountings_for_its_participations():
     direct = RdpAccountant()
     for _ in range(7):   # seven releases, each a Gaussian mechanism of sensitivity 2C: multiplier z / 2
         direct.compose(dp_accounting.GaussianDpEvent(z / 2))
-    assert local_epsilon(7, noise_multiplier=z, delta=delta) == pytest.approx(direct.get_epsilon(delta))
+    assert local_epsilon(7, noise_multiplier=z, delta=delta, accountant="rdp") == pytest.approx(direct.get_epsilon(delta))
+    pld = PLDAccountant()   # the default accountant: the same event, a tighter figure
+    pld.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z / 2), 7))
+    assert local_epsilon(7, noise_multiplier=z, delta=delta) == pytest.approx(pld.get_epsilon(delta), abs=1e-3)
+    assert local_epsilon(7, noise_multiplier=z, delta=delta) < direct.get_epsilon(delta)
     assert local_epsilon(0, noise_multiplier=z, delta=delta) == 0.0
     assert local_epsilon(3, noise_multiplier=0.0, delta=delta) == math.inf
     calibrated = local_noise_for_epsilon(3.0, participations=7, delta=delta)
@@ -198,7 +203,8 @@ def test_strategies_that_send_raw_layers_or_statistics_are_refused():
 def test_the_privacy_command_calibrates_local_dp(capsys):
     from coordinator.ui.cli import main as coordinator_main
 
-    assert coordinator_main(["privacy", "--mode", "local", "--participations", "10", "--epsilon", "8"]) == 0
+    assert coordinator_main(["privacy", "--mode", "local", "--participations", "10", "--epsilon", "8",
+                             "--accountant", "rdp"]) == 0
     assert "privacy.noise_multiplier = 4.033" in capsys.readouterr().out
     assert coordinator_main(["privacy", "--mode", "local", "--participations", "10", "--rounds", "5",
                              "--epsilon", "8"]) == 2

@@ -9,6 +9,7 @@ import math
 import dp_accounting
 import pytest
 import torch
+from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
 from coordinator.config import ConfigError, load_config
@@ -94,20 +95,26 @@ def test_noisy_mean_divides_the_sum_by_the_fixed_denominator():
 
 def test_adaptive_clip_moves_towards_the_quantile():
     g = torch.Generator().manual_seed(0)
-    down, b = adapted_clip_norm(1.0, 10, 10, quantile=0.5, lr=0.2, count_std=0.0, generator=g)
+    down, b = adapted_clip_norm(1.0, 10, 10, 10, quantile=0.5, lr=0.2, count_noise_multiplier=0.0, generator=g)
     assert b == 1.0 and down == pytest.approx(math.exp(-0.1))
-    up, _ = adapted_clip_norm(1.0, 0, 10, quantile=0.5, lr=0.2, count_std=0.0, generator=g)
+    up, _ = adapted_clip_norm(1.0, 0, 10, 10, quantile=0.5, lr=0.2, count_noise_multiplier=0.0, generator=g)
     assert up == pytest.approx(math.exp(0.1))
 
 
 # -- the account --------------------------------------------------------------------------------------------------
 def test_epsilon_grows_with_rounds_and_matches_dp_accounting():
     q, z, delta = 0.1, 1.1, 1e-5
-    eps = [epsilon_after(r, sampling_rate=q, noise_multiplier=z, delta=delta) for r in (0, 1, 10, 100)]
+    eps = [epsilon_after(r, sampling_rate=q, noise_multiplier=z, delta=delta, accountant="rdp") for r in (0, 1, 10, 100)]
     assert eps[0] == 0.0 and eps[1] < eps[2] < eps[3]
     direct = RdpAccountant()
     direct.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 100)
     assert eps[3] == pytest.approx(direct.get_epsilon(delta))
+    # the default, PLD, is tighter and still dp_accounting's figure for the same event
+    pld = PLDAccountant()
+    pld.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), 100)
+    assert epsilon_after(100, sampling_rate=q, noise_multiplier=z, delta=delta) == pytest.approx(
+        pld.get_epsilon(delta), abs=1e-3)
+    assert epsilon_after(100, sampling_rate=q, noise_multiplier=z, delta=delta) < eps[3]
     assert epsilon_after(5, sampling_rate=q, noise_multiplier=0.0, delta=delta) == math.inf
 
 
@@ -124,7 +131,7 @@ def _results(n, clipped):
 
 def test_release_accounts_a_round_and_stops_before_the_target():
     config = _config(("clients", "expected", 10), ("clients", "per_round", 2), ("privacy", "noise_multiplier", 3.0),
-                     ("privacy", "target_epsilon", 1.0))
+                     ("privacy", "target_epsilon", 1.0), ("privacy", "accountant", "rdp"))
     privacy = CentralPrivacy.from_config(config)
     assert privacy.sampling_rate == 0.2 and privacy.per_round == 2
     state = ServerState(round=0, params={"w": torch.zeros(4)})
@@ -155,7 +162,8 @@ def test_release_accounts_a_round_and_stops_before_the_target():
     (("run", "mode", "async"), "run.mode = 'sync'"),
     (("clients", "selection", "deadline"), "clients.selection = 'random'"),
     (("run", "diagnostics", True), "run.diagnostics = false"),
-    (("privacy", "sampling", "stratified"), "privacy.sampling must be one of fixed, poisson"),
+    (("privacy", "sampling", "stratified"), "privacy.sampling must be one of poisson, fixed, seeded"),
+    (("privacy", "accountant", "moments"), "privacy.accountant must be one of pld, rdp"),
 ])
 def test_bad_privacy_settings_are_refused_naming_the_key(setting, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -186,8 +194,10 @@ def test_server_optimizers_take_central_dp_with_equal_weights():
 @pytest.mark.parametrize("sets, message", [
     ([("privacy", "sampling", "poisson")], "privacy.sampling applies with privacy.mode = 'central'"),
     ([*CENTRAL, ("privacy", "spent_devices", "skip")], "privacy.spent_devices applies with privacy.mode = 'local'"),
-    ([("privacy", "mode", "local"), ("privacy", "sampling", "poisson")], "privacy.sampling = 'fixed'"),
-    ([*CENTRAL, ("privacy", "sampling", "poisson"), ("secagg", "enabled", True), ("clients", "expected", 6)],
+    ([("privacy", "mode", "local"), ("privacy", "sampling", "poisson")],
+     "privacy.sampling applies with privacy.mode = 'central'"),
+    ([*CENTRAL, ("privacy", "sampling", "poisson"), ("secagg", "enabled", True), ("clients", "expected", 6),
+      ("clients", "per_round", 3)],
      "cannot run with secagg.enabled = true"),
 ])
 def test_each_modes_own_settings_are_refused_in_the_other(sets, message):
@@ -210,7 +220,8 @@ def test_poisson_draws_each_device_with_probability_q_whatever_the_round_size():
     first = sampler.draw(online, 1, 0).clients
     sampler.entropy = random.Random(0)
     assert sampler.draw(online, 2, 0).clients == first
-    fixed = Sampler(_config(("clients", "expected", 1000), ("clients", "per_round", 100)), Absences(0), RoundTimes())
+    fixed = Sampler(_config(("clients", "expected", 1000), ("clients", "per_round", 100), ("privacy", "sampling", "fixed")),
+                    Absences(0), RoundTimes())
     assert fixed.poisson is None and len(fixed.draw(online, 1, 0).clients) == 100
 
 
@@ -288,7 +299,7 @@ def test_the_privacy_command_prints_the_multiplier_and_refuses_impossible_sampli
     from coordinator.ui.cli import main as coordinator_main
 
     assert coordinator_main(["privacy", "--epsilon", "8", "--rounds", "100", "--per-round", "10",
-                             "--expected", "100"]) == 0
+                             "--expected", "100", "--accountant", "rdp"]) == 0
     out = capsys.readouterr().out
     assert "q = 0.1" in out and "privacy.noise_multiplier = 0.99" in out
     assert coordinator_main(["privacy", "--epsilon", "8", "--rounds", "100", "--per-round", "20",

@@ -33,6 +33,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from coordinator.privacy_account import DEFAULT_SAMPLING
 from coordinator.runtime.device_book import DeviceBook
 from coordinator.runtime.profile_selection import ProfilePolicy
 from coordinator.runtime.round_times import SAFETY, RoundTimes
@@ -142,7 +143,8 @@ class Draw:
 
 class Sampler:
     """Draws an attempt's clients: ``clients.per_round`` of those selection may draw from, at random but
-    seeded by the run's seed, the round and the attempt, so a run draws the same clients again; with
+    seeded by the run's seed, the round and the attempt, so a run draws the same clients again (under central DP
+    from the OS's entropy unless ``privacy.sampling = "seeded"``); with
     ``clients.selection = "profile"`` by the devices' own profiles (``book``, profile_selection.py)."""
 
     def __init__(self, config: RunConfig, absences: Absences, times: RoundTimes, book: DeviceBook | None = None) -> None:
@@ -151,10 +153,12 @@ class Sampler:
         self._deadline_filter = DeadlineFilter(times)
         self.book = book if book is not None else DeviceBook()
         self.profile = ProfilePolicy(config, self.book, times)
-        # privacy.sampling = "poisson": who is drawn must be unknown to whoever reads the released models, and
-        # the run's seed is in every task, so these draws come from the OS's entropy
-        self.poisson = (config.selected_per_round / config.clients.expected
-                        if config.privacy.mode == "central" and config.privacy.sampling == "poisson" else None)
+        # Central DP's "poisson" and "fixed" draws: who is drawn must be unknown to whoever reads the released
+        # models (the account claims amplification by sampling), and the run's seed is in every task, so these
+        # draws come from the OS's entropy; "seeded" keeps the reproducible draw and claims no amplification.
+        sampling = (config.privacy.sampling or DEFAULT_SAMPLING) if config.privacy.mode == "central" else "seeded"
+        self.poisson = config.selected_per_round / config.clients.expected if sampling == "poisson" else None
+        self.secret = sampling == "fixed"
         self.entropy: random.Random = random.SystemRandom()
 
     def draw(self, online: Iterable[str], round: int, attempt: int, taken: Collection[str] = ()) -> Draw:
@@ -172,7 +176,7 @@ class Sampler:
             return Draw(*self.profile.draw(pool, round, attempt, size, need))
         if c.clients.selection == "deadline":
             pool, skipped = self._skip_predicted_late(pool, round, need)
-        rng = random.Random(f"{c.run.seed}/{round}/{attempt}")
+        rng = self.entropy if self.secret else random.Random(f"{c.run.seed}/{round}/{attempt}")
         return Draw(sorted(rng.sample(pool, min(size, len(pool)))), skipped)
 
     def _skip_predicted_late(self, pool: list[str], round: int, need: int) -> tuple[list[str], list[str]]:

@@ -110,15 +110,17 @@ class FedAvg(Strategy):
 
     @property
     def counts_tasks(self) -> bool:
-        """Local DP counts every device given a training task (:meth:`tasked`)."""
-        return isinstance(self.privacy, LocalPrivacy)
+        """Local DP, and central DP over a seeded draw, count every device given a training task (:meth:`tasked`)."""
+        return isinstance(self.privacy, LocalPrivacy) or (isinstance(self.privacy, CentralPrivacy)
+                                                          and self.privacy.account.per_device)
 
     def not_drawn(self, state: ServerState) -> frozenset[str]:
         """Under local DP with ``privacy.spent_devices = "skip"``, the devices whose budget is spent."""
         return self.privacy.spent(state) if isinstance(self.privacy, LocalPrivacy) else frozenset()
 
     def tasked(self, phase: str, state: ServerState, clients: frozenset[str]) -> ServerState:
-        """Under local DP, one more participation for every device given a training task (docs/privacy.md)."""
+        """Under local DP (and central DP over a seeded draw), one more participation for every device given a
+        training task (docs/privacy.md)."""
         return self.privacy.took_part(state, clients) if phase == "train" and self.privacy is not None else state
 
     def summary(self, rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS, CentralAccount
 from edge_client.argcheck import at_least, positive
+from edge_client.privacy_account import ACCOUNTANTS, DEFAULT_ACCOUNTANT
 
 __all__ = ["add_command"]
 
@@ -13,12 +15,14 @@ __all__ = ["add_command"]
 def add_command(sub, name: str = "privacy") -> None:  # sub: the parser's subparsers
     cmd = sub.add_parser(
         name, help="the noise multiplier that keeps a run within a target epsilon (central or local DP)",
-        description="Print privacy.noise_multiplier so that the run's account (dp_accounting's RDP accountant, as "
-                    "the run keeps it) ends at --epsilon at --delta. Central DP (--mode central): a run of --rounds "
-                    "rounds drawing --per-round of --expected devices each round; it also prints the noise on the "
-                    "mean per unit of clip norm (z / per-round). Local DP (--mode local): a device that takes part "
-                    "in --participations rounds; the noise each device adds has std z x the clip norm. "
-                    "docs/privacy.md says what the epsilon covers and what it assumes.")
+        description="Print privacy.noise_multiplier so that the run's account (dp_accounting's PLD or RDP "
+                    "accountant, --accountant, as the run keeps it) ends at --epsilon at --delta. Central DP "
+                    "(--mode central): a run of --rounds rounds drawing --per-round of --expected devices each round "
+                    "as --sampling draws them; it also prints the noise on the mean per unit of clip norm "
+                    "(z / per-round). Under --sampling seeded nothing is amplified and the account is a device's: "
+                    "--rounds is then the most rounds one device may be drawn in (all of them, to be safe). Local DP "
+                    "(--mode local): a device that takes part in --participations rounds; the noise each device adds "
+                    "has std z x the clip norm. docs/privacy.md says what the epsilon covers and what it assumes.")
     cmd.add_argument("--epsilon", type=positive, required=True, action="append",
                      help="target epsilon (repeatable: one line each)")
     cmd.add_argument("--mode", choices=("central", "local"), default="central", help="privacy.mode (default central)")
@@ -33,6 +37,11 @@ def add_command(sub, name: str = "privacy") -> None:  # sub: the parser's subpar
                           "as a method's calibration pass over all devices (repeatable: one per release); prints "
                           "what the releases alone cost and composes them into the account (docs/privacy.md)")
     cmd.add_argument("--delta", type=positive, default=1e-5, help="privacy.delta (default 1e-5)")
+    cmd.add_argument("--accountant", choices=ACCOUNTANTS, default=DEFAULT_ACCOUNTANT,
+                     help=f"privacy.accountant: pld (tighter) or rdp (default {DEFAULT_ACCOUNTANT})")
+    cmd.add_argument("--sampling", choices=SAMPLINGS, default=DEFAULT_SAMPLING,
+                     help=f"central: privacy.sampling, how rounds are drawn (default {DEFAULT_SAMPLING}): poisson and "
+                          "fixed are secret draws that amplify, fixed under replace-one; seeded is public and does not")
     cmd.set_defaults(handler=_privacy)
 
 
@@ -42,7 +51,7 @@ def _refuse(message: str) -> int:
 
 
 def _privacy(args: argparse.Namespace) -> int:
-    from coordinator.privacy import local_noise_for_epsilon, release_epsilon, noise_for_epsilon
+    from coordinator.privacy import local_noise_for_epsilon
 
     if not args.delta < 1:
         return _refuse("--delta must be below 1 (1e-5 is usual: below 1 / number of devices)")
@@ -50,9 +59,11 @@ def _privacy(args: argparse.Namespace) -> int:
         if args.participations is None or any(v is not None for v in (args.rounds, args.per_round, args.expected)):
             return _refuse("--mode local takes --participations (rounds one device takes part in), "
                            "not --rounds, --per-round or --expected")
-        print(f"local DP, {args.participations} participations per device, delta {args.delta:g}:")
+        print(f"local DP, {args.participations} participations per device, delta {args.delta:g}, "
+              f"{args.accountant.upper()}:")
         for epsilon in args.epsilon:
-            z = local_noise_for_epsilon(epsilon, participations=args.participations, delta=args.delta)
+            z = local_noise_for_epsilon(epsilon, participations=args.participations, delta=args.delta,
+                                        accountant=args.accountant)
             print(f"  epsilon {epsilon:g}: privacy.noise_multiplier = {z:.4g}  (noise on each device's update: "
                   f"{z:.4g} x the clip norm per coordinate)")
         return 0
@@ -63,19 +74,20 @@ def _privacy(args: argparse.Namespace) -> int:
     if args.per_round > args.expected:
         return _refuse("--per-round cannot exceed --expected")
     q = args.per_round / args.expected
+    account = CentralAccount(args.sampling, q, args.expected, args.accountant)
     releases = [float(z) for z in args.release_noise]
     extra = ""
     if releases:
-        alone = release_epsilon(releases, delta=args.delta)
+        alone = account.epsilon(0, 1.0, args.delta, releases)
         zs = ", ".join(f"{z:g}" for z in releases)
         extra = f" and {len(releases)} release(s) of every device at z = {zs}"
         print(f"{len(releases)} release(s) of every device (q = 1) at z = {zs}, alone: epsilon {alone:.4g} "
               f"at delta {args.delta:g}")
     print(f"{args.rounds} rounds, {args.per_round} of {args.expected} devices a round (q = {q:g}){extra}, "
-          f"delta {args.delta:g}:")
+          f"delta {args.delta:g}; {account.describe()}:")
     for epsilon in args.epsilon:
         try:
-            z = noise_for_epsilon(epsilon, rounds=args.rounds, sampling_rate=q, delta=args.delta, releases=releases)
+            z = account.noise_for(epsilon, args.rounds, args.delta, releases)
         except ValueError as exc:
             print(f"  epsilon {epsilon:g}: out of reach: {exc}")
             continue
