@@ -14,7 +14,11 @@ Per fleet, partition and epsilon, from ``bench/results/privacy/*-r100.json`` (fu
   the paired seeds (no interval from one seed);
 - ``epsilon``: the account's final ``dp_epsilon`` (largest over seeds; every seed has the same
   schedule), ``noise_std``: the noise on the mean per coordinate, ``clipped``: the mean share of
-  updates the clip norm cut.
+  updates the clip norm cut;
+- ``accounts``: what epsilon the runs really have (bench/privacy_draws.py, largest over seeds): their draws were
+  seeded by the run's seed, which every device knows, so the quoted Poisson account does not hold against the
+  devices; ``seeded`` is the most-drawn device's (no amplification), ``fixed`` what a secret draw of the same size
+  would give (replace-one), ``poisson`` what Poisson sampling gives, each by PLD and RDP.
 
 Prints the table, writes ``bench/results/privacy_epsilon.json`` and one figure,
 ``docs/images/privacy-epsilon.png`` (accuracy against epsilon, one line per fleet and partition, the
@@ -43,6 +47,7 @@ from rich.table import Table  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_io import RESULTS, write_result  # noqa: E402
 from paired import paired_difference  # noqa: E402
+from privacy_draws import run_accounts  # noqa: E402
 from run_matrix import final_mean, load_matrix  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -75,7 +80,7 @@ def read_cells(results: Path, rounds: int) -> dict[tuple[str, str, str], dict[in
             "accuracy": accuracy, "failure": rec.get("failure"), "last_round": max(trained, default=0),
             "epsilon": _last(rec["rows"], "dp_epsilon"),
             "noise_std": _last(rec["rows"], "dp_noise_std"), "clipped": _mean_of(rec["rows"], "dp_clipped_fraction"),
-            "seconds": rec.get("seconds")}
+            "seconds": rec.get("seconds"), "accounts": None if rec.get("failure") else run_accounts(rec)}
     return cells
 
 
@@ -107,8 +112,39 @@ def table(cells: dict[tuple[str, str, str], dict[int, dict[str, Any]]]) -> list[
             row[field] = max(values) if values else None
         clipped = [seeds[s]["clipped"] for s in seeds if seeds[s]["clipped"] is not None]
         row["clipped"] = statistics.fmean(clipped) if clipped else None
+        row["accounts"] = _worst_accounts([v["accounts"] for v in every.values() if v["accounts"]])
         rows.append(row)
     return rows
+
+
+def _worst_accounts(per_seed: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The largest figure of each account over a cell's seeds, and the range of its most-drawn device's rounds."""
+    if not per_seed:
+        return None
+    out: dict[str, Any] = {"max_participations": [min(a["max_participations"] for a in per_seed),
+                                                  max(a["max_participations"] for a in per_seed)]}
+    for draw in ("seeded", "fixed", "poisson"):
+        out[draw] = {acc: max(a[draw][acc] for a in per_seed) for acc in ("pld", "rdp")}
+        out[draw + "_range"] = {acc: [min(a[draw][acc] for a in per_seed), max(a[draw][acc] for a in per_seed)]
+                                for acc in ("pld", "rdp")}
+    return out
+
+
+def epsilon_markdown(rows: list[dict[str, Any]]) -> str:
+    """The table of what each private cell's epsilon is by the draw that ran, for docs/privacy.md."""
+    lines = ["| fleet | partition | quoted (Poisson, RDP) | most-drawn device's rounds | as drawn: seeded, public "
+             "(PLD) | had the draw been secret: fixed size, replace-one (PLD) | Poisson sampling (PLD) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r.get("accounts")
+        if r["eps"] == REFERENCE or not a:
+            continue
+        lo, hi = a["seeded_range"]["pld"]
+        k_lo, k_hi = a["max_participations"]
+        lines.append(f"| {FLEETS.get(r['fleet'], r['fleet'])} | Dirichlet {r['partition'].lstrip('a')} | "
+                     f"{r['epsilon']:.2f} | {k_lo} to {k_hi} of 100 | {lo:.2f} to {hi:.2f} | "
+                     f"{a['fixed']['pld']:.2f} | {a['poisson']['pld']:.2f} |")
+    return "\n".join(lines)
 
 
 def _pct(value: float | None, signed: bool = False) -> str:
@@ -168,18 +204,23 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> Path:
-    """Accuracy against the final epsilon per fleet and partition; the non-private level dashed."""
+    """Accuracy against the epsilon the runs really have (their seeded draw, its most-drawn device, PLD; largest over
+    seeds) per fleet and partition; the non-private level dashed."""
+
+    def epsilon(r: dict[str, Any]) -> float | None:
+        return r["accounts"]["seeded"]["pld"] if r.get("accounts") else None
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["fleet"], r["partition"]), []).append(r)
     for i, ((fleet, alpha), members) in enumerate(groups.items()):
         colour = f"C{i}"
-        private = sorted((r for r in members if r["eps"] != REFERENCE and r["epsilon"] and r["accuracy"]),
-                         key=lambda r: r["epsilon"])
+        private = sorted((r for r in members if r["eps"] != REFERENCE and epsilon(r) and r["accuracy"]),
+                         key=lambda r: epsilon(r))
         label = f"{fleet} {alpha}"
         if private:
-            ax.errorbar([r["epsilon"] for r in private], [100 * r["accuracy"]["mean"] for r in private],
+            ax.errorbar([epsilon(r) for r in private], [100 * r["accuracy"]["mean"] for r in private],
                         yerr=[100 * r["accuracy"]["std"] for r in private], marker="o", capsize=3, color=colour,
                         label=f"{label} ({', '.join(str(len(r['seeds'])) for r in private)} seeds)")
         for r in members:
@@ -187,10 +228,13 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path:
                 ax.axhline(100 * r["accuracy"]["mean"], color=colour, linestyle="--", linewidth=1,
                            label=f"{label} without DP ({len(r['seeds'])} seeds)")
     ax.set_xscale("log")
-    epsilons = sorted({round(r["epsilon"], 1) for r in rows if r["eps"] != REFERENCE and r["epsilon"]})
+    epsilons: list[int] = []
+    for e in sorted({round(epsilon(r)) for r in rows if r["eps"] != REFERENCE and epsilon(r)}):
+        if not epsilons or e > 1.2 * epsilons[-1]:   # one tick for close figures, so labels do not overlap
+            epsilons.append(e)
     ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])   # the matrix's epsilons, not powers of ten
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set_xlabel("epsilon after 100 rounds (delta 1e-5)")
+    ax.set_xlabel("epsilon after 100 rounds as drawn (most-drawn device, PLD, delta 1e-5)")
     ax.set_ylabel("test accuracy, mean of last 5 evaluations (%)")
     ax.set_title("Central DP, FedAvg, cnn on Fashion-MNIST")
     ax.grid(True, alpha=0.3)
@@ -220,6 +264,8 @@ def main() -> int:
     show(rows)
     if args.markdown:
         print(markdown(rows))
+        print()
+        print(epsilon_markdown(rows))
     figure = plot(rows, args.out_dir)
     write_result(args.results / "privacy_epsilon.json",
                  {"matrix": "privacy", "rounds": args.rounds, "reference": REFERENCE, "rows": rows,

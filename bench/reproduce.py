@@ -153,6 +153,16 @@ def rerun_config(record: dict[str, Any], out: Path) -> tuple[RunConfig, list[str
                      "arrival order, which no re-run can repeat; re-running in client-id order, so a streaming cell "
                      "may differ in the last bits from round 1")
         overrides.append(("aggregate", "order", "sorted"))
+    privacy = record["config"].get("privacy", {})
+    if privacy.get("mode") == "central" and "accountant" not in privacy:
+        notes.append("it predates privacy.accountant and the secret draws: its rounds were drawn from the run's seed "
+                     "(today's privacy.sampling = 'seeded') and its dp_epsilon is RDP's Poisson account; re-running "
+                     "with that draw and privacy.accountant = 'rdp'")
+        overrides += [("privacy", "sampling", "seeded"), ("privacy", "accountant", "rdp")]
+    if record["config"]["run"].get("mode") == "async" and "weighting" not in record["config"].get("async", {}):
+        notes.append("it predates async.weighting: its versions were the sample-weighted mean of the buffer; "
+                     "re-running with async.weighting = 'normalized'")
+        overrides.append(("async", "weighting", "normalized"))
     return load_config(None, overrides + scratch_overrides(out)), notes
 
 
