@@ -191,3 +191,27 @@ def test_the_privacy_command_calibrates_with_the_chosen_accountant(capsys):
     assert "PLD" in capsys.readouterr().out
     assert coordinator_main([*base, "--sampling", "seeded"]) == 0
     assert "no amplification" in capsys.readouterr().out
+
+
+def test_a_seeded_run_reports_its_most_drawn_device_and_journals_its_tasks(tmp_path):
+    """A short run over the in-process transport with the reproducible draw: each row's epsilon is the account of
+    its most-drawn device so far, and the devices of each round are journaled as local DP's are, for a resume."""
+    import json
+
+    from coordinator.runtime.run import run_federated
+
+    sets = {"run.rounds": 3, "run.out": str(tmp_path), "model.name": "mlp", "model.hidden": [16],
+            "data.eval": "digits", "clients.expected": 4, "clients.spawn": 4, "clients.per_round": 2,
+            "clients.max_attempts": 1, "transport.kind": "inproc", "export.enabled": False,
+            "privacy.mode": "central", "privacy.sampling": "seeded", "privacy.clip_norm": 1.0,
+            "privacy.noise_multiplier": 2.0}
+    result = run_federated(load_config(None, [(*k.split(".", 1), v) for k, v in sets.items()]), say=lambda s: None)
+    trained = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    journal = [json.loads(line) for line in (result.out_dir / "tasks-sent.jsonl").read_text().splitlines()]
+    counts: dict[str, int] = {}
+    for row, sent in zip(trained, journal, strict=True):
+        for client in sent["clients"]:
+            counts[client] = counts.get(client, 0) + 1
+        most = max(counts.values())
+        assert row["dp_sampling"] == "seeded" and row["dp_max_participations"] == most
+        assert row["dp_epsilon"] == pytest.approx(CentralAccount("seeded", 0.5, 4, "pld").epsilon(most, 2.0, 1e-5))
