@@ -17,7 +17,7 @@ from coordinator.config import ConfigError, load_config
 from coordinator.privacy import LocalPrivacy, local_epsilon, local_noise_for_epsilon
 from coordinator.runtime.intake import accept_result
 from coordinator.runtime.run import run_federated
-from coordinator.strategies.base import ClientResult, TaskPlan
+from coordinator.strategies.base import ClientResult
 from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings
 from edge_client.data import load_dataset
