@@ -91,7 +91,7 @@ def epsilon_of(event: Any, delta: float, accountant: str = DEFAULT_ACCOUNTANT, *
 
 def calibrate(event: Callable[[float], Any], epsilon: float, delta: float, accountant: str = DEFAULT_ACCOUNTANT, *,
               replace_one: bool = False) -> float:
-    """The smallest noise multiplier z (to a relative 1e-5, rounded up) whose ``event(z)`` stays within ``epsilon``
+    """The smallest noise multiplier z (to a relative 1e-4, rounded up) whose ``event(z)`` stays within ``epsilon``
     at ``delta`` by the named accountant. A bisection on log z over :func:`epsilon_of` rather than
     ``dp_accounting.calibrate_dp_mechanism``, whose one accountant for every z would compose the small multipliers
     the search tries at the discretization of the large ones: seconds and gigabytes each."""
@@ -111,7 +111,7 @@ def calibrate(event: Callable[[float], Any], epsilon: float, delta: float, accou
         low, high = high, high * 2
         if high > 1e6:
             raise ValueError(f"no noise multiplier up to 1e6 keeps epsilon within {epsilon:g} at delta {delta:g}")
-    while high / low > 1 + 1e-5:
+    while high / low > 1 + 1e-4:
         middle = (low * high) ** 0.5
         low, high = (low, middle) if within(middle) else (middle, high)
     return high
