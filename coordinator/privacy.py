@@ -178,6 +178,17 @@ def local_noise_for_epsilon(epsilon: float, *, participations: int, delta: float
     return calibrate(lambda z: local_event({z: participations}), epsilon, delta, accountant)
 
 
+def participations(state: ServerState) -> dict[str, int]:
+    """Device id -> rounds it was given a training task in, as ``state`` keeps them (local DP, and central DP over a
+    seeded draw: both account each device over its own rounds)."""
+    return {k: int(v) for k, v in state.extra.get(EXTRA_KEY, {}).get("participations", {}).items()}
+
+
+def counted_once_more(counts: Mapping[str, int], clients: frozenset[str]) -> dict[str, int]:
+    """``counts`` with one more round for each of ``clients``."""
+    return {**counts, **{c: counts.get(c, 0) + 1 for c in clients}}
+
+
 @functools.lru_cache(maxsize=1024)
 def _local_epsilon_cached(participations: int, noise_multiplier: float, delta: float, accountant: str) -> float:
     """:func:`local_epsilon`, once per count: a round asks for the figure of every distinct count it sees."""
@@ -235,14 +246,11 @@ class CentralPrivacy:
         the account is per round (in :meth:`release`) and ``state`` is returned as it is."""
         if not self.account.per_device:
             return state
-        counts = self.participations(state)
-        for client in clients:
-            counts[client] = counts.get(client, 0) + 1
-        return self._keep(state, participations=counts)
+        return self._keep(state, participations=counted_once_more(participations(state), clients))
 
     def participations(self, state: ServerState) -> dict[str, int]:
         """Device id -> rounds it was drawn in, kept under a seeded draw only."""
-        return {k: int(v) for k, v in state.extra.get(EXTRA_KEY, {}).get("participations", {}).items()}
+        return participations(state)
 
     @property
     def accounted_multiplier(self) -> float:
@@ -372,13 +380,11 @@ class LocalPrivacy:
 
     def participations(self, state: ServerState) -> dict[str, int]:
         """Device id -> training rounds it was given a task in, so far (from ``state``)."""
-        return {k: int(v) for k, v in state.extra.get(EXTRA_KEY, {}).get("participations", {}).items()}
+        return participations(state)
 
     def took_part(self, state: ServerState, clients: frozenset[str]) -> ServerState:
         """``state`` with one more participation for each of ``clients``, the devices given a training task."""
-        counts = self.participations(state)
-        for client in clients:
-            counts[client] = counts.get(client, 0) + 1
+        counts = counted_once_more(participations(state), clients)
         return dataclasses.replace(state, extra={**state.extra, EXTRA_KEY: {"participations": counts}})
 
     def spent(self, state: ServerState) -> frozenset[str]:

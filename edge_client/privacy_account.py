@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "epsilon_of", "calibrate", "rdp_epsilon", "local_event",
+__all__ = ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "epsilon_of", "calibrate", "local_event",
            "MISSING_ACCOUNTANT"]
 
 ACCOUNTANTS = ("pld", "rdp")   # privacy.accountant
@@ -115,11 +115,6 @@ def calibrate(event: Callable[[float], Any], epsilon: float, delta: float, accou
         middle = (low * high) ** 0.5
         low, high = (low, middle) if within(middle) else (middle, high)
     return high
-
-
-def rdp_epsilon(event: Any, delta: float) -> float:
-    """Epsilon at ``delta`` of a ``dp_accounting`` event by the RDP accountant (add or remove one)."""
-    return epsilon_of(event, delta, "rdp")
 
 
 def local_event(participations: Mapping[float, int]) -> Any:
