@@ -18,7 +18,8 @@ import numpy as np
 
 from storage.pixels import DataError, Normalization, Pixels, npz_pixels, read_npz
 
-__all__ = ["DataError", "Dataset", "RawDataset", "load_dataset", "load_pixels", "read_fashion_mnist", "DATASET_SPECS",
+__all__ = ["DataError", "Dataset", "RawDataset", "load_dataset", "load_pixels", "load_own_pixels", "read_fashion_mnist",
+           "DATASET_SPECS",
            "FASHION_MNIST_DIR", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "FASHION_MNIST_CLASSES",
            "FASHION_MNIST_NORMALIZATION", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_NORMALIZATION"]
 
@@ -119,6 +120,21 @@ def load_pixels(spec: str, *, train: bool = True) -> RawDataset:
     if kind == "npz" and arg:
         return _npz_dataset(Path(arg))
     raise DataError(f"unknown dataset spec {spec!r}; valid: {DATASET_SPECS}")
+
+
+def load_own_pixels(spec: str) -> tuple[Pixels, np.ndarray, Normalization]:
+    """The rows a device trains on from its own ``--data``: (pixels, labels, the data set's normalization).
+
+    A device's npz file is all its own data: every row of ``x`` is kept for training (the fixed 80/20
+    split serves a coordinator evaluating on such a file, not a device that needs every image it has;
+    a held-out share for personalized evaluation is the run's ``data.local_test_fraction``). The built-in
+    data sets give their train split, as in a simulation."""
+    kind, _, arg = spec.partition(":")
+    if kind == "npz" and arg:
+        raw = _npz_dataset(Path(arg), split=False)
+    else:
+        raw = load_pixels(spec)
+    return raw.x_train, raw.y_train, raw.normalization
 
 
 def load_dataset(spec: str, *, train: bool = True, normalization: Normalization | None = None) -> Dataset:
@@ -238,9 +254,12 @@ def _npz_labels(path: Path, key: str, y: np.ndarray, n: int) -> np.ndarray:
     return y.astype(np.int64)
 
 
-def _npz_dataset(path: Path) -> RawDataset:
+def _npz_dataset(path: Path, split: bool = True) -> RawDataset:
     """An npz of images (uint8 0..255, or float pixels in [0, 1]) and labels; the identity normalization (the
-    pixels as they are) unless a model spec names another."""
+    pixels as they are) unless a model spec names another.
+
+    ``split=False`` keeps every row of ``x`` as the train split (a device's own file); the test split is then
+    ``x_test`` when the file has one, else the same rows, never used for training."""
     if not path.is_file():
         raise DataError(f"{path}: npz file not found; check the path in npz:PATH")
     arrays = read_npz(path)
@@ -255,6 +274,8 @@ def _npz_dataset(path: Path) -> RawDataset:
     if "x_test" in arrays:
         x_test = npz_pixels(path, "x_test", arrays["x_test"])
         y_test = _npz_labels(path, "y_test", arrays["y_test"], len(x_test))
+    elif not split:
+        x_test, y_test = x, y
     else:
         tr, te = _fixed_split(y)
         if len(te) == 0:

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_client.data import client_pixels, holdout_split, load_client_split, load_pixels, parse_attribute_skew
+from edge_client.data import client_pixels, holdout_split, load_client_split, parse_attribute_skew
+from edge_client.datasets import load_own_pixels
 from edge_client.objectives import LocalData, ObjectiveError, holdout_seed, local_data
 from storage.pixels import DataError, Normalization, Pixels, normalization_of
 
@@ -65,8 +66,7 @@ def load_device_data(spec: str, test_fraction: float, *, seed: int, client_id: s
     if partition:
         pixels, y, own = client_pixels(spec, partition, partition_index, num_partitions, seed)
     else:
-        raw = load_pixels(spec)
-        pixels, y, own = raw.x_train, raw.y_train, raw.normalization
+        pixels, y, own = load_own_pixels(spec)
     return device_data(pixels, y, own, test_fraction, seed=seed, client_id=client_id)
 
 

@@ -147,3 +147,12 @@ def test_over_processes_an_npz_device_trains_the_model_a_built_in_device_does(tm
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     rows = [json.loads(line) for line in (npz_run / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["returned"] == 1 and rows[1]["test_accuracy"] > 0.5
+
+
+def test_a_device_trains_on_every_image_of_its_own_npz_unless_the_run_holds_some_out(tmp_path):
+    pixels, labels, _ = client_pixels("fashion-mnist", "iid", 1, 60, 0)
+    np.savez(tmp_path / "own.npz", x=pixels.values[:, 0], y=labels)   # no x_test: all of it the device's
+    everything = load_device_data(f"npz:{tmp_path / 'own.npz'}", 0.0, seed=0, client_id="pi-03")
+    assert len(everything.y) == len(labels) and everything.x_test is None
+    held_out = load_device_data(f"npz:{tmp_path / 'own.npz'}", 0.25, seed=0, client_id="pi-03")
+    assert len(held_out.y) + len(held_out.y_test) == len(labels)   # the held-out share comes from its own rows
