@@ -282,8 +282,9 @@ def _say_setup(config: RunConfig, strategy: Strategy, state: ServerState, datase
     """What a person starting the run should know before it waits: the model's size, what the aggregation
     withstands, and the sizes of the spawned clients' partitions."""
     size = describe_size(model_size(state.spec))
-    log.info("model %s: %s", state.spec["name"], size, extra={"said": True})
-    say(f"model {state.spec['name']}: {size}")
+    data = f"data {config.data.eval}" + (" (the default; --data names another)" if config.data.eval == "digits" else "")
+    log.info("model %s: %s; %s", state.spec["name"], size, data, extra={"said": True})
+    say(f"model {state.spec['name']}: {size}; {data}")
     if strategy.robust:
         _say_tolerance(config, say)
     spawn = config.clients.spawn
