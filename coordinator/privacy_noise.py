@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from coordinator.config import RunConfig
     from coordinator.privacy import CentralPrivacy
 
-__all__ = ["NoiseOnMean", "WARN_RATIO", "REFUSE_RATIO", "OVERRIDE_KEY", "run_noise", "refusal", "start_note"]
+__all__ = ["NoiseOnMean", "WARN_RATIO", "REFUSE_RATIO", "OVERRIDE_KEY", "run_noise", "refusal", "start_note",
+           "divergence_note"]
 
 WARN_RATIO = 0.02      # z / m from which the noise costs accuracy that shows
 REFUSE_RATIO = 0.1     # z / m from which the noise swamps the update: a run refuses it
@@ -129,3 +130,14 @@ def start_note(config: RunConfig) -> tuple[str, bool]:
         return text, False
     return f"{text}. Less noise: {noise.way_out(_epsilon_at(privacy, config.run.rounds), WARN_RATIO)}", True
 
+
+def divergence_note(privacy: CentralPrivacy, clip_norm: float, rounds: int) -> str:
+    """What to say when a private round's devices diverged: the noise at the current clip norm and, where it is
+    heavy, that it is the cause and how to lower it; where it is small, that the learning rate is the suspect."""
+    noise = run_noise(privacy, clip_norm)
+    figure = f"under central DP with {noise.per_round:g} devices a round {noise.describe()}; {noise.verdict()}"
+    if noise.level == "small":
+        return f"{figure}. That noise is small: lower train.lr, or look at what the devices said"
+    return (f"{figure}. The noise, not the learning rate, is the likely cause. To lower it: "
+            f"{noise.way_out(_epsilon_at(privacy, rounds), WARN_RATIO)}. A private round is not run again: start a "
+            "new run with those settings (the rounds this one released are spent)")

@@ -1,5 +1,5 @@
-"""Central DP's noise on the mean at a small fleet's size: said before round 1, refused where it swamps the update.
-Real runs on digits."""
+"""Central DP's noise on the mean at a small fleet's size: said before round 1, refused where it swamps the update,
+named when a private round diverges. Real runs on digits."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from coordinator.config import ConfigError, load_config
 from coordinator.privacy_noise import REFUSE_RATIO, WARN_RATIO, NoiseOnMean
 from coordinator.runtime.run import run_federated
+from coordinator.runtime.run_error import RunError
 
 
 def _config(tmp_path, **sets):
@@ -50,6 +51,20 @@ def test_noise_that_costs_accuracy_is_warned_before_round_1_and_small_noise_is_s
     quiet = _config(tmp_path / "quiet", **{**sets, "privacy.noise_multiplier": 0.03})
     run_federated(quiet, say=said.append)
     assert any("0.01 x the clip norm" in line and "below 0.02" in line for line in said), said
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+def test_a_private_round_that_diverges_names_the_noise(tmp_path, caplog, sampling):
+    """Allowed to run anyway, the swamped run's devices diverge on the noisy model: the error says the noise is the
+    cause, not the learning rate."""
+    config = _config(tmp_path, **{"privacy.noise_multiplier": 3.0, "privacy.allow_swamping_noise": True,
+                                  "privacy.sampling": sampling})
+    with caplog.at_level(logging.INFO, logger="fedge.coordinator"), pytest.raises(RunError) as ended:
+        run_federated(config, say=lambda s: None)
+    text = str(ended.value)
+    assert "diverged" in text and "= 1 per coordinate, 1 x the clip norm" in text
+    assert "The noise, not the learning rate, is the likely cause" in text
+    assert "lower the learning rate" not in text
 
 
 def test_the_privacy_command_says_what_the_noise_does_at_the_fleet_size_it_is_given(capsys):
