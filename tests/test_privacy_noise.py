@@ -1,5 +1,5 @@
 """Central DP's noise on the mean at a small fleet's size: said before round 1, refused where it swamps the update,
-named when a private round diverges. Real runs on digits."""
+named when a private round diverges, and no retry claimed where none follows. Real runs on digits."""
 
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def test_noise_that_costs_accuracy_is_warned_before_round_1_and_small_noise_is_s
 
 
 @pytest.mark.parametrize("sampling", ["fixed", "poisson"])
-def test_a_private_round_that_diverges_names_the_noise(tmp_path, caplog, sampling):
+def test_a_private_round_that_diverges_names_the_noise_and_claims_no_retry(tmp_path, caplog, sampling):
     """Allowed to run anyway, the swamped run's devices diverge on the noisy model: the error says the noise is the
-    cause, not the learning rate."""
+    cause, not the learning rate, and no "retrying" is logged where a private round has its one attempt."""
     config = _config(tmp_path, **{"privacy.noise_multiplier": 3.0, "privacy.allow_swamping_noise": True,
                                   "privacy.sampling": sampling})
     with caplog.at_level(logging.INFO, logger="fedge.coordinator"), pytest.raises(RunError) as ended:
@@ -65,6 +65,7 @@ def test_a_private_round_that_diverges_names_the_noise(tmp_path, caplog, samplin
     assert "diverged" in text and "= 1 per coordinate, 1 x the clip norm" in text
     assert "The noise, not the learning rate, is the likely cause" in text
     assert "lower the learning rate" not in text
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
 
 
 def test_the_privacy_command_says_what_the_noise_does_at_the_fleet_size_it_is_given(capsys):
@@ -79,3 +80,13 @@ def test_the_privacy_command_says_what_the_noise_does_at_the_fleet_size_it_is_gi
                              "--expected", "1000"]) == 0
     out = capsys.readouterr().out
     assert "at 100 devices a round, 0.00936 x C: below 0.02" in out and "refuses" not in out
+
+
+def test_a_private_round_with_too_few_results_claims_no_retry(tmp_path, caplog):
+    """A private round has one attempt (clients.max_attempts = 1): when its devices miss the round's deadline the run
+    ends saying so, and nothing says "retrying" first."""
+    config = _config(tmp_path, **{"privacy.noise_multiplier": 0.01, "privacy.sampling": "fixed",
+                                  "clients.round_timeout": 0.01})
+    with caplog.at_level(logging.INFO, logger="fedge.coordinator"), pytest.raises(RunError, match="in 1 attempts"):
+        run_federated(config, say=lambda s: None)
+    assert not [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]

@@ -325,6 +325,8 @@ class Coordinator:
                 self.state = self.strategy.tasked(phase, self.state, frozenset(tasked))
                 self.intake.open(RoundBook(round=round, attempt=-1))   # collects strays until the next exchange
                 return book, totals
+            if attempt + 1 == c.clients.max_attempts:   # no attempt follows: the error below says why
+                break
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying: results still count if "
                         "they come, devices still working are waited for, the rest drawn afresh", round, phase,
                         attempt + 1, len(book.results), len(book.selected), c.required_results)
