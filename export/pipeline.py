@@ -38,7 +38,7 @@ from edge_client.data import (DataError, client_split, evaluation_split, load_da
 from edge_client.registry import model_size
 from export import hooks
 from export.baseline import against_start
-from export.card import class_names, input_normalization, sha256, strategy_config, write_card
+from export.card import class_names, input_normalization, portable_path, sha256, strategy_config, write_card
 from export.errors import ExportError, SourceError
 from export.onnx_graph import (EXPORTER, INPUT_NAME, OPSET, OUTPUT_NAME, Parity, ParityLimits, check_parity, predict,
                                session, to_onnx)
@@ -142,8 +142,8 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
                    "meaning": "class scores; the predicted class is the argmax"},
         "classes": classes,
         "run": {"run_id": source.checkpoint.run_id, "round": source.checkpoint.round,
-                "checkpoint": str(source.checkpoint.path.resolve()),
-                "run_dir": str(source.run_dir.resolve()) if source.run_dir else None},
+                "checkpoint": portable_path(source.checkpoint.path, source.run_dir),
+                "run_dir": source.run_dir.resolve().name if source.run_dir else None},
         "strategy": strategy_config(source.config, source.checkpoint.strategy),
         "model": spec,
         "size": model_size(spec),
@@ -197,7 +197,8 @@ def export_personalized(source_path: Path | None, state_dir: Path, *, round: int
     source = open_run(Path(source_path), round)
     device = personalized_model(source.checkpoint, state_dir)
     out = Path(options.out) if options.out else state_dir / "export" / "model.onnx"
-    personalized = {"client_state": str(state_dir.resolve()), "client": state_dir.resolve().name, **device.parts}
+    personalized = {"client_state": portable_path(state_dir, source.run_dir), "client": state_dir.resolve().name,
+                    **device.parts}
     return export_model(device.model, source, out, load_export_data(source, options.data), options, personalized)
 
 

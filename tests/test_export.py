@@ -322,7 +322,8 @@ def _ascent(model: nn.Module, data, hyper, ctx):
     return out
 
 
-def test_an_export_worse_than_the_runs_start_says_so_on_its_card(tmp_path, digits, caplog, capsys):
+def test_an_export_worse_than_the_runs_start_says_so_on_its_card_and_records_no_absolute_path(tmp_path, digits,
+                                                                                               caplog, capsys):
     """Two devices whose updates point uphill: the run's final model is worse than its initial one (round 0)."""
     with caplog.at_level(logging.WARNING, logger="fedge.export"):
         result = run_federated(run_config(tmp_path / "run", run__rounds=2), say=lambda s: None,
@@ -337,6 +338,9 @@ def test_an_export_worse_than_the_runs_start_says_so_on_its_card(tmp_path, digit
     assert "worse than the one its run started from" in card["warnings"][0]
     assert result.summary["export"]["warnings"] == card["warnings"]
     assert any("worse than the one its run started from" in r.getMessage() for r in caplog.records)
+    # the card names files as the run directory holds them, never where this machine keeps it
+    assert card["run"]["checkpoint"] == "checkpoints/round_0002.safetensors" and card["run"]["run_dir"] == "run"
+    assert str(tmp_path) not in card_file.read_text()
     assert export_main([str(result.out_dir), "-o", str(tmp_path / "again.onnx")]) == 0
     assert "WORSE THAN ITS START" in capsys.readouterr().out
 
