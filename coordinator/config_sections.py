@@ -248,6 +248,9 @@ class PrivacySection:
     # would pass the target; "skip" draws only devices with room for one more round and stops when fewer than
     # a round's results have room.
     spent_devices: str = "stop"
+    # Central: run even where the noise on the mean, z / per_round x the clip norm, is at or above 0.1 x the clip
+    # norm, where it swamps the update (coordinator/privacy_noise.py); the run refuses it otherwise.
+    allow_swamping_noise: bool = False
 
 
 @dataclass(frozen=True)

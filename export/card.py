@@ -20,7 +20,7 @@ from storage.files import write_atomic
 from storage.pixels import Normalization
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
-           "write_card"]
+           "write_card", "portable_path"]
 
 CARD_FORMAT = "fedge-model-card/1"
 
@@ -83,6 +83,19 @@ def strategy_config(config: dict[str, Any], strategy: str) -> dict[str, Any]:
         if isinstance(config.get(section), dict):
             out[section] = config[section]
     return out
+
+
+def portable_path(path: Path, run_dir: Path | None) -> str:
+    """``path`` as a card records it: relative to the run directory when inside it, else its name alone. A card
+    travels with its model to devices and other machines, where the exporting machine's absolute paths mean nothing
+    and tell its user names and folders."""
+    path = Path(path).resolve()
+    if run_dir is not None:
+        try:
+            return path.relative_to(Path(run_dir).resolve()).as_posix()
+        except ValueError:
+            pass
+    return path.name
 
 
 def sha256(data: bytes) -> str:

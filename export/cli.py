@@ -71,6 +71,11 @@ def _describe(exported) -> list[str]:   # exported: export.pipeline.Exported
                  f"same prediction on {p['argmax_agreement']:.2%}")
     t = card["test_data"]
     lines.append(f"  test accuracy {card['test_accuracy']:.4f} on {t['samples']} samples of {t['spec']}")
+    start = card.get("initial_model")
+    if start is not None:
+        worse = "  WORSE THAN ITS START" if start["worse"] else ""
+        lines.append(f"  the run's initial model (round 0) had {start['test_accuracy']:.4f}: "
+                     f"{100 * start['accuracy_change']:+.2f} points{worse}")
     return lines
 
 

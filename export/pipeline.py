@@ -12,7 +12,8 @@ training run:
    was before the hooks (max |difference| <= 1e-4, same argmax on >= 99.9%), which checks
    the export and the hooks at once; otherwise nothing is written;
 5. the file and its model card are written atomically, the card with the test
-   accuracy ONNX Runtime measured on the test split.
+   accuracy ONNX Runtime measured on the test split, set against the run's initial
+   model's (:mod:`export.baseline`: a model worse than its start is said to be).
 
 ``export_int8`` then quantizes a float32 export and writes it only when its
 accuracy passes the guard in :mod:`export.quantize`.
@@ -36,7 +37,8 @@ from edge_client.data import (DataError, client_split, evaluation_split, load_da
                                pixel_normalization)
 from edge_client.registry import model_size
 from export import hooks
-from export.card import class_names, input_normalization, sha256, strategy_config, write_card
+from export.baseline import against_start
+from export.card import class_names, input_normalization, portable_path, sha256, strategy_config, write_card
 from export.errors import ExportError, SourceError
 from export.onnx_graph import (EXPORTER, INPUT_NAME, OPSET, OUTPUT_NAME, Parity, ParityLimits, check_parity, predict,
                                session, to_onnx)
@@ -140,8 +142,8 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
                    "meaning": "class scores; the predicted class is the argmax"},
         "classes": classes,
         "run": {"run_id": source.checkpoint.run_id, "round": source.checkpoint.round,
-                "checkpoint": str(source.checkpoint.path.resolve()),
-                "run_dir": str(source.run_dir.resolve()) if source.run_dir else None},
+                "checkpoint": portable_path(source.checkpoint.path, source.run_dir),
+                "run_dir": source.run_dir.resolve().name if source.run_dir else None},
         "strategy": strategy_config(source.config, source.checkpoint.strategy),
         "model": spec,
         "size": model_size(spec),
@@ -152,6 +154,12 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
         "parity": parity.as_dict(),
         "export": _versions(),
     }
+    start = against_start(test_acc, source, data.spec)
+    if start is not None:
+        card["initial_model"] = start
+    if start is not None and start["worse"]:
+        card["warnings"] = [start["warning"]]
+        log.warning("%s: %s", out, start["warning"])
     card = hooks.merged(card, entries)
     card_file = write_card(out, card)
     log.info("exported %s (%d bytes, test accuracy %.4f, parity max diff %.2g)", out, len(blob), test_acc,
@@ -189,7 +197,8 @@ def export_personalized(source_path: Path | None, state_dir: Path, *, round: int
     source = open_run(Path(source_path), round)
     device = personalized_model(source.checkpoint, state_dir)
     out = Path(options.out) if options.out else state_dir / "export" / "model.onnx"
-    personalized = {"client_state": str(state_dir.resolve()), "client": state_dir.resolve().name, **device.parts}
+    personalized = {"client_state": portable_path(state_dir, source.run_dir), "client": state_dir.resolve().name,
+                    **device.parts}
     return export_model(device.model, source, out, load_export_data(source, options.data), options, personalized)
 
 
@@ -236,5 +245,6 @@ def export_after_run(run_dir: Path) -> dict[str, Any]:
         return {"error": str(exc)}
     return {"onnx": str(exported.path), "card": str(exported.card_path), "bytes": exported.card["bytes"],
             "test_accuracy": exported.card["test_accuracy"],
-            "parity_max_abs_diff": exported.card["parity"]["max_abs_diff"]}
+            "parity_max_abs_diff": exported.card["parity"]["max_abs_diff"],
+            **({"warnings": exported.card["warnings"]} if "warnings" in exported.card else {})}
 

@@ -50,6 +50,7 @@ class RunSource:
     run_dir: Path | None
     config: dict[str, Any] = field(default_factory=dict)    # RUN_DIR/config.toml, {} without it
     metrics: dict[str, Any] = field(default_factory=dict)   # the checkpoint round's metrics.jsonl row
+    initial: dict[str, Any] = field(default_factory=dict)   # round 0's row: the evaluation of the starting model
 
     @property
     def data_spec(self) -> str | None:
@@ -118,7 +119,8 @@ def open_run(source: Path, round: int | None = None) -> RunSource:
     """The checkpoint of ``round`` (default: the latest) of a run directory, or one checkpoint file."""
     path, run_dir = find_checkpoint(Path(source), round)
     checkpoint = read_checkpoint(path)
-    return RunSource(checkpoint, run_dir, _read_config(run_dir), _read_metrics(run_dir, checkpoint.round))
+    return RunSource(checkpoint, run_dir, _read_config(run_dir), _read_metrics(run_dir, checkpoint.round),
+                     _read_metrics(run_dir, 0))
 
 
 def run_dir_of_state(state_dir: Path) -> Path | None:

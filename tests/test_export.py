@@ -8,6 +8,7 @@ come out of real in-process runs (FedAvg, SphereFed with FFC, DFL).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -308,3 +309,44 @@ def test_dfl_exports_a_devices_personalized_model(tmp_path, digits, capsys):
         export_personalized(None, device)
     assert export_main([str(result.out_dir), "--client-state", str(device), "--test-samples", "100"]) == 0
     assert (device / "export" / "model.onnx").read_bytes() == (state / "export" / "model.onnx").read_bytes()
+
+
+def _ascent(model: nn.Module, data, hyper, ctx):
+    """A broken device's training: it runs the real local training, then sends the opposite of its update."""
+    start = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+    out = train(model, data, hyper, ctx)
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k in start:
+                v.copy_(2 * start[k] - v)
+    return out
+
+
+def test_an_export_worse_than_the_runs_start_says_so_on_its_card_and_records_no_absolute_path(tmp_path, digits,
+                                                                                               caplog, capsys):
+    """Two devices whose updates point uphill: the run's final model is worse than its initial one (round 0)."""
+    with caplog.at_level(logging.WARNING, logger="fedge.export"):
+        result = run_federated(run_config(tmp_path / "run", run__rounds=2), say=lambda s: None,
+                               client_objectives=lambda client_id: {"train": _ascent})
+    rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    card_file = result.out_dir / "export" / "model.card.json"
+    card = json.loads(card_file.read_text())
+    start = card["initial_model"]
+    assert start["round"] == 0 and start["test_accuracy"] == rows[0]["test_accuracy"]
+    assert card["test_accuracy"] < start["test_accuracy"] and start["worse"]
+    assert start["accuracy_change"] == pytest.approx(card["test_accuracy"] - rows[0]["test_accuracy"])
+    assert "worse than the one its run started from" in card["warnings"][0]
+    assert result.summary["export"]["warnings"] == card["warnings"]
+    assert any("worse than the one its run started from" in r.getMessage() for r in caplog.records)
+    # the card names files as the run directory holds them, never where this machine keeps it
+    assert card["run"]["checkpoint"] == "checkpoints/round_0002.safetensors" and card["run"]["run_dir"] == "run"
+    assert str(tmp_path) not in card_file.read_text()
+    assert export_main([str(result.out_dir), "-o", str(tmp_path / "again.onnx")]) == 0
+    assert "WORSE THAN ITS START" in capsys.readouterr().out
+
+
+def test_an_export_better_than_the_runs_start_carries_the_comparison_without_a_warning(tmp_path, digits):
+    result = run_federated(run_config(tmp_path / "run", run__rounds=2), say=lambda s: None)
+    card = json.loads((result.out_dir / "export" / "model.card.json").read_text())
+    assert card["initial_model"]["worse"] is False and card["initial_model"]["accuracy_change"] > 0.2
+    assert "warnings" not in card and "warnings" not in result.summary["export"]

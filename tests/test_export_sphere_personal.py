@@ -81,7 +81,7 @@ def test_a_spherefed_device_exports_the_global_extractor_with_its_own_classifier
     assert "client sim-001 of run" in capsys.readouterr().out
     card = json.loads((state / "export" / "model.card.json").read_text())
     assert card["personalized"] == {
-        "client": "sim-001", "client_state": str(state.resolve()), "global_parts": ["extractor"],
+        "client": "sim-001", "client_state": "clients/sim-001", "global_parts": ["extractor"],
         "device_parts": ["classifier"], "device_file": PERSONAL_CLASSIFIER_FILE,
         "device_classifier": {k: info[k] for k in ("round", "ridge", "samples")}}
     assert card["output"]["head"] == "sphere" and card["parity"]["max_abs_diff"] <= 1e-4

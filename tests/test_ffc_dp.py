@@ -154,7 +154,7 @@ def test_the_pass_is_composed_after_the_training_rounds_in_one_account():
 def test_a_private_ffc_run_reports_the_composed_epsilon_in_its_row_and_summary(tmp_path):
     sets = {**CENTRAL, "run.strategy": "fedavg_ffc", "model.head": "linear", "run.out": str(tmp_path),
             "privacy.clip_norm": 5.0, "privacy.noise_multiplier": 0.8, "ffc.noise_multiplier": 2.0,
-            "ffc.clip": 100.0}
+            "ffc.clip": 100.0, "privacy.allow_swamping_noise": True}   # z / m = 0.4: the account is what is checked
     result = run_federated(config(**sets), say=lambda s: None)
     rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]

@@ -319,7 +319,7 @@ def test_a_poisson_run_releases_rounds_of_any_size_empty_ones_included(tmp_path,
             "data.eval": "digits", "clients.expected": 4, "clients.spawn": 4, "clients.per_round": 1,
             "clients.max_attempts": 1, "transport.kind": "inproc", "export.enabled": False,
             "privacy.mode": "central", "privacy.sampling": "poisson", "privacy.clip_norm": 1.0,
-            "privacy.noise_multiplier": 0.5}
+            "privacy.noise_multiplier": 0.5, "privacy.allow_swamping_noise": True}   # z / m = 0.5: accounting only
     config = load_config(None, [(*k.split(".", 1), v) for k, v in sets.items()])
     result = run_federated(config, say=lambda s: None)
     trained = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()][1:]

@@ -205,7 +205,7 @@ def test_a_seeded_run_reports_its_most_drawn_device_and_journals_its_tasks(tmp_p
             "data.eval": "digits", "clients.expected": 4, "clients.spawn": 4, "clients.per_round": 2,
             "clients.max_attempts": 1, "transport.kind": "inproc", "export.enabled": False,
             "privacy.mode": "central", "privacy.sampling": "seeded", "privacy.clip_norm": 1.0,
-            "privacy.noise_multiplier": 2.0}
+            "privacy.noise_multiplier": 2.0, "privacy.allow_swamping_noise": True}   # z / m = 1: accounting only
     result = run_federated(load_config(None, [(*k.split(".", 1), v) for k, v in sets.items()]), say=lambda s: None)
     trained = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()][1:]
     journal = [json.loads(line) for line in (result.out_dir / "tasks-sent.jsonl").read_text().splitlines()]

@@ -35,7 +35,7 @@ from coordinator.runtime.broadcast import Broadcast
 from coordinator.config import RunConfig
 from coordinator.diagnostics import divergence_metrics
 from coordinator.runtime.downlink import Downlink
-from coordinator.runtime.guards import check_finite, within_norm_bound
+from coordinator.runtime.guards import check_finite, check_private_divergence, within_norm_bound
 from coordinator.runtime.intake import ResultIntake, one_torch_thread
 from coordinator.runtime.outbox import Outbox
 from coordinator.runtime.presence import Roster
@@ -318,10 +318,15 @@ class Coordinator:
             # A Poisson-sampled training round counts whatever came back, none included: its noise covers it, and
             # its fixed denominator keeps a device that did not answer from changing what the others weigh.
             any_count = phase == "train" and self.sampler.poisson is not None
+            if phase == "train":
+                check_private_divergence(c, self.state, self.intake.notes, round, got=len(book.results),
+                                         needed=1 if any_count else min(c.required_results, len(book.selected)))
             if any_count or (book.results and len(book.results) >= min(c.required_results, len(book.selected))):
                 self.state = self.strategy.tasked(phase, self.state, frozenset(tasked))
                 self.intake.open(RoundBook(round=round, attempt=-1))   # collects strays until the next exchange
                 return book, totals
+            if attempt + 1 == c.clients.max_attempts:   # no attempt follows: the error below says why
+                break
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying: results still count if "
                         "they come, devices still working are waited for, the rest drawn afresh", round, phase,
                         attempt + 1, len(book.results), len(book.selected), c.required_results)

@@ -135,12 +135,18 @@ class RoundNotes:
     def bytes_per_client(self) -> dict[str, dict[str, int]]:
         return {k: self.client_bytes[k] for k in sorted(self.client_bytes)}
 
+    def diverged(self) -> list[tuple[str, str]]:
+        """(client, why) of every failure and rejection of the round, sorted, when each of them says the client's
+        training diverged (a non-finite loss or update); [] when there is none or another reason among them."""
+        said = sorted([*self.failures.items(), *self.rejections.items()])
+        return said if said and all(_says_diverged(why) for _, why in said) else []
+
     def why_too_few(self) -> str:
         """What the round's clients said or sent, which explains a round without enough results better
         than the timeout does."""
         said = "; ".join(f"{cid}: {why}" for cid, why in sorted(self.failures.items())[:3])
         rejected = sorted(self.rejections.items())
-        if rejected and all("NaN or infinite" in why or "non-finite" in why for _, why in rejected):
+        if rejected and all(_says_diverged(why) for _, why in rejected):
             return (f"the results of {len(rejected)} client(s) held NaN or infinite values, which is what training "
                     "a diverged global model gives: a hostile or broken update (set aggregate.rule or "
                     "aggregate.norm_bound, docs/robustness.md) or a learning rate too high; resume from an earlier "
@@ -151,3 +157,13 @@ class RoundNotes:
             shown = "; ".join(f"{cid}: {why}" for cid, why in rejected[:3])
             return f"results were rejected: {shown}"
         return "check the clients' logs, raise clients.round_timeout or lower clients.min_results"
+
+
+# How a device's failure or a rejected result reads when training diverged: the device's own objective and clipping
+# say so (edge_client/objectives.py, edge_client/privacy.py), the intake's checks name the non-finite values, and a
+# device whose metrics overflowed cannot encode its result (edge_client/wire/envelope.py).
+_DIVERGED = ("diverged", "non-finite", "not finite", "NaN or infinite", "not plain finite JSON")
+
+
+def _says_diverged(why: str) -> bool:
+    return any(marker in why for marker in _DIVERGED)

@@ -25,6 +25,7 @@ import torch
 
 from coordinator.aggregation import tolerance
 from coordinator.config import ConfigError, RunConfig, dump_config
+from coordinator.privacy_noise import refusal as noise_refusal, start_note as noise_note
 from coordinator.runtime.asynchronous import AsyncRun
 from coordinator.runtime.engine import Coordinator, EvalData, RunError
 from coordinator.runtime.run_summary import run_summary
@@ -195,6 +196,9 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
     coming online, results coming in: :meth:`coordinator.runtime.engine.Coordinator.pump`).
     """
     strategy = strategy or make_strategy(config)   # a configuration it refuses leaves nothing behind
+    swamped = noise_refusal(config)   # central DP's noise on the mean at this fleet size, before anything is made
+    if swamped:
+        raise ConfigError(swamped)
     if client_objectives is not None and not (config.transport.kind == "inproc" and config.clients.spawn):
         raise ConfigError("client objectives are for in-process clients: transport.kind = 'inproc' with "
                           "clients.spawn > 0")
@@ -280,13 +284,19 @@ def _starting_state(config: RunConfig, out: Path, run_id: str, resume: bool, str
 def _say_setup(config: RunConfig, strategy: Strategy, state: ServerState, dataset: Dataset,
                say: Callable[[str], None]) -> None:
     """What a person starting the run should know before it waits: the model's size, what the aggregation
-    withstands, and the sizes of the spawned clients' partitions."""
+    withstands, what central DP's noise does to the mean update, and the sizes of the spawned clients' partitions."""
     size = describe_size(model_size(state.spec))
     data = f"data {config.data.eval}" + (" (the default; --data names another)" if config.data.eval == "digits" else "")
     log.info("model %s: %s; %s", state.spec["name"], size, data, extra={"said": True})
     say(f"model {state.spec['name']}: {size}; {data}")
     if strategy.robust:
         _say_tolerance(config, say)
+    noise, heavy = noise_note(config)
+    if heavy:
+        log.warning("%s", noise)
+    elif noise:
+        log.info("%s", noise, extra={"said": True})
+        say(noise)
     spawn = config.clients.spawn
     if spawn:
         parts = partition_indices(dataset.y_train, config.data.partition, spawn, config.run.seed)

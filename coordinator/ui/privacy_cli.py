@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS, CentralAccount
+from coordinator.privacy_noise import OVERRIDE_KEY, REFUSE_RATIO, WARN_RATIO, NoiseOnMean
 from edge_client.argcheck import at_least, positive
 from edge_client.privacy_account import ACCOUNTANTS, DEFAULT_ACCOUNTANT
 
@@ -19,7 +20,8 @@ def add_command(sub, name: str = "privacy") -> None:  # sub: the parser's subpar
                     "accountant, --accountant, as the run keeps it) ends at --epsilon at --delta. Central DP "
                     "(--mode central): a run of --rounds rounds drawing --per-round of --expected devices each round "
                     "as --sampling draws them; it also prints the noise on the mean per unit of clip norm "
-                    "(z / per-round). Under --sampling seeded nothing is amplified and the account is a device's: "
+                    "(z / per-round) and what that does at this fleet size: from 0.1 a run refuses it, from 0.02 it "
+                    "warns. Under --sampling seeded nothing is amplified and the account is a device's: "
                     "--rounds is then the most rounds one device may be drawn in (all of them, to be safe). Local DP "
                     "(--mode local): a device that takes part in --participations rounds; the noise each device adds "
                     "has std z x the clip norm. docs/privacy.md says what the epsilon covers and what it assumes.")
@@ -93,4 +95,18 @@ def _privacy(args: argparse.Namespace) -> int:
             continue
         print(f"  epsilon {epsilon:g}: privacy.noise_multiplier = {z:.4g}  (noise on the mean: {z / args.per_round:.4g} "
               "x the clip norm per coordinate)")
+        print(f"    {_noise_verdict(NoiseOnMean(z, 1.0, args.per_round, q), account, args, releases)}")
     return 0
+
+
+def _noise_verdict(noise: NoiseOnMean, account: CentralAccount, args: argparse.Namespace,
+                   releases: list[float]) -> str:
+    """What that noise does at --per-round devices a round, by the thresholds a run applies
+    (coordinator/privacy_noise.py), and what would bring it down."""
+    at = f"at {args.per_round} devices a round, {noise.ratio:.4g} x C"
+    if noise.level == "small":
+        return f"{at}: {noise.verdict()}"
+    way_out = noise.way_out(lambda z: account.epsilon(args.rounds, z, args.delta, releases),
+                            REFUSE_RATIO if noise.level == "swamps" else WARN_RATIO)
+    refused = f"; a run refuses it unless {OVERRIDE_KEY} = true" if noise.level == "swamps" else ""
+    return f"{at}: {noise.verdict()}{refused}. To bring it down: {way_out}"
