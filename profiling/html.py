@@ -318,7 +318,7 @@ def plot_over_time(run: RunRecords, rows: list[Sizing]) -> Figure | None:
                     ax.axhline(s.memory_total_bytes / _MIB, color="red", linestyle="--", linewidth=1,
                                label="memory the device may use")
             if start is not None:
-                for left, right in s.offline:
+                for left, right in s.offline or []:
                     ax.axvspan((left - start) / 60, (right - start) / 60, color="#f4b183", alpha=0.5,
                                label="offline")
     for ax in axes[-1]:

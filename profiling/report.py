@@ -240,7 +240,7 @@ def speed_table(run: RunRecords, rows: list[Sizing]) -> TableData:
             str(ranks.get(s.client_id, ABSENT)), s.client_id, milliseconds(s.seconds_per_sample),
             number(s.samples_per_task, ".0f"), str(round_ranks.get(s.client_id, ABSENT)),
             human_bytes(s.bytes_down), human_bytes(s.bytes_up),
-            f"{len(s.offline)}× {s.offline_seconds:.0f} s" if s.offline else "no",
+            ABSENT if s.offline is None else f"{len(s.offline)}× {s.offline_seconds:.0f} s" if s.offline else "no",
             milliseconds(inf.p50_batch1) if inf else ABSENT,
             f"{inf.samples_per_second:.0f} @{inf.batch}" if inf and inf.samples_per_second is not None else ABSENT,
             human_bytes(inf.peak_rss_bytes) if inf else ABSENT)

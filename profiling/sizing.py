@@ -19,7 +19,7 @@ a figure no record has is None, shown as absent.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from profiling.device import device_labels
@@ -60,7 +60,8 @@ class Sizing:
     samples_per_task: float | None      # median samples trained per training task
     bytes_down: int | None
     bytes_up: int | None
-    offline: list[tuple[float, float]] = field(default_factory=list)   # (went offline, came back or run's end)
+    # (went offline, came back or the records' end); None: no presence records (a run from before they were kept)
+    offline: list[tuple[float, float]] | None = None
     inference: InferenceSummary | None = None
 
     @property
@@ -71,8 +72,8 @@ class Sizing:
         return self.memory_total_bytes - self.peak_rss_bytes
 
     @property
-    def offline_seconds(self) -> float:
-        return sum(end - start for start, end in self.offline)
+    def offline_seconds(self) -> float | None:
+        return None if self.offline is None else sum(end - start for start, end in self.offline)
 
 
 def memory_total(device: Device) -> int | None:
@@ -179,7 +180,7 @@ def device_sizing(run: RunRecords, device: Device) -> Sizing:
         peak_round=top[1][1] if top else None, peaks={kind: rss for kind, (rss, _) in peaks.items()},
         seconds_per_sample=statistics.median(per_sample) if per_sample else None,
         samples_per_task=statistics.median(samples) if samples else None, bytes_down=down, bytes_up=up,
-        offline=offline_spans(run, device.client_id), inference=_inference(device))
+        offline=offline_spans(run, device.client_id) if run.presence else None, inference=_inference(device))
 
 
 def sizing(run: RunRecords) -> list[Sizing]:

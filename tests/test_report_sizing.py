@@ -130,7 +130,7 @@ def test_html_sizing_section_shows_headroom_peak_kind_and_per_sample_speed(spher
         assert row["headroom"] == human_bytes(want["headroom"])
         assert row["peak set by"] == f"{want['kind']} (round {want['round']})"
         assert (row["class"], row["site"]) == ("test-box", "lab-7")
-        assert speed[cid]["ms/sample"] == milliseconds(want["per_sample"])
+        assert speed[cid]["ms/sample"] == milliseconds(want["per_sample"]) and speed[cid]["offline"] == "no"
     infer = lines_of(sphere_run / "clients" / "sim-000" / "profile.jsonl")[-1]
     one = next(r for r in infer["results"] if r["batch"] == 1)
     assert speed["sim-000"]["infer p50 ms @1"] == milliseconds(one["p50"])
@@ -156,6 +156,7 @@ def test_a_device_with_more_data_is_slowest_per_task_but_not_per_sample():
         # the fixture predates memory_total_bytes: the headroom is against the RAM its hello reported
         facts = json.loads((FIXTURE / "clients" / f"{cid}.json").read_text())["device"]
         assert s.memory_total_bytes == facts["ram_bytes"] and s.headroom_bytes == facts["ram_bytes"] - s.peak_rss_bytes
+        assert s.offline is None and speed[cid]["offline"] == "—"   # no presence records: unknown, not "no"
 
 
 def test_offline_spans_come_from_the_presence_the_coordinator_logged(tmp_path):
