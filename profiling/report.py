@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from profiling.runs import (Device, DeviceStats, RunRecords, device_stats, part_names, straggler_ranks,
                             task_breakdown)
-from profiling.sizing import Sizing, per_sample_ranks, sizing
+from profiling.sizing import Sizing, device_sizing, per_sample_ranks, sizing
 from profiling.units import ABSENT, human_bytes, milliseconds, number, seconds
 
 if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
@@ -298,7 +298,8 @@ def report_parts(run: RunRecords) -> list[Note | TableData]:
     for device in run.devices.values():
         parts.append(Note(f"{device.client_id}: {facts_line(device.facts)}", bold=True))
         if device.tasks:
-            parts += [tasks_table(device), breakdown_table([device_stats(device, run.training_tasks(device))])]
+            parts += [tasks_table(device), breakdown_table([device_stats(device, run.training_tasks(device))]),
+                      memory_fit_table([device_sizing(run, device)])]
         if device.inference:
             parts.append(inference_table(device))
         if not device.tasks and not device.inference:

@@ -140,6 +140,20 @@ def test_html_sizing_section_shows_headroom_peak_kind_and_per_sample_speed(spher
         assert re.search(rf'<figure id="{anchor}"><img alt="[^"]+" src="data:image/png;base64,', text)
 
 
+def test_show_on_a_devices_own_history_says_whether_it_fits(sphere_run, capsys, monkeypatch):
+    """On the device itself (its state directory): the same headroom, from its own profile.jsonl."""
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["show", str(sphere_run / "clients" / "sim-000")]) == 0
+    out = capsys.readouterr().out
+    history = [line for line in lines_of(sphere_run / "clients" / "sim-000" / "profile.jsonl")
+               if line["kind"] == "task"]
+    top = max(history, key=lambda line: line["peak_rss_bytes"])
+    headroom = history[-1]["memory_total_bytes"] - top["peak_rss_bytes"]
+    fit = out[out.index("Will it fit?"):]
+    row = next(line for line in fit.splitlines() if "sim-000" in line)
+    assert human_bytes(headroom) in row and f"{top['objective']} (round {top['round']})" in row
+
+
 def test_a_device_with_more_data_is_slowest_per_task_but_not_per_sample():
     """The fixture's dev-slow trains on far more samples per task: the straggler rank puts it first, the
     per-sample rank where its speed puts it."""
