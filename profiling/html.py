@@ -238,7 +238,7 @@ def plot_headroom(rows: list[Sizing]) -> Figure | None:
     ax = fig.subplots()
     ax.set_title("Peak memory against each device's memory (tightest first)")
     ax.set_xscale("log", base=2)
-    floor = 2 ** int(math.log2(min(s.peak_rss_bytes for s in shown) / _MIB / 4))   # in MiB
+    floor = 2 ** int(math.log2(max(1, min(s.peak_rss_bytes for s in shown) / _MIB / 4)))   # in MiB, at least 1
     top = max([s.peak_rss_bytes for s in shown] + [s.memory_total_bytes or 0 for s in shown]) / _MIB * 1.6
     for y, s in enumerate(shown):
         peak = s.peak_rss_bytes / _MIB

@@ -205,7 +205,8 @@ def _inference_lines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         if row.get("kind") != "infer":
             continue
-        results = [r for r in row.get("results") or [] if isinstance(r, dict) and _int(r.get("batch"))
+        given = row.get("results") if isinstance(row.get("results"), list) else []
+        results = [r for r in given if isinstance(r, dict) and (_int(r.get("batch")) or 0) > 0
                    and all(_float(r.get(k)) is not None for k in ("p50", "p95", "p99", "samples_per_second"))]
         out.append({**row, "results": results})
     return out

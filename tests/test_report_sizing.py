@@ -13,6 +13,7 @@ import html
 import logging
 import json
 import re
+import shutil
 import statistics
 from pathlib import Path
 
@@ -192,3 +193,36 @@ def test_offline_spans_come_from_the_presence_the_coordinator_logged(tmp_path):
     t = [p["time"] for p in logged]
     assert offline_spans(run, "pi-1") == [(t[1], t[2]), (t[3], t[4])]   # the second ends at the last record
     assert offline_spans(run, "pi-2") == []
+
+
+def test_malformed_records_leave_figures_absent_and_never_crash_the_report(tmp_path, capsys, monkeypatch):
+    """What the report reads came from devices and files: wrong types are dropped, not computed with."""
+    monkeypatch.setenv("COLUMNS", "250")
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    (run_dir / PRESENCE_FILE).write_text("\n".join(json.dumps(line) for line in (
+        {"time": "soon", "client_id": "sim-000", "state": "offline"}, {"time": 1.0, "client_id": 7, "state": "offline"},
+        {"time": 2.0, "client_id": "sim-000", "state": "asleep"}, [1, 2])) + "\n{torn")
+    (run_dir / "clients" / "sim-000" / "profile.jsonl").write_text("\n".join(json.dumps(line) for line in (
+        {"kind": "infer", "results": 5, "peak_rss_bytes": "big"},
+        {"kind": "infer", "model_name": ["x"], "results": [{"batch": "1", "p50": 0.1, "p95": 0.1, "p99": 0.1,
+                                                            "samples_per_second": 10.0},
+                                                           {"batch": 4, "p50": "fast", "p95": 0.1, "p99": 0.1,
+                                                            "samples_per_second": 10.0}, "x"]})) + "\n")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows[1]["bytes_per_client"] = {"sim-001": {"down": -5, "up": "many"}, "sim-000": [1]}
+    rows[2]["bytes_per_client"] = "all of them"
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    lines = lines_of(run_dir / "clients" / "sim-001.jsonl")
+    lines[0]["profile"]["peak_rss_bytes"] = 0           # a zero peak still draws on the log axis
+    lines[1]["profile"]["memory_total_bytes"] = "lots"
+    lines[1]["time"] = "noon"
+    (run_dir / "clients" / "sim-001.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    run = load(run_dir)
+    assert run.presence == []
+    by_id = {s.client_id: s for s in sizing(run)}
+    assert by_id["sim-000"].inference is None and by_id["sim-000"].offline is None
+    assert by_id["sim-001"].bytes_up == sum(r["bytes_per_client"]["sim-001"]["up"] for r in rows[3:])
+    assert main(["html", str(run_dir), "-o", str(tmp_path / "report.html")]) == 0
+    assert 'id="headroom"' in (tmp_path / "report.html").read_text()
+    assert main(["show", str(run_dir)]) == 0 and "Will it fit?" in capsys.readouterr().out
