@@ -27,9 +27,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from profiling.report import (SIZING_NOTE, TableData, breakdown_table, device_table, facts_line,
-                              fleet_inference_table, memory_fit_table, resources_table, rounds_table, run_title, speed_table)
+                              fleet_inference_table, kind_peaks_table, memory_fit_table, resources_table, rounds_table,
+                              run_title, speed_table, traffic_table)
 from profiling.runs import DeviceStats, RunRecords, TaskRecord, part_names, straggler_ranks
-from profiling.sizing import Sizing, sizing
+from profiling.sizing import Sizing, fit_order, sizing
 from profiling.units import human_bytes
 
 __all__ = ["render_html", "PLOTS", "DEADLINE_SCALE", "plot_headroom", "plot_over_time", "TIMELINE_DEVICES",
@@ -212,11 +213,6 @@ def plot_memory(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
     return fig
 
 
-def _fit_order(rows: list[Sizing]) -> list[Sizing]:
-    """Tightest headroom first (the memory table's order); devices without figures last."""
-    return sorted(rows, key=lambda s: (s.headroom_bytes is None, s.headroom_bytes or 0, s.client_id))
-
-
 def _kind_colors(rows: list[Sizing]) -> dict[str, object]:
     kinds = sorted({kind for s in rows for kind in s.peaks})
     tab10 = matplotlib.colormaps["tab10"]
@@ -230,7 +226,7 @@ def _size_label(n: float) -> str:
 def plot_headroom(rows: list[Sizing]) -> Figure | None:
     """Each device's peak memory (coloured by the kind of task that set it) against the memory it may use, on
     a log-2 axis so that a 300 MiB peak and a 24 GiB host both stay readable; board sizes as references."""
-    shown = [s for s in _fit_order(rows) if s.peak_rss_bytes is not None]
+    shown = [s for s in fit_order(rows) if s.peak_rss_bytes is not None]
     if not shown:
         return None
     colors = _kind_colors(shown)
@@ -282,7 +278,7 @@ def _clock(run: RunRecords) -> tuple[Callable[[TaskRecord], float | None], str, 
 def plot_over_time(run: RunRecords, rows: list[Sizing]) -> Figure | None:
     """Per device (a row each): peak memory, CPU and temperature of each task over the run, its offline spans
     shaded. A reading the device could not take is left out; a device without any says so in its panel."""
-    devices = [s for s in _fit_order(rows) if run.devices[s.client_id].tasks][:TIMELINE_DEVICES]
+    devices = [s for s in fit_order(rows) if run.devices[s.client_id].tasks][:TIMELINE_DEVICES]
     if not devices:
         return None
     x_of, xlabel, start = _clock(run)
@@ -400,8 +396,9 @@ def _sizing_section(run: RunRecords) -> list[str]:
              f"<code>train</code> phase over the samples it trained on), the round rank by round time as in "
              f"the devices table. Down: the device's tasks plus the model broadcast of each round it had a task "
              f"in; up: its results.</p>",
-             _table(memory_fit_table(rows)), _figure_html("headroom", SIZING_CAPTIONS["headroom"], plot_headroom(rows)),
-             _table(speed_table(run, rows)),
+             _table(memory_fit_table(rows)), _table(kind_peaks_table(rows)),
+             _figure_html("headroom", SIZING_CAPTIONS["headroom"], plot_headroom(rows)),
+             _table(speed_table(run, rows)), _table(traffic_table(rows)),
              _figure_html("over-time", SIZING_CAPTIONS["over-time"], plot_over_time(run, rows))]
     benchmarked = [d for d in run.devices.values() if d.inference]
     if benchmarked:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from profiling.runs import (Device, DeviceStats, RunRecords, device_stats, part_names, straggler_ranks,
                             task_breakdown)
-from profiling.sizing import Sizing, device_sizing, per_sample_ranks, sizing
+from profiling.sizing import Sizing, device_sizing, fit_order, per_sample_ranks, sizing
 from profiling.units import ABSENT, human_bytes, milliseconds, number, seconds
 
 if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
@@ -28,7 +28,8 @@ if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
 
 __all__ = ["TableData", "Note", "report_parts", "render", "render_plain", "to_text", "device_table", "resources_table",
            "breakdown_table", "rounds_table", "tasks_table", "inference_table", "facts_line", "run_title", "to_rich",
-           "kinds_text", "memory_fit_table", "speed_table", "SIZING_NOTE", "inference_rows",
+           "kinds_text", "memory_fit_table", "kind_peaks_table", "speed_table", "traffic_table",
+           "sizing_tables", "SIZING_NOTE", "inference_rows",
            "fleet_inference_table"]
 
 
@@ -208,43 +209,63 @@ def _signed_bytes(n: int | None) -> str:
 
 
 def memory_fit_table(rows: list[Sizing]) -> TableData:
-    """Peak memory against each device's memory, the headroom left, and the kind of task that set the peak;
-    tightest headroom first."""
-    table = TableData("Will it fit? Peak memory (RSS, over every task) against the device's memory; tightest first",
-                      ("device", "class", "site", "memory", "peak", "peak set by", "headroom", "headroom %",
-                       "peak per kind of task"), frozenset({"device", "class", "site", "peak set by",
-                                                            "peak per kind of task"}))
-    for s in sorted(rows, key=lambda s: (s.headroom_bytes is None, s.headroom_bytes or 0, s.client_id)):
+    """Peak memory against each device's memory, the headroom left and the kind of task that set the peak;
+    tightest headroom first. The sizing tables each fit an 80-column terminal."""
+    table = TableData("Will it fit? Peak memory (RSS, every task) against the device's memory; tightest first",
+                      ("device", "memory", "peak", "peak set by", "headroom", "free %"),
+                      frozenset({"device", "peak set by"}))
+    for s in fit_order(rows):
         share = s.headroom_bytes / s.memory_total_bytes if s.headroom_bytes is not None and s.memory_total_bytes \
             else None
         setter = ABSENT if s.peak_kind is None else (
             f"{s.peak_kind} (round {s.peak_round})" if s.peak_round is not None else s.peak_kind)
-        table.add_row(s.client_id, s.device_class, s.site or ABSENT, human_bytes(s.memory_total_bytes),
-                      human_bytes(s.peak_rss_bytes), setter, _signed_bytes(s.headroom_bytes),
-                      number(None if share is None else 100 * share, ".1f"),
-                      ", ".join(f"{kind} {human_bytes(rss)}" for kind, rss in s.peaks.items()) or ABSENT)
+        table.add_row(s.client_id, human_bytes(s.memory_total_bytes), human_bytes(s.peak_rss_bytes), setter,
+                      _signed_bytes(s.headroom_bytes), number(None if share is None else 100 * share, ".1f"))
+    return table
+
+
+def kind_peaks_table(rows: list[Sizing]) -> TableData:
+    """Peak memory of each kind of task (a column per kind), in the order of :func:`memory_fit_table`."""
+    kinds = sorted({kind for s in rows for kind in s.peaks})
+    table = TableData("Peak memory per kind of task", ("device", *kinds), frozenset({"device"}))
+    for s in fit_order(rows):
+        table.add_row(s.client_id, *(human_bytes(s.peaks.get(kind)) for kind in kinds))
     return table
 
 
 def speed_table(run: RunRecords, rows: list[Sizing]) -> TableData:
-    """Per-sample speed (ranked), beside the per-task round time the straggler rank uses; traffic, time offline
-    and the latest inference benchmark."""
+    """Per-sample speed (ranked), beside the rank by round time the devices table uses, with class and site."""
     ranks = per_sample_ranks(rows)
     round_ranks = straggler_ranks(run.stats())
-    table = TableData("Speed per sample, traffic, time offline and inference (rank 1 = slowest per sample)",
-                      ("rank", "device", "ms/sample", "samples/task", "round rank", "down", "up", "offline",
-                       "infer p50 ms @1", "infer samples/s", "infer peak"), frozenset({"device", "offline"}))
+    table = TableData("Speed per sample trained (rank 1 = slowest per sample; round rank: by round time)",
+                      ("rank", "device", "class", "site", "ms/sample", "samples/task", "round rank"),
+                      frozenset({"device", "class", "site"}))
     for s in sorted(rows, key=lambda s: (ranks.get(s.client_id, 10**9), s.client_id)):
+        table.add_row(str(ranks.get(s.client_id, ABSENT)), s.client_id, s.device_class, s.site or ABSENT,
+                      milliseconds(s.seconds_per_sample), number(s.samples_per_task, ".0f"),
+                      str(round_ranks.get(s.client_id, ABSENT)))
+    return table
+
+
+def traffic_table(rows: list[Sizing]) -> TableData:
+    """Bytes each way, time offline and the latest inference benchmark of each device."""
+    table = TableData("Traffic, time offline and inference (latest fedge-profile infer: p50 at batch 1, "
+                      "samples/s at its largest batch, peak RSS)",
+                      ("device", "down", "up", "offline", "p50 ms", "samples/s", "RSS"), frozenset({"device"}))
+    for s in rows:
         inf = s.inference
         table.add_row(
-            str(ranks.get(s.client_id, ABSENT)), s.client_id, milliseconds(s.seconds_per_sample),
-            number(s.samples_per_task, ".0f"), str(round_ranks.get(s.client_id, ABSENT)),
-            human_bytes(s.bytes_down), human_bytes(s.bytes_up),
+            s.client_id, human_bytes(s.bytes_down), human_bytes(s.bytes_up),
             ABSENT if s.offline is None else f"{len(s.offline)}× {s.offline_seconds:.0f} s" if s.offline else "no",
             milliseconds(inf.p50_batch1) if inf else ABSENT,
             f"{inf.samples_per_second:.0f} @{inf.batch}" if inf and inf.samples_per_second is not None else ABSENT,
             human_bytes(inf.peak_rss_bytes) if inf else ABSENT)
     return table
+
+
+def sizing_tables(run: RunRecords, rows: list[Sizing]) -> list[TableData]:
+    """The sizing section's tables, in order."""
+    return [memory_fit_table(rows), kind_peaks_table(rows), speed_table(run, rows), traffic_table(rows)]
 
 
 _INFERENCE_COLUMNS = ("when", "model", "provider", "batch", "runs", "p50 ms", "p95 ms", "p99 ms", "samples/s",
@@ -290,7 +311,7 @@ def report_parts(run: RunRecords) -> list[Note | TableData]:
         if run.devices:
             rows = sizing(run)
             parts += [device_table(run, stats), resources_table(stats), breakdown_table(stats),
-                      Note(f"Sizing. {SIZING_NOTE}", bold=True), memory_fit_table(rows), speed_table(run, rows)]
+                      Note(f"Sizing. {SIZING_NOTE}", bold=True), *sizing_tables(run, rows)]
         else:
             parts.append(Note("no device profiles in this run (clients/ is empty)"))
         return parts + [rounds_table(run)]

@@ -27,7 +27,7 @@ from profiling.runs import Device, RunRecords, TaskRecord, slowest_first
 from profiling.schema import clean_device_facts
 
 __all__ = ["Sizing", "InferenceSummary", "sizing", "device_sizing", "memory_total", "peaks_by_kind",
-           "offline_spans", "traffic", "per_sample_ranks", "train_seconds", "UNNAMED_KIND"]
+           "offline_spans", "traffic", "per_sample_ranks", "fit_order", "train_seconds", "UNNAMED_KIND"]
 
 UNNAMED_KIND = "task"   # the kind of a task whose record does not name its objective (older runs)
 
@@ -186,6 +186,11 @@ def device_sizing(run: RunRecords, device: Device) -> Sizing:
 def sizing(run: RunRecords) -> list[Sizing]:
     """Every device's sizing figures, by client id."""
     return [device_sizing(run, run.devices[cid]) for cid in sorted(run.devices)]
+
+
+def fit_order(rows: list[Sizing]) -> list[Sizing]:
+    """Tightest headroom first (the order the reports list devices by memory); devices without figures last."""
+    return sorted(rows, key=lambda s: (s.headroom_bytes is None, s.headroom_bytes or 0, s.client_id))
 
 
 def per_sample_ranks(rows: list[Sizing]) -> dict[str, int]:

@@ -123,19 +123,22 @@ def test_html_sizing_section_shows_headroom_peak_kind_and_per_sample_speed(spher
     text = report.read_text()
     assert text.index('id="sizing"') < text.index("Devices (tasks of every kind")   # sizing comes first
     fit = html_table(text, "Will it fit?")
+    kinds = html_table(text, "Peak memory per kind of task")
     speed = html_table(text, "Speed per sample")
+    traffic = html_table(text, "Traffic, time offline and inference")
     for cid in ("sim-000", "sim-001", "sim-002"):
         want = expected_sizing(sphere_run, cid, {"sphere_train"})
         row = fit[cid]
         assert row["memory"] == human_bytes(want["total"]) and row["peak"] == human_bytes(want["peak"])
         assert row["headroom"] == human_bytes(want["headroom"])
         assert row["peak set by"] == f"{want['kind']} (round {want['round']})"
-        assert (row["class"], row["site"]) == ("test-box", "lab-7")
-        assert speed[cid]["ms/sample"] == milliseconds(want["per_sample"]) and speed[cid]["offline"] == "no"
+        assert kinds[cid][want["kind"]] == human_bytes(want["peak"])
+        assert (speed[cid]["class"], speed[cid]["site"]) == ("test-box", "lab-7")
+        assert speed[cid]["ms/sample"] == milliseconds(want["per_sample"]) and traffic[cid]["offline"] == "no"
     infer = lines_of(sphere_run / "clients" / "sim-000" / "profile.jsonl")[-1]
     one = next(r for r in infer["results"] if r["batch"] == 1)
-    assert speed["sim-000"]["infer p50 ms @1"] == milliseconds(one["p50"])
-    assert speed["sim-001"]["infer p50 ms @1"] == "—"
+    assert traffic["sim-000"]["p50 ms"] == milliseconds(one["p50"])
+    assert traffic["sim-001"]["p50 ms"] == "—"
     assert html_table(text, "Inference benchmarks").keys() == {"sim-000"}
     for anchor in ("headroom", "over-time"):
         assert re.search(rf'<figure id="{anchor}"><img alt="[^"]+" src="data:image/png;base64,', text)
@@ -164,14 +167,14 @@ def test_a_device_with_more_data_is_slowest_per_task_but_not_per_sample():
     assert rows["dev-slow"].samples_per_task > 5 * rows["sim-000"].samples_per_task
     assert min(per_sample, key=per_sample.get) == "dev-slow", "the fixture's straggler should be fastest per sample"
     text = render_html(run)
-    speed = html_table(text, "Speed per sample")
+    speed, traffic = html_table(text, "Speed per sample"), html_table(text, "Traffic, time offline")
     assert speed["dev-slow"]["round rank"] == "1" and speed["dev-slow"]["rank"] == str(len(rows))
     for cid, s in rows.items():
         assert speed[cid]["ms/sample"] == milliseconds(per_sample[cid])
         # the fixture predates memory_total_bytes: the headroom is against the RAM its hello reported
         facts = json.loads((FIXTURE / "clients" / f"{cid}.json").read_text())["device"]
         assert s.memory_total_bytes == facts["ram_bytes"] and s.headroom_bytes == facts["ram_bytes"] - s.peak_rss_bytes
-        assert s.offline is None and speed[cid]["offline"] == "—"   # no presence records: unknown, not "no"
+        assert s.offline is None and traffic[cid]["offline"] == "—"   # no presence records: unknown, not "no"
 
 
 def test_offline_spans_come_from_the_presence_the_coordinator_logged(tmp_path):
