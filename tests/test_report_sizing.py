@@ -229,3 +229,14 @@ def test_malformed_records_leave_figures_absent_and_never_crash_the_report(tmp_p
     assert main(["html", str(run_dir), "-o", str(tmp_path / "report.html")]) == 0
     assert 'id="headroom"' in (tmp_path / "report.html").read_text()
     assert main(["show", str(run_dir)]) == 0 and "Will it fit?" in capsys.readouterr().out
+
+
+def test_a_presence_log_that_cannot_be_written_does_not_stop_the_coordinator(tmp_path, caplog):
+    """presence.jsonl is for reports: when it cannot be written (here a directory stands in its place), the
+    roster still takes the client online and says why the line is missing."""
+    blocked = tmp_path / PRESENCE_FILE
+    blocked.mkdir()
+    roster = Roster(Absences(0), ThrottledLog(logging.getLogger("test")), PresenceLog(blocked, lambda: 0))
+    with caplog.at_level(logging.WARNING, logger="fedge.coordinator"):
+        assert roster.on_presence("pi-1", presence_payload("pi-1", PresenceBody("online")))
+    assert "pi-1" in roster.online and "could not record that client pi-1 is online" in caplog.text

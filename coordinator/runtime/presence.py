@@ -39,10 +39,16 @@ class PresenceLog:
         self._completed_round = completed_round
 
     def __call__(self, client_id: str, state: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Append one line; a write that fails (a full disk) is logged, never raised: the log is for reports,
+        and a run must not stop for it."""
         line = {"time": time.time(), "client_id": client_id, "state": state, "after_round": self._completed_round()}
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line) + "\n")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(line) + "\n")
+        except OSError as exc:
+            log.warning("could not record that client %s is %s in %s: %s (free space there for reports to show "
+                        "when devices were offline)", client_id, state, self.path, exc)
 
 def parse_presence(client_id: str, payload: bytes) -> PresenceBody | None:
     """The presence ``payload`` on ``client_id``'s presence topic says; None when it is another message or
