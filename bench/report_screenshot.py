@@ -39,11 +39,12 @@ from profiling.html import render_html
 from profiling.runs import load
 
 PREFIX = "sizing"
+BIG_ENV = {"FEDGE_DEVICE_CLASS": "x86-4x-data", "FEDGE_SITE": "desk"}   # dev-big's class and site
 MAX_PNG_BYTES = 400 * 1024
 
 
 def _client(broker: str, out: Path, data: Path) -> subprocess.Popen:
-    env = {**os.environ, "FEDGE_DEVICE_CLASS": "x86-4x-data", "FEDGE_SITE": "desk"}
+    env = {**os.environ, **BIG_ENV}
     return subprocess.Popen([sys.executable, "-m", "edge_client.cli", "run", "--broker", broker, "--client-id",
                              "dev-big", "--data", f"npz:{data}", "--prefix", PREFIX, "--state-dir",
                              str(out / "clients" / "dev-big"), "--torch-threads", "1", "--exit-after-run"], env=env)
@@ -100,8 +101,9 @@ def benchmark_inference(run: Path) -> None:
     """``fedge-profile infer`` of the exported model into each device's state directory under ``clients/``."""
     model = run / "export" / "model.onnx"
     for state in sorted(p for p in (run / "clients").iterdir() if p.is_dir()):
+        env = {**os.environ, **(BIG_ENV if state.name == "dev-big" else {})}   # the facts it records are its own
         subprocess.run([sys.executable, "-m", "profiling.cli", "infer", str(model), "--state-dir", str(state),
-                        "--runs", "100", "--warmup", "10"], check=True)
+                        "--runs", "100", "--warmup", "10"], check=True, env=env)
 
 
 def screenshot(html: Path, png: Path, width: int = 1400, height: int = 2400) -> bool:
