@@ -30,7 +30,7 @@ from profiling.report import (SIZING_NOTE, TableData, breakdown_table, device_ta
                               fleet_inference_table, kind_peaks_table, memory_fit_table, resources_table, rounds_table,
                               run_title, speed_table, traffic_table)
 from profiling.runs import DeviceStats, RunRecords, TaskRecord, part_names, straggler_ranks
-from profiling.sizing import Sizing, fit_order, sizing
+from profiling.sizing import UNNAMED_KIND, Sizing, fit_order, sizing
 from profiling.units import human_bytes
 
 __all__ = ["render_html", "PLOTS", "DEADLINE_SCALE", "plot_headroom", "plot_over_time", "TIMELINE_DEVICES",
@@ -299,8 +299,8 @@ def plot_over_time(run: RunRecords, rows: list[Sizing]) -> Figure | None:
             read = [t for t in tasks if t.profile.get(key) is not None]
             if not read:
                 ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="#777")
-            for kind in sorted({t.objective or "task" for t in read}):
-                mine = [t for t in read if (t.objective or "task") == kind]
+            for kind in sorted({t.objective or UNNAMED_KIND for t in read}):
+                mine = [t for t in read if (t.objective or UNNAMED_KIND) == kind]
                 ax.plot([x_of(t) for t in mine], [t.profile[key] / scale for t in mine], "o", markersize=4,
                         color=colors.get(kind), label=kind)
             if read:
@@ -381,8 +381,7 @@ SIZING_CAPTIONS = {
                 "limit when lower); dotted: the sizes boards come in (512 MiB is a Raspberry Pi Zero 2 W, whose "
                 "OS keeps part of it). Log-2 axis.",
     "over-time": "Per device, each task's peak RSS, CPU use and temperature (a column only for readings some "
-                 "device took) as it answered (a dot per task, "
-                 "coloured by kind); shaded: offline (from its going offline to its coming back, or the run's "
+                 "device took) as it answered (a dot per task, coloured by kind); shaded: offline (from its going offline to its coming back, or the run's "
                  "last record); dashed red: the memory the device may use, where it is within twice the peak. "
                  "Round numbers stand for time in runs recorded before tasks had times.",
 }

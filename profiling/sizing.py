@@ -34,10 +34,8 @@ UNNAMED_KIND = "task"   # the kind of a task whose record does not name its obje
 
 @dataclass(frozen=True)
 class InferenceSummary:
-    """A device's latest ``fedge-profile infer`` benchmark, in a few figures."""
+    """A device's latest ``fedge-profile infer`` benchmark, in a few figures (the full ones: the inference table)."""
 
-    model: str
-    provider: str
     p50_batch1: float | None          # seconds per run at batch 1
     batch: int | None                 # the largest batch benchmarked
     samples_per_second: float | None  # at that batch
@@ -129,7 +127,8 @@ def traffic(run: RunRecords, client_id: str) -> tuple[int | None, int | None]:
         tasks, results, broadcast = (_bytes(mine.get("down")), _bytes(mine.get("up")),
                                      _bytes(row.get("bytes_broadcast")))
         if tasks is not None:
-            down = (down or 0) + tasks + ((broadcast or 0) if tasks else 0)
+            fetched = broadcast if tasks > 0 and broadcast is not None else 0   # with its task: once per round
+            down = (down or 0) + tasks + fetched
         if results is not None:
             up = (up or 0) + results
     return down, up
@@ -153,13 +152,9 @@ def _inference(device: Device) -> InferenceSummary | None:
     line = lines[-1]
     results = sorted(line["results"], key=lambda r: r["batch"])
     one = next((r for r in results if r["batch"] == 1), None)
-    peak = line.get("peak_rss_bytes")
-    return InferenceSummary(
-        model=str(line.get("model_name") or "?"),
-        provider=str(line.get("provider") or "CPUExecutionProvider").removesuffix("ExecutionProvider"),
-        p50_batch1=float(one["p50"]) if one else None, batch=results[-1]["batch"],
-        samples_per_second=float(results[-1]["samples_per_second"]),
-        peak_rss_bytes=peak if isinstance(peak, int) and not isinstance(peak, bool) else None)
+    return InferenceSummary(p50_batch1=float(one["p50"]) if one else None, batch=results[-1]["batch"],
+                            samples_per_second=float(results[-1]["samples_per_second"]),
+                            peak_rss_bytes=_bytes(line.get("peak_rss_bytes")))
 
 
 def device_sizing(run: RunRecords, device: Device) -> Sizing:

@@ -105,9 +105,11 @@ def test_sizing_figures_of_a_real_run_match_its_records(sphere_run):
         assert set(s.peaks) == {"sphere_train", "ffc_stats"} and max(s.peaks.values()) == s.peak_rss_bytes
         assert s.seconds_per_sample == pytest.approx(want["per_sample"])
         assert (s.device_class, s.site) == ("test-box", "lab-7")
-        per_round = [r["bytes_per_client"][cid] for r in lines_of(sphere_run / "metrics.jsonl")[1:]]
-        assert s.bytes_up == sum(b["up"] for b in per_round) > 0
-        assert s.bytes_down >= sum(b["down"] for b in per_round) > 0   # plus the model broadcasts it fetched
+        rounds = lines_of(sphere_run / "metrics.jsonl")[1:]
+        assert s.bytes_up == sum(r["bytes_per_client"][cid]["up"] for r in rounds) > 0
+        # its tasks, and the model broadcast of each round it had one in
+        assert s.bytes_down == sum(r["bytes_per_client"][cid]["down"] + r["bytes_broadcast"] for r in rounds
+                                   if r["bytes_per_client"][cid]["down"] > 0) > 0
         assert s.offline == []
     assert rows["sim-000"].inference is not None and rows["sim-000"].inference.batch == 8
     assert rows["sim-001"].inference is None
