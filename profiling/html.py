@@ -3,7 +3,10 @@
 The plots are drawn with matplotlib's object API (``Figure`` with the Agg canvas: no
 display, no pyplot global state) and embedded as base64 PNG images, so the file can be
 mailed or archived and opens anywhere without the run directory. The tables are the
-same as ``fedge-profile show`` prints.
+same as ``fedge-profile show`` prints. The sizing section comes first (a person
+choosing boards reads it before the straggler tables), with two plots of its own: each
+device's peak memory against its memory, and its memory, CPU and temperature over time
+with its offline spans.
 
 Every per-round axis has integer ticks, legends sit below the axes (never over a bar
 or a line), and the round-time plot keeps to its data's scale: a deadline far above

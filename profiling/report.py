@@ -1,9 +1,12 @@
 """``fedge-profile show``: the terminal report.
 
 For a run: one row per device (median round time, step latency, throughput, peak
-memory, CPU, temperature, straggler rank), the phase breakdown per device, and
+memory, CPU, temperature, straggler rank), the phase breakdown per device, the
+sizing tables (peak memory against the device's memory and the kind of task that set
+it, speed per sample, traffic, time offline, inference: :mod:`profiling.sizing`), and
 one row per round (accuracy, bytes, slowest client, skipped clients). For a single
-device's history: one row per task and one per inference benchmark.
+device's history: one row per task, whether the model fits it, and one row per
+inference benchmark.
 
 The tables are built as plain data (:class:`TableData`, :func:`report_parts`) and drawn
 with rich where it is installed (:func:`render`), else as aligned plain text
