@@ -36,8 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a run directory (the coordinator's --out), a device's state directory "
                            "(fedge-client --state-dir) or its profile.jsonl, or a run's clients/ID.jsonl")
     page = sub.add_parser("html", help="write a self-contained HTML report with plots",
-                          description="Write one HTML file with the report's tables and plots (accuracy and bytes "
-                                      "per round, round time per device, phase breakdown, memory) embedded.")
+                          description="Write one HTML file with the report's tables and plots embedded: first "
+                                      "what sizes hardware (peak memory against each device's memory and the kind "
+                                      "of task that set it, speed per sample, traffic, time offline, memory, CPU "
+                                      "and temperature over time, inference benchmarks), then accuracy and bytes "
+                                      "per round, round time per device, phase breakdown and memory.")
     page.add_argument("path", type=Path, metavar="RUN_DIR", help="a run directory or a profile file")
     page.add_argument("-o", "--output", type=Path, default=Path("report.html"),
                       help="file to write (default report.html)")

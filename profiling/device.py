@@ -18,7 +18,9 @@ import psutil
 
 from profiling.memory import battery, memory_available_bytes, memory_total_bytes
 
-__all__ = ["device_facts"]
+__all__ = ["device_facts", "device_labels"]
+
+_LABEL_CHARS = 64
 
 
 def _cpu_model() -> str:
@@ -87,3 +89,22 @@ def device_facts() -> dict[str, Any]:
         "site": os.environ.get("FEDGE_SITE") or None,
         **battery(),
     }
+
+
+def _label(value: Any) -> str:
+    """A device's own words made safe to show and to use as a metric label: printable, at most 64 characters."""
+    if not isinstance(value, str):
+        return ""
+    return "".join(ch for ch in value if ch.isprintable()).strip()[:_LABEL_CHARS]
+
+
+def device_labels(device: Any) -> tuple[str, str]:
+    """The class and site of a device, from the facts it announced (anything: they come over the network).
+
+    The class is what the device says it is (``device_class``, from ``FEDGE_DEVICE_CLASS`` on the device),
+    else its board ("Raspberry Pi 4 Model B Rev 1.4"), else its architecture, else "unknown"; the site is
+    its ``site`` (``FEDGE_SITE``), else "". The metrics endpoint and ``fedge-coordinator status`` group by them.
+    """
+    facts = device if isinstance(device, dict) else {}
+    klass = next((text for key in ("device_class", "board", "arch") if (text := _label(facts.get(key)))), "")
+    return klass or "unknown", _label(facts.get("site"))

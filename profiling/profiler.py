@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from profiling.memory import battery, memory_available_bytes
+from profiling.memory import battery, memory_available_bytes, memory_total_bytes
 from profiling.sensors import cpu_temperature, pi_throttling
 
 __all__ = ["Profiler", "NullProfiler", "percentile", "reset_peak_rss", "peak_rss_since_reset", "TASK_PHASES",
@@ -190,6 +190,7 @@ class Profiler:
             "temperature_sensor": temperature[1] if temperature else None,
             "throttled": pi_throttling(),
             "memory_available_bytes": memory_available_bytes(),
+            "memory_total_bytes": memory_total_bytes(),   # what the peak must fit in (a cgroup's limit counts)
             **battery(),
         }
 

@@ -1,9 +1,12 @@
 """``fedge-profile show``: the terminal report.
 
 For a run: one row per device (median round time, step latency, throughput, peak
-memory, CPU, temperature, straggler rank), the phase breakdown per device, and
+memory, CPU, temperature, straggler rank), the phase breakdown per device, the
+sizing tables (peak memory against the device's memory and the kind of task that set
+it, speed per sample, traffic, time offline, inference: :mod:`profiling.sizing`), and
 one row per round (accuracy, bytes, slowest client, skipped clients). For a single
-device's history: one row per task and one per inference benchmark.
+device's history: one row per task, whether the model fits it, and one row per
+inference benchmark.
 
 The tables are built as plain data (:class:`TableData`, :func:`report_parts`) and drawn
 with rich where it is installed (:func:`render`), else as aligned plain text
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from profiling.runs import (Device, DeviceStats, RunRecords, device_stats, part_names, straggler_ranks,
                             task_breakdown)
+from profiling.sizing import Sizing, device_sizing, fit_order, per_sample_ranks, sizing
 from profiling.units import ABSENT, human_bytes, milliseconds, number, seconds
 
 if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
@@ -27,7 +31,9 @@ if TYPE_CHECKING:   # rich is imported only by the functions that draw with it
 
 __all__ = ["TableData", "Note", "report_parts", "render", "render_plain", "to_text", "device_table", "resources_table",
            "breakdown_table", "rounds_table", "tasks_table", "inference_table", "facts_line", "run_title", "to_rich",
-           "kinds_text"]
+           "kinds_text", "memory_fit_table", "kind_peaks_table", "speed_table", "traffic_table",
+           "sizing_tables", "SIZING_NOTE", "inference_rows",
+           "fleet_inference_table"]
 
 
 @dataclass
@@ -196,22 +202,107 @@ def tasks_table(device: Device) -> TableData:
     return table
 
 
-def inference_table(device: Device) -> TableData:
-    table = TableData(f"Inference benchmarks (ONNX Runtime) of {device.client_id}",
-                      ("when", "model", "provider", "batch", "runs", "p50 ms", "p95 ms", "p99 ms", "samples/s",
-                       "accuracy", "peak RSS"), frozenset({"when", "model", "provider"}))
+SIZING_NOTE = ("Does the model fit each device, and how fast is it per sample? Memory is the peak over every "
+               "kind of task against what the device's process may use; speed is per sample trained, so a device "
+               "holding more data is not ranked slower for it.")
+
+
+def _signed_bytes(n: int | None) -> str:
+    return ABSENT if n is None else ("-" + human_bytes(-n) if n < 0 else human_bytes(n))
+
+
+def memory_fit_table(rows: list[Sizing]) -> TableData:
+    """Peak memory against each device's memory, the headroom left and the kind of task that set the peak;
+    tightest headroom first. The sizing tables each fit an 80-column terminal."""
+    table = TableData("Will it fit? Peak memory (RSS, every task) against the device's memory; tightest first",
+                      ("device", "memory", "peak", "peak set by", "headroom", "free %"),
+                      frozenset({"device", "peak set by"}))
+    for s in fit_order(rows):
+        share = s.headroom_bytes / s.memory_total_bytes if s.headroom_bytes is not None and s.memory_total_bytes \
+            else None
+        setter = ABSENT if s.peak_kind is None else (
+            f"{s.peak_kind} (round {s.peak_round})" if s.peak_round is not None else s.peak_kind)
+        table.add_row(s.client_id, human_bytes(s.memory_total_bytes), human_bytes(s.peak_rss_bytes), setter,
+                      _signed_bytes(s.headroom_bytes), number(None if share is None else 100 * share, ".1f"))
+    return table
+
+
+def kind_peaks_table(rows: list[Sizing]) -> TableData:
+    """Peak memory of each kind of task (a column per kind), in the order of :func:`memory_fit_table`."""
+    kinds = sorted({kind for s in rows for kind in s.peaks})
+    table = TableData("Peak memory per kind of task", ("device", *kinds), frozenset({"device"}))
+    for s in fit_order(rows):
+        table.add_row(s.client_id, *(human_bytes(s.peaks.get(kind)) for kind in kinds))
+    return table
+
+
+def speed_table(run: RunRecords, rows: list[Sizing]) -> TableData:
+    """Per-sample speed (ranked), beside the rank by round time the devices table uses, with class and site."""
+    ranks = per_sample_ranks(rows)
+    round_ranks = straggler_ranks(run.stats())
+    table = TableData("Speed per sample trained (rank 1 = slowest per sample; round rank: by round time)",
+                      ("rank", "device", "class", "site", "ms/sample", "samples/task", "round rank"),
+                      frozenset({"device", "class", "site"}))
+    for s in sorted(rows, key=lambda s: (ranks.get(s.client_id, 10**9), s.client_id)):
+        table.add_row(str(ranks.get(s.client_id, ABSENT)), s.client_id, s.device_class, s.site or ABSENT,
+                      milliseconds(s.seconds_per_sample), number(s.samples_per_task, ".0f"),
+                      str(round_ranks.get(s.client_id, ABSENT)))
+    return table
+
+
+def traffic_table(rows: list[Sizing]) -> TableData:
+    """Bytes each way, time offline and the latest inference benchmark of each device."""
+    table = TableData("Traffic, time offline and inference (latest fedge-profile infer: p50 at batch 1, "
+                      "samples/s at its largest batch, peak RSS)",
+                      ("device", "down", "up", "offline", "p50 ms", "samples/s", "RSS"), frozenset({"device"}))
+    for s in rows:
+        inf = s.inference
+        table.add_row(
+            s.client_id, human_bytes(s.bytes_down), human_bytes(s.bytes_up),
+            ABSENT if s.offline is None else f"{len(s.offline)}× {s.offline_seconds:.0f} s" if s.offline else "no",
+            milliseconds(inf.p50_batch1) if inf else ABSENT,
+            f"{inf.samples_per_second:.0f} @{inf.batch}" if inf and inf.samples_per_second is not None else ABSENT,
+            human_bytes(inf.peak_rss_bytes) if inf else ABSENT)
+    return table
+
+
+def sizing_tables(run: RunRecords, rows: list[Sizing]) -> list[TableData]:
+    """The sizing section's tables, in order."""
+    return [memory_fit_table(rows), kind_peaks_table(rows), speed_table(run, rows), traffic_table(rows)]
+
+
+_INFERENCE_COLUMNS = ("when", "model", "provider", "batch", "runs", "p50 ms", "p95 ms", "p99 ms", "samples/s",
+                      "accuracy", "peak RSS")
+
+
+def inference_rows(device: Device) -> list[list[str]]:
+    """One row of cells per batch size of each of the device's ``fedge-profile infer`` benchmarks."""
+    rows = []
     for line in device.inference:
+        provider = str(line.get("provider", "CPUExecutionProvider")).removesuffix("ExecutionProvider")
+        accuracy = line.get("accuracy")
         for result in line.get("results") or []:
-            if not isinstance(result, dict):
-                continue
-            provider = str(line.get("provider", "CPUExecutionProvider")).removesuffix("ExecutionProvider")
-            accuracy = line.get("accuracy")
-            table.add_row(_when(line.get("time")), str(line.get("model_name", ABSENT)), provider,
-                          str(result.get("batch")), str(result.get("runs")), milliseconds(result.get("p50")),
-                          milliseconds(result.get("p95")), milliseconds(result.get("p99")),
-                          number(result.get("samples_per_second"), ".0f"),
-                          number(100 * accuracy, ".2f") if isinstance(accuracy, (int, float)) else ABSENT,
-                          human_bytes(line.get("peak_rss_bytes")))
+            rows.append([_when(line.get("time")), str(line.get("model_name", ABSENT)), provider,
+                         str(result.get("batch")), str(result.get("runs")), milliseconds(result.get("p50")),
+                         milliseconds(result.get("p95")), milliseconds(result.get("p99")),
+                         number(result.get("samples_per_second"), ".0f"),
+                         number(100 * accuracy, ".2f") if isinstance(accuracy, (int, float)) else ABSENT,
+                         human_bytes(line.get("peak_rss_bytes"))])
+    return rows
+
+
+def inference_table(device: Device) -> TableData:
+    table = TableData(f"Inference benchmarks (ONNX Runtime) of {device.client_id}", _INFERENCE_COLUMNS,
+                      frozenset({"when", "model", "provider"}))
+    table.rows = inference_rows(device)
+    return table
+
+
+def fleet_inference_table(devices: list[Device]) -> TableData:
+    """Every device's inference benchmarks in one table, a device column first."""
+    table = TableData("Inference benchmarks (ONNX Runtime, fedge-profile infer) of each device",
+                      ("device", *_INFERENCE_COLUMNS), frozenset({"device", "when", "model", "provider"}))
+    table.rows = [[d.client_id, *row] for d in sorted(devices, key=lambda d: d.client_id) for row in inference_rows(d)]
     return table
 
 
@@ -221,7 +312,9 @@ def report_parts(run: RunRecords) -> list[Note | TableData]:
     if run.is_run:
         parts: list[Note | TableData] = [Note(run_title(run), bold=True)]
         if run.devices:
-            parts += [device_table(run, stats), resources_table(stats), breakdown_table(stats)]
+            rows = sizing(run)
+            parts += [device_table(run, stats), resources_table(stats), breakdown_table(stats),
+                      Note(f"Sizing. {SIZING_NOTE}", bold=True), *sizing_tables(run, rows)]
         else:
             parts.append(Note("no device profiles in this run (clients/ is empty)"))
         return parts + [rounds_table(run)]
@@ -229,7 +322,8 @@ def report_parts(run: RunRecords) -> list[Note | TableData]:
     for device in run.devices.values():
         parts.append(Note(f"{device.client_id}: {facts_line(device.facts)}", bold=True))
         if device.tasks:
-            parts += [tasks_table(device), breakdown_table([device_stats(device, run.training_tasks(device))])]
+            parts += [tasks_table(device), breakdown_table([device_stats(device, run.training_tasks(device))]),
+                      memory_fit_table([device_sizing(run, device)])]
         if device.inference:
             parts.append(inference_table(device))
         if not device.tasks and not device.inference:

@@ -3,9 +3,11 @@
 Two kinds of input, both JSON lines:
 
 - a run directory the coordinator wrote: ``metrics.jsonl`` (one row per round),
-  ``summary.json``, ``config.toml``, and per client ``clients/ID.jsonl`` (one line per
-  answered task: round, round time, late, error, profile) plus ``clients/ID.json``
-  (latest profile and the device facts);
+  ``summary.json``, ``config.toml``, ``presence.jsonl`` (when each client came online
+  and went offline), and per client ``clients/ID.jsonl`` (one line per answered task:
+  round, time, round time, late, error, profile) plus ``clients/ID.json`` (latest
+  profile and the device facts) and, for a client whose state directory is
+  ``clients/ID/``, the ``infer`` lines of its ``profile.jsonl``;
 - a device's own history, ``STATE_DIR/profile.jsonl`` (``task`` lines with the client
   id and the profile fields at the top level, ``infer`` lines from ``fedge-profile
   infer``; the state directory itself names it too), or a single ``clients/ID.jsonl``.
@@ -39,7 +41,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["ReportError", "TaskRecord", "Device", "RunRecords", "DeviceStats", "load", "device_stats", "task_kinds",
-           "straggler_ranks", "task_breakdown", "part_names", "BREAKDOWN"]
+           "straggler_ranks", "slowest_first", "task_breakdown", "part_names", "BREAKDOWN"]
 
 # The parts a task's time is shown in, in order. `train_other` is the local objective's
 # time outside the four step phases (setup, shuffling, reading the loss).
@@ -63,6 +65,7 @@ class TaskRecord:
     run_id: str | None = None
     missed: bool = False                  # no answer by the end of its attempt: round_seconds is the timeout
     objective: str | None = None          # what the task ran (train, evaluate, ...); None in older records
+    time: float | None = None             # when the answer came (Unix time); None in older records
 
 
 @dataclass
@@ -80,6 +83,7 @@ class RunRecords:
     summary: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     devices: dict[str, Device] = field(default_factory=dict)
+    presence: list[dict[str, Any]] = field(default_factory=list)    # presence.jsonl: time, client_id, state
 
     @property
     def is_run(self) -> bool:
@@ -127,7 +131,7 @@ def _coordinator_record(line: dict[str, Any]) -> TaskRecord:
     return TaskRecord(round=_int(line.get("round")), task_id=_text(line.get("task_id")),
                       profile=clean_profile(line.get("profile")), round_seconds=_float(line.get("round_seconds")),
                       late=line.get("late") is True, error=_text(line.get("error")), missed=line.get("missed") is True,
-                      objective=_text(line.get("objective")))
+                      objective=_text(line.get("objective")), time=_float(line.get("time")))
 
 
 def _latest_per_task(records: list[TaskRecord]) -> list[TaskRecord]:
@@ -141,7 +145,7 @@ def _latest_per_task(records: list[TaskRecord]) -> list[TaskRecord]:
 def _history_record(line: dict[str, Any]) -> TaskRecord:
     return TaskRecord(round=_int(line.get("round")), task_id=_text(line.get("task_id")),
                       profile=clean_profile(line), run_id=_text(line.get("run_id")),
-                      objective=_text(line.get("objective")))
+                      objective=_text(line.get("objective")), time=_float(line.get("time")))
 
 
 def _with_send_times(tasks: list[TaskRecord]) -> list[TaskRecord]:
@@ -187,11 +191,34 @@ def _load_history_file(path: Path) -> RunRecords:
     else:                                                             # a device's own profile.jsonl
         device = Device(_history_client_id(rows) or path.parent.name or path.stem)
         device.tasks = _with_send_times([_history_record(r) for r in rows if r.get("kind", "task") == "task"])
-        device.inference = [r for r in rows if r.get("kind") == "infer"]
+        device.inference = _inference_lines(rows)
         facts = [r.get("device") for r in device.inference if isinstance(r.get("device"), dict)]
         device.facts = facts[-1] if facts else None
     records.devices[device.client_id] = device
     return records
+
+
+def _inference_lines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``infer`` lines of a device history, each result kept only when its figures are numbers (a report
+    computes with them)."""
+    out = []
+    for row in rows:
+        if row.get("kind") != "infer":
+            continue
+        given = row.get("results") if isinstance(row.get("results"), list) else []
+        results = [r for r in given if isinstance(r, dict) and (_int(r.get("batch")) or 0) > 0
+                   and all(_float(r.get(k)) is not None for k in ("p50", "p95", "p99", "samples_per_second"))]
+        out.append({**row, "results": results})
+    return out
+
+
+def _presence_lines(path: Path) -> list[dict[str, Any]]:
+    """``presence.jsonl``: the lines with a time, a client id and a state of online or offline."""
+    if not path.is_file():
+        return []
+    return [{"time": float(r["time"]), "client_id": r["client_id"], "state": r["state"]} for r in read_jsonl(path)
+            if _float(r.get("time")) is not None and _text(r.get("client_id"))
+            and r.get("state") in ("online", "offline")]
 
 
 def _load_run_dir(path: Path) -> RunRecords:
@@ -215,7 +242,11 @@ def _load_run_dir(path: Path) -> RunRecords:
             latest = latest if isinstance(latest, dict) else {}
             device = Device(latest_path.stem, latest.get("device") if isinstance(latest.get("device"), dict) else None,
                             [_coordinator_record(latest)])
+        own = clients / device.client_id / HISTORY_FILE   # a spawned client's state directory, or one put there
+        if own.is_file():
+            device.inference = _inference_lines(read_jsonl(own))
         records.devices[device.client_id] = device
+    records.presence = _presence_lines(path / "presence.jsonl")
     if not records.is_run and not records.devices:
         raise ReportError(f"{path} holds no metrics.jsonl, summary.json or clients/*.json; "
                           "pass a run directory (the coordinator's --out), a device's state directory "
@@ -336,8 +367,12 @@ def device_stats(device: Device, training: list[TaskRecord] | None = None) -> De
     )
 
 
+def slowest_first(times: Iterable[tuple[str, float | None]]) -> dict[str, int]:
+    """Ranks of (client id, time) pairs: 1 for the longest time, 2 for the next, ...; a None time is unranked."""
+    timed = sorted(((cid, t) for cid, t in times if t is not None), key=lambda pair: (-pair[1], pair[0]))
+    return {cid: rank for rank, (cid, _) in enumerate(timed, start=1)}
+
+
 def straggler_ranks(stats: Iterable[DeviceStats]) -> dict[str, int]:
     """1 for the device with the longest median round time, 2 for the next, ...; unranked without times."""
-    timed = sorted((s for s in stats if s.median_round_seconds is not None),
-                   key=lambda s: (-s.median_round_seconds, s.client_id))  # type: ignore[operator]
-    return {s.client_id: rank for rank, s in enumerate(timed, start=1)}
+    return slowest_first((s.client_id, s.median_round_seconds) for s in stats)

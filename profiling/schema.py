@@ -17,7 +17,8 @@ __all__ = ["clean_profile", "clean_device_facts", "NUMBER_FIELDS", "COUNT_FIELDS
 NUMBER_FIELDS = ("seconds", "step_p50", "step_p95", "step_max", "samples_per_second", "cpu_percent",
                  "temperature_c", "battery_percent")
 # counts and byte sizes: non-negative integers
-COUNT_FIELDS = ("steps", "samples", "peak_rss_bytes", "peak_uss_bytes", "gpu_peak_bytes", "memory_available_bytes")
+COUNT_FIELDS = ("steps", "samples", "peak_rss_bytes", "peak_uss_bytes", "gpu_peak_bytes", "memory_available_bytes",
+                "memory_total_bytes")
 # the device facts (hello message) selection reads; the rest are only shown, never computed with
 FACT_FIELDS = ("cores", "ram_bytes", "memory_total_bytes", "memory_available_bytes", "battery_percent",
                "power_plugged")

@@ -113,7 +113,8 @@ def test_html_is_one_self_contained_file_with_the_plots(tmp_path, capsys):
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
     images = re.findall(r'<figure id="([a-z-]+)"><img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)"',
                         text)
-    assert [anchor for anchor, _ in images] == ["accuracy", "bytes", "round-times", "phases", "memory"]
+    assert [anchor for anchor, _ in images] == ["headroom", "over-time", "accuracy", "bytes", "round-times", "phases",
+                                                "memory"]
     for _, data in images:
         width, height = _png_size(base64.b64decode(data))
         assert width > 300 and height > 150

@@ -38,7 +38,7 @@ from coordinator.runtime.downlink import Downlink
 from coordinator.runtime.guards import check_finite, check_private_divergence, within_norm_bound
 from coordinator.runtime.intake import ResultIntake, one_torch_thread
 from coordinator.runtime.outbox import Outbox
-from coordinator.runtime.presence import Roster
+from coordinator.runtime.presence import PRESENCE_FILE, PresenceLog, Roster
 from coordinator.runtime.profiles import ProfileStore
 from coordinator.runtime.round_book import Network, RoundBook, RoundNotes, Tally
 from coordinator.runtime.round_row import phase_columns, train_columns
@@ -125,7 +125,7 @@ class Coordinator:
         self.downlink = Downlink(config, self.run_id)
         self.round_times = RoundTimes()
         self.absences = Absences(config.clients.max_misses)
-        self.roster = Roster(self.absences, warn)
+        self.roster = Roster(self.absences, warn, PresenceLog(self.out / PRESENCE_FILE, lambda: self.state.round))
         self.device_book = DeviceBook(lambda: ModelSize.of(self.network.spec, config.train.batch_size))
         self.sampler = Sampler(config, self.absences, self.round_times, self.device_book)
         done = self.state.round + (1 if config.run.mode == "async" else 0)   # async: version v's tasks are round v+1

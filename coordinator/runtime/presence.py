@@ -4,21 +4,52 @@ A presence that does not decode or parse is logged and dropped; the last word of
 client (``online`` with the facts of its data and device, or ``offline``, which may be
 the broker speaking its last will) is kept. Clients benched for leaving tasks unanswered
 (:class:`~coordinator.runtime.selection.Absences`) stay online but are not drawn.
+
+Each change of a client's state (online, offline) is appended to the run directory's
+``presence.jsonl`` (:class:`PresenceLog`): when a device was away is what a report on
+sizing hardware shows beside its memory and temperature over time.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from coordinator.runtime.selection import Absences
 from edge_client.wire.protocol import PresenceBody, ProtocolError, decode
 from edge_client.wire.throttle import ThrottledLog
 
-__all__ = ["Roster", "PRESENCE_BYTES", "parse_presence"]
+__all__ = ["Roster", "PresenceLog", "PRESENCE_BYTES", "parse_presence", "PRESENCE_FILE"]
 
 log = logging.getLogger("fedge.coordinator")
 PRESENCE_BYTES = 1024 * 1024   # the largest presence (or claim) read: neither carries tensors
+PRESENCE_FILE = "presence.jsonl"
+
+
+class PresenceLog:
+    """Appends ``{"time", "client_id", "state", "after_round"}`` to ``RUN_DIR/presence.jsonl`` for each change
+    of a client's state; ``after_round`` is the last round completed then (0: before the first)."""
+
+    def __init__(self, path: Path, completed_round: Callable[[], int]) -> None:
+        self.path = path
+        self._completed_round = completed_round
+
+    def __call__(self, client_id: str, state: str) -> None:
+        """Append one line; a write that fails (a full disk) is logged, never raised: the log is for reports,
+        and a run must not stop for it."""
+        line = {"time": time.time(), "client_id": client_id, "state": state, "after_round": self._completed_round()}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(line) + "\n")
+        except OSError as exc:
+            log.warning("could not record that client %s is %s in %s: %s (free space there for reports to show "
+                        "when devices were offline)", client_id, state, self.path, exc)
+
 def parse_presence(client_id: str, payload: bytes) -> PresenceBody | None:
     """The presence ``payload`` on ``client_id``'s presence topic says; None when it is another message or
     another sender's (ignored without a word), ProtocolError when it does not decode or parse."""
@@ -31,10 +62,12 @@ def parse_presence(client_id: str, payload: bytes) -> PresenceBody | None:
 class Roster:
     """The clients online and what each announced."""
 
-    def __init__(self, absences: Absences, warn: ThrottledLog) -> None:
+    def __init__(self, absences: Absences, warn: ThrottledLog,
+                 on_change: Callable[[str, str], None] = lambda client_id, state: None) -> None:
         self.absences = absences
         self.online: dict[str, PresenceBody] = {}
         self._warn = warn
+        self._on_change = on_change   # (client id, "online" or "offline") when a client's state changes
 
     def on_presence(self, client_id: str, payload: bytes) -> bool:
         """Take a client's presence; True when it announced itself online (its unanswered task may go again)."""
@@ -48,12 +81,14 @@ class Roster:
         if body.state == "online":
             if client_id not in self.online:
                 log.info("client %s online (%s samples)", client_id, body.num_samples)
+                self._on_change(client_id, "online")
             if self.absences.returned(client_id):
                 log.info("client %s announced itself again: it may be selected again", client_id)
             self.online[client_id] = body
             return True
         if self.online.pop(client_id, None) is not None:
             log.info("client %s went offline", client_id)
+            self._on_change(client_id, "offline")
         return False
 
     def answering(self) -> list[str]:

@@ -2,7 +2,7 @@
 
 Every first answer to a task this coordinator gave becomes one line of
 ``clients/ID.jsonl``: the round, the task id and objective, the round time the
-coordinator measured, whether it came after its attempt was over (``late``), the client's error
+coordinator measured, when the answer came (``time``, the coordinator's clock), whether it came after its attempt was over (``late``), the client's error
 if it could not run the task, and the profile the device sent (checked by
 :func:`profiling.schema.clean_profile`). A task still unanswered when its attempt
 ends gets a ``missed`` line with the timeout as its round time (it took at least
@@ -16,34 +16,15 @@ client's hello message, so the facts are stored once per client, not per round.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
+from profiling.device import device_labels   # re-exported: the metrics endpoint and status group by it
 from profiling.history import read_jsonl
 from storage.files import write_jsonl_atomic
 
 __all__ = ["ProfileStore", "device_labels"]
-
-_LABEL_CHARS = 64
-
-
-def _label(value: Any) -> str:
-    """A device's own words made safe to show and to use as a metric label: printable, at most 64 characters."""
-    if not isinstance(value, str):
-        return ""
-    return "".join(ch for ch in value if ch.isprintable()).strip()[:_LABEL_CHARS]
-
-
-def device_labels(device: Any) -> tuple[str, str]:
-    """The class and site of a device, from the facts it announced (anything: they come over the network).
-
-    The class is what the device says it is (``device_class``, from ``FEDGE_DEVICE_CLASS`` on the device),
-    else its board ("Raspberry Pi 4 Model B Rev 1.4"), else its architecture, else "unknown"; the site is
-    its ``site`` (``FEDGE_SITE``), else "". The metrics endpoint and ``fedge-coordinator status`` group by them.
-    """
-    facts = device if isinstance(device, dict) else {}
-    klass = next((text for key in ("device_class", "board", "arch") if (text := _label(facts.get(key)))), "")
-    return klass or "unknown", _label(facts.get("site"))
 
 
 class ProfileStore:
@@ -70,7 +51,8 @@ class ProfileStore:
         """Record one answer (or, with ``missed``, a task that got none in time; ``round_seconds`` is then
         the timeout, a lower bound). ``client_id`` must already be a checked id: it names files."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        record = {"round": round, "task_id": task_id, "objective": objective, "round_seconds": round_seconds,
+        record = {"round": round, "time": time.time(), "task_id": task_id, "objective": objective,
+                  "round_seconds": round_seconds,
                   "late": late, "missed": missed, "error": error, "profile": profile or {}}
         with open(self.directory / f"{client_id}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
