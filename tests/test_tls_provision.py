@@ -342,11 +342,18 @@ def test_a_rotated_password_locks_out_the_old_one(tmp_path):
     rotate_password(deployment.out, "device-001")
     assert deployment.password("device-001") != old
     assert stat.S_IMODE((deployment.out / "devices" / "device-001.toml").stat().st_mode) == 0o600
+    monitor_file = deployment.out / "monitor" / "password"
+    old_monitor = monitor_file.read_text().strip()
+    assert rotate_password(deployment.out, "monitor") == monitor_file
+    assert monitor_file.read_text().strip() != old_monitor and stat.S_IMODE(monitor_file.stat().st_mode) == 0o600
     deployment.start()
     try:
         deployment.transport("device-001").close()
+        deployment.transport("monitor", password=monitor_file.read_text().strip()).close()
         with pytest.raises(TransportError, match="refused"):
             deployment.transport("device-001", password=old)
+        with pytest.raises(TransportError, match="refused"):
+            deployment.transport("monitor", password=old_monitor)
     finally:
         deployment.stop()
 

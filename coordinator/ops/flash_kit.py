@@ -172,10 +172,11 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "") -> s
         lines += [f'TORCH_WHEEL="{options.torch_wheel.name}"', "TORCH_DOWNLOAD_MB=0",
                   f"TORCH_INSTALLED_MB={3 * wheel_mb}", 'TORCH_FROM="NVIDIA\'s wheel in the kit"']
     else:
-        download, installed = TORCH_CPU_MB if options.torch_index == CPU_INDEX else TORCH_DEFAULT_MB
+        # another index is taken for a mirror of PyTorch's CPU builds: their sizes
+        download, installed = TORCH_CPU_MB if options.torch_index else TORCH_DEFAULT_MB
         where = ("the CPU-only build from PyTorch's index " + options.torch_index if options.torch_index == CPU_INDEX
-                 else f"the index {options.torch_index}" if options.torch_index
-                 else "the package index (a CUDA build on aarch64)")
+                 else f"from the index {options.torch_index}" if options.torch_index
+                 else "the package index's build (a CUDA build on aarch64)")
         lines += [f'TORCH_SPEC="{options.torch_spec}"', f'TORCH_INDEX="{options.torch_index}"',
                   f'TORCH_PIP_ARGS="{options.torch_pip_args}"', f"TORCH_DOWNLOAD_MB={download}",
                   f"TORCH_INSTALLED_MB={installed}", f'TORCH_FROM="{where}"']

@@ -210,7 +210,9 @@ def next_commands(out_dir: Path, broker_dir: str, devices: Sequence[str]) -> str
     config = out / "coordinator" / "coordinator.toml"
     steps = [
         ("1. start the broker, on the machine named in the bundles (docs/deploy.md#mosquitto):", broker),
-        ("2. start the devices: a flash kit per device (docs/deploy.md#flash-kits), or by hand on each:", [
+        ("2. start the devices: a flash kit per device (docs/deploy.md#flash-kits), or by hand on each with its "
+         "bundle copied there:", [
+            "pip wheel --no-deps -w dist .        # fedge's wheel, in the checkout",
             f"fedge-coordinator kit --deploy {out} --target pi --wheel dist/fedge-VERSION-py3-none-any.whl",
             f"fedge-client run --bundle {out / 'devices' / first}.toml --data npz:DATA.npz"]),
         ("3. run, on this machine:", [

@@ -242,6 +242,8 @@ service_failure() {
 # coordinator. Sets ONLINE to yes, no (still running, not online after the wait) or unknown (no journal).
 wait_online() {
     local since=$1 deadline=$(( $(date +%s) + WAIT_ONLINE ))
+    ONLINE=unknown
+    [ -n "${FEDGE_ONLINE_LINE:-}" ] || return 0   # a kit.env that does not say what to wait for
     ONLINE=no
     while [ "$(date +%s)" -le "$deadline" ]; do
         if service_log "$since" | grep -qF "$FEDGE_ONLINE_LINE"; then
