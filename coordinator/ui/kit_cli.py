@@ -13,8 +13,9 @@ def add_command(sub, name: str = "kit") -> None:  # sub: the parser's subparsers
     kit = sub.add_parser(
         name, help="write one first-boot kit per provisioned device (install script, unit, wheel, bundle)",
         description="Write DEPLOY/kits/ID/ for each device of a provisioning directory: install.sh, which "
-                    "creates the venv, installs torch and fedge's client extra, places the device's bundle, data "
-                    "and systemd unit and starts it; kit.env and client.env (no secrets); the fedge wheel; and "
+                    "checks the device's memory and disk, creates the venv, installs torch (a Pi: the CPU-only "
+                    "build) and fedge's client extra, places the device's bundle, data and systemd unit, starts "
+                    "it and waits until the device is online on the broker; kit.env and client.env (no secrets); the fedge wheel; and "
                     "the device's bundle (0600, deleted by install.sh once installed). Copy a kit onto its "
                     "device and run sudo bash KIT/install.sh; it is safe to run again, and a kit with a newer "
                     "wheel upgrades fedge. docs/deploy.md#flash-kits walks through it.")
