@@ -40,8 +40,8 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # wheels and a 4.9 GB venv on an emulated Pi (docs/deploy.md#flash-kits), none of it usable on a Pi.
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Sizes install.sh announces and checks free space for, in MB. The CUDA build's are measured (arm-device.md);
-# the CPU build's are estimates from the x86-64 CPU build of torch 2.13.0 and its dependencies (about 870 MB
-# installed), rounded up; fedge's are its client extra's packages (numpy, cryptography, zstandard, ...).
+# the CPU build's are estimates from the x86-64 CPU build of torch 2.13.0 (a 192 MB wheel; with its dependencies
+# about 870 MB installed), rounded up; fedge's are its client extra's packages (numpy, cryptography, zstandard, ...).
 TORCH_CPU_MB = (200, 900)        # download, installed
 TORCH_DEFAULT_MB = (2700, 4900)
 FEDGE_MB = 200
@@ -168,9 +168,10 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "") -> s
              "# what the client logs once the broker passed its presence back: install.sh waits for it",
              f'FEDGE_ONLINE_LINE="{ONLINE_LINE}"']
     if options.target == "jetson":
+        # installed, a torch wheel takes about four times its size (the x86-64 CPU one: 192 MB to 790 MB)
         wheel_mb = -(-options.torch_wheel.stat().st_size // 10**6)
         lines += [f'TORCH_WHEEL="{options.torch_wheel.name}"', "TORCH_DOWNLOAD_MB=0",
-                  f"TORCH_INSTALLED_MB={3 * wheel_mb}", 'TORCH_FROM="NVIDIA\'s wheel in the kit"']
+                  f"TORCH_INSTALLED_MB={4 * wheel_mb}", 'TORCH_FROM="NVIDIA\'s wheel in the kit"']
     else:
         # another index is taken for a mirror of PyTorch's CPU builds: their sizes
         download, installed = TORCH_CPU_MB if options.torch_index else TORCH_DEFAULT_MB
