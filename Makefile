@@ -34,6 +34,7 @@ system-deps:
 	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto mosquitto-clients"; \
 	[ -d /usr/share/datasets/fashion-mnist ] || missing="$$missing dataset-fashion-mnist"; \
 	command -v tc >/dev/null 2>&1 || [ -x /usr/sbin/tc ] || missing="$$missing iproute2"; \
+	command -v shellcheck >/dev/null 2>&1 || missing="$$missing shellcheck"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing:$$missing"; \

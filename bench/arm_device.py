@@ -5,7 +5,8 @@ federated runs beside x86 devices, and serves the exported ONNX model.
     sudo .venv/bin/python bench/arm_device.py --stage install  # only build the root and run the kit
 
 Needs root, ``apt-get install -y qemu-user-static debootstrap mosquitto`` and the package index
-(the aarch64 wheels: torch alone is 2.7 GB with its CUDA packages). The arm64 root, the
+(the aarch64 wheels: torch alone is 2.7 GB with its CUDA packages). The kit's default, PyTorch's
+CPU-only index, is out of this machine's reach, so the kit here takes torch from the package index. The arm64 root, the
 deployment and the device data are cached in ``--cache`` (default /var/cache/fedge-arm64), so a
 second run reuses them; ``--rebuild`` starts from scratch. Emulation runs aarch64 code tens of
 times slower than this machine: every time from the emulated device is labelled emulated, and
@@ -62,15 +63,15 @@ def stage_install(cache: Path, root: Path, wheel: Path, port: int, nice: int, lo
     """Run the flash kit in the arm64 root (the first time: the real install), then again (idempotence)."""
     deploy = ensure_deployment(cache / "deploy", port)
     data = ensure_data(cache / "data")
-    kits = write_kits(deploy, KitOptions(target="pi", wheel=wheel, low_memory=True, data=data[ARM_DEVICE]),
-                      [ARM_DEVICE])
+    # torch from the package index: PyTorch's CPU index, the kit's default, is out of this machine's reach
+    options = KitOptions(target="pi", wheel=wheel, low_memory=True, data=data[ARM_DEVICE], torch_index="")
+    kits = write_kits(deploy, options, [ARM_DEVICE])
     first_time = not (root / "opt/fedge/.venv/bin/fedge-client").exists()
     print(f"flash kit for {ARM_DEVICE} in the arm64 root ({'first install' if first_time else 'already installed'})")
     runs = []
     for attempt in range(2 if first_time else 1):
         if attempt:
-            write_kits(deploy, KitOptions(target="pi", wheel=wheel, low_memory=True, data=data[ARM_DEVICE]),
-                       [ARM_DEVICE])
+            write_kits(deploy, options, [ARM_DEVICE])
         got = run_kit(root, kits[ARM_DEVICE], log, nice)
         print(f"  kit run {attempt + 1}: {got['wall_s']} s wall, {got['cpu_s']} s CPU (emulated); {got['summary']}")
         runs.append(got)

@@ -31,8 +31,11 @@ from edge_client.device_actions import Actions, Note, Publish, Task
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, ModelBody, PresenceBody, ProtocolError,
                                        ResultBody, StatusBody, Topics, decode, encode)
 
-__all__ = ["Actions", "BroadcastCache", "Broadcasts", "DeviceProtocol", "Note", "Publish", "Task", "presence_payload"]
+__all__ = ["Actions", "BroadcastCache", "Broadcasts", "DeviceProtocol", "Note", "Publish", "Task", "presence_payload",
+           "ONLINE_LINE"]
 
+# The line a device logs when the broker passed its presence back: it is announced, a coordinator sees it.
+ONLINE_LINE = "online: the broker passed on this device's presence on"
 PARKED_PATIENCE = 15.0     # seconds tasks may wait for a run status before the device says it sees none
 KEEP_PARKED = 8            # tasks kept while no run status has come; the coordinator re-sends the others
 
@@ -127,8 +130,10 @@ class DeviceProtocol:
         """A message arrived on ``topic``."""
         out = Actions()
         if topic == self._presence_topic:
-            if payload == self._presence:
+            if payload == self._presence and self._echo_due is not None:
                 self._echo_due = None   # the broker passes on what we publish
+                # said once per announcement: the flash kit's install.sh waits for this line in the journal
+                out.note("activity", logging.INFO, f"{ONLINE_LINE} {topic}")
             return out
         if topic == self.topics.model:
             self._on_model(payload, now, out)

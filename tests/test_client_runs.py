@@ -14,6 +14,7 @@ import time
 import torch
 
 from edge_client.client import ClientSettings, EdgeClient
+from edge_client.device_protocol import ONLINE_LINE
 from edge_client.data import load_dataset
 from edge_client.objectives import LocalData
 from edge_client.registry import build_model
@@ -70,6 +71,7 @@ def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplo
     lines = [r.getMessage() for r in caplog.records if r.name == "fedge.client.activity"]
     assert any(line.startswith("round 1: train on 64 samples in ") and " up, train loss " in line
                for line in lines), lines
+    assert any(line.startswith(ONLINE_LINE) for line in lines), lines   # what the flash kit waits for
 
 
 def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives(client_thread):

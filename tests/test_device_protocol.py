@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from edge_client.device_protocol import Actions, DeviceProtocol, Task
+from edge_client.device_protocol import ONLINE_LINE, Actions, DeviceProtocol, Task
 from edge_client.wire.protocol import PresenceBody, Topics, decode, encode
 
 T = Topics()
@@ -89,7 +89,9 @@ def test_start_subscribes_then_announce_says_online_and_its_echo_is_expected():
     (own,) = echoed.p.announce(PresenceBody("online"), echoed.now).publish
     echoed.on(T.client(ME, "presence"), presence.payload)   # another presence than ours: no echo
     assert echoed.p.due() is not None
-    echoed.on(T.client(ME, "presence"), own.payload)
+    said = echoed.on(T.client(ME, "presence"), own.payload)
+    assert [(n.kind, n.text) for n in said.notes] == [("activity", f"{ONLINE_LINE} {T.client(ME, 'presence')}")]
+    assert echoed.on(T.client(ME, "presence"), own.payload).notes == []   # said once per announcement
     assert kinds(echoed.later(60)) == [] and echoed.p.due() is None
     (offline,) = d.p.leave().publish
     assert offline.retain and decode(offline.payload).body["state"] == "offline"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.ops.flash_kit import KitError, KitOptions, client_env, kit_env, write_kits
+from coordinator.ops.flash_kit import CPU_INDEX, KitError, KitOptions, client_env, kit_env, memory_need, write_kits
 from coordinator.ops.provision import provision
 from coordinator.ui.cli import main as coordinator_main
 from edge_client.bundle import read_bundle
@@ -84,7 +84,7 @@ def test_a_kit_with_a_privacy_budget_installs_the_accountant_and_sets_the_budget
     plain = KitOptions(target="pi", wheel=wheel)
     assert 'FEDGE_EXTRA="client"' in kit_env(plain) and "PRIVACY" not in client_env(plain)
     install = (REPO / "coordinator" / "ops" / "kit" / "install.sh").read_text()
-    assert '[$EXTRA]' in install and 'EXTRA="${FEDGE_EXTRA:-client}"' in install   # older kit.env: the client extra
+    assert '"${FEDGE_EXTRA:-client}"' in install and '[${extra}]' in install   # older kit.env: the client extra
 
 
 def test_rewriting_a_kit_replaces_the_old_wheel(deploy, wheel, tmp_path):
@@ -114,6 +114,14 @@ def test_a_jetson_kit_carries_nvidias_torch_wheel(deploy, wheel, tmp_path):
     ({"data_spec": "npz:$(reboot)"}, "may not contain"),
     ({"privacy_budget": -1.0}, "--privacy-budget must be a positive epsilon"),
     ({"min_noise_multiplier": 2.0}, "given only with --privacy-budget"),
+    ({"data_url": "ftp://host/x.npz", "data_sha256": "0" * 64}, "http:// or https://"),
+    ({"data_url": "https://host/{device}.npz"}, "needs --data-sha256"),
+    ({"data_url": "https://host/{device}.npz", "data_sha256": "abc"}, "neither a SHA-256"),
+    ({"data_sha256": "0" * 64}, "goes with --data-url"),
+    ({"data_dir": Path("/nonexistent")}, "is not a directory"),
+    ({"model": "resnet-9000"}, "--model 'resnet-9000'"),
+    ({"batch_size": 0}, "must be positive"),
+    ({"torch_index": "https://x/$(reboot)"}, "may not contain"),
 ])
 def test_bad_requests_are_refused_before_anything_is_written(deploy, wheel, change, message, tmp_path):
     fresh = tmp_path / "deploy"
@@ -138,3 +146,63 @@ def test_the_command_writes_kits_and_says_what_next(deploy, wheel, capsys):
     assert coordinator_main(["kit", "--deploy", str(deploy), "--target", "pi", "--wheel", str(wheel),
                              "--torch", "torch>=2"]) == 2
     assert "exact pin" in capsys.readouterr().err
+
+
+def test_a_pi_kit_takes_torchs_cpu_build_by_default_and_says_how_large_it_is(wheel):
+    default = kit_env(KitOptions(target="pi", wheel=wheel))
+    assert f'TORCH_INDEX="{CPU_INDEX}"' in default and CPU_INDEX == "https://download.pytorch.org/whl/cpu"
+    assert "TORCH_DOWNLOAD_MB=200\n" in default and "TORCH_INSTALLED_MB=900\n" in default
+    package_index = kit_env(KitOptions(target="pi", wheel=wheel, torch_index=""))
+    assert 'TORCH_INDEX=""' in package_index and "TORCH_INSTALLED_MB=4900\n" in package_index
+    assert "a CUDA build on aarch64" in package_index
+
+
+def test_the_kit_says_how_much_memory_the_client_needs_for_the_model(wheel, deploy, capsys):
+    need, why = memory_need(KitOptions(target="pi", wheel=wheel))
+    assert need == 331 and why.startswith("331 MiB: 260 to start")   # cnn, 1x28x28, batch 32
+    bigger, _ = memory_need(KitOptions(target="pi", wheel=wheel, model="vgg9", batch_size=64))
+    assert bigger > need
+    assert f"FEDGE_NEED_MIB={need}\n" in kit_env(KitOptions(target="pi", wheel=wheel))
+    assert coordinator_main(["kit", "--deploy", str(deploy), "--target", "pi", "--wheel", str(wheel), "--device",
+                             "pi-01", "--model", "vgg9", "--batch-size", "64"]) == 0
+    assert f"each device needs {bigger} MiB" in capsys.readouterr().out
+
+
+def test_each_device_gets_its_own_npz_from_a_data_dir(deploy, wheel, tmp_path):
+    own = tmp_path / "own"
+    own.mkdir()
+    for device in ("pi-01", "pi-02"):
+        (own / f"{device}.npz").write_bytes(device.encode())
+    kits = write_kits(deploy, KitOptions(target="pi", wheel=wheel, data_dir=own))
+    assert [(kits[d] / "data.npz").read_bytes() for d in ("pi-01", "pi-02")] == [b"pi-01", b"pi-02"]
+    (own / "pi-02.npz").unlink()
+    fresh = tmp_path / "fresh"
+    shutil.copytree(deploy / "devices", fresh / "devices")
+    with pytest.raises(KitError, match="has no pi-02.npz"):
+        write_kits(fresh, KitOptions(target="pi", wheel=wheel, data_dir=own))
+    assert not (fresh / "kits").exists()
+    # written again without data, a kit keeps none of the old
+    assert not (write_kits(deploy, KitOptions(target="pi", wheel=wheel), ["pi-01"])["pi-01"] / "data.npz").exists()
+
+
+def test_data_to_fetch_is_named_per_device_with_its_digest(deploy, wheel, tmp_path):
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text(f"{'a' * 64}  data/pi-01.npz\n{'b' * 64} *pi-02.npz\n")
+    kits = write_kits(deploy, KitOptions(target="pi", wheel=wheel, data_url="https://data.lan/fleet/{device}.npz",
+                                         data_sha256=str(sums)))
+    for device, digest in (("pi-01", "a" * 64), ("pi-02", "b" * 64)):
+        env = (kits[device] / "kit.env").read_text()
+        assert f'DATA_URL="https://data.lan/fleet/{device}.npz"' in env and f'DATA_SHA256="{digest}"' in env
+        assert not (kits[device] / "data.npz").exists()
+    one = kit_env(KitOptions(target="pi", wheel=wheel), "https://d/x.npz", "c" * 64)
+    assert 'DATA_SHA256="cccc' in one
+    sums.write_text(f"{'a' * 64}  pi-01.npz\n")
+    with pytest.raises(KitError, match="names no pi-02.npz"):
+        write_kits(deploy, KitOptions(target="pi", wheel=wheel, data_url="https://d/{device}.npz",
+                                      data_sha256=str(sums)))
+
+
+def test_data_already_on_the_device_is_named_by_its_path(deploy, wheel, capsys):
+    assert coordinator_main(["kit", "--deploy", str(deploy), "--target", "pi", "--wheel", str(wheel), "--device",
+                             "pi-02", "--data-path", "/mnt/usb/pi-02.npz"]) == 0
+    assert "FEDGE_DATA=npz:/mnt/usb/pi-02.npz\n" in (deploy / "kits" / "pi-02" / "client.env").read_text()

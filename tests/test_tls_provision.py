@@ -27,6 +27,8 @@ from coordinator.ops.mosquitto import LocalMosquitto, mosquitto_binary
 from coordinator.ops.provision import COORDINATOR_USER, password_line, provision, rotate_password
 from coordinator.runtime.run import run_federated
 from edge_client.bundle import read_bundle
+from edge_client.device_protocol import presence_payload
+from edge_client.wire.bodies import PresenceBody
 from edge_client.wire.transport import (BrokerSettings, BrokerUrlError, MqttTransport, TlsError, TransportError,
                                         parse_broker_address)
 
@@ -39,6 +41,7 @@ class ProvisionedBroker:
 
     def __init__(self, root: Path, devices: int = 3, workers: int = 2) -> None:
         self.port = free_port()
+        self.root = root
         self.out = root / "deploy"
         self.done = provision(self.out, hosts=["127.0.0.1"], devices=[f"device-{i:03d}" for i in range(1, devices + 1)],
                               port=self.port, prefix=PREFIX, broker_dir=str(root / "deploy" / "broker"),
@@ -120,7 +123,7 @@ def test_secrets_are_0600_and_the_broker_files_are_consistent(broker):
         broker.url, "device-002", "device-002", PREFIX)
     assert bundle.ca_cert == (out / "ca.crt").read_text() and len(bundle.password) >= 24
     users = [line.split(":")[0] for line in (out / "broker" / "fedge.passwd").read_text().splitlines()]
-    assert users == [COORDINATOR_USER, "device-001", "device-002", "device-003", "worker-1", "worker-2"]
+    assert users == [COORDINATOR_USER, "monitor", "device-001", "device-002", "device-003", "worker-1", "worker-2"]
     snippet = load_config(out / "coordinator" / "coordinator.toml").transport
     assert (snippet.broker, snippet.username, snippet.ca_file) == (broker.url, COORDINATOR_USER, broker.ca)
 
@@ -339,11 +342,18 @@ def test_a_rotated_password_locks_out_the_old_one(tmp_path):
     rotate_password(deployment.out, "device-001")
     assert deployment.password("device-001") != old
     assert stat.S_IMODE((deployment.out / "devices" / "device-001.toml").stat().st_mode) == 0o600
+    monitor_file = deployment.out / "monitor" / "password"
+    old_monitor = monitor_file.read_text().strip()
+    assert rotate_password(deployment.out, "monitor") == monitor_file
+    assert monitor_file.read_text().strip() != old_monitor and stat.S_IMODE(monitor_file.stat().st_mode) == 0o600
     deployment.start()
     try:
         deployment.transport("device-001").close()
+        deployment.transport("monitor", password=monitor_file.read_text().strip()).close()
         with pytest.raises(TransportError, match="refused"):
             deployment.transport("device-001", password=old)
+        with pytest.raises(TransportError, match="refused"):
+            deployment.transport("monitor", password=old_monitor)
     finally:
         deployment.stop()
 
@@ -376,3 +386,70 @@ def test_provisioned_aggregation_workers_take_the_results_over_tls(own_broker, t
     rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert all((r["selected"], r["returned"], r["rejected"]) == (2, 2, 0) for r in rows[1:])
     assert "worker_lost" not in rows[-1]
+
+
+# -- the read-only monitor user and what provision says to do next -------------------------------------
+
+def test_the_acl_names_the_broker_dir_it_was_given(tmp_path):
+    done = provision(tmp_path / "d", hosts=["h"], devices=["pi-01"], broker_dir="/srv/mq/fedge/")
+    acl = (done.out_dir / "broker" / "fedge.acl").read_text()
+    assert "/srv/mq/fedge/fedge.passwd" in acl and "/etc/mosquitto" not in acl
+    assert "\nuser monitor\ntopic read fedge/#\n" in acl
+
+
+def test_the_monitor_user_reads_everything_and_writes_nothing(own_broker):
+    broker = own_broker
+    monitor_password = (broker.out / "monitor" / "password").read_text().strip()
+    assert stat.S_IMODE((broker.out / "monitor" / "password").stat().st_mode) == 0o600
+    monitor = broker.transport("monitor", password=monitor_password)
+    device = broker.transport("device-001")
+    try:
+        monitor.subscribe(f"{PREFIX}/#")
+        time.sleep(0.3)
+        device.publish(f"{PREFIX}/clients/device-001/result", b"an update")
+        forged = [f"{PREFIX}/clients/device-001/task", f"{PREFIX}/coordinator/status"]
+        for topic in forged:
+            monitor.publish(topic, b"forged")
+        assert _drain(monitor, 1.0) == [f"{PREFIX}/clients/device-001/result"]
+        assert monitor.denied == set(forged)
+    finally:
+        monitor.close()
+        device.close()
+    with pytest.raises(Exception, match="monitor"):
+        provision(broker.root / "again", hosts=["h"], devices=["monitor"])
+
+
+def test_provision_prints_the_commands_that_follow_and_status_works_as_printed(tmp_path, capsys, monkeypatch):
+    if mosquitto_binary() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    out, port = tmp_path / "deploy", free_port()
+    assert coordinator_main(["provision", "--devices", "2", "--broker-host", "127.0.0.1", "--port", str(port),
+                             "--listen", "127.0.0.1", "--broker-dir", str(out / "broker"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    commands = [line.strip() for line in printed.splitlines() if line.startswith("    ")]
+    assert commands[0].startswith(f"mosquitto -c {out / 'broker' / 'fedge.conf'}")
+    assert any(c.startswith(f"fedge-client run --bundle {out / 'devices' / 'device-001.toml'}") for c in commands)
+    assert f'export FEDGE_MQTT_PASSWORD="$(cat {out / "coordinator" / "password"})"' in commands
+    assert any(c.startswith(f"fedge-coordinator run --config {out / 'coordinator' / 'coordinator.toml'} --clients 2")
+               for c in commands)
+    status = next(c for c in commands if "fedge-coordinator status" in c)
+    # the broker started as printed (the test adds its log and user lines), a device online on it
+    mosquitto = LocalMosquitto(workdir=tmp_path / "mq", config=(out / "broker" / "fedge.conf").read_text(), port=port)
+    mosquitto.start()
+    settings = BrokerSettings(url=f"mqtts://127.0.0.1:{port}", username="device-002",
+                              password=read_bundle(out / "devices" / "device-002.toml").password, protocol="5",
+                              ca_file=str(out / "ca.crt"), connect_timeout=5)
+    device = MqttTransport(settings, "device-002").connect()
+    try:
+        device.publish(f"{PREFIX}/clients/device-002/presence",
+                       presence_payload("device-002", PresenceBody("online", num_samples=8)), retain=True)
+        time.sleep(0.3)
+        monkeypatch.setenv("FEDGE_MQTT_PASSWORD", (out / "monitor" / "password").read_text().strip())
+        argv = status.split(" fedge-coordinator ", 1)[1].split()
+        argv = argv[:argv.index("--run-dir")] + ["--json"]   # no run yet
+        assert coordinator_main(argv) == 0
+        seen = json.loads(capsys.readouterr().out)
+    finally:
+        device.close()
+        mosquitto.stop()
+    assert "device-002" in json.dumps(seen) and "online" in json.dumps(seen)

@@ -2,9 +2,10 @@
 
 ``fedge-coordinator kit`` reads a provisioning directory (``fedge-coordinator provision``) and
 writes ``kits/ID/`` for each device: ``install.sh`` (the same for every device), ``kit.env``
-(what to install: the target, the torch pin, the fedge wheel's name), ``client.env`` (the
+(what to install: the target, the torch pin and where it comes from, with its size, the memory the
+client needs, the fedge wheel's name, where to fetch the device's data), ``client.env`` (the
 service's data path and torch threads), the systemd unit, the fedge wheel, optionally the
-device's data, and its bundle. Copy one kit onto its device's boot partition (or anywhere on it)
+device's data (one npz for all, or each device's own), and its bundle. Copy one kit onto its device's boot partition (or anywhere on it)
 and run ``sudo bash KIT/install.sh``; docs/deploy.md#flash-kits walks through it.
 
 The kit holds the device's password in ``bundle.toml`` only (mode 0600); ``install.sh`` moves it
@@ -19,11 +20,13 @@ import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from urllib.parse import urlparse
 
 from coordinator.ops.provision import ProvisionError, write_file
+from edge_client.device_protocol import ONLINE_LINE
 from edge_client.bundle import BundleError, read_bundle
 
-__all__ = ["KitError", "KitOptions", "TARGETS", "write_kits"]
+__all__ = ["KitError", "KitOptions", "TARGETS", "CPU_INDEX", "write_kits", "kit_env", "client_env", "memory_need"]
 
 TARGETS = ("pi", "jetson")
 # Every file of a kit but the bundle, the wheels and the data is text the kit writer makes or
@@ -31,6 +34,22 @@ TARGETS = ("pi", "jetson")
 _KIT_FILES = ("install.sh", "fedge-client.service")
 _WHEEL_NAME = re.compile(r"^fedge-[^-]+-py3-none-any\.whl$")
 _TORCH_WHEEL = re.compile(r"^torch-[^-]+-.*aarch64.*\.whl$")   # NVIDIA names its Jetson wheels freely
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+# PyTorch's own index of CPU-only wheels. The package index's torch for aarch64 is a CUDA build: 2.7 GB of
+# wheels and a 4.9 GB venv on an emulated Pi (docs/deploy.md#flash-kits), none of it usable on a Pi.
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# Sizes install.sh announces and checks free space for, in MB. The CUDA build's are measured (arm-device.md);
+# the CPU build's are estimates from the x86-64 CPU build of torch 2.13.0 (a 192 MB wheel; with its dependencies
+# about 870 MB installed), rounded up; fedge's are its client extra's packages (numpy, cryptography, zstandard, ...).
+TORCH_CPU_MB = (200, 900)        # download, installed
+TORCH_DEFAULT_MB = (2700, 4900)
+FEDGE_MB = 200
+# The client's peak while starting (torch's import, its other libraries, its npz, connecting), measured on
+# x86-64 (docs/profiling.md#device-footprint: 260.4 MiB; torch's import alone 219.3 MiB). Training adds
+# edge_client.memory_guard's estimate for the model: for the cnn at batch size 64 the two add up to 376 MiB,
+# where the client measured a peak of 370 MiB.
+CLIENT_STARTUP_MIB = 260
 
 
 class KitError(ProvisionError):
@@ -43,13 +62,21 @@ class KitOptions:
 
     target: str                         # "pi" or "jetson"
     wheel: Path                         # fedge's wheel, built from the checkout (pip wheel --no-deps -w dist .)
-    torch_spec: str = "torch==2.13.0"   # a Pi's torch pin, installed from the package index
-    torch_pip_args: str = ""            # e.g. "--index-url URL" for PyTorch's CPU-only index
+    torch_spec: str = "torch==2.13.0"   # a Pi's torch pin
+    torch_index: str = CPU_INDEX        # where a Pi's torch comes from; "" for the package index (a CUDA build)
+    torch_pip_args: str = ""            # more pip arguments for torch, e.g. "--find-links DIR"
     torch_wheel: Path | None = None     # a Jetson: NVIDIA's torch wheel for its JetPack
     torch_threads: int = 0              # the service's --torch-threads (0: one per core)
     low_memory: bool = False            # a 512 MB board: glibc gives freed memory back, one torch thread
-    data: Path | None = None            # an npz for every kit (own data per device: copy it into kits/ID/data.npz)
+    data: Path | None = None            # an npz for every kit
+    data_dir: Path | None = None        # DIR/ID.npz: each device's own npz, into its kit
+    data_url: str = ""                  # fetched by install.sh; "{device}" becomes the device's id
+    data_sha256: str = ""               # with data_url: the sha256 of all, or a file as sha256sum prints (ID.npz)
     data_spec: str = "npz:/var/lib/fedge/data.npz"
+    model: str = "cnn"                  # what the devices will train, for the memory check at install
+    image_size: int = 28
+    in_channels: int = 1
+    batch_size: int = 32
     privacy_budget: float = 0.0         # > 0: every device keeps its own local-DP budget (fedge-client --privacy-budget)
     min_noise_multiplier: float = 0.0   # with it: the devices' floor on the tasks' noise multiplier
 
@@ -75,27 +102,88 @@ def _check(options: KitOptions) -> None:
         raise KitError("--torch-wheel is for --target jetson; a Pi installs --torch from the package index")
     if options.torch_threads < 0:
         raise KitError("--torch-threads must be 0 (one per core) or more")
+    if sum(x is not None and x != "" for x in (options.data, options.data_dir, options.data_url)) > 1:
+        raise KitError("give one of --data-file (one npz for all), --data-dir (DIR/ID.npz per device) and "
+                       "--data-url (fetched on the device)")
     if options.data is not None and not options.data.is_file():
         raise KitError(f"--data-file {options.data} does not exist")
+    if options.data_dir is not None and not options.data_dir.is_dir():
+        raise KitError(f"--data-dir {options.data_dir} is not a directory: give one holding ID.npz per device")
+    if options.data_url:
+        if urlparse(options.data_url).scheme not in ("http", "https") or not urlparse(options.data_url).netloc:
+            raise KitError(f"--data-url {options.data_url!r}: give an http:// or https:// URL")
+        if not options.data_sha256:
+            raise KitError("--data-url needs --data-sha256: the data's SHA-256 (sha256sum FILE), or a file of "
+                           "sha256sum lines naming ID.npz per device, so a device refuses data that is not yours")
+    elif options.data_sha256:
+        raise KitError("--data-sha256 goes with --data-url")
+    if not (options.batch_size > 0 and options.image_size > 0 and options.in_channels > 0):
+        raise KitError("--batch-size, --image-size and --channels must be positive")
     if not (options.privacy_budget >= 0 and options.min_noise_multiplier >= 0) or (
             options.min_noise_multiplier and not options.privacy_budget):
         raise KitError("--privacy-budget must be a positive epsilon (0: none) and --min-noise-multiplier >= 0, "
                        "given only with --privacy-budget")
-    if any(c in options.data_spec + options.torch_pip_args for c in "\"'`$\\\n"):
-        raise KitError("--data-spec and --torch-pip-args may not contain quotes, $, backslashes or newlines")
+    if any(c in options.data_spec + options.torch_pip_args + options.torch_index + options.data_url
+           for c in "\"'`$\\\n"):
+        raise KitError("--data-spec, --torch-index, --torch-pip-args and --data-url may not contain quotes, $, "
+                       "backslashes or newlines")
 
 
-def kit_env(options: KitOptions) -> str:
-    """``kit.env``: what install.sh installs, read by bash (so values are plain words, quoted)."""
+def memory_need(options: KitOptions) -> tuple[int, str]:
+    """MiB the client needs on a device to train ``options.model``, and the sum spelled out for a person.
+
+    A device below it is OOM-killed seconds after the service starts, before the client logs a line,
+    so install.sh checks it first."""
+    from edge_client.memory_guard import estimate_task_bytes
+    from edge_client.models import ModelSpecError
+    from edge_client.registry import build_aside
+
+    spec = {"name": options.model, "num_classes": 10, "in_channels": options.in_channels,
+            "image_size": options.image_size}
+    try:
+        model = build_aside(spec)
+    except (ModelSpecError, KeyError, ValueError) as exc:
+        raise KitError(f"--model {options.model!r}: {exc}") from None
+    train = -(-estimate_task_bytes(model, spec, options.batch_size) // 2**20)
+    need = CLIENT_STARTUP_MIB + train
+    return need, (f"{need} MiB: {CLIENT_STARTUP_MIB} to start (torch's import alone about 220) and {train} to "
+                  f"train {options.model} on {options.in_channels}x{options.image_size}x{options.image_size} "
+                  f"images at batch size {options.batch_size}")
+
+
+def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "") -> str:
+    """``kit.env``: what install.sh installs, read by bash (so values are plain words, quoted).
+
+    ``data_url`` and ``data_sha256``: this device's data to fetch at install (its own URL and digest)."""
+    need, why = memory_need(options)
     lines = ["# What install.sh installs; written by fedge-coordinator kit. No secrets here.",
              f'FEDGE_KIT_TARGET="{options.target}"',
              f'FEDGE_WHEEL="{options.wheel.name}"',
              # a device keeping its own privacy budget needs the accountant too
-             f'FEDGE_EXTRA="{"private-client" if options.privacy_budget else "client"}"']
+             f'FEDGE_EXTRA="{"private-client" if options.privacy_budget else "client"}"',
+             f"FEDGE_MB={FEDGE_MB}",
+             "# memory the client needs (MiB): install.sh refuses a device with less",
+             f"FEDGE_NEED_MIB={need}",
+             f'FEDGE_NEED_WHY="{why}"',
+             "# what the client logs once the broker passed its presence back: install.sh waits for it",
+             f'FEDGE_ONLINE_LINE="{ONLINE_LINE}"']
     if options.target == "jetson":
-        lines.append(f'TORCH_WHEEL="{options.torch_wheel.name}"')
+        # installed, a torch wheel takes about four times its size (the x86-64 CPU one: 192 MB to 790 MB)
+        wheel_mb = -(-options.torch_wheel.stat().st_size // 10**6)
+        lines += [f'TORCH_WHEEL="{options.torch_wheel.name}"', "TORCH_DOWNLOAD_MB=0",
+                  f"TORCH_INSTALLED_MB={4 * wheel_mb}", 'TORCH_FROM="NVIDIA\'s wheel in the kit"']
     else:
-        lines += [f'TORCH_SPEC="{options.torch_spec}"', f'TORCH_PIP_ARGS="{options.torch_pip_args}"']
+        # another index is taken for a mirror of PyTorch's CPU builds: their sizes
+        download, installed = TORCH_CPU_MB if options.torch_index else TORCH_DEFAULT_MB
+        where = ("the CPU-only build from PyTorch's index " + options.torch_index if options.torch_index == CPU_INDEX
+                 else f"from the index {options.torch_index}" if options.torch_index
+                 else "the package index's build (a CUDA build on aarch64)")
+        lines += [f'TORCH_SPEC="{options.torch_spec}"', f'TORCH_INDEX="{options.torch_index}"',
+                  f'TORCH_PIP_ARGS="{options.torch_pip_args}"', f"TORCH_DOWNLOAD_MB={download}",
+                  f"TORCH_INSTALLED_MB={installed}", f'TORCH_FROM="{where}"']
+    if data_url:
+        lines += ["# this device's data, fetched at install and checked by its SHA-256",
+                  f'DATA_URL="{data_url}"', f'DATA_SHA256="{data_sha256}"']
     return "\n".join(lines) + "\n"
 
 
@@ -126,6 +214,8 @@ def write_kits(deploy_dir: Path, options: KitOptions, devices: list[str] | None 
     """Write ``deploy_dir/kits/ID/`` for ``devices`` (default: every bundle in ``deploy_dir/devices``)."""
     _check(options)
     bundles = _bundles(Path(deploy_dir), devices)
+    data = _device_data(options, list(bundles))
+    memory_need(options)   # an unknown model is refused before anything is written
     kits = Path(deploy_dir) / "kits"
     kits.mkdir(mode=0o700, exist_ok=True)
     written = {}
@@ -136,7 +226,8 @@ def write_kits(deploy_dir: Path, options: KitOptions, devices: list[str] | None 
         for name in _KIT_FILES:
             text = resources.files("coordinator.ops").joinpath("kit").joinpath(name).read_text(encoding="utf-8")
             write_file(kit / name, text, 0o755 if name.endswith(".sh") else 0o644)
-        write_file(kit / "kit.env", kit_env(options), 0o644)
+        url, digest = data[device] if isinstance(data[device], tuple) else ("", "")
+        write_file(kit / "kit.env", kit_env(options, url, digest), 0o644)
         write_file(kit / "client.env", client_env(options), 0o644)
         write_file(kit / "bundle.toml", bundle.read_text(encoding="utf-8"), 0o600)
         for old in kit.glob("fedge-*.whl"):
@@ -144,10 +235,48 @@ def write_kits(deploy_dir: Path, options: KitOptions, devices: list[str] | None 
         shutil.copy2(options.wheel, kit / options.wheel.name)
         if options.torch_wheel is not None:
             shutil.copy2(options.torch_wheel, kit / options.torch_wheel.name)
-        if options.data is not None:
-            shutil.copy2(options.data, kit / "data.npz")
+        (kit / "data.npz").unlink(missing_ok=True)   # a kit written again with other data keeps none of the old
+        if isinstance(data[device], Path):
+            shutil.copy2(data[device], kit / "data.npz")
         written[device] = kit
     return written
+
+
+def _device_data(options: KitOptions, devices: list[str]) -> dict[str, Path | tuple[str, str] | None]:
+    """Each device's data: a file for its kit, a (URL, SHA-256) to fetch at install, or None (the device
+    has its data already, at ``data_spec``); everything checked before any kit is written."""
+    if options.data is not None:
+        return {d: options.data for d in devices}
+    if options.data_dir is not None:
+        missing = [d for d in devices if not (options.data_dir / f"{d}.npz").is_file()]
+        if missing:
+            raise KitError(f"--data-dir {options.data_dir} has no {', '.join(f'{d}.npz' for d in missing)}: "
+                           "put one npz per device there, named by its id")
+        return {d: options.data_dir / f"{d}.npz" for d in devices}
+    if not options.data_url:
+        return {d: None for d in devices}
+    digests = _digests(options.data_sha256, devices)
+    return {d: (options.data_url.replace("{device}", d), digests[d]) for d in devices}
+
+
+def _digests(given: str, devices: list[str]) -> dict[str, str]:
+    """The SHA-256 of each device's data: one digest for all, or a file as ``sha256sum *.npz`` prints it,
+    whose names (their base name) are ``ID.npz``."""
+    if _SHA256.match(given.lower()):
+        return {d: given.lower() for d in devices}
+    path = Path(given)
+    if not path.is_file():
+        raise KitError(f"--data-sha256 {given!r} is neither a SHA-256 (64 hex digits) nor a file of sha256sum lines")
+    found = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and _SHA256.match(parts[0].lower()):
+            found[Path(parts[1].strip().lstrip("*")).name] = parts[0].lower()
+    missing = [d for d in devices if f"{d}.npz" not in found]
+    if missing:
+        raise KitError(f"--data-sha256 {path} names no {', '.join(f'{d}.npz' for d in missing)}: make it with "
+                       "sha256sum ID.npz ... over the devices' files")
+    return {d: found[f"{d}.npz"] for d in devices}
 
 
 def _bundles(deploy_dir: Path, devices: list[str] | None) -> dict[str, Path]:

@@ -9,6 +9,7 @@ directory, so no secret is ever typed or pasted:
   with ``allow_anonymous false`` and ``use_username_as_clientid true``.
 - ``coordinator/``: ``coordinator.toml`` (the ``[transport]`` section to run with) and
   ``password``.
+- ``monitor/password``: the read-only ``monitor`` user's, for ``fedge-coordinator status``.
 - ``devices/ID.toml``: one bundle per device (:mod:`edge_client.bundle`); a site's devices' bundles name
   their site broker.
 - ``sites/NAME/`` for each site (:mod:`coordinator.ops.sites`): the site broker's certificate, password
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.ops.provision_texts import (COORDINATOR_USER, bridge_conf, broker_acl, bundle_comment,
+from coordinator.ops.provision_texts import (COORDINATOR_USER, MONITOR_USER, bridge_conf, broker_acl, bundle_comment,
                                              aggregator_comment, coordinator_toml, mosquitto_conf,
                                              site_acl)
 from coordinator.ops.sites import Site, SiteError, check_sites
@@ -44,7 +45,7 @@ from edge_client.wire.protocol import ProtocolError, Topics, valid_client_id
 from storage.errors import FedgeError
 
 __all__ = ["ProvisionError", "Provisioned", "provision", "rotate_password", "device_ids", "read_names",
-           "password_line", "write_file", "COORDINATOR_USER"]
+           "password_line", "write_file", "COORDINATOR_USER", "MONITOR_USER"]
 
 CA_DAYS = 3650
 SERVER_DAYS = 825
@@ -66,6 +67,7 @@ class Provisioned:
     coordinator_config: Path
     coordinator_password: Path
     bundles: dict[str, Path]
+    monitor_password: Path
     ca_created: bool
     workers: dict[str, Path] = field(default_factory=dict)   # aggregation worker user -> its password file
     sites: dict[str, Path] = field(default_factory=dict)     # site name -> its directory (sites/NAME)
@@ -98,8 +100,9 @@ def _check_ids(ids: list[str]) -> None:
     if bad:
         raise ProvisionError(f"bad device ids {bad}: use 1-64 letters, digits, '_', '.', '-' (each is a client id, "
                              "an MQTT user name and a topic level)")
-    if COORDINATOR_USER in ids:
-        raise ProvisionError(f"{COORDINATOR_USER!r} is the coordinator's user name: rename that device")
+    for reserved, whose in ((COORDINATOR_USER, "the coordinator's"), (MONITOR_USER, "the read-only monitor's")):
+        if reserved in ids:
+            raise ProvisionError(f"{reserved!r} is {whose} user name: rename that device")
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise ProvisionError(f"device ids must be unique; repeated: {', '.join(duplicates)}")
@@ -216,14 +219,15 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
     site_of = {d: site for site in sites for d in site.devices}
     bridges = [site.bridge_user for site in sites]
     site_agents = [site.aggregator_user for site in sites if site.aggregator_user]
-    passwords = {COORDINATOR_USER: _new_password(), **{u: _new_password() for u in devices + agents + bridges
+    passwords = {COORDINATOR_USER: _new_password(), MONITOR_USER: _new_password(), **{u: _new_password() for u in devices + agents + bridges
                                                        + site_agents}}
-    central = [COORDINATOR_USER, *(d for d in devices if d not in site_of), *agents, *bridges]
+    central = [COORDINATOR_USER, MONITOR_USER, *(d for d in devices if d not in site_of), *agents, *bridges]
     write_file(broker / "fedge.passwd", _passwd(passwords, central), 0o600)
-    write_file(broker / "fedge.acl", broker_acl(prefix, agents, sites), 0o644)
+    write_file(broker / "fedge.acl", broker_acl(prefix, agents, sites, broker_dir), 0o644)
     write_file(broker / "fedge.conf", mosquitto_conf(port, listen, broker_dir), 0o644)
     coordinator = out_dir / "coordinator"
     write_file(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
+    write_file(out_dir / "monitor" / "password", passwords[MONITOR_USER] + "\n", 0o600)
     write_file(coordinator / "coordinator.toml",
                coordinator_toml(url, prefix, out_dir, workers + len(site_agents), bool(site_agents) and not workers),
                0o644)
@@ -243,7 +247,7 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
                                         passwords=passwords, ca_pem=ca_pem, ca_pair=ca_pair, listen=listen,
                                         broker_dir=broker_dir) for site in sites}
     return Provisioned(out_dir, broker / "fedge.conf", coordinator / "coordinator.toml", coordinator / "password",
-                       bundles, ca_created=ca_cert is None, workers=worker_passwords, sites=site_dirs)
+                       bundles, out_dir / "monitor" / "password", ca_created=ca_cert is None, workers=worker_passwords, sites=site_dirs)
 
 
 def _passwd(passwords: dict[str, str], users: Sequence[str]) -> str:
@@ -281,7 +285,7 @@ def _check_request(out_dir: Path, devices: list[str], workers: int, hosts: list[
         raise ProvisionError(f"device ids {sorted(set(agents) & set(devices))} are aggregation workers' user names: "
                              "rename those devices")
     try:
-        check_sites(sites, devices, [COORDINATOR_USER, *agents])
+        check_sites(sites, devices, [COORDINATOR_USER, MONITOR_USER, *agents])
     except SiteError as exc:
         raise ProvisionError(str(exc)) from None
     if not hosts or not all(hosts):
@@ -339,8 +343,9 @@ def rotate_password(out_dir: Path, user: str) -> Path:
     users = [line.split(":", 1)[0] for line in lines]
     password = _new_password()
     aggregator = out_dir / "sites" / user.removeprefix("agg-") / "aggregator.toml"
-    if user == COORDINATOR_USER or (out_dir / "workers" / f"{user}.password").is_file():
-        target = out_dir / ("coordinator/password" if user == COORDINATOR_USER else f"workers/{user}.password")
+    own_files = {COORDINATOR_USER: "coordinator/password", MONITOR_USER: "monitor/password"}
+    if user in own_files or (out_dir / "workers" / f"{user}.password").is_file():
+        target = out_dir / own_files.get(user, f"workers/{user}.password")
         write_file(target, password + "\n", 0o600)
     else:
         site_agent = user.startswith("agg-") and aggregator.is_file()

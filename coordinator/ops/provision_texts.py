@@ -13,10 +13,11 @@ from pathlib import Path
 from coordinator.ops.sites import IN, OUT, Site, bridged_topics
 from edge_client.wire.protocol import Topics
 
-__all__ = ["COORDINATOR_USER", "broker_acl", "site_acl", "mosquitto_conf", "bridge_conf", "coordinator_toml",
-           "bundle_comment", "aggregator_comment"]
+__all__ = ["COORDINATOR_USER", "MONITOR_USER", "broker_acl", "site_acl", "mosquitto_conf", "bridge_conf", "coordinator_toml",
+           "bundle_comment", "aggregator_comment", "next_commands"]
 
 COORDINATOR_USER = "coordinator"
+MONITOR_USER = "monitor"   # reads everything under the prefix, writes nothing: fedge-coordinator status, mosquitto_sub
 
 
 def _worker_acl(prefix: str, workers: list[str]) -> str:
@@ -31,19 +32,22 @@ topic readwrite {prefix}/workers/{w}/#
 """ for w in workers)
 
 
-def broker_acl(prefix: str, workers: Sequence[str] = (), sites: Sequence[Site] = ()) -> str:
-    p = prefix
+def broker_acl(prefix: str, workers: Sequence[str] = (), sites: Sequence[Site] = (),
+               broker_dir: str = "/etc/mosquitto/fedge") -> str:
+    """The central broker's ACL; ``broker_dir`` is where its files are installed (``--broker-dir``)."""
+    p, d = prefix, broker_dir.rstrip("/")
     return f"""# Mosquitto ACL written by fedge-coordinator provision for the topic prefix "{p}".
 # The coordinator reads and writes everything under the prefix.
 user {COORDINATOR_USER}
 topic readwrite {p}/#
 
 """ + _device_patterns(p) + f"""
-# Optional: a read-only user for watching a run with mosquitto_sub without taking over the
-# coordinator's or a device's client id. Uncomment, then add its password with
-# sudo mosquitto_passwd /etc/mosquitto/fedge/fedge.passwd monitor
-#user monitor
-#topic read {p}/#
+# A read-only user for watching a run (fedge-coordinator status, mosquitto_sub) without taking over
+# the coordinator's or a device's client id. Its password is in the provisioning directory's
+# monitor/password, its hash in {d}/fedge.passwd; fedge-coordinator provision --rotate monitor
+# gives it a new one.
+user {MONITOR_USER}
+topic read {p}/#
 """ + _worker_acl(p, list(workers)) + "".join(_bridge_acl(p, site) for site in sites)
 
 
@@ -185,3 +189,38 @@ def aggregator_comment(site: str) -> str:
     return (f"fedge site aggregator bundle for site {site}: its site broker, id, password and CA.\n"
             "It holds a password: keep it mode 0600 and readable only by the user that runs the aggregator.\n"
             "Use: fedge-coordinator worker --config RUN.toml --bundle THIS_FILE (docs/sites.md)")
+
+
+def next_commands(out_dir: Path, broker_dir: str, devices: Sequence[str]) -> str:
+    """The commands that take a fresh provisioning directory to a run and a look at the fleet, with its
+    paths filled in, so a first deployment needs no guessing which file goes where."""
+    out, d = Path(out_dir), broker_dir.rstrip("/")
+    b = out / "broker"
+    first = devices[0] if devices else "ID"
+    if Path(d).resolve() == b.resolve():   # the files stay where they are: a broker in a terminal
+        broker = [f"mosquitto -c {b / 'fedge.conf'}        # in a terminal of its own; Ctrl-C stops it"]
+    else:
+        broker = [f"sudo install -d -m 0750 -o root -g mosquitto {d}",
+                  f"sudo install -m 0644 {b / 'ca.crt'} {b / 'server.crt'} -t {d}/",
+                  f"sudo install -m 0640 -o root -g mosquitto {b / 'server.key'} {b / 'fedge.passwd'} "
+                  f"{b / 'fedge.acl'} -t {d}/",
+                  f"sudo install -m 0644 {b / 'fedge.conf'} /etc/mosquitto/conf.d/fedge.conf",
+                  "sudo systemctl restart mosquitto",
+                  f"# no systemd? provision with --broker-dir {b} and run: mosquitto -c {b / 'fedge.conf'}"]
+    config = out / "coordinator" / "coordinator.toml"
+    steps = [
+        ("1. start the broker, on the machine named in the bundles (docs/deploy.md#mosquitto):", broker),
+        ("2. start the devices: a flash kit per device (docs/deploy.md#flash-kits), or by hand on each with its "
+         "bundle copied there:", [
+            "pip wheel --no-deps -w dist .        # fedge's wheel, in the checkout",
+            f"fedge-coordinator kit --deploy {out} --target pi --wheel dist/fedge-VERSION-py3-none-any.whl",
+            f"fedge-client run --bundle {out / 'devices' / first}.toml --data npz:DATA.npz"]),
+        ("3. run, on this machine:", [
+            f'export FEDGE_MQTT_PASSWORD="$(cat {out / "coordinator" / "password"})"',
+            f"fedge-coordinator run --config {config} --clients {max(1, len(devices))} --data npz:EVAL.npz "
+            "--rounds 10 --out runs/first"]),
+        ("4. watch the fleet, as the read-only monitor user:", [
+            f'FEDGE_MQTT_PASSWORD="$(cat {out / "monitor" / "password"})" fedge-coordinator status '
+            f"--config {config} --set transport.username={MONITOR_USER} --run-dir runs/first"]),
+    ]
+    return "next:\n" + "".join(f"  {title}\n" + "".join(f"    {line}\n" for line in lines) for title, lines in steps)

@@ -176,7 +176,7 @@ def _add_provision(sub) -> None:  # sub: the parser's subparsers
     who.add_argument("--devices", type=int, metavar="N", help="N devices named device-001, device-002, ...")
     who.add_argument("--names", type=Path, metavar="FILE", help="device ids, one a line ('#' comments)")
     who.add_argument("--rotate", metavar="ID",
-                     help="give device ID (or coordinator) a new password in an existing --out directory")
+                     help="give device ID (or coordinator, monitor, worker-N) a new password in an existing --out directory")
     prov.add_argument("--out", type=Path, required=True, help="directory to write (new or empty; 0700)")
     prov.add_argument("--broker-host", action="append", default=[], metavar="HOST",
                       help="the broker's host name or IP as devices reach it; repeat for more names (all go into "
@@ -201,6 +201,7 @@ def _add_provision(sub) -> None:  # sub: the parser's subparsers
 
 def _provision(args: argparse.Namespace) -> int:
     from coordinator.ops.provision import ProvisionError, device_ids, provision, read_names, rotate_password
+    from coordinator.ops.provision_texts import next_commands
     from coordinator.ops.sites import SiteError, read_sites
 
     try:
@@ -233,7 +234,9 @@ def _provision(args: argparse.Namespace) -> int:
                if site.aggregator else "")
         print(f"  site {site.name}: {done.sites[site.name]}/ -> install into {args.broker_dir}/ on {site.host} "
               f"({len(site.devices)} device{'s' if len(site.devices) != 1 else ''}, bridged as {site.bridge_user}{agg})")
-    print("next: docs/deploy.md#provisioning" + (" and docs/sites.md" if sites else ""))
+    print(f"  monitor:     {done.monitor_password}: the read-only user's password (fedge-coordinator status)")
+    print(next_commands(out, args.broker_dir, list(done.bundles)), end="")
+    print("more: docs/deploy.md#provisioning" + (" and docs/sites.md" if sites else ""))
     return 0
 
 

@@ -3,17 +3,22 @@
 #
 #   sudo bash /PATH/TO/KIT/install.sh            # from the kit's directory, wherever it was copied
 #
-# Creates the system user "fedge" and the venv /opt/fedge/.venv, installs torch (a Pi: the pinned
-# CPU build from the package index; a Jetson: NVIDIA's wheel placed in the kit) and fedge's client
+# Checks the device first (64-bit, Python 3.10+, enough memory for the client, enough free disk), then
+# creates the system user "fedge" and the venv /opt/fedge/.venv, installs torch (a Pi: the pinned
+# CPU-only build from PyTorch's index; a Jetson: NVIDIA's wheel placed in the kit) and fedge's client
 # extra from the wheel in the kit, installs this device's bundle as /etc/fedge/bundle.toml (0600,
-# root) and removes the kit's copy, its data (when the kit has one), /etc/fedge/client.env and the
-# systemd unit, enables the unit and, when systemd runs, starts it and checks it stays up.
+# root) and removes the kit's copy, its data (in the kit, or fetched and checked by SHA-256),
+# /etc/fedge/client.env and the systemd unit, enables the unit and, when systemd runs, starts it and
+# waits until the client says the broker passed its presence back (it is online for the coordinator).
 #
 # Re-run it at will: every step checks what is there first, so a second run changes nothing, and a
 # kit with a newer fedge wheel upgrades fedge alone (torch stays). It never prints the bundle.
+# Exit status: 0 installed (and online, when it could check), 1 an error, 2 a bad option,
+# 3 installed and running but not seen online within --wait-online seconds.
 #
 # Options: --prefix DIR (default /opt/fedge)  --keep-bundle (leave the kit's bundle in place)
-#          --no-start (install and enable, do not start)  -h|--help
+#          --no-start (install and enable, do not start)  --wait-online S (default 120)
+#          --ignore-memory (install on a device with less memory than the client needs)  -h|--help
 set -euo pipefail
 umask 022
 
@@ -21,148 +26,357 @@ KIT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PREFIX=/opt/fedge
 KEEP_BUNDLE=0
 START=1
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --prefix) PREFIX="${2:?--prefix needs a directory}"; shift 2 ;;
-        --keep-bundle) KEEP_BUNDLE=1; shift ;;
-        --no-start) START=0; shift ;;
-        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
-    esac
-done
-
-VENV="$PREFIX/.venv"
+WAIT_ONLINE=120
+IGNORE_MEMORY=0
 ETC=/etc/fedge
 STATE=/var/lib/fedge
 UNIT=/etc/systemd/system/fedge-client.service
+# where the memory limits are read (the kernel's files; a test points them elsewhere)
+MEMINFO=/proc/meminfo
+PROC_CGROUP=/proc/self/cgroup
+CGROUP_FS=/sys/fs/cgroup
 T0=$(date +%s)
 STEP_T=$T0
 
 say() { printf '[fedge-kit] %s\n' "$*"; }
+warn() { printf '[fedge-kit] warning: %s\n' "$*" >&2; }
 fail() { printf '[fedge-kit] error: %s\n' "$*" >&2; exit 1; }
 # "done <step>": one line per finished step with its seconds, which fleet owners and benchmarks read.
 done_step() { local now; now=$(date +%s); say "step $1 done in $((now - STEP_T)) s"; STEP_T=$now; }
 
-[ "$(id -u)" = 0 ] || fail "run it as root: sudo bash $KIT/install.sh"
-[ -f "$KIT/kit.env" ] || fail "$KIT/kit.env is missing: make the kit again with fedge-coordinator kit"
-# shellcheck source=/dev/null
-. "$KIT/kit.env"
-: "${FEDGE_KIT_TARGET:?kit.env names no target}" "${FEDGE_WHEEL:?kit.env names no fedge wheel}"
+# The memory this system lets the client use, in MiB: the least of MemTotal and every memory cgroup
+# limit on the way from this process's cgroup to the root (cgroup v2 memory.max, v1 limit_in_bytes).
+memory_limit_mib() {
+    local best limit base name path file _id ctrl
+    best=$(awk '/^MemTotal:/ { print int($2 / 1024) }' "$MEMINFO" 2>/dev/null || true)
+    [ -n "$best" ] || return 0   # no /proc: nothing to tell
+    [ -r "$PROC_CGROUP" ] || { echo "$best"; return 0; }
+    while IFS=: read -r _id ctrl path; do
+        case "$ctrl" in
+            "") set -- "$CGROUP_FS" "$CGROUP_FS/unified"; name=memory.max ;;
+            *memory*) set -- "$CGROUP_FS/memory"; name=memory.limit_in_bytes ;;
+            *) continue ;;
+        esac
+        for base in "$@"; do
+            while :; do
+                file="$base${path%/}/$name"
+                if [ -r "$file" ]; then
+                    limit=$(cat "$file")
+                    if [ "$limit" != max ] && [ $((limit / 1048576)) -lt "$best" ]; then
+                        best=$((limit / 1048576))
+                    fi
+                fi
+                if [ -z "$path" ] || [ "$path" = / ]; then break; fi
+                path=$(dirname "$path")
+            done
+        done
+    done < "$PROC_CGROUP"
+    echo "$best"
+}
 
-case "$(uname -m)" in
-    aarch64|x86_64) ;;
-    armv7l|armv6l) fail "this is a 32-bit OS ($(uname -m)): PyTorch has no wheels for it; flash the 64-bit Raspberry Pi OS" ;;
-    *) fail "unsupported machine $(uname -m): fedge devices are 64-bit ARM (or x86-64)" ;;
-esac
-command -v python3 >/dev/null || fail "python3 is missing: apt-get install python3"
-python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-    || fail "python3 is $(python3 -V 2>&1 | cut -d' ' -f2); fedge needs 3.10 or newer (Pi OS Bookworm, JetPack 6)"
-[ -f "$KIT/$FEDGE_WHEEL" ] || fail "the fedge wheel $FEDGE_WHEEL is not in $KIT"
-say "kit for ${FEDGE_KIT_TARGET} on $(uname -m), python $(python3 -V 2>&1 | cut -d' ' -f2), into $PREFIX"
+# Refuse a device that cannot hold the client: below its need the kernel kills the service seconds
+# after each start, before it logs a line.
+check_memory() {
+    local have
+    have=$(memory_limit_mib)
+    if [ -z "$have" ]; then
+        warn "could not read this device's memory ($MEMINFO); the client needs about ${FEDGE_NEED_MIB:-?} MiB"
+    elif [ "$have" -lt "${FEDGE_NEED_MIB:-0}" ]; then
+        local text="this device lets a process use $have MiB (MemTotal, or a memory cgroup's limit), but fedge's client needs about ${FEDGE_NEED_WHY:-$FEDGE_NEED_MIB MiB}; the service would be killed for want of memory at every start. Give the device more memory (raise the container's or cgroup's limit), or make the kit for a smaller model or batch size (fedge-coordinator kit --model/--batch-size)"
+        [ "$IGNORE_MEMORY" = 1 ] || fail "$text, or run install.sh --ignore-memory to install anyway"
+        warn "$text (installing anyway: --ignore-memory)"
+    else
+        say "memory: $have MiB here, the client needs about ${FEDGE_NEED_MIB:-?} MiB"
+    fi
+}
 
-# 1. the service's user
-if ! id fedge >/dev/null 2>&1; then
-    useradd --system --home-dir "$STATE" --shell /usr/sbin/nologin fedge
-fi
-done_step user
+# Free space (MB) on the filesystem that will hold PATH, which need not exist yet.
+free_mb() {
+    local at=$1
+    while [ ! -e "$at" ]; do at=$(dirname "$at"); done
+    df -Pm "$at" | awk 'NR == 2 { print $4 }'
+}
 
-# 2. the venv
-if [ ! -x "$VENV/bin/python" ]; then
+# What this run will write into the venv, in MB: torch's download and install when torch is missing,
+# fedge and its client extra always (a re-run that skips both needs little, but checking is cheap).
+check_space() {
+    local need=$1 have
+    have=$(free_mb "$PREFIX")
+    if [ "$have" -lt "$need" ]; then
+        fail "$PREFIX needs about $need MB free for this install but its filesystem has $have MB; free space (sudo apt-get clean, remove old files) or give a larger card, or another --prefix"
+    fi
+    say "disk: $have MB free at $PREFIX, this install needs about $need MB"
+}
+
+make_venv() {
+    [ -x "$VENV/bin/python" ] && return 0
     mkdir -p "$PREFIX"
     if ! python3 -m venv "$VENV" 2>/dev/null; then
         command -v apt-get >/dev/null || fail "python3 -m venv failed and there is no apt-get to install python3-venv"
-        say "installing python3-venv"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv >/dev/null
+        # a fresh image has no package lists yet: install would find no python3-venv
+        say "installing python3-venv (apt-get update first)"
+        DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null \
+            || fail "apt-get update failed: check the network (ping deb.debian.org) and /etc/apt/sources.list"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv >/dev/null \
+            || fail "apt-get install python3-venv failed; see apt's message above"
         rm -rf "$VENV"
         python3 -m venv "$VENV"
     fi
-fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-done_step venv
+}
 
-# 3. torch: the one heavy package, installed first and pinned, so fedge's torch>=2.1 never pulls another
 have_torch() { "$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true; }
-current=$(have_torch)
-if [ "$FEDGE_KIT_TARGET" = jetson ]; then
-    if [ -n "${TORCH_WHEEL:-}" ] && [ -f "$KIT/$TORCH_WHEEL" ]; then
-        wanted=$(echo "$TORCH_WHEEL" | cut -d- -f2)
-        if [ "$current" != "$wanted" ]; then
-            say "installing NVIDIA's torch $wanted"
-            "${PIP[@]}" install -q "$KIT/$TORCH_WHEEL"
+
+# pip of the venv; its downloads go to a folder beside the venv rather than to /tmp (a small tmpfs on
+# some images) and nothing is cached, so the space checked above is the space used.
+pip_install() {
+    local tmp="$PREFIX/.pip-tmp" code=0
+    mkdir -p "$tmp"
+    TMPDIR="$tmp" "$VENV/bin/python" -m pip --disable-pip-version-check --no-cache-dir install -q "$@" || code=$?
+    rm -rf "$tmp"
+    return "$code"
+}
+
+# torch: the one heavy package, installed first and pinned, so fedge's torch>=2.1 never pulls another
+install_torch() {
+    local current wanted
+    current=$(have_torch)
+    if [ "$FEDGE_KIT_TARGET" = jetson ]; then
+        if [ -n "${TORCH_WHEEL:-}" ] && [ -f "$KIT/$TORCH_WHEEL" ]; then
+            wanted=$(echo "$TORCH_WHEEL" | cut -d- -f2)
+            if [ "$current" != "$wanted" ]; then
+                say "installing NVIDIA's torch $wanted from the kit (about ${TORCH_INSTALLED_MB:-?} MB installed)"
+                pip_install "$KIT/$TORCH_WHEEL"
+            fi
+        elif [ -z "$current" ]; then
+            fail "no torch in $VENV and none in the kit: put NVIDIA's PyTorch wheel for this JetPack in $KIT and set TORCH_WHEEL in kit.env"
         fi
-    elif [ -z "$current" ]; then
-        fail "no torch in $VENV and none in the kit: put NVIDIA's PyTorch wheel for this JetPack in $KIT and set TORCH_WHEEL in kit.env"
-    fi
-else
-    wanted="${TORCH_SPEC#torch==}"
-    if [ "${current%%+*}" != "${wanted%%+*}" ]; then
-        say "installing $TORCH_SPEC (the largest download; minutes on a Pi)"
-        # shellcheck disable=SC2086
-        "${PIP[@]}" install -q ${TORCH_PIP_ARGS:-} "$TORCH_SPEC"
-    fi
-fi
-[ -n "$(have_torch)" ] || fail "torch does not import in $VENV; see the pip output above"
-done_step torch
-
-# 4. fedge and the rest of its extra (client, or private-client with the privacy accountant); a different
-# wheel (a new build) or extra replaces fedge alone
-EXTRA="${FEDGE_EXTRA:-client}"
-stamp="$PREFIX/.fedge-wheel.sha256"
-sum="$(sha256sum "$KIT/$FEDGE_WHEEL" | cut -d' ' -f1) $EXTRA"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ]; then
-    say "installing $FEDGE_WHEEL [$EXTRA]"
-    "${PIP[@]}" install -q --force-reinstall --no-deps "$KIT/$FEDGE_WHEEL"
-    "${PIP[@]}" install -q "$KIT/$FEDGE_WHEEL[$EXTRA]"
-    echo "$sum" > "$stamp"
-fi
-"$VENV/bin/fedge-client" run --help >/dev/null || fail "fedge-client does not start; see the error above"
-done_step fedge
-
-# 5. the bundle (it holds the device's password): root-only, and gone from the kit once installed
-install -d -m 0700 -o root -g root "$ETC"
-if [ -f "$KIT/bundle.toml" ]; then
-    install -m 0600 -o root -g root "$KIT/bundle.toml" "$ETC/bundle.toml"
-    if [ "$KEEP_BUNDLE" = 0 ]; then
-        shred -u "$KIT/bundle.toml" 2>/dev/null || rm -f "$KIT/bundle.toml"
-    fi
-elif [ ! -f "$ETC/bundle.toml" ]; then
-    fail "no bundle: neither $KIT/bundle.toml nor $ETC/bundle.toml exists; make the kit again"
-fi
-client_id=$(sed -n 's/^client_id *= *"\(.*\)"/\1/p' "$ETC/bundle.toml")
-done_step bundle
-
-# 6. data, state and the service's environment
-install -d -m 0750 -o fedge -g fedge "$STATE"
-if [ -f "$KIT/data.npz" ]; then
-    install -m 0640 -o fedge -g fedge "$KIT/data.npz" "$STATE/data.npz"
-fi
-install -m 0644 -o root -g root "$KIT/client.env" "$ETC/client.env"
-done_step data
-
-# 7. the unit
-install -m 0644 -o root -g root "$KIT/fedge-client.service" "$UNIT"
-if command -v systemd-analyze >/dev/null; then
-    systemd-analyze verify "$UNIT" || fail "systemd-analyze rejects $UNIT"
-fi
-if [ -d /run/systemd/system ]; then
-    systemctl daemon-reload
-    systemctl enable -q fedge-client
-    if [ "$START" = 1 ]; then
-        systemctl restart fedge-client
-        sleep 5
-        systemctl is-active -q fedge-client \
-            || fail "fedge-client did not stay up: journalctl -u fedge-client -n 30"
-        state="running"
     else
-        state="enabled, not started (--no-start)"
+        wanted="${TORCH_SPEC#torch==}"
+        if [ "${current%%+*}" != "${wanted%%+*}" ]; then
+            say "installing $TORCH_SPEC, ${TORCH_FROM:-from the package index}: about ${TORCH_DOWNLOAD_MB:-?} MB to download, about ${TORCH_INSTALLED_MB:-?} MB installed (the largest step; minutes on a Pi)"
+            local index=()
+            [ -z "${TORCH_INDEX:-}" ] || index=(--index-url "$TORCH_INDEX")
+            # shellcheck disable=SC2086  # TORCH_PIP_ARGS is a list of words
+            pip_install "${index[@]}" ${TORCH_PIP_ARGS:-} "$TORCH_SPEC" \
+                || fail "pip could not install $TORCH_SPEC${TORCH_INDEX:+ from $TORCH_INDEX}; see pip's message above (no network? a pin that index does not have?)"
+        fi
     fi
-elif command -v systemctl >/dev/null; then
-    systemctl enable -q fedge-client 2>/dev/null || true
-    state="enabled; systemd is not running here, so it starts at the next boot"
-else
-    state="installed; no systemd here, so start it the way the unit does"
-fi
-done_step service
+    [ -n "$(have_torch)" ] || fail "torch does not import in $VENV; see the pip output above"
+}
 
-versions=$("$VENV/bin/python" -c 'import importlib.metadata as m, torch; print("fedge", m.version("fedge"), "torch", torch.__version__)')
-say "ok: $versions, device ${client_id:-?}, service $state, in $(( $(date +%s) - T0 )) s"
+# fedge and the rest of its extra (client, or private-client with the privacy accountant); a different
+# wheel (a new build) or extra replaces fedge alone
+install_fedge() {
+    local extra="${FEDGE_EXTRA:-client}" stamp="$PREFIX/.fedge-wheel.sha256" sum
+    sum="$(sha256sum "$KIT/$FEDGE_WHEEL" | cut -d' ' -f1) $extra"
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ]; then
+        say "installing $FEDGE_WHEEL [$extra]"
+        pip_install --force-reinstall --no-deps "$KIT/$FEDGE_WHEEL"
+        pip_install "${KIT}/${FEDGE_WHEEL}[${extra}]"
+        echo "$sum" > "$stamp"
+    fi
+    "$VENV/bin/fedge-client" run --help >/dev/null || fail "fedge-client does not start; see the error above"
+}
+
+# Download URL to FILE with whatever the image has (Pi OS Lite has curl and wget; python3 always).
+fetch() {
+    local url=$1 file=$2
+    if command -v curl >/dev/null; then
+        curl -fsSL --retry 3 -o "$file" "$url"
+    elif command -v wget >/dev/null; then
+        wget -q -O "$file" "$url"
+    else
+        python3 -c 'import shutil, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=60) as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)' "$url" "$file"
+    fi
+}
+
+# This device's data: the kit's data.npz, or DATA_URL fetched and checked against DATA_SHA256 (data too
+# large for a boot partition), installed as STATE/data.npz; else the device has it at FEDGE_DATA already.
+install_data() {
+    local owner=()
+    if [ "$(id -u)" = 0 ] && id fedge >/dev/null 2>&1; then owner=(-o fedge -g fedge); fi
+    if [ -f "$KIT/data.npz" ]; then
+        install -m 0640 "${owner[@]}" "$KIT/data.npz" "$STATE/data.npz"
+    elif [ -n "${DATA_URL:-}" ]; then
+        if [ -f "$STATE/data.npz" ] && [ "$(sha256sum "$STATE/data.npz" | cut -d' ' -f1)" = "$DATA_SHA256" ]; then
+            say "data: $STATE/data.npz is already the one $DATA_URL holds"
+            return 0
+        fi
+        say "fetching this device's data from $DATA_URL"
+        local part="$STATE/.data.npz.part" got
+        fetch "$DATA_URL" "$part" || { rm -f "$part"; fail "could not fetch $DATA_URL; check the URL and that this device reaches it"; }
+        got=$(sha256sum "$part" | cut -d' ' -f1)
+        if [ "$got" != "$DATA_SHA256" ]; then
+            rm -f "$part"
+            fail "the data at $DATA_URL has SHA-256 $got, not the $DATA_SHA256 the kit expects: upload the right file, or make the kit again with this file's sha256sum"
+        fi
+        chmod 0640 "$part"
+        [ ${#owner[@]} = 0 ] || chown fedge:fedge "$part"
+        mv -f "$part" "$STATE/data.npz"
+        say "data: $(du -h "$STATE/data.npz" | cut -f1) checked by SHA-256"
+    fi
+    # the service's --data: an npz path it names must be on this device
+    local spec
+    spec=$(sed -n 's/^FEDGE_DATA=//p' "$KIT/client.env")
+    case "$spec" in
+        npz:*) [ -f "${spec#npz:}" ] || warn "the service's data ${spec#npz:} is not on this device yet; put it there (or make the kit with --data-file, --data-dir or --data-url) before the first round" ;;
+    esac
+}
+
+# The client's lines since the service's last start (the journal; a test gives its own).
+service_log() { journalctl -u fedge-client --since "@$1" -o cat --no-pager 2>/dev/null; }
+service_running() { systemctl is-active -q fedge-client; }
+service_failure() {
+    local result
+    result=$(systemctl show -p Result --value fedge-client 2>/dev/null || true)
+    if [ "$result" = oom-kill ]; then
+        echo "it was killed for want of memory (systemd: oom-kill)"
+    else
+        echo "systemd says: ${result:-unknown}"
+    fi
+}
+
+# Wait until the client logs that the broker passed its presence back: then it is online for the
+# coordinator. Sets ONLINE to yes, no (still running, not online after the wait) or unknown (no journal).
+wait_online() {
+    local since=$1 deadline=$(( $(date +%s) + WAIT_ONLINE ))
+    ONLINE=unknown
+    [ -n "${FEDGE_ONLINE_LINE:-}" ] || return 0   # a kit.env that does not say what to wait for
+    ONLINE=no
+    while [ "$(date +%s)" -le "$deadline" ]; do
+        if service_log "$since" | grep -qF "$FEDGE_ONLINE_LINE"; then
+            ONLINE=yes
+            return 0
+        fi
+        if ! service_running; then
+            fail "fedge-client stopped $(( $(date +%s) - since )) s after it started; $(service_failure). Its last lines: journalctl -u fedge-client -n 30"
+        fi
+        sleep 1
+    done
+}
+
+main() {
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --prefix) PREFIX="${2:?--prefix needs a directory}"; shift 2 ;;
+            --keep-bundle) KEEP_BUNDLE=1; shift ;;
+            --no-start) START=0; shift ;;
+            --wait-online) WAIT_ONLINE="${2:?--wait-online needs seconds}"; shift 2 ;;
+            --ignore-memory) IGNORE_MEMORY=1; shift ;;
+            -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+            *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        esac
+    done
+    VENV="$PREFIX/.venv"
+
+    [ "$(id -u)" = 0 ] || fail "run it as root: sudo bash $KIT/install.sh"
+    [ -f "$KIT/kit.env" ] || fail "$KIT/kit.env is missing: make the kit again with fedge-coordinator kit"
+    # shellcheck source=/dev/null
+    . "$KIT/kit.env"
+    : "${FEDGE_KIT_TARGET:?kit.env names no target}" "${FEDGE_WHEEL:?kit.env names no fedge wheel}"
+
+    case "$(uname -m)" in
+        aarch64|x86_64) ;;
+        armv7l|armv6l) fail "this is a 32-bit OS ($(uname -m)): PyTorch has no wheels for it; flash the 64-bit Raspberry Pi OS" ;;
+        *) fail "unsupported machine $(uname -m): fedge devices are 64-bit ARM (or x86-64)" ;;
+    esac
+    command -v python3 >/dev/null || fail "python3 is missing: apt-get install python3"
+    python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+        || fail "python3 is $(python3 -V 2>&1 | cut -d' ' -f2); fedge needs 3.10 or newer (Pi OS Bookworm, JetPack 6)"
+    [ -f "$KIT/$FEDGE_WHEEL" ] || fail "the fedge wheel $FEDGE_WHEEL is not in $KIT"
+    say "kit for ${FEDGE_KIT_TARGET} on $(uname -m), python $(python3 -V 2>&1 | cut -d' ' -f2), into $PREFIX"
+
+    # 0. will it fit: memory for the client, disk for what this run installs
+    check_memory
+    local need=$(( ${FEDGE_MB:-200} + 100 ))
+    if [ -z "$([ -x "$VENV/bin/python" ] && have_torch)" ]; then
+        need=$(( need + ${TORCH_DOWNLOAD_MB:-0} + ${TORCH_INSTALLED_MB:-0} ))
+    fi
+    check_space "$need"
+    done_step checks
+
+    # 1. the service's user
+    if ! id fedge >/dev/null 2>&1; then
+        useradd --system --home-dir "$STATE" --shell /usr/sbin/nologin fedge
+    fi
+    done_step user
+
+    # 2. the venv
+    make_venv
+    done_step venv
+
+    # 3. torch
+    install_torch
+    done_step torch
+
+    # 4. fedge
+    install_fedge
+    done_step fedge
+
+    # 5. the bundle (it holds the device's password): root-only, and gone from the kit once installed
+    install -d -m 0700 -o root -g root "$ETC"
+    if [ -f "$KIT/bundle.toml" ]; then
+        install -m 0600 -o root -g root "$KIT/bundle.toml" "$ETC/bundle.toml"
+        if [ "$KEEP_BUNDLE" = 0 ]; then
+            shred -u "$KIT/bundle.toml" 2>/dev/null || rm -f "$KIT/bundle.toml"
+        fi
+    elif [ ! -f "$ETC/bundle.toml" ]; then
+        fail "no bundle: neither $KIT/bundle.toml nor $ETC/bundle.toml exists; make the kit again"
+    fi
+    local client_id
+    client_id=$(sed -n 's/^client_id *= *"\(.*\)"/\1/p' "$ETC/bundle.toml")
+    done_step bundle
+
+    # 6. data, state and the service's environment
+    install -d -m 0750 -o fedge -g fedge "$STATE"
+    install_data
+    install -m 0644 -o root -g root "$KIT/client.env" "$ETC/client.env"
+    done_step data
+
+    # 7. the unit
+    install -m 0644 -o root -g root "$KIT/fedge-client.service" "$UNIT"
+    if command -v systemd-analyze >/dev/null; then
+        systemd-analyze verify "$UNIT" || fail "systemd-analyze rejects $UNIT"
+    fi
+    local state code=0
+    if [ -d /run/systemd/system ]; then
+        systemctl daemon-reload
+        systemctl enable -q fedge-client
+        if [ "$START" = 1 ]; then
+            local since
+            since=$(date +%s)
+            systemctl restart fedge-client
+            ONLINE=unknown
+            if command -v journalctl >/dev/null; then
+                say "waiting up to $WAIT_ONLINE s for the device to announce itself to the broker"
+                wait_online "$since"
+            fi
+            case "$ONLINE" in
+                yes) state="running, online on the broker" ;;
+                no) state="running, but NOT seen online within $WAIT_ONLINE s"; code=3
+                    warn "the client runs but has not said the broker passed its presence back: is the broker up and reachable from here? journalctl -u fedge-client -n 30" ;;
+                *) state="running (could not check it is online: no journal)" ;;
+            esac
+        else
+            state="enabled, not started (--no-start)"
+        fi
+    elif command -v systemctl >/dev/null; then
+        systemctl enable -q fedge-client 2>/dev/null || true
+        state="enabled; systemd is not running here, so it starts at the next boot (not checked online)"
+    else
+        state="installed; no systemd here, so start it the way the unit does (not checked online)"
+    fi
+    done_step service
+
+    local versions
+    versions=$("$VENV/bin/python" -c 'import importlib.metadata as m, torch; print("fedge", m.version("fedge"), "torch", torch.__version__)')
+    say "ok: $versions, device ${client_id:-?}, service $state, in $(( $(date +%s) - T0 )) s"
+    return "$code"
+}
+
+# Run when executed; when sourced (the tests), only define the functions.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    main "$@"
+fi
