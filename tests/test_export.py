@@ -350,3 +350,17 @@ def test_an_export_better_than_the_runs_start_carries_the_comparison_without_a_w
     card = json.loads((result.out_dir / "export" / "model.card.json").read_text())
     assert card["initial_model"]["worse"] is False and card["initial_model"]["accuracy_change"] > 0.2
     assert "warnings" not in card and "warnings" not in result.summary["export"]
+
+
+def test_parity_scales_its_limit_with_the_outputs_and_refuses_a_model_whose_outputs_are_not_finite(digits):
+    model = build_model({"name": "mlp", **DIGITS}).eval()
+    with torch.no_grad():   # logits in the thousands, as a model swamped by noise has: float32 rounds at 1e-4 there
+        for p in model.parameters():
+            p.mul_(40.0)
+    x = digits.x_test
+    parity = check_parity(model, session(to_onnx(model, (1, 8, 8))), x)
+    assert parity.output_scale > 1_000 and parity.ok and parity.as_dict()["limit_max_abs_diff"] > 1e-4
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("inf"))
+    with pytest.raises(ParityError, match="not finite: the model diverged"):
+        check_parity(model, session(to_onnx(model, (1, 8, 8))), x)
