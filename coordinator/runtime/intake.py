@@ -5,9 +5,11 @@ worker's claim (the device's header and body without the tensors, which the work
 and holds). The intake sorts it (which run, round, task and client it answers; late,
 duplicate, unexpected), decodes and checks it (:func:`accept_result`: its tensors back to
 values, against the network's shapes, then the strategy's own check), and folds it into the
-round's partial aggregate, keeps it, or grants it to the worker that holds it; it answers
-the device (``ack`` or ``rejected``) and counts and logs what it refused. An aggregation
-worker runs :func:`accept_result` on its share, so both accept and refuse the same results.
+round's partial aggregate, keeps it, or grants it to the worker that holds it; it answers the device (``ack`` or ``rejected``) and
+counts and logs what it refused. A device whose result is refused is told why, even when only
+the envelope's header could be read (NaN tensors), and the attempt does not wait for it any
+more: it sends nothing else for that task. An aggregation worker runs :func:`accept_result` on
+its share, so both accept and refuse the same results.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from coordinator.strategies.base import AggregationError, ClientResult, Strategy
 from edge_client.memory_guard import REFUSAL_PREFIX
 from edge_client.privacy import clip_update
 from edge_client.wire.codec import CodecSpec
-from edge_client.wire.protocol import ClaimBody, Message, ProtocolError, ResultBody, Topics, check_tensors, decode
+from edge_client.wire.protocol import (ClaimBody, ContentError, Message, ProtocolError, ResultBody, Topics,
+                                      check_tensors, decode)
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.updates import decode_parts
 from profiling.schema import clean_profile
@@ -178,7 +181,12 @@ class ResultIntake:
         """A whole message on a client's result topic."""
         try:
             msg = decode(payload, max_bytes=self.config.transport.max_decoded_bytes)
-        except ProtocolError as exc:
+        except ContentError as exc:   # a sound header: the device can be told why, and need not be waited for
+            if not self._of_another_run(client_id, exc.head):
+                self.add_up(client_id, wire_bytes)
+                self._sort(client_id, exc.head, unreadable=str(exc))
+            return
+        except ProtocolError as exc:   # nothing in it can be trusted, not even the task it claims to answer
             self.add_up(client_id, wire_bytes)
             self.count("rejected", client_id, str(exc))
             return
@@ -216,18 +224,21 @@ class ResultIntake:
         self._warn.warning("%s result from %s: %s", what, client_id, reason)
 
     # -- sorting -----------------------------------------------------------------------
-    def _sort(self, client_id: str, msg: Message, claim: Claim | None = None) -> bool:
+    def _sort(self, client_id: str, msg: Message, claim: Claim | None = None, unreadable: str = "") -> bool:
         """Count, acknowledge and keep (or fold, or grant) one result; True when it was kept or granted.
-        With a ``claim`` it is the result without tensors, which the worker checked and holds until granted."""
+        With a ``claim`` it is the result without tensors, which the worker checked and holds until granted;
+        with ``unreadable`` only its header could be read (the reason why): it is sorted, and refused."""
         book = self.book
         if msg.kind != "result" or msg.sender != client_id:
             self.count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
             return False
+        body: ResultBody | None = None
+        problem = unreadable
         try:   # a body that does not parse is rejected below, once the result is sorted
-            body: ResultBody | None = ResultBody.from_body(msg.body)
-            problem = ""
-        except ProtocolError as exc:
-            body, problem = None, str(exc)
+            if not unreadable:
+                body = ResultBody.from_body(msg.body)
+        except ProtocolError as exc:   # a worker's claim on a result it could not read says why
+            problem = claim.body.problem if claim is not None and claim.body.problem else str(exc)
         profile = clean_profile(body.profile if body is not None else None)
         self._record_answer(client_id, msg, body, profile)
         plan = self._waiting_plan(client_id, msg, earlier=claim is None)
@@ -245,6 +256,7 @@ class ResultIntake:
             self._refuse(client_id, msg.task_id, body, str(exc))
             return False
         book.results[client_id] = result
+        self.roster.absences.accepted(client_id)
         self._answer(client_id, msg.task_id, "ack")
         if client_id in book.held:
             self._fold_held(book)
@@ -377,6 +389,7 @@ class ResultIntake:
                 book.results[client_id] = self._fold(book, result)
             except ProtocolError as exc:   # already acknowledged: dropped, and counted as a refusal
                 del book.results[client_id]
+                book.failed.add(client_id)   # it sends nothing more: the attempt need not wait for it
                 self.count("rejected", client_id, str(exc))
 
     def _grant(self, claim: Claim, msg: Message, body: ResultBody) -> bool:
@@ -393,11 +406,18 @@ class ResultIntake:
         return True
 
     def _refuse(self, client_id: str, task_id: str, body: ResultBody | None, reason: str) -> None:
+        """A result that cannot be used: the device is told why (``rejected``), so it stops sending it; if it
+        answers the task the attempt waits for, the attempt waits no more for this client."""
+        book = self.book
         what = "failed" if body is not None and body.error is not None else "rejected"
         self.count(what, client_id, reason)
-        if what == "failed":   # the client said it cannot run the task: it will send nothing else
-            self.book.failed.add(client_id)
-            self._fold_held(self.book)   # the results held behind it need not wait for it
+        if task_id in book.plans or client_id in book.carried:   # not a task an earlier attempt replaced
+            book.failed.add(client_id)
+            self._fold_held(book)   # the results held behind it need not wait for it
+        if what == "rejected" and self.roster.absences.refused(client_id, task_id):
+            log.warning("client %s had its results to %d tasks in a row rejected (last: %s): it is left out of "
+                        "selection for rejected results until it announces itself again (clients.max_rejected)",
+                        client_id, self.roster.absences.rejected_limit, reason[:300])
         self._answer(client_id, task_id, "rejected", reason)
 
     def _answer(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:

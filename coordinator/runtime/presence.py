@@ -48,7 +48,7 @@ class Roster:
         if body.state == "online":
             if client_id not in self.online:
                 log.info("client %s online (%s samples)", client_id, body.num_samples)
-            if self.absences.returned(client_id):
+            if self.absences.returned(client_id, announced=True):
                 log.info("client %s announced itself again: it may be selected again", client_id)
             self.online[client_id] = body
             return True

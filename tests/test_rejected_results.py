@@ -1,0 +1,153 @@
+"""Results the coordinator refuses: the device is told why, the round does not wait for it, and a device
+whose results keep being refused is benched for that."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from coordinator.config import load_config
+from coordinator.runtime.run import run_federated
+from coordinator.runtime.selection import Absences
+from edge_client.client import ClientSettings
+from edge_client.data import load_dataset
+from edge_client.device_protocol import presence_payload
+from edge_client.objectives import LocalData, ObjectiveOutput
+from edge_client.wire.protocol import ContentError, PresenceBody, ProtocolError, Topics, decode, encode
+
+TINY = {"model.name": "mlp", "model.hidden": [16], "data.eval": "digits", "export.enabled": False,
+        "clients.presence_timeout": 60.0}
+
+
+def _config(tmp_path, mosquitto, prefix, **sets):
+    values = {**TINY, "run.out": str(tmp_path / "run"), "transport.broker": mosquitto, "transport.prefix": prefix,
+              **sets}
+    return load_config(None, [(*k.split(".", 1), v) for k, v in values.items()])
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _digits(i: int, n: int = 150) -> LocalData:
+    digits = load_dataset("digits")
+    x, y = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
+    return LocalData(x[i::3][:n], y[i::3][:n])
+
+
+def nan_train(model, data, hyper, ctx) -> ObjectiveOutput:
+    """What a broken or hostile device sends: every weight NaN, with a plausible loss."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": 1.0})
+
+
+# -- the envelope keeps what a refusal needs -------------------------------------------------------------------------
+
+def test_a_nan_result_is_refused_with_its_header_so_the_sender_can_be_told():
+    payload = encode("result", run_id="r", round=3, task_id="0123456789abcdef", sender="dev-1",
+                     body={"num_samples": 5}, tensors={"w": torch.tensor([1.0, float("nan")])})
+    with pytest.raises(ContentError, match="tensor 'w' holds NaN or infinite values") as err:
+        decode(payload)
+    head = err.value.head
+    assert (head.kind, head.run_id, head.round, head.task_id, head.sender) == ("result", "r", 3, "0123456789abcdef",
+                                                                               "dev-1")
+    assert head.body == {} and head.tensors == {}   # nothing of the refused content travels on
+
+
+def test_a_non_finite_number_in_the_header_is_refused_with_the_header_too():
+    from safetensors.torch import save
+
+    def forged(body: str, round: str = "1") -> bytes:   # JSON no fedge encoder writes: by hand
+        return save({}, metadata={"fedge": f'{{"v":2,"kind":"result","run_id":"r","round":{round},"task_id":"t",'
+                                           f'"sender":"dev-1","body":{body}}}'})
+
+    with pytest.raises(ContentError, match="non-standard JSON constant NaN") as err:
+        decode(forged('{"num_samples":5,"metrics":{"train_loss":NaN}}'))
+    assert err.value.head.task_id == "t"
+    with pytest.raises(ContentError, match="number 1e999 is not finite"):
+        decode(forged('{"num_samples":5,"metrics":{"train_loss":1e999}}'))
+    # a header whose addressing is unusable stays a plain refusal: there is nobody sure to tell
+    with pytest.raises(ProtocolError, match="'round' missing") as plain:
+        decode(forged('{"num_samples":5}', round="NaN"))
+    assert not isinstance(plain.value, ContentError)
+
+
+# -- benching for rejected results -----------------------------------------------------------------------------------
+
+def test_rejected_results_bench_a_device_until_it_announces_itself_and_the_next_one_benches_it_again():
+    absences = Absences(limit=2, rejected_limit=2)
+    assert not absences.refused("d", "t1")
+    assert not absences.refused("d", "t1")          # a re-sent copy of the same result counts once
+    assert absences.refused("d", "t2") and absences.benched("d")
+    assert not absences.returned("d")               # an answer (a late one, say) does not lift it
+    assert absences.benched("d")
+    assert absences.returned("d", announced=True) and not absences.benched("d")
+    assert absences.refused("d", "t3") and absences.benched("d")   # re-announcing bought it one task
+    absences.returned("d", announced=True)
+    absences.accepted("d")                          # an accepted result ends the streak
+    assert not absences.refused("d", "t4") and not absences.benched("d")
+    assert not Absences(limit=2).refused("d", "t1") and not Absences(limit=2).refused("d", "t2")   # 0: never
+
+
+def test_a_nan_device_is_told_why_and_the_round_closes_without_waiting_for_it(tmp_path, mosquitto, prefix,
+                                                                                 mqtt_device, caplog):
+    """Over Mosquitto: an honest device and one whose training gives NaN weights, rounds of 30 s timeout.
+    The NaN device is answered ``rejected`` with the reason, which it logs; each round ends as soon as the
+    honest result is in; after two rejected results in a row the NaN device is benched for that reason."""
+    config = _config(tmp_path, mosquitto, prefix, **{"run.rounds": 3, "clients.expected": 2,
+                                                      "clients.min_results": 1, "clients.round_timeout": 30.0})
+    mqtt_device(ClientSettings(client_id="honest", topics=Topics(prefix)), _digits(0))
+    mqtt_device(ClientSettings(client_id="nan", topics=Topics(prefix), objectives={"train": nan_train}), _digits(1))
+    with caplog.at_level(logging.WARNING, logger="fedge.client"):
+        result = run_federated(config, say=lambda s: None)
+    rows = [r for r in _rows(result.out_dir) if r["round"] > 0]
+    assert [r["returned"] for r in rows] == [1, 1, 1]
+    assert [r["rejected"] for r in rows][:2] == [1, 1] and rows[2]["rejected"] == 0
+    assert [r["selected"] for r in rows] == [2, 2, 1]    # benched for round 3
+    assert [r["attempts"] for r in rows] == [1, 1, 1]
+    assert all(r["seconds"] < 10 for r in rows), [r["seconds"] for r in rows]   # not the 30 s timeout
+    told = [rec.getMessage() for rec in caplog.records if "coordinator rejected result of" in rec.getMessage()]
+    assert len(told) == 2 and all("holds NaN or infinite values" in line for line in told), told
+    log = (result.out_dir / "coordinator.log").read_text()
+    assert "client nan had its results to 2 tasks in a row rejected" in log and "rejected results" in log
+    assert "unanswered" not in log
+
+
+# -- with aggregation workers ----------------------------------------------------------------------------------------------
+
+def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and_ends_the_wait(tmp_path):
+    """A worker that could read only a result's header claims it with the reason; the coordinator tells the
+    device that reason and waits no more for it."""
+    from coordinator.runtime.round_book import RoundBook
+    from coordinator.strategies.base import TaskPlan
+    from edge_client.wire.codec import FP32
+    from edge_client.wire.protocol import ManifestBody
+    from edge_client.wire.transport import InprocHub
+    from test_engine import make_coordinator
+
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=2, workers__count=1, transport__broker="mqtt://127.0.0.1:1",
+                             codec__broadcast=True)
+    device = hub.connect("device")
+    for client in ("c1", "c2"):
+        device.subscribe(Topics().client(client, "status"))
+    for client, samples in (("c1", 100), ("c2", 100), ("c3", 100)):
+        coord.roster.on_presence(client, presence_payload(client, PresenceBody("online", num_samples=samples)))
+    names = sorted(coord.state.params)
+    book = coord.intake.open(RoundBook(round=1, attempt=0, streaming=True))
+    for task, client in (("t1", "c1"), ("t2", "c2")):
+        coord.intake.issued(book, task, TaskPlan(client, "train", {}, coord.state.params, names))
+    book.manifest = ManifestBody("x1", "train", coord.state.spec, tuple(names), FP32, {"t1": "c1", "t2": "c2"})
+    unreadable = {"problem": "tensor 'fc.weight' holds NaN or infinite values", "held": False, "wire_bytes": 10}
+    coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t1", sender="c1",
+                                        body=unreadable))
+    told = {}
+    while (incoming := device.get(0.2)) is not None:
+        told[incoming.topic.split("/")[-2]] = decode(incoming.payload).body
+    assert told["c1"] == {"state": "rejected", "task_id": "t1", "reason": unreadable["problem"]}
+    assert book.failed == {"c1"} and not book.answered and book.tally.counts["rejected"] == 1
