@@ -1,10 +1,11 @@
 """Results the coordinator refuses: the device is told why, the round does not wait for it, and a device
-whose results keep being refused is benched for that."""
+whose results keep being refused is benched for that; a device's claimed weight is bounded."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -12,11 +13,13 @@ import torch
 from coordinator.config import load_config
 from coordinator.runtime.run import run_federated
 from coordinator.runtime.selection import Absences
+from coordinator.runtime.weights import WeightBound
 from edge_client.client import ClientSettings
 from edge_client.data import load_dataset
 from edge_client.device_protocol import presence_payload
 from edge_client.objectives import LocalData, ObjectiveOutput
 from edge_client.wire.protocol import ContentError, PresenceBody, ProtocolError, Topics, decode, encode
+from edge_client.wire.transport import BrokerSettings, MqttTransport
 
 TINY = {"model.name": "mlp", "model.hidden": [16], "data.eval": "digits", "export.enabled": False,
         "clients.presence_timeout": 60.0}
@@ -118,11 +121,88 @@ def test_a_nan_device_is_told_why_and_the_round_closes_without_waiting_for_it(tm
     assert "unanswered" not in log
 
 
+# -- the weight a device claims ----------------------------------------------------------------------------------------
+
+def test_the_weight_bound_caps_at_a_multiple_of_the_lower_median_and_at_a_fixed_count():
+    fleet = [200, 200, 10**9]
+    bound = WeightBound(10.0, 0, lambda: fleet)
+    assert bound.cap(10**9) == (2000, "it claims 1,000,000,000 samples, above the bound of 2,000 (10 x the online "
+                                      "devices' median announced count 200; clients.max_weight_ratio)")
+    assert bound.cap(2000) == (2000, "")
+    assert WeightBound(10.0, 0, lambda: [100, 10**9]).limit()[0] == 1000   # two devices: the other one sets it
+    assert WeightBound(10.0, 500, lambda: fleet).cap(1000)[0] == 500
+    assert WeightBound(0.0, 0, lambda: fleet).cap(10**9) == (10**9, "")
+    assert WeightBound(10.0, 0, lambda: [None, 0]).cap(10**9) == (10**9, "")   # nothing announced: no bound
+    assert "10 x the median" in WeightBound(10.0, 0, lambda: fleet).describe()
+    assert "not bounded" in WeightBound(0.0, 0, lambda: fleet).describe()
+
+
+class _Forger(threading.Thread):
+    """A device with its own credentials and its own code: announces ``samples`` and answers every task with
+    the tensors it was sent, claiming ``samples``; with ``answer`` False it answers nothing and, once it has a
+    task, announces itself ``flood`` times (a device in a loop). ``tasks`` counts the task messages it received."""
+
+    def __init__(self, mosquitto: str, prefix: str, client_id: str, samples: int, *, answer: bool = True,
+                 flood: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.topics, self.client_id, self.samples, self.answer, self.flood = Topics(prefix), client_id, samples, \
+            answer, flood
+        self.tasks = 0
+        self.stop = threading.Event()
+        self.transport = MqttTransport(BrokerSettings(url=mosquitto), client_id).connect()
+        for kind in ("task", "status"):
+            self.transport.subscribe(self.topics.client(client_id, kind))
+        self.presence = presence_payload(client_id, PresenceBody("online", num_samples=samples))
+        self.transport.publish(self.topics.client(client_id, "presence"), self.presence, retain=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            incoming = self.transport.get(0.1)
+            if incoming is None or not incoming.topic.endswith("/task"):
+                continue
+            self.tasks += 1
+            task = decode(incoming.payload)
+            if self.answer:
+                result = encode("result", run_id=task.run_id, round=task.round, task_id=task.task_id,
+                                sender=self.client_id, body={"num_samples": self.samples}, tensors=task.tensors)
+                self.transport.publish(self.topics.client(self.client_id, "result"), result)
+            elif self.tasks == 1:
+                for _ in range(self.flood):
+                    self.transport.publish(self.topics.client(self.client_id, "presence"), self.presence, retain=True)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(5)
+        self.transport.close()
+
+
+def test_a_device_claiming_a_billion_samples_weighs_ten_times_the_median(tmp_path, mosquitto, prefix, mqtt_device,
+                                                                          caplog):
+    config = _config(tmp_path, mosquitto, prefix, **{"run.rounds": 1, "clients.expected": 3,
+                                                      "clients.round_timeout": 60.0, "codec.broadcast": False})
+    for i in range(2):
+        mqtt_device(ClientSettings(client_id=f"honest-{i}", topics=Topics(prefix)), _digits(i))
+    forger = _Forger(mosquitto, prefix, "greedy", 10**9)
+    forger.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="fedge.coordinator"):
+            result = run_federated(config, say=lambda s: None)
+    finally:
+        forger.close()
+    row = _rows(result.out_dir)[-1]
+    assert row["returned"] == 3 and row["weight_capped"] == 1 and row["rejected"] == 0
+    assert row["train_samples"] == 150 + 150 + 1500   # the claim capped at 10 x the median 150
+    said = caplog.text
+    assert "capped at 10 x the median sample count the online devices announced (clients.max_weight_ratio)" in said
+    assert "capped the weight of greedy's result at 1,500 samples" in said
+
+
 # -- with aggregation workers ----------------------------------------------------------------------------------------------
 
 def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and_ends_the_wait(tmp_path):
     """A worker that could read only a result's header claims it with the reason; the coordinator tells the
-    device that reason and waits no more for it."""
+    device that reason and waits no more for it. A claim above the weight bound is refused, not capped: the
+    worker folds with the device's own count."""
     from coordinator.runtime.round_book import RoundBook
     from coordinator.strategies.base import TaskPlan
     from edge_client.wire.codec import FP32
@@ -146,8 +226,13 @@ def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and
     unreadable = {"problem": "tensor 'fc.weight' holds NaN or infinite values", "held": False, "wire_bytes": 10}
     coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t1", sender="c1",
                                         body=unreadable))
+    greedy = {"num_samples": 100_000, "problem": "", "held": True, "wire_bytes": 10}
+    coord.roster.on_presence("c2", presence_payload("c2", PresenceBody("online", num_samples=100_000)))
+    coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t2", sender="c2", body=greedy))
     told = {}
     while (incoming := device.get(0.2)) is not None:
         told[incoming.topic.split("/")[-2]] = decode(incoming.payload).body
     assert told["c1"] == {"state": "rejected", "task_id": "t1", "reason": unreadable["problem"]}
-    assert book.failed == {"c1"} and not book.answered and book.tally.counts["rejected"] == 1
+    assert told["c2"]["state"] == "rejected" and "an aggregation worker cannot fold it with less weight" in \
+        told["c2"]["reason"]
+    assert book.failed == {"c1", "c2"} and book.answered and book.tally.counts["rejected"] == 2

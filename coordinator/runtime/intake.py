@@ -4,8 +4,9 @@ Every result reaches :class:`ResultIntake`, straight from a device or as an aggr
 worker's claim (the device's header and body without the tensors, which the worker checked
 and holds). The intake sorts it (which run, round, task and client it answers; late,
 duplicate, unexpected), decodes and checks it (:func:`accept_result`: its tensors back to
-values, against the network's shapes, then the strategy's own check), and folds it into the
-round's partial aggregate, keeps it, or grants it to the worker that holds it; it answers the device (``ack`` or ``rejected``) and
+values, against the network's shapes, then the strategy's own check), bounds its weight
+(:mod:`coordinator.runtime.weights`), and folds it into the round's partial aggregate, keeps it,
+or grants it to the worker that holds it; it answers the device (``ack`` or ``rejected``) and
 counts and logs what it refused. A device whose result is refused is told why, even when only
 the envelope's header could be read (NaN tensors), and the attempt does not wait for it any
 more: it sends nothing else for that task. An aggregation worker runs :func:`accept_result` on
@@ -27,6 +28,7 @@ import torch
 
 from coordinator.runtime.attempts import Attempts
 from coordinator.runtime.round_book import Network, RoundBook, RoundNotes
+from coordinator.runtime.weights import WeightBound
 from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan
 from edge_client.memory_guard import REFUSAL_PREFIX
 from edge_client.privacy import clip_update
@@ -122,6 +124,11 @@ class ResultIntake:
         # A secure round's stage results go here instead of being decoded (coordinator/runtime/secure_round.py):
         # it checks the stage's message and returns the result to keep; ProtocolError refuses it.
         self.secure: Callable[[TaskPlan, Message, ResultBody], ClientResult] | None = None
+        c = config.clients
+        self.weights = WeightBound(c.max_weight_ratio, c.max_samples,
+                                   lambda: [p.num_samples for p in roster.online.values()])
+        log.info("%s; a claim above it is capped and counted (weight_capped in the round's row)",
+                 self.weights.describe())
 
     # -- the round's book --------------------------------------------------------------
     def open(self, book: RoundBook) -> RoundBook:
@@ -248,7 +255,7 @@ class ResultIntake:
         try:
             if body is None:
                 raise ProtocolError(problem)
-            self._check_samples(client_id, body)
+            body = self._weigh(client_id, body, reweigh=claim is None)
             if claim is not None:
                 return self._grant(claim, msg, body)
             result = self._take(plan, msg, body)
@@ -339,11 +346,24 @@ class ResultIntake:
                      client_id, msg.task_id, msg.round)
         return True
 
-    def _check_samples(self, client_id: str, body: ResultBody) -> None:
-        """The count is the result's weight in the mean: a device must not claim more than it announced."""
+    def _weigh(self, client_id: str, body: ResultBody, reweigh: bool) -> ResultBody:
+        """The count is the result's weight in the mean: a device must not claim more than it announced, and
+        a claim above the fleet's bound is capped (``weight_capped``). A worker's claim cannot be
+        reweighed (the worker folds with the device's count): above the bound it is refused instead."""
+        if body.error is not None:
+            return body
         announced = self.roster.announced_samples(client_id)
-        if body.error is None and announced is not None and body.num_samples > announced:
+        if announced is not None and body.num_samples > announced:
             raise ProtocolError(f"it claims {body.num_samples} samples but the device announced {announced}")
+        weight, why = self.weights.cap(body.num_samples)
+        if not why:
+            return body
+        if not reweigh:
+            raise ProtocolError(f"{why}; an aggregation worker cannot fold it with less weight")
+        counts = self.book.tally.counts
+        counts["weight_capped"] = counts.get("weight_capped", 0) + 1
+        self._warn.warning("capped the weight of %s's result at %s samples: %s", client_id, f"{weight:,}", why)
+        return dataclasses.replace(body, num_samples=weight)
 
     def _take(self, plan: TaskPlan, msg: Message, body: ResultBody) -> ClientResult:
         """The checked result, folded into the round's partial aggregate when the phase streams; a secure
