@@ -42,6 +42,7 @@ def check_config(config: RunConfig) -> None:
          "clients.max_weight_ratio must be 0 (no bound relative to the fleet) or at least 1 (the median device's "
          "own count must pass)"),
         (c.max_samples >= 0, "clients.max_samples must be 0 (no fixed bound) or a positive sample count"),
+        (c.presence_interval >= 0, "clients.presence_interval must be >= 0 seconds (0: every presence re-sends)"),
         (train.epochs >= 1 and train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
         (train.lr > 0 and train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
         (config.schedule.lr in LR_SCHEDULES,

@@ -1,11 +1,13 @@
 """Results the coordinator refuses: the device is told why, the round does not wait for it, and a device
-whose results keep being refused is benched for that; a device's claimed weight is bounded."""
+whose results keep being refused is benched for that; a device's claimed weight is bounded; a device
+announcing itself in a loop does not get its task again and again."""
 
 from __future__ import annotations
 
 import json
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -197,6 +199,24 @@ def test_a_device_claiming_a_billion_samples_weighs_ten_times_the_median(tmp_pat
     assert "capped the weight of greedy's result at 1,500 samples" in said
 
 
+# -- presences in a loop -------------------------------------------------------------------------------------------------
+
+def test_a_thousand_presences_resend_the_task_at_most_once_per_interval(tmp_path, mosquitto, prefix, mqtt_device):
+    config = _config(tmp_path, mosquitto, prefix, **{"run.rounds": 1, "clients.expected": 2, "clients.min_results": 1,
+                                                      "clients.round_timeout": 4.0, "clients.max_attempts": 1})
+    mqtt_device(ClientSettings(client_id="honest", topics=Topics(prefix)), _digits(0))
+    looper = _Forger(mosquitto, prefix, "looper", 150, answer=False, flood=1000)
+    looper.start()
+    try:
+        result = run_federated(config, say=lambda s: None)
+        time.sleep(0.5)   # the last re-sent task reaches the looper
+    finally:
+        looper.close()
+    row = _rows(result.out_dir)[-1]
+    assert looper.tasks <= 2, looper.tasks   # its task, and at most one re-send within the 4 s round
+    assert row["presence_ignored"] >= 990, row.get("presence_ignored")
+
+
 # -- with aggregation workers ----------------------------------------------------------------------------------------------
 
 def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and_ends_the_wait(tmp_path):
@@ -236,3 +256,24 @@ def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and
     assert told["c2"]["state"] == "rejected" and "an aggregation worker cannot fold it with less weight" in \
         told["c2"]["reason"]
     assert book.failed == {"c1", "c2"} and book.answered and book.tally.counts["rejected"] == 2
+
+
+def test_a_presence_after_the_interval_re_sends_the_task_again(tmp_path):
+    """The limit is per task and per interval: a device that really reconnects later still gets its task."""
+    from coordinator.runtime.round_book import RoundBook
+    from coordinator.strategies.base import TaskPlan
+    from edge_client.wire.transport import InprocHub
+    from test_engine import make_coordinator
+
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1, clients__presence_interval=5.0)
+    device = hub.connect("device")
+    device.subscribe(Topics().client("c1", "task"))
+    book = coord.intake.open(RoundBook(round=1, attempt=0))
+    coord.tasks.send_all(book, [TaskPlan("c1", "train", {}, coord.state.params, sorted(coord.state.params))])
+    for now in (100.0, 101.0, 104.9, 105.0, 105.1):
+        coord.tasks.resend_unanswered(book, "c1", now=now)
+    tasks = 0
+    while device.get(0.2) is not None:
+        tasks += 1
+    assert tasks == 3 and book.tally.counts["presence_ignored"] == 3   # sent, re-sent at 100.0 and at 105.0
