@@ -277,3 +277,14 @@ def test_a_presence_after_the_interval_re_sends_the_task_again(tmp_path):
     while device.get(0.2) is not None:
         tasks += 1
     assert tasks == 3 and book.tally.counts["presence_ignored"] == 3   # sent, re-sent at 100.0 and at 105.0
+
+
+def test_the_metrics_endpoint_counts_capped_weights_and_ignored_presences():
+    pytest.importorskip("prometheus_client")
+    from coordinator.telemetry import RunTelemetry
+
+    telemetry = RunTelemetry(run_id="r", strategy="fedavg", model="mlp")
+    for row in ({"round": 1, "weight_capped": 1, "presence_ignored": 999}, {"round": 2, "weight_capped": 2}):
+        telemetry.observe(row)
+    value = telemetry.registry.get_sample_value
+    assert value("fedge_weight_capped_total") == 3 and value("fedge_presence_ignored_total") == 999
