@@ -128,8 +128,8 @@ def test_a_nan_device_is_told_why_and_the_round_closes_without_waiting_for_it(tm
 def test_the_weight_bound_caps_at_a_multiple_of_the_lower_median_and_at_a_fixed_count():
     fleet = [200, 200, 10**9]
     bound = WeightBound(10.0, 0, lambda: fleet)
-    assert bound.cap(10**9) == (2000, "it claims 1,000,000,000 samples, above the bound of 2,000 (10 x the online "
-                                      "devices' median announced count 200; clients.max_weight_ratio)")
+    assert bound.cap(10**9) == (2000, ("it claims 1,000,000,000 samples, above the bound of 2,000 (10 x the online "
+                                       "devices' median announced count 200; clients.max_weight_ratio)"))
     assert bound.cap(2000) == (2000, "")
     assert WeightBound(10.0, 0, lambda: [100, 10**9]).limit()[0] == 1000   # two devices: the other one sets it
     assert WeightBound(10.0, 500, lambda: fleet).cap(1000)[0] == 500
@@ -199,7 +199,7 @@ def test_a_device_claiming_a_billion_samples_weighs_ten_times_the_median(tmp_pat
     assert "capped the weight of greedy's result at 1,500 samples" in said
 
 
-# -- presences in a loop -------------------------------------------------------------------------------------------------
+# -- presences in a loop ----------------------------------------------------------------------------------------------
 
 def test_a_thousand_presences_resend_the_task_at_most_once_per_interval(tmp_path, mosquitto, prefix, mqtt_device):
     config = _config(tmp_path, mosquitto, prefix, **{"run.rounds": 1, "clients.expected": 2, "clients.min_results": 1,
@@ -217,7 +217,7 @@ def test_a_thousand_presences_resend_the_task_at_most_once_per_interval(tmp_path
     assert row["presence_ignored"] >= 990, row.get("presence_ignored")
 
 
-# -- with aggregation workers ----------------------------------------------------------------------------------------------
+# -- with aggregation workers -----------------------------------------------------------------------------------------
 
 def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and_ends_the_wait(tmp_path):
     """A worker that could read only a result's header claims it with the reason; the coordinator tells the

@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["WeightBound", "REFRESH_SECONDS"]
+__all__ = ["REFRESH_SECONDS", "WeightBound"]
 
 REFRESH_SECONDS = 1.0   # the fleet's median is recomputed at most this often (it moves only as devices come and go)
 
@@ -62,7 +62,8 @@ class WeightBound:
             return None, ""
         if limit == self.fixed:
             return limit, "clients.max_samples"
-        return limit, f"{self.ratio:g} x the online devices' median announced count {median:,}; clients.max_weight_ratio"
+        return limit, (f"{self.ratio:g} x the online devices' median announced count {median:,}; "
+                       "clients.max_weight_ratio")
 
     def cap(self, claim: int) -> tuple[int, str]:
         """``claim`` within the bound, and why it was capped ('' when it was not)."""
