@@ -288,3 +288,21 @@ def test_the_metrics_endpoint_counts_capped_weights_and_ignored_presences():
         telemetry.observe(row)
     value = telemetry.registry.get_sample_value
     assert value("fedge_weight_capped_total") == 3 and value("fedge_presence_ignored_total") == 999
+
+
+def test_in_async_mode_a_rejected_device_is_free_at_once_and_then_benched(tmp_path):
+    """Async mode: the NaN device's task is over when its result is rejected (not at its 60 s deadline), so it
+    gets a second task at once; after two rejected results it is benched and the run goes on without it."""
+    values = {"run.mode": "async", "run.rounds": 4, "run.out": str(tmp_path), "clients.expected": 3, "clients.spawn": 3,
+              "transport.kind": "inproc", "sim.workers": -1, "async.buffer_size": 2, "clients.round_timeout": 60.0,
+              **TINY}
+    config = load_config(None, [(*k.split(".", 1), v) for k, v in values.items()])
+    started = time.monotonic()
+    result = run_federated(config, say=lambda s: None,
+                           client_objectives=lambda cid: {"train": nan_train} if cid == "sim-000" else {})
+    assert time.monotonic() - started < 60
+    answers = [json.loads(line) for line in (result.out_dir / "clients" / "sim-000.jsonl").read_text().splitlines()]
+    assert len(answers) == 2 and not any(a.get("missed") for a in answers)
+    assert sum(r.get("rejected", 0) for r in _rows(result.out_dir)) == 2
+    assert "client sim-000 had its results to 2 tasks in a row rejected" in \
+        (result.out_dir / "coordinator.log").read_text()
