@@ -306,3 +306,24 @@ def test_in_async_mode_a_rejected_device_is_free_at_once_and_then_benched(tmp_pa
     assert sum(r.get("rejected", 0) for r in _rows(result.out_dir)) == 2
     assert "client sim-000 had its results to 2 tasks in a row rejected" in \
         (result.out_dir / "coordinator.log").read_text()
+
+
+def test_a_secure_round_weighs_a_device_announcing_a_billion_samples_as_the_bound(tmp_path, caplog):
+    """Under secure aggregation each device's weight is its count over the round's weight unit, the largest
+    count announced: one device announcing 10^9 made every other device weigh next to nothing. The unit is
+    now held to the weight bound, so that device weighs as ten median devices."""
+    from coordinator.runtime.round_book import RoundBook
+    from coordinator.strategies.base import TaskPlan
+    from edge_client.wire.transport import InprocHub
+    from test_engine import make_coordinator
+
+    coord = make_coordinator(tmp_path, InprocHub(), expected=3, secagg__enabled=True)
+    plans = []
+    for client, samples in (("a", 200), ("b", 150), ("greedy", 10**9)):
+        coord.roster.on_presence(client, presence_payload(client, PresenceBody("online", num_samples=samples)))
+        plans.append(TaskPlan(client, "train", {}, {}, []))
+    book = RoundBook(round=1, attempt=0)
+    with caplog.at_level(logging.WARNING, logger="fedge.coordinator"):
+        assert coord.secure._weight_unit(book, plans) == 2000.0   # 10 x the median 200: a weighs 0.1, greedy 1
+    assert book.tally.counts["weight_capped"] == 1 and "greedy announced more than the weight bound" in caplog.text
+    assert coord.secure._weight_unit(book, plans[:2]) == 200.0   # within the bound: the largest count, as before

@@ -255,7 +255,7 @@ class ResultIntake:
         try:
             if body is None:
                 raise ProtocolError(problem)
-            body = self._weigh(client_id, body, reweigh=claim is None)
+            body = self._weigh(client_id, body, worker=claim is not None, secure=plan.secagg is not None)
             if claim is not None:
                 return self._grant(claim, msg, body)
             result = self._take(plan, msg, body)
@@ -346,19 +346,21 @@ class ResultIntake:
                      client_id, msg.task_id, msg.round)
         return True
 
-    def _weigh(self, client_id: str, body: ResultBody, reweigh: bool) -> ResultBody:
+    def _weigh(self, client_id: str, body: ResultBody, worker: bool, secure: bool) -> ResultBody:
         """The count is the result's weight in the mean: a device must not claim more than it announced, and
-        a claim above the fleet's bound is capped (``weight_capped``). A worker's claim cannot be
-        reweighed (the worker folds with the device's count): above the bound it is refused instead."""
+        a claim above the fleet's bound is capped (``weight_capped``). A ``worker``'s claim cannot be
+        reweighed (the worker folds with the device's count): above the bound it is refused instead. A
+        ``secure`` round's stage result weighs nothing itself: its weight is inside the masked sum, bounded
+        by the round's weight unit (:class:`~coordinator.runtime.secure_round.SecureRound`)."""
         if body.error is not None:
             return body
         announced = self.roster.announced_samples(client_id)
         if announced is not None and body.num_samples > announced:
             raise ProtocolError(f"it claims {body.num_samples} samples but the device announced {announced}")
         weight, why = self.weights.cap(body.num_samples)
-        if not why:
+        if not why or secure:
             return body
-        if not reweigh:
+        if worker:
             raise ProtocolError(f"{why}; an aggregation worker cannot fold it with less weight")
         counts = self.book.tally.counts
         counts["weight_capped"] = counts.get("weight_capped", 0) + 1
