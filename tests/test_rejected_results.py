@@ -327,3 +327,23 @@ def test_a_secure_round_weighs_a_device_announcing_a_billion_samples_as_the_boun
         assert coord.secure._weight_unit(book, plans) == 2000.0   # 10 x the median 200: a weighs 0.1, greedy 1
     assert book.tally.counts["weight_capped"] == 1 and "greedy announced more than the weight bound" in caplog.text
     assert coord.secure._weight_unit(book, plans[:2]) == 200.0   # within the bound: the largest count, as before
+
+
+def test_profile_selection_reads_the_capped_count_too(tmp_path):
+    """Profile selection ranks devices by utility, samples times the root of their loss: the sample count
+    it reads from a result is held to the weight bound as well."""
+    from coordinator.runtime.round_book import RoundBook
+    from coordinator.strategies.base import TaskPlan
+    from edge_client.wire.transport import InprocHub
+    from test_engine import make_coordinator
+
+    coord = make_coordinator(tmp_path, InprocHub(), expected=3)
+    for client, samples in (("a", 100), ("b", 100), ("greedy", 10**9)):
+        coord.roster.on_presence(client, presence_payload(client, PresenceBody("online", num_samples=samples)))
+    book = coord.intake.open(RoundBook(round=1, attempt=0))
+    coord.intake.issued(book, "t1", TaskPlan("greedy", "train", {}, coord.state.params, sorted(coord.state.params)))
+    result = encode("result", run_id="run1", round=1, task_id="t1", sender="greedy",
+                    body={"num_samples": 10**9, "metrics": {"train_loss_sq": 4.0}}, tensors=dict(coord.state.params))
+    coord.intake.on_result("greedy", result, len(result))
+    assert book.results["greedy"].num_samples == 1000 and book.tally.counts["weight_capped"] == 1
+    assert coord.device_book.record("greedy").utility == 1000 * 2.0

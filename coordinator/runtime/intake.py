@@ -298,8 +298,9 @@ class ResultIntake:
                                round_seconds=seconds, late=self._plan_of(msg.task_id, True) is None,
                                error=None if error is None else error[:500], profile=profile,
                                device=self.roster.device(client_id))
-        if self.device_book is not None and body is not None:
-            self.device_book.answered(client_id, seconds, profile, body.metrics, body.num_samples, error)
+        if self.device_book is not None and body is not None:   # its utility counts its samples: within the bound
+            samples = self.weights.cap(body.num_samples)[0]
+            self.device_book.answered(client_id, seconds, profile, body.metrics, samples, error)
 
     def _plan_of(self, task_id: str, earlier: bool) -> TaskPlan | None:
         """The plan of a task of the current attempt or, with ``earlier``, of an earlier attempt of the
