@@ -51,7 +51,7 @@ def nan_train(model, data, hyper, ctx) -> ObjectiveOutput:
     return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": 1.0})
 
 
-# -- the envelope keeps what a refusal needs -------------------------------------------------------------------------
+# -- the envelope keeps what a refusal needs --------------------------------------------------------------------------
 
 def test_a_nan_result_is_refused_with_its_header_so_the_sender_can_be_told():
     payload = encode("result", run_id="r", round=3, task_id="0123456789abcdef", sender="dev-1",
@@ -81,8 +81,7 @@ def test_a_non_finite_number_in_the_header_is_refused_with_the_header_too():
         decode(forged('{"num_samples":5}', round="NaN"))
     assert not isinstance(plain.value, ContentError)
 
-
-# -- benching for rejected results -----------------------------------------------------------------------------------
+# -- refused results end the wait; repeated ones bench the device -----------------------------------------------------
 
 def test_rejected_results_bench_a_device_until_it_announces_itself_and_the_next_one_benches_it_again():
     absences = Absences(limit=2, rejected_limit=2)
@@ -123,7 +122,63 @@ def test_a_nan_device_is_told_why_and_the_round_closes_without_waiting_for_it(tm
     assert "unanswered" not in log
 
 
-# -- the weight a device claims ----------------------------------------------------------------------------------------
+def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and_ends_the_wait(tmp_path):
+    """A worker that could read only a result's header claims it with the reason; the coordinator tells the
+    device that reason and waits no more for it. A claim above the weight bound is refused, not capped: the
+    worker folds with the device's own count."""
+    from coordinator.runtime.round_book import RoundBook
+    from coordinator.strategies.base import TaskPlan
+    from edge_client.wire.codec import FP32
+    from edge_client.wire.protocol import ManifestBody
+    from edge_client.wire.transport import InprocHub
+    from test_engine import make_coordinator
+
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=2, workers__count=1, transport__broker="mqtt://127.0.0.1:1",
+                             codec__broadcast=True)
+    device = hub.connect("device")
+    for client in ("c1", "c2"):
+        device.subscribe(Topics().client(client, "status"))
+    for client, samples in (("c1", 100), ("c2", 100), ("c3", 100)):
+        coord.roster.on_presence(client, presence_payload(client, PresenceBody("online", num_samples=samples)))
+    names = sorted(coord.state.params)
+    book = coord.intake.open(RoundBook(round=1, attempt=0, streaming=True))
+    for task, client in (("t1", "c1"), ("t2", "c2")):
+        coord.intake.issued(book, task, TaskPlan(client, "train", {}, coord.state.params, names))
+    book.manifest = ManifestBody("x1", "train", coord.state.spec, tuple(names), FP32, {"t1": "c1", "t2": "c2"})
+    unreadable = {"problem": "tensor 'fc.weight' holds NaN or infinite values", "held": False, "wire_bytes": 10}
+    coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t1", sender="c1",
+                                        body=unreadable))
+    greedy = {"num_samples": 100_000, "problem": "", "held": True, "wire_bytes": 10}
+    coord.roster.on_presence("c2", presence_payload("c2", PresenceBody("online", num_samples=100_000)))
+    coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t2", sender="c2", body=greedy))
+    told = {}
+    while (incoming := device.get(0.2)) is not None:
+        told[incoming.topic.split("/")[-2]] = decode(incoming.payload).body
+    assert told["c1"] == {"state": "rejected", "task_id": "t1", "reason": unreadable["problem"]}
+    assert told["c2"]["state"] == "rejected" and "an aggregation worker cannot fold it with less weight" in \
+        told["c2"]["reason"]
+    assert book.failed == {"c1", "c2"} and book.answered and book.tally.counts["rejected"] == 2
+
+
+def test_in_async_mode_a_rejected_device_is_free_at_once_and_then_benched(tmp_path):
+    """Async mode: the NaN device's task is over when its result is rejected (not at its 60 s deadline), so it
+    gets a second task at once; after two rejected results it is benched and the run goes on without it."""
+    values = {"run.mode": "async", "run.rounds": 4, "run.out": str(tmp_path), "clients.expected": 3, "clients.spawn": 3,
+              "transport.kind": "inproc", "sim.workers": -1, "async.buffer_size": 2, "clients.round_timeout": 60.0,
+              **TINY}
+    config = load_config(None, [(*k.split(".", 1), v) for k, v in values.items()])
+    started = time.monotonic()
+    result = run_federated(config, say=lambda s: None,
+                           client_objectives=lambda cid: {"train": nan_train} if cid == "sim-000" else {})
+    assert time.monotonic() - started < 60
+    answers = [json.loads(line) for line in (result.out_dir / "clients" / "sim-000.jsonl").read_text().splitlines()]
+    assert len(answers) == 2 and not any(a.get("missed") for a in answers)
+    assert sum(r.get("rejected", 0) for r in _rows(result.out_dir)) == 2
+    assert "client sim-000 had its results to 2 tasks in a row rejected" in \
+        (result.out_dir / "coordinator.log").read_text()
+
+# -- the weight a device claims ---------------------------------------------------------------------------------------
 
 def test_the_weight_bound_caps_at_a_multiple_of_the_lower_median_and_at_a_fixed_count():
     fleet = [200, 200, 10**9]
@@ -199,115 +254,6 @@ def test_a_device_claiming_a_billion_samples_weighs_ten_times_the_median(tmp_pat
     assert "capped the weight of greedy's result at 1,500 samples" in said
 
 
-# -- presences in a loop ----------------------------------------------------------------------------------------------
-
-def test_a_thousand_presences_resend_the_task_at_most_once_per_interval(tmp_path, mosquitto, prefix, mqtt_device):
-    config = _config(tmp_path, mosquitto, prefix, **{"run.rounds": 1, "clients.expected": 2, "clients.min_results": 1,
-                                                      "clients.round_timeout": 4.0, "clients.max_attempts": 1})
-    mqtt_device(ClientSettings(client_id="honest", topics=Topics(prefix)), _digits(0))
-    looper = _Forger(mosquitto, prefix, "looper", 150, answer=False, flood=1000)
-    looper.start()
-    try:
-        result = run_federated(config, say=lambda s: None)
-        time.sleep(0.5)   # the last re-sent task reaches the looper
-    finally:
-        looper.close()
-    row = _rows(result.out_dir)[-1]
-    assert looper.tasks <= 2, looper.tasks   # its task, and at most one re-send within the 4 s round
-    assert row["presence_ignored"] >= 990, row.get("presence_ignored")
-
-
-# -- with aggregation workers -----------------------------------------------------------------------------------------
-
-def test_a_workers_claim_on_a_nan_result_is_rejected_with_the_workers_reason_and_ends_the_wait(tmp_path):
-    """A worker that could read only a result's header claims it with the reason; the coordinator tells the
-    device that reason and waits no more for it. A claim above the weight bound is refused, not capped: the
-    worker folds with the device's own count."""
-    from coordinator.runtime.round_book import RoundBook
-    from coordinator.strategies.base import TaskPlan
-    from edge_client.wire.codec import FP32
-    from edge_client.wire.protocol import ManifestBody
-    from edge_client.wire.transport import InprocHub
-    from test_engine import make_coordinator
-
-    hub = InprocHub()
-    coord = make_coordinator(tmp_path, hub, expected=2, workers__count=1, transport__broker="mqtt://127.0.0.1:1",
-                             codec__broadcast=True)
-    device = hub.connect("device")
-    for client in ("c1", "c2"):
-        device.subscribe(Topics().client(client, "status"))
-    for client, samples in (("c1", 100), ("c2", 100), ("c3", 100)):
-        coord.roster.on_presence(client, presence_payload(client, PresenceBody("online", num_samples=samples)))
-    names = sorted(coord.state.params)
-    book = coord.intake.open(RoundBook(round=1, attempt=0, streaming=True))
-    for task, client in (("t1", "c1"), ("t2", "c2")):
-        coord.intake.issued(book, task, TaskPlan(client, "train", {}, coord.state.params, names))
-    book.manifest = ManifestBody("x1", "train", coord.state.spec, tuple(names), FP32, {"t1": "c1", "t2": "c2"})
-    unreadable = {"problem": "tensor 'fc.weight' holds NaN or infinite values", "held": False, "wire_bytes": 10}
-    coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t1", sender="c1",
-                                        body=unreadable))
-    greedy = {"num_samples": 100_000, "problem": "", "held": True, "wire_bytes": 10}
-    coord.roster.on_presence("c2", presence_payload("c2", PresenceBody("online", num_samples=100_000)))
-    coord.workers.on_claim("w0", encode("result", run_id="run1", round=1, task_id="t2", sender="c2", body=greedy))
-    told = {}
-    while (incoming := device.get(0.2)) is not None:
-        told[incoming.topic.split("/")[-2]] = decode(incoming.payload).body
-    assert told["c1"] == {"state": "rejected", "task_id": "t1", "reason": unreadable["problem"]}
-    assert told["c2"]["state"] == "rejected" and "an aggregation worker cannot fold it with less weight" in \
-        told["c2"]["reason"]
-    assert book.failed == {"c1", "c2"} and book.answered and book.tally.counts["rejected"] == 2
-
-
-def test_a_presence_after_the_interval_re_sends_the_task_again(tmp_path):
-    """The limit is per task and per interval: a device that really reconnects later still gets its task."""
-    from coordinator.runtime.round_book import RoundBook
-    from coordinator.strategies.base import TaskPlan
-    from edge_client.wire.transport import InprocHub
-    from test_engine import make_coordinator
-
-    hub = InprocHub()
-    coord = make_coordinator(tmp_path, hub, expected=1, clients__presence_interval=5.0)
-    device = hub.connect("device")
-    device.subscribe(Topics().client("c1", "task"))
-    book = coord.intake.open(RoundBook(round=1, attempt=0))
-    coord.tasks.send_all(book, [TaskPlan("c1", "train", {}, coord.state.params, sorted(coord.state.params))])
-    for now in (100.0, 101.0, 104.9, 105.0, 105.1):
-        coord.tasks.resend_unanswered(book, "c1", now=now)
-    tasks = 0
-    while device.get(0.2) is not None:
-        tasks += 1
-    assert tasks == 3 and book.tally.counts["presence_ignored"] == 3   # sent, re-sent at 100.0 and at 105.0
-
-
-def test_the_metrics_endpoint_counts_capped_weights_and_ignored_presences():
-    pytest.importorskip("prometheus_client")
-    from coordinator.telemetry import RunTelemetry
-
-    telemetry = RunTelemetry(run_id="r", strategy="fedavg", model="mlp")
-    for row in ({"round": 1, "weight_capped": 1, "presence_ignored": 999}, {"round": 2, "weight_capped": 2}):
-        telemetry.observe(row)
-    value = telemetry.registry.get_sample_value
-    assert value("fedge_weight_capped_total") == 3 and value("fedge_presence_ignored_total") == 999
-
-
-def test_in_async_mode_a_rejected_device_is_free_at_once_and_then_benched(tmp_path):
-    """Async mode: the NaN device's task is over when its result is rejected (not at its 60 s deadline), so it
-    gets a second task at once; after two rejected results it is benched and the run goes on without it."""
-    values = {"run.mode": "async", "run.rounds": 4, "run.out": str(tmp_path), "clients.expected": 3, "clients.spawn": 3,
-              "transport.kind": "inproc", "sim.workers": -1, "async.buffer_size": 2, "clients.round_timeout": 60.0,
-              **TINY}
-    config = load_config(None, [(*k.split(".", 1), v) for k, v in values.items()])
-    started = time.monotonic()
-    result = run_federated(config, say=lambda s: None,
-                           client_objectives=lambda cid: {"train": nan_train} if cid == "sim-000" else {})
-    assert time.monotonic() - started < 60
-    answers = [json.loads(line) for line in (result.out_dir / "clients" / "sim-000.jsonl").read_text().splitlines()]
-    assert len(answers) == 2 and not any(a.get("missed") for a in answers)
-    assert sum(r.get("rejected", 0) for r in _rows(result.out_dir)) == 2
-    assert "client sim-000 had its results to 2 tasks in a row rejected" in \
-        (result.out_dir / "coordinator.log").read_text()
-
-
 def test_a_secure_round_weighs_a_device_announcing_a_billion_samples_as_the_bound(tmp_path, caplog):
     """Under secure aggregation each device's weight is its count over the round's weight unit, the largest
     count announced: one device announcing 10^9 made every other device weigh next to nothing. The unit is
@@ -347,3 +293,53 @@ def test_profile_selection_reads_the_capped_count_too(tmp_path):
     coord.intake.on_result("greedy", result, len(result))
     assert book.results["greedy"].num_samples == 1000 and book.tally.counts["weight_capped"] == 1
     assert coord.device_book.record("greedy").utility == 1000 * 2.0
+
+# -- presences in a loop ----------------------------------------------------------------------------------------------
+
+def test_a_thousand_presences_resend_the_task_at_most_once_per_interval(tmp_path, mosquitto, prefix, mqtt_device):
+    config = _config(tmp_path, mosquitto, prefix, **{"run.rounds": 1, "clients.expected": 2, "clients.min_results": 1,
+                                                      "clients.round_timeout": 4.0, "clients.max_attempts": 1})
+    mqtt_device(ClientSettings(client_id="honest", topics=Topics(prefix)), _digits(0))
+    looper = _Forger(mosquitto, prefix, "looper", 150, answer=False, flood=1000)
+    looper.start()
+    try:
+        result = run_federated(config, say=lambda s: None)
+        time.sleep(0.5)   # the last re-sent task reaches the looper
+    finally:
+        looper.close()
+    row = _rows(result.out_dir)[-1]
+    assert looper.tasks <= 2, looper.tasks   # its task, and at most one re-send within the 4 s round
+    assert row["presence_ignored"] >= 990, row.get("presence_ignored")
+
+
+def test_a_presence_after_the_interval_re_sends_the_task_again(tmp_path):
+    """The limit is per task and per interval: a device that really reconnects later still gets its task."""
+    from coordinator.runtime.round_book import RoundBook
+    from coordinator.strategies.base import TaskPlan
+    from edge_client.wire.transport import InprocHub
+    from test_engine import make_coordinator
+
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=1, clients__presence_interval=5.0)
+    device = hub.connect("device")
+    device.subscribe(Topics().client("c1", "task"))
+    book = coord.intake.open(RoundBook(round=1, attempt=0))
+    coord.tasks.send_all(book, [TaskPlan("c1", "train", {}, coord.state.params, sorted(coord.state.params))])
+    for now in (100.0, 101.0, 104.9, 105.0, 105.1):
+        coord.tasks.resend_unanswered(book, "c1", now=now)
+    tasks = 0
+    while device.get(0.2) is not None:
+        tasks += 1
+    assert tasks == 3 and book.tally.counts["presence_ignored"] == 3   # sent, re-sent at 100.0 and at 105.0
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+
+def test_the_metrics_endpoint_counts_capped_weights_and_ignored_presences():
+    pytest.importorskip("prometheus_client")
+    from coordinator.telemetry import RunTelemetry
+
+    telemetry = RunTelemetry(run_id="r", strategy="fedavg", model="mlp")
+    for row in ({"round": 1, "weight_capped": 1, "presence_ignored": 999}, {"round": 2, "weight_capped": 2}):
+        telemetry.observe(row)
+    value = telemetry.registry.get_sample_value
+    assert value("fedge_weight_capped_total") == 3 and value("fedge_presence_ignored_total") == 999
