@@ -127,8 +127,6 @@ class ResultIntake:
         c = config.clients
         self.weights = WeightBound(c.max_weight_ratio, c.max_samples,
                                    lambda: [p.num_samples for p in roster.online.values()])
-        log.info("%s; a claim above it is capped and counted (weight_capped in the round's row)",
-                 self.weights.describe())
 
     # -- the round's book --------------------------------------------------------------
     def open(self, book: RoundBook) -> RoundBook:

@@ -46,7 +46,8 @@ class WeightBound:
         if not parts:
             return ("a result's weight (its sample count) is not bounded beyond what its device announced: "
                     "clients.max_weight_ratio and clients.max_samples are 0")
-        return f"a result's weight (its sample count) is capped at {' and at '.join(parts)}"
+        return (f"a result's weight (its sample count) is capped at {' and at '.join(parts)}; capped results are "
+                "counted as weight_capped in the round's row")
 
     def limit(self) -> tuple[int | None, str]:
         """The largest weight now (None: unbounded) and what sets it, for the log line of a capped claim."""
