@@ -37,6 +37,12 @@ def check_config(config: RunConfig) -> None:
         (r.rounds >= 1, "run.rounds must be at least 1"),
         (c.max_attempts >= 1, "clients.max_attempts must be at least 1"),
         (c.max_misses >= 0, "clients.max_misses must be 0 (never leave a client out) or more"),
+        (c.max_rejected >= 0, "clients.max_rejected must be 0 (never leave a client out) or more"),
+        (c.max_weight_ratio == 0 or c.max_weight_ratio >= 1,
+         "clients.max_weight_ratio must be 0 (no bound relative to the fleet) or at least 1 (the median device's "
+         "own count must pass)"),
+        (c.max_samples >= 0, "clients.max_samples must be 0 (no fixed bound) or a positive sample count"),
+        (c.presence_interval >= 0, "clients.presence_interval must be >= 0 seconds (0: every presence re-sends)"),
         (train.epochs >= 1 and train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
         (train.lr > 0 and train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
         (config.schedule.lr in LR_SCHEDULES,

@@ -52,6 +52,10 @@ class ClientsSection:
     presence_timeout: float = 300.0  # seconds to wait for enough clients to be online
     max_attempts: int = 3           # retries of a round that got too few results
     max_misses: int = 2             # tasks left unanswered in a row that take a client out of selection (0: never)
+    max_rejected: int = 2           # tasks in a row whose results were rejected that do the same (0: never)
+    max_weight_ratio: float = 10.0  # a result weighs at most this times the online devices' median announced count
+    max_samples: int = 0            # ... and at most this many samples (0: no fixed bound)
+    presence_interval: float = 5.0  # seconds after a presence re-sent a task in which presences re-send nothing
     resend_every: float = 10.0      # how often a client re-sends an unacknowledged result
     spawn: int = 0                  # local client processes (or threads with inproc)
     torch_threads: int = 1          # per spawned client, to avoid oversubscription

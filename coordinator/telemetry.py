@@ -164,6 +164,10 @@ class RunTelemetry:
             self.results.labels(outcome, reason)
         self.selected = prom.Counter("fedge_clients_selected", "Clients the rounds counted on (the rows' selected)",
                                      registry=r)
+        self.weight_capped = prom.Counter("fedge_weight_capped", "Results whose claimed sample count was capped at "
+                                          "the run's weight bound (the rows' weight_capped)", registry=r)
+        self.presence_ignored = prom.Counter("fedge_presence_ignored", "Presences that re-sent no task within "
+                                             "clients.presence_interval (the rows' presence_ignored)", registry=r)
         self.bytes = prom.Counter("fedge_bytes", "Bytes of tasks and the model broadcast (down) and of results (up)",
                                   ["direction"], registry=r)
         for direction in ("down", "up"):
@@ -188,6 +192,8 @@ class RunTelemetry:
             if count > 0:
                 self.results.labels(outcome, reason).inc(count)
         self.selected.inc(max(0, int(row.get("selected", 0))))
+        self.weight_capped.inc(max(0, int(row.get("weight_capped", 0))))
+        self.presence_ignored.inc(max(0, int(row.get("presence_ignored", 0))))
         self.bytes.labels("down").inc(max(0, int(row.get("bytes_down", 0))))
         self.bytes.labels("up").inc(max(0, int(row.get("bytes_up", 0))))
         for key, (name, text) in ROW_FIGURES.items():   # absent until a row has it: no accuracy of 0 before one

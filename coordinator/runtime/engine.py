@@ -124,7 +124,7 @@ class Coordinator:
         self.outbox = Outbox(self.transport, self.run_id)
         self.downlink = Downlink(config, self.run_id)
         self.round_times = RoundTimes()
-        self.absences = Absences(config.clients.max_misses)
+        self.absences = Absences(config.clients.max_misses, config.clients.max_rejected)
         self.roster = Roster(self.absences, warn, PresenceLog(self.out / PRESENCE_FILE, lambda: self.state.round))
         self.device_book = DeviceBook(lambda: ModelSize.of(self.network.spec, config.train.batch_size))
         self.sampler = Sampler(config, self.absences, self.round_times, self.device_book)
@@ -254,9 +254,13 @@ class Coordinator:
         if len(answering()) < count:
             withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
             benched = [c for c in self.roster.benched_online() if c not in withdrawn]
+            refusing = [c for c in benched if c in self.absences.refusing]
+            benched = [c for c in benched if c not in refusing]
             raise RunError(f"only {len(answering())} of {count} clients came online within {timeout:.0f} s "
                            f"({answering()})" + (f", besides {benched}, online but not answering their tasks"
                                                  if benched else "")
+                           + (f", besides {refusing}, whose results were rejected (coordinator.log says why)"
+                              if refusing else "")
                            + (f", besides {withdrawn}, which withdrew from the run (their own privacy budgets: "
                               "clients/ID.jsonl says why)" if withdrawn else "")
                            + "; start more clients or lower clients.expected")

@@ -4,10 +4,13 @@ Every result reaches :class:`ResultIntake`, straight from a device or as an aggr
 worker's claim (the device's header and body without the tensors, which the worker checked
 and holds). The intake sorts it (which run, round, task and client it answers; late,
 duplicate, unexpected), decodes and checks it (:func:`accept_result`: its tensors back to
-values, against the network's shapes, then the strategy's own check), and folds it into the
-round's partial aggregate, keeps it, or grants it to the worker that holds it; it answers
-the device (``ack`` or ``rejected``) and counts and logs what it refused. An aggregation
-worker runs :func:`accept_result` on its share, so both accept and refuse the same results.
+values, against the network's shapes, then the strategy's own check), bounds its weight
+(:mod:`coordinator.runtime.weights`), and folds it into the round's partial aggregate, keeps it,
+or grants it to the worker that holds it; it answers the device (``ack`` or ``rejected``) and
+counts and logs what it refused. A device whose result is refused is told why, even when only
+the envelope's header could be read (NaN tensors), and the attempt does not wait for it any
+more: it sends nothing else for that task. An aggregation worker runs :func:`accept_result` on
+its share, so both accept and refuse the same results.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import torch
 
 from coordinator.runtime.attempts import Attempts
 from coordinator.runtime.round_book import Network, RoundBook, RoundNotes
+from coordinator.runtime.weights import WeightBound
 from coordinator.strategies.base import AggregationError, ClientResult, Strategy, TaskPlan
 from edge_client.memory_guard import REFUSAL_PREFIX
 from edge_client.privacy import clip_update
 from edge_client.wire.codec import CodecSpec
-from edge_client.wire.protocol import ClaimBody, Message, ProtocolError, ResultBody, Topics, check_tensors, decode
+from edge_client.wire.protocol import (ClaimBody, ContentError, Message, ProtocolError, ResultBody, Topics,
+                                      check_tensors, decode)
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.updates import decode_parts
 from profiling.schema import clean_profile
@@ -119,6 +124,9 @@ class ResultIntake:
         # A secure round's stage results go here instead of being decoded (coordinator/runtime/secure_round.py):
         # it checks the stage's message and returns the result to keep; ProtocolError refuses it.
         self.secure: Callable[[TaskPlan, Message, ResultBody], ClientResult] | None = None
+        c = config.clients
+        self.weights = WeightBound(c.max_weight_ratio, c.max_samples,
+                                   lambda: [p.num_samples for p in roster.online.values()])
 
     # -- the round's book --------------------------------------------------------------
     def open(self, book: RoundBook) -> RoundBook:
@@ -178,7 +186,12 @@ class ResultIntake:
         """A whole message on a client's result topic."""
         try:
             msg = decode(payload, max_bytes=self.config.transport.max_decoded_bytes)
-        except ProtocolError as exc:
+        except ContentError as exc:   # a sound header: the device can be told why, and need not be waited for
+            if not self._of_another_run(client_id, exc.head):
+                self.add_up(client_id, wire_bytes)
+                self._sort(client_id, exc.head, unreadable=str(exc))
+            return
+        except ProtocolError as exc:   # nothing in it can be trusted, not even the task it claims to answer
             self.add_up(client_id, wire_bytes)
             self.count("rejected", client_id, str(exc))
             return
@@ -216,18 +229,21 @@ class ResultIntake:
         self._warn.warning("%s result from %s: %s", what, client_id, reason)
 
     # -- sorting -----------------------------------------------------------------------
-    def _sort(self, client_id: str, msg: Message, claim: Claim | None = None) -> bool:
+    def _sort(self, client_id: str, msg: Message, claim: Claim | None = None, unreadable: str = "") -> bool:
         """Count, acknowledge and keep (or fold, or grant) one result; True when it was kept or granted.
-        With a ``claim`` it is the result without tensors, which the worker checked and holds until granted."""
+        With a ``claim`` it is the result without tensors, which the worker checked and holds until granted;
+        with ``unreadable`` only its header could be read (the reason why): it is sorted, and refused."""
         book = self.book
         if msg.kind != "result" or msg.sender != client_id:
             self.count("rejected", client_id, f"a {msg.kind} from {msg.sender} on {client_id}'s result topic")
             return False
+        body: ResultBody | None = None
+        problem = unreadable
         try:   # a body that does not parse is rejected below, once the result is sorted
-            body: ResultBody | None = ResultBody.from_body(msg.body)
-            problem = ""
-        except ProtocolError as exc:
-            body, problem = None, str(exc)
+            if not unreadable:
+                body = ResultBody.from_body(msg.body)
+        except ProtocolError as exc:   # a worker's claim on a result it could not read says why
+            problem = claim.body.problem if claim is not None and claim.body.problem else str(exc)
         profile = clean_profile(body.profile if body is not None else None)
         self._record_answer(client_id, msg, body, profile)
         plan = self._waiting_plan(client_id, msg, earlier=claim is None)
@@ -237,7 +253,7 @@ class ResultIntake:
         try:
             if body is None:
                 raise ProtocolError(problem)
-            self._check_samples(client_id, body)
+            body = self._weigh(client_id, body, worker=claim is not None, secure=plan.secagg is not None)
             if claim is not None:
                 return self._grant(claim, msg, body)
             result = self._take(plan, msg, body)
@@ -245,6 +261,7 @@ class ResultIntake:
             self._refuse(client_id, msg.task_id, body, str(exc))
             return False
         book.results[client_id] = result
+        self.roster.absences.accepted(client_id)
         self._answer(client_id, msg.task_id, "ack")
         if client_id in book.held:
             self._fold_held(book)
@@ -279,8 +296,9 @@ class ResultIntake:
                                round_seconds=seconds, late=self._plan_of(msg.task_id, True) is None,
                                error=None if error is None else error[:500], profile=profile,
                                device=self.roster.device(client_id))
-        if self.device_book is not None and body is not None:
-            self.device_book.answered(client_id, seconds, profile, body.metrics, body.num_samples, error)
+        if self.device_book is not None and body is not None:   # its utility counts its samples: within the bound
+            samples = self.weights.cap(body.num_samples)[0]
+            self.device_book.answered(client_id, seconds, profile, body.metrics, samples, error)
 
     def _plan_of(self, task_id: str, earlier: bool) -> TaskPlan | None:
         """The plan of a task of the current attempt or, with ``earlier``, of an earlier attempt of the
@@ -327,11 +345,26 @@ class ResultIntake:
                      client_id, msg.task_id, msg.round)
         return True
 
-    def _check_samples(self, client_id: str, body: ResultBody) -> None:
-        """The count is the result's weight in the mean: a device must not claim more than it announced."""
+    def _weigh(self, client_id: str, body: ResultBody, worker: bool, secure: bool) -> ResultBody:
+        """The count is the result's weight in the mean: a device must not claim more than it announced, and
+        a claim above the fleet's bound is capped (``weight_capped``). A ``worker``'s claim cannot be
+        reweighed (the worker folds with the device's count): above the bound it is refused instead. A
+        ``secure`` round's stage result weighs nothing itself: its weight is inside the masked sum, bounded
+        by the round's weight unit (:class:`~coordinator.runtime.secure_round.SecureRound`)."""
+        if body.error is not None:
+            return body
         announced = self.roster.announced_samples(client_id)
-        if body.error is None and announced is not None and body.num_samples > announced:
+        if announced is not None and body.num_samples > announced:
             raise ProtocolError(f"it claims {body.num_samples} samples but the device announced {announced}")
+        weight, why = self.weights.cap(body.num_samples)
+        if not why or secure:
+            return body
+        if worker:
+            raise ProtocolError(f"{why}; an aggregation worker cannot fold it with less weight")
+        counts = self.book.tally.counts
+        counts["weight_capped"] = counts.get("weight_capped", 0) + 1
+        self._warn.warning("capped the weight of %s's result at %s samples: %s", client_id, f"{weight:,}", why)
+        return dataclasses.replace(body, num_samples=weight)
 
     def _take(self, plan: TaskPlan, msg: Message, body: ResultBody) -> ClientResult:
         """The checked result, folded into the round's partial aggregate when the phase streams; a secure
@@ -377,6 +410,7 @@ class ResultIntake:
                 book.results[client_id] = self._fold(book, result)
             except ProtocolError as exc:   # already acknowledged: dropped, and counted as a refusal
                 del book.results[client_id]
+                book.failed.add(client_id)   # it sends nothing more: the attempt need not wait for it
                 self.count("rejected", client_id, str(exc))
 
     def _grant(self, claim: Claim, msg: Message, body: ResultBody) -> bool:
@@ -393,11 +427,18 @@ class ResultIntake:
         return True
 
     def _refuse(self, client_id: str, task_id: str, body: ResultBody | None, reason: str) -> None:
+        """A result that cannot be used: the device is told why (``rejected``), so it stops sending it; if it
+        answers the task the attempt waits for, the attempt waits no more for this client."""
+        book = self.book
         what = "failed" if body is not None and body.error is not None else "rejected"
         self.count(what, client_id, reason)
-        if what == "failed":   # the client said it cannot run the task: it will send nothing else
-            self.book.failed.add(client_id)
-            self._fold_held(self.book)   # the results held behind it need not wait for it
+        if task_id in book.plans or client_id in book.carried:   # not a task an earlier attempt replaced
+            book.failed.add(client_id)
+            self._fold_held(book)   # the results held behind it need not wait for it
+        if what == "rejected" and self.roster.absences.refused(client_id, task_id):
+            log.warning("client %s had its results to %d tasks in a row rejected (last: %s): it is left out of "
+                        "selection for rejected results until it announces itself again (clients.max_rejected)",
+                        client_id, self.roster.absences.rejected_limit, reason[:300])
         self._answer(client_id, task_id, "rejected", reason)
 
     def _answer(self, client_id: str, task_id: str, state: str, reason: str = "") -> None:

@@ -75,7 +75,9 @@ class RoundBook:
     held_peak: int = 0
     plans: dict[str, TaskPlan] = field(default_factory=dict)       # task id -> plan
     results: dict[str, ClientResult] = field(default_factory=dict)  # client id -> result (no tensors if streaming)
-    failed: set[str] = field(default_factory=set)    # clients that answered with an error
+    # Clients whose answer to the task the attempt waits for brought no result: an error, or a result refused
+    # with ``rejected``. Either way the device was told and sends nothing more for that task.
+    failed: set[str] = field(default_factory=set)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)               # left out by deadline selection
     carried: set[str] = field(default_factory=set)   # clients still working on an earlier attempt's task, waited for
@@ -104,9 +106,8 @@ class RoundBook:
 
     @property
     def complete(self) -> bool:
-        """Every client has answered (a result, or an error: waiting on would only burn the deadline).
-
-        A rejected result does not count: the client may still send a good one."""
+        """Every client has answered (a result, an error, or a result the intake refused and said so: waiting
+        on would only burn the deadline)."""
         return self.waiting_for <= self.results.keys() | self.failed
 
     @property

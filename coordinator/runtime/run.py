@@ -29,6 +29,7 @@ from coordinator.privacy_noise import refusal as noise_refusal, start_note as no
 from coordinator.runtime.asynchronous import AsyncRun
 from coordinator.runtime.engine import Coordinator, EvalData, RunError
 from coordinator.runtime.run_summary import run_summary
+from coordinator.runtime.weights import WeightBound
 from coordinator.ops.spawn import SpawnedClients, sim_client_id, spawn_processes, spawn_threads
 from coordinator.strategy_setup import make_strategy
 from coordinator.strategies.base import Strategy
@@ -359,8 +360,8 @@ def _train(coordinator: Coordinator, rows: list[dict[str, Any]], metrics_path: P
 
 
 def _say_tolerance(config: RunConfig, say: Callable[[str], None]) -> None:
-    """How many hostile clients the configured aggregation tolerates at this round size, said at start;
-    a warning when a defence was asked for and tolerates nobody here."""
+    """How many hostile clients the configured aggregation tolerates at this round size, and the bound on a
+    result's weight, said at start; a warning when a defence was asked for and tolerates nobody here."""
     a = config.aggregate
     defence = tolerance(a.rule, trim=a.trim, norm_bound=a.norm_bound, per_round=config.selected_per_round,
                         min_results=config.required_results)
@@ -368,6 +369,9 @@ def _say_tolerance(config: RunConfig, say: Callable[[str], None]) -> None:
     say(defence.message)
     if defence.warning:
         log.warning(defence.warning)
+    bound = WeightBound(config.clients.max_weight_ratio, config.clients.max_samples, tuple).describe()
+    log.info(bound, extra={"said": True})
+    say(bound)
 
 
 def _export_final(out: Path, say: Callable[[str], None]) -> dict[str, Any]:

@@ -132,7 +132,7 @@ class SecureRound:
         try:
             self.params = round_params(self.config, (book.round << 16) | book.attempt, len(plans),
                                        sum(math.prod(shapes[n]) for n in names) + TAIL, clip)
-            unit = 0.0 if plans[0].clip_norm is not None else self._weight_unit(plans)
+            unit = 0.0 if plans[0].clip_norm is not None else self._weight_unit(book, plans)
             book.columns = self._columns()
             self.replies = {}
             self.tasks.send_all(book, [replace(p, secagg=self._task("advertise", p.client_id, unit))
@@ -213,16 +213,24 @@ class SecureRound:
     def _task(self, stage: str, client_id: str, unit: float, message: Any = None) -> dict[str, Any]:
         return StageTask(stage, self.params, self.ids[client_id], unit, message).to_body()
 
-    def _weight_unit(self, plans: list[TaskPlan]) -> float:
-        """The largest sample count the selected devices announced: each device's weight is its count over
-        it, at most 1, so the weights fit the clip. 0 (equal weights) when none announced one."""
+    def _weight_unit(self, book: RoundBook, plans: list[TaskPlan]) -> float:
+        """The largest sample count the selected devices announced, within the run's weight bound (the
+        intake's): each device's weight is its count over it, at most 1, so the weights fit the clip, and a
+        device announcing more than the bound weighs as the bound. 0 (equal weights) when one announced none."""
         counts = [self.roster.announced_samples(p.client_id) for p in plans]
         known = [c for c in counts if c]
         if len(known) < len(counts):
             log.warning("secure round: %d of %d devices announced no sample count; all weigh the same this round",
                         len(counts) - len(known), len(counts))
             return 0.0
-        return float(max(known))
+        limit, source = self.intake.weights.limit()
+        if limit is None or max(known) <= limit:
+            return float(max(known))
+        capped = sorted(p.client_id for p, c in zip(plans, counts) if c > limit)
+        book.tally.counts["weight_capped"] = book.tally.counts.get("weight_capped", 0) + len(capped)
+        log.warning("secure round: %s announced more than the weight bound of %s samples (%s): each weighs as that",
+                    ", ".join(capped), f"{limit:,}", source)
+        return float(limit)
 
     def _columns(self) -> dict[str, Any]:
         p = self.params

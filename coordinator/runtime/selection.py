@@ -86,13 +86,22 @@ class Absences:
     is given costs an attempt its whole timeout, and enough of them end the run. So a client that
     missed ``limit`` tasks in a row is benched until it answers something (a late result is enough)
     or announces itself again (a real reconnect), and a retry prefers clients that did not just miss.
+
+    A device whose results are refused answers at once, and a refused result costs no wait (the device
+    is told why), but it still takes a place in the round that an honest device would fill. So a client
+    whose results to ``rejected_limit`` tasks in a row were refused is benched for *rejected results*
+    until it announces itself again (a restarted device may have been fixed); only an accepted result
+    ends the streak, so a device that re-announces and sends another bad result is benched again at once.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, rejected_limit: int = 0) -> None:
         self.limit = limit                      # 0: never bench
+        self.rejected_limit = rejected_limit    # 0: never bench for rejected results
         self._misses: dict[str, int] = {}
         self.just_missed: set[str] = set()      # clients without an answer in the attempt that just ended
         self.withdrawn: set[str] = set()        # clients that said they refuse every further task of the run
+        self._refused: dict[str, list[str]] = {}   # client -> tasks in a row whose results were refused
+        self.refusing: set[str] = set()         # benched for rejected results until they announce themselves
 
     def missed(self, client_ids: Iterable[str]) -> list[str]:
         """An attempt ended with these clients' tasks unanswered; returns those benched just now."""
@@ -104,13 +113,31 @@ class Absences:
                 benched.append(client_id)
         return benched
 
-    def returned(self, client_id: str) -> bool:
-        """The client answered or announced itself: it may be selected again (unless it withdrew); True if it
-        was benched for its misses."""
+    def returned(self, client_id: str, announced: bool = False) -> bool:
+        """The client answered or (``announced``) announced itself: it may be selected again (unless it
+        withdrew, or answered while benched for rejected results); True if that ended a bench."""
         was_benched = bool(self.limit) and self._misses.get(client_id, 0) >= self.limit
         self._misses.pop(client_id, None)
         self.just_missed.discard(client_id)
+        if announced and client_id in self.refusing:
+            self.refusing.discard(client_id)
+            was_benched = True
         return was_benched
+
+    def refused(self, client_id: str, task_id: str) -> bool:
+        """The client's result to ``task_id`` was refused (copies of it count once); True when that benches it."""
+        streak = self._refused.setdefault(client_id, [])
+        if task_id not in streak:
+            streak.append(task_id)
+        if not self.rejected_limit or len(streak) < self.rejected_limit or client_id in self.refusing:
+            return False
+        del streak[:-self.rejected_limit]   # the streak's length is all that matters from here
+        self.refusing.add(client_id)
+        return True
+
+    def accepted(self, client_id: str) -> None:
+        """A result of the client was accepted: its streak of rejected results is over."""
+        self._refused.pop(client_id, None)
 
     def withdraw(self, client_id: str) -> bool:
         """The client refuses every further task of the run (its own privacy budget): never drawn again in
@@ -120,7 +147,8 @@ class Absences:
         return first
 
     def benched(self, client_id: str) -> bool:
-        return client_id in self.withdrawn or (bool(self.limit) and self._misses.get(client_id, 0) >= self.limit)
+        return (client_id in self.withdrawn or client_id in self.refusing
+                or (bool(self.limit) and self._misses.get(client_id, 0) >= self.limit))
 
     def pool(self, online: Iterable[str], needed: int, retry: bool) -> list[str]:
         """The clients a selection draws from: the online ones not benched, and on a retry also not those

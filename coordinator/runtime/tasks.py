@@ -7,13 +7,19 @@ goes again, under its id, when the device announces itself online: after a recon
 its subscriptions are back, and a broker that restarted without persistence (or a session
 that expired) lost the task it had not delivered, which would cost the attempt its whole
 timeout. A device that did get the task answers the copy with the result it already has.
+Only once per ``clients.presence_interval``, though: a device re-announcing itself in a loop
+(a broken client, or a hostile one) would otherwise make the coordinator send its task, a
+model's worth of bytes, once per presence; presences inside the interval re-send nothing and
+are counted (``presence_ignored`` in the round's row).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["TaskSender"]
 
 log = logging.getLogger("fedge.coordinator")
+_MAX_RESENT = 10_000   # tasks whose last re-send on presence is remembered
 
 
 class TaskSender:
@@ -48,6 +55,7 @@ class TaskSender:
         self.workers = workers
         self.intake = intake
         self.network = network
+        self._resent: OrderedDict[str, float] = OrderedDict()   # task id -> when a presence last re-sent it
 
     def send_all(self, book: RoundBook, plans: list[TaskPlan], *, broadcast: bool = True) -> list[str]:
         """The exchange's tasks, after the broadcast they share and (with workers) the manifest; their ids.
@@ -78,17 +86,27 @@ class TaskSender:
         book.tally.bytes_down += sent
         self.intake.notes.add_bytes(plan.client_id, "down", sent)
 
-    def resend_unanswered(self, book: RoundBook, client_id: str) -> None:
+    def resend_unanswered(self, book: RoundBook, client_id: str, now: float | None = None) -> None:
         """Send the client's task of this attempt again, under its id, if it has not answered it (it has
         just announced itself online); for a client the attempt waits for while it works on an earlier
-        attempt's task, that task."""
+        attempt's task, that task. Not if a presence re-sent that task less than ``clients.presence_interval``
+        seconds ago (``now``: monotonic time): the presence is counted as ignored."""
         if client_id in book.answered_by:
             return
+        now = time.monotonic() if now is None else now
         books = [book, *(self.intake.attempts.earlier if client_id in book.carried else ())]
         for given in books:
             for task_id, plan in given.plans.items():
                 if plan.client_id == client_id and (given is book or client_id not in given.answered_by):
+                    if now - self._resent.get(task_id, -math.inf) < self.config.clients.presence_interval:
+                        counts = book.tally.counts
+                        counts["presence_ignored"] = counts.get("presence_ignored", 0) + 1
+                        return
                     log.warning("round %d: sending %s's unanswered task again (it announced itself online)",
                                 book.round, client_id)
+                    self._resent[task_id] = now
+                    self._resent.move_to_end(task_id)
+                    while len(self._resent) > _MAX_RESENT:
+                        self._resent.popitem(last=False)
                     self.send(given, task_id, plan)
                     return

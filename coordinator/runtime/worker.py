@@ -44,8 +44,8 @@ from edge_client.models import state_shapes
 from edge_client.registry import build_aside
 from edge_client.wire.chunking import ChunkingTransport
 from edge_client.wire.codec import SEP
-from edge_client.wire.protocol import (ClaimBody, ManifestBody, Message, ModelBody, PartialBody, PresenceBody,
-                                       ProtocolError, ResultBody, StatusBody, Topics, decode, encode)
+from edge_client.wire.protocol import (ClaimBody, ContentError, ManifestBody, Message, ModelBody, PartialBody,
+                                       PresenceBody, ProtocolError, ResultBody, StatusBody, Topics, decode, encode)
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.transport import BrokerSettings, MqttTransport, Transport, TransportError, Will
 from edge_client.wire.updates import decode_download
@@ -194,8 +194,11 @@ class AggregationWorker:
 
     def _on_result(self, client_id: str, incoming: Any) -> None:
         """Check a device's result against the manifest and claim it (without its tensors)."""
+        unreadable = ""
         try:
             msg = decode(incoming.payload, max_bytes=self.config.transport.max_decoded_bytes)
+        except ContentError as exc:   # a sound header: claimed as unusable, so the coordinator tells the device why
+            msg, unreadable = exc.head, str(exc)
         except ProtocolError as exc:   # not even an envelope: nothing to claim, the coordinator never hears of it
             self.stats["unusable"] += 1
             self._warn.warning("ignored a result on %s: %s", incoming.topic, exc)
@@ -208,6 +211,8 @@ class AggregationWorker:
         manifest = exchange.manifest if exchange is not None else None
         if manifest is not None and manifest.tasks.get(msg.task_id) == client_id and msg.run_id == exchange.run_id:
             try:
+                if unreadable:
+                    raise ProtocolError(unreadable)
                 result = self._accept(manifest, client_id, msg)
             except ProtocolError as exc:
                 problem = str(exc)

@@ -26,7 +26,8 @@ from edge_client.wire.compression import CompressionError, decompress
 from edge_client.wire.errors import ProtocolError
 from edge_client.wire.topics import valid_client_id
 
-__all__ = ["PROTOCOL_VERSION", "KINDS", "DEFAULT_MAX_MESSAGE_BYTES", "Message", "encode", "decode", "check_tensors"]
+__all__ = ["PROTOCOL_VERSION", "KINDS", "DEFAULT_MAX_MESSAGE_BYTES", "Message", "ContentError", "encode", "decode",
+           "check_tensors"]
 
 # 2: codecs and deltas in task/result bodies, the model broadcast, compression and chunks.
 PROTOCOL_VERSION = 2
@@ -49,6 +50,19 @@ class Message:
     body: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     size: int = 0
+
+
+class ContentError(ProtocolError):
+    """An envelope whose header is sound (version, kind, ids, sender) but whose content is not: a
+    non-finite number in its header, or tensors that are corrupt or not finite.
+
+    ``head`` is the header without body or tensors: who sent the message and what it answers, so
+    the receiver can tell a sender it knows (the topic names it) why its message was refused.
+    """
+
+    def __init__(self, reason: str, head: Message) -> None:
+        super().__init__(reason)
+        self.head = head
 
 
 def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
@@ -90,7 +104,25 @@ def _loads(text: bytes | str) -> Any:
     return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
-def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _loads_meta(text: str) -> tuple[Any, str]:
+    """The fedge header, and why it is unusable ('' if it is not): a non-finite number leaves the rest
+    readable, so the sender can still be told what was wrong with its message."""
+    problems: list[str] = []
+
+    def constant(name: str) -> None:
+        problems.append(f"the header holds the non-standard JSON constant {name}")
+
+    def number(text: str) -> float | None:
+        value = float(text)
+        if math.isfinite(value):
+            return value
+        problems.append(f"the header's number {text[:40]} is not finite")
+        return None
+
+    return json.loads(text, parse_constant=constant, parse_float=number), (problems[0] if problems else "")
+
+
+def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, Any], str]:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError("payload is not bytes")
     if len(payload) > max_bytes:
@@ -103,7 +135,7 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
     try:
         # Decoded straight from the payload: one copy of a header that may be megabytes long, not two.
         st_header = _loads(str(memoryview(payload)[8:8 + n], "utf-8"))
-        meta = _loads(st_header.pop("__metadata__")["fedge"])
+        meta, problem = _loads_meta(st_header.pop("__metadata__")["fedge"])
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:   # deep nesting: recursion
         raise ProtocolError(f"not a fedge envelope ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict):
@@ -120,7 +152,7 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
             ok = False
         if not ok:   # the sender's entry is shortened: it may be megabytes long
             raise ProtocolError(f"tensor {str(name)[:80]!r} has an invalid entry {repr(info)[:200]}")
-    return meta, st_header
+    return meta, st_header, problem
 
 
 def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
@@ -138,7 +170,7 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
         payload = decompress(payload, max_bytes) if size else payload
     except CompressionError as exc:
         raise ProtocolError(str(exc)) from None
-    meta, st_header = _parse_header(payload, max_bytes)
+    meta, st_header, problem = _parse_header(payload, max_bytes)
     version = meta.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
@@ -150,13 +182,18 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
             raise ProtocolError(f"field {key!r} missing or not a {typ.__name__}")
     if not valid_client_id(meta["sender"]):
         raise ProtocolError(f"sender {meta['sender']!r} is not a valid id")
+    # From here on the header says who sent the message and what it answers: a refusal carries that.
+    head = Message(kind=kind, run_id=meta["run_id"], round=meta["round"], task_id=meta["task_id"],
+                   sender=meta["sender"], size=size)
+    if problem:
+        raise ContentError(problem, head)
     try:
         tensors = st_load(bytes(payload)) if st_header else {}
     except Exception as exc:  # safetensors raises its own error type for corrupt buffers
-        raise ProtocolError(f"tensor data is corrupt: {exc}") from None
+        raise ContentError(f"tensor data is corrupt: {exc}", head) from None
     for name, tag_info in st_header.items():
         if tag_info["dtype"] in _FLOAT_TAGS and not all_finite(tensors[name]):
-            raise ProtocolError(f"tensor {name!r} holds NaN or infinite values")
+            raise ContentError(f"tensor {name!r} holds NaN or infinite values", head)
     return Message(kind=kind, run_id=meta["run_id"], round=meta["round"], task_id=meta["task_id"],
                    sender=meta["sender"], body=meta["body"], tensors=tensors, size=size)
 

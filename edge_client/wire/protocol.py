@@ -5,8 +5,8 @@ checks the header before any tensor is materialized, and nothing is ever unpickl
 This module is the protocol's one import path; each part has its module:
 
 - :mod:`edge_client.wire.topics`: the topic layout (:class:`Topics`) and :func:`valid_client_id`;
-- :mod:`edge_client.wire.envelope`: :class:`Message`, :func:`encode`, :func:`decode` and
-  :func:`check_tensors`;
+- :mod:`edge_client.wire.envelope`: :class:`Message`, :func:`encode`, :func:`decode` (its
+  :class:`ContentError` keeps the header of a message whose content it refused) and :func:`check_tensors`;
 - :mod:`edge_client.wire.bodies`: the bodies a device exchanges (:class:`PresenceBody`,
   :class:`TaskBody` with :class:`UploadSettings`, :class:`ResultBody`, :class:`StatusBody`,
   :class:`ModelBody`);
@@ -24,8 +24,8 @@ from __future__ import annotations
 from edge_client.wire.bodies import (DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, PRESENCE_STATES, STATUS_STATES,
                                      UPDATES, ModelBody, PresenceBody, ResultBody, StatusBody, TaskBody,
                                      UploadSettings)
-from edge_client.wire.envelope import (DEFAULT_MAX_MESSAGE_BYTES, KINDS, PROTOCOL_VERSION, Message, check_tensors,
-                                       decode, encode)
+from edge_client.wire.envelope import (DEFAULT_MAX_MESSAGE_BYTES, KINDS, PROTOCOL_VERSION, ContentError, Message,
+                                       check_tensors, decode, encode)
 from edge_client.wire.errors import ProtocolError
 from edge_client.wire.topics import Topics, valid_client_id
 from edge_client.wire.worker_bodies import ClaimBody, ManifestBody, PartialBody
@@ -40,6 +40,7 @@ __all__ = [
     "PRESENCE_STATES",
     "STATUS_STATES",
     "ProtocolError",
+    "ContentError",
     "Message",
     "Topics",
     "UploadSettings",
