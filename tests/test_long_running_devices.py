@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 DEVICES = ("dev-a", "dev-b", "dev-c")

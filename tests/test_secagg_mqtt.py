@@ -28,7 +28,7 @@ from edge_client.objectives import LocalData
 from edge_client.secagg import (MaskedSum, MessageError, RefusedError, SecAggParams, advertise, collect_keys,
                                 masked_input, route_shares, share)
 from edge_client.secagg import masking
-from edge_client.secagg.stages import MASKED_TENSOR, StageReply, StageTask, split_sum
+from edge_client.secagg.stages import MASKED_TENSOR, StageTask, split_sum
 from edge_client.secure_device import SecureRounds
 from edge_client.wire.protocol import ResultBody, Topics, decode, encode
 from edge_client.wire.transport import BrokerSettings, MqttTransport
