@@ -250,8 +250,12 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
             _train(coordinator, rows, metrics_path, telemetry.observing(on_round))
             completed = True
         finally:
-            # "stopped": the run may be resumed; devices drop what it queued instead of training it.
-            coordinator.announce("finished" if completed else "stopped")
+            # "stopped": the run may be resumed; devices drop what it queued instead of training it. "finished"
+            # carries the last round done (docs/protocol.md), not the next one a running status would name.
+            if completed:
+                coordinator.announce("finished", coordinator.state.round)
+            else:
+                coordinator.announce("stopped")
             spawned.stop()
     summary = {**run_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
                              coordinator.started_after), **strategy.summary(rows)}
