@@ -254,12 +254,16 @@ class Coordinator:
         if len(answering()) < count:
             withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
             benched = [c for c in self.roster.benched_online() if c not in withdrawn]
+            missing = self.roster.missing(p.stem for p in self.profile_store.directory.glob("*.json"))
             raise RunError(f"only {len(answering())} of {count} clients came online within {timeout:.0f} s "
-                           f"({answering()})" + (f", besides {benched}, online but not answering their tasks"
-                                                 if benched else "")
+                           f"(clients.presence_timeout) ({answering()})"
+                           + (f", besides {benched}, online but not answering their tasks" if benched else "")
                            + (f", besides {withdrawn}, which withdrew from the run (their own privacy budgets: "
                               "clients/ID.jsonl says why)" if withdrawn else "")
-                           + "; start more clients or lower clients.expected")
+                           + (f"; waiting for {', '.join(missing)}" if missing else
+                              f"; no other device announced itself on {self.topics.all_clients('presence')}")
+                           + "; start more clients (or bring those back), lower clients.expected, or raise "
+                             "clients.presence_timeout")
 
     def _sample(self, round: int, attempt: int, taken: set[str]) -> Draw:
         """The attempt's clients (besides ``taken``, which it already counts on), once enough are online."""

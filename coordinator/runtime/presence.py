@@ -9,6 +9,8 @@ the broker speaking its last will) is kept. Clients benched for leaving tasks un
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from coordinator.runtime.selection import Absences
@@ -34,6 +36,7 @@ class Roster:
     def __init__(self, absences: Absences, warn: ThrottledLog) -> None:
         self.absences = absences
         self.online: dict[str, PresenceBody] = {}
+        self.gone: dict[str, float] = {}   # clients that went offline and stayed away -> when (monotonic)
         self._warn = warn
 
     def on_presence(self, client_id: str, payload: bytes) -> bool:
@@ -51,10 +54,22 @@ class Roster:
             if self.absences.returned(client_id):
                 log.info("client %s announced itself again: it may be selected again", client_id)
             self.online[client_id] = body
+            self.gone.pop(client_id, None)
             return True
         if self.online.pop(client_id, None) is not None:
-            log.info("client %s went offline", client_id)
+            # A warning: shown without -v, as a device leaving is what a person watching a run needs to know.
+            log.warning("client %s went offline", client_id)
+            self.gone[client_id] = time.monotonic()
         return False
+
+    def missing(self, known: Iterable[str] = ()) -> list[str]:
+        """The devices a wait for clients may be waiting for, each with why it is not there: those that went
+        offline during the run, and ``known`` ones (they took part in the run before) never seen online since."""
+        now = time.monotonic()
+        said = [f"{c} (went offline {now - at:.0f} s ago)" for c, at in sorted(self.gone.items())]
+        said += [f"{c} (took part in this run, not online since)" for c in sorted(set(known))
+                 if c not in self.online and c not in self.gone]
+        return said
 
     def answering(self) -> list[str]:
         """The online clients selection may draw from: not those benched for unanswered tasks."""
