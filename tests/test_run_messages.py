@@ -1,0 +1,68 @@
+"""What a run that cannot go on tells its user: which devices it waited for and which setting gave up, where
+its log is (kept, though nothing was checkpointed), and a device leaving, shown at the default log level.
+
+Real runs on a real Mosquitto; the devices here are presences published as a device publishes them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from coordinator.runtime.run import RunError, run_federated
+from edge_client.client import presence_payload
+from edge_client.wire.protocol import PresenceBody, Topics
+from edge_client.wire.transport import BrokerSettings, MqttTransport
+from test_federation import config_for
+
+
+@pytest.fixture
+def device_presences(mosquitto, prefix):
+    """A connection that publishes devices' retained presences, as the devices (or their last wills) do."""
+    transport = MqttTransport(BrokerSettings(url=mosquitto, session_expiry=0), f"devices-{prefix}").connect()
+    topics = Topics(prefix)
+
+    def publish(client: str, state: str) -> None:
+        body = PresenceBody(state, num_samples=100) if state == "online" else PresenceBody(state)
+        transport.publish(topics.client(client, "presence"), presence_payload(client, body), retain=True)
+
+    yield publish
+    for client in ("pi-09", "pi-10"):   # nothing retained outlives the test
+        transport.publish(topics.client(client, "presence"), b"", retain=True)
+    transport.close()
+
+
+def test_a_run_short_of_devices_names_who_left_and_the_timeout_and_keeps_its_log(tmp_path, mosquitto, prefix,
+                                                                                 device_presences, caplog):
+    caplog.set_level(logging.WARNING, logger="fedge")   # the console's level without -v
+    out = tmp_path / "run"
+    config = config_for(out, transport__broker=mosquitto, transport__prefix=prefix, clients__spawn=0,
+                        clients__expected=3, clients__presence_timeout=4.0)
+    device_presences("pi-09", "online")
+    device_presences("pi-10", "online")
+
+    def on_progress(event: dict) -> None:   # pi-09 leaves once the run has seen it
+        if event.get("kind") == "waiting" and "pi-09" in event["online"]:
+            device_presences("pi-09", "offline")
+
+    with pytest.raises(RunError) as failed:
+        run_federated(config, say=lambda s: None, on_progress=on_progress)
+    message = str(failed.value)
+    assert "only 1 of 3 clients came online within 4 s (clients.presence_timeout)" in message
+    assert "waiting for pi-09 (went offline" in message and "raise clients.presence_timeout" in message
+    # nothing was checkpointed, yet the log that says why is kept, and the error says where
+    assert sorted(p.name for p in out.iterdir()) == ["coordinator.log"]
+    assert str(out / "coordinator.log") in message
+    log = (out / "coordinator.log").read_text()
+    assert "client pi-09 went offline" in log and "only 1 of 3 clients came online" in log
+    left = [r for r in caplog.records if r.getMessage() == "client pi-09 went offline"]
+    assert len(left) == 1 and left[0].levelno >= logging.WARNING
+
+
+def test_a_run_no_device_joins_says_where_it_listened(tmp_path, mosquitto, prefix):
+    config = config_for(tmp_path / "run", transport__broker=mosquitto, transport__prefix=prefix, clients__spawn=0,
+                        clients__expected=2, clients__presence_timeout=2.0)
+    with pytest.raises(RunError, match=rf"only 0 of 2 clients came online within 2 s \(clients.presence_timeout\) "
+                                       rf"\(\[\]\); no other device announced itself on {prefix}/clients/\+/presence"):
+        run_federated(config, say=lambda s: None)
