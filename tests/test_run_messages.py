@@ -1,19 +1,24 @@
 """What a run that cannot go on tells its user: which devices it waited for and which setting gave up, where
 its log is (kept, though nothing was checkpointed), and a device leaving, shown at the default log level.
 
-Real runs on a real Mosquitto; the devices here are presences published as a device publishes them.
+Real runs: on a real Mosquitto with devices that are presences published as a device publishes them, and in
+process with spawned clients training on digits, one of them too slow.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import time
 
 import pytest
 
 from coordinator.runtime.run import RunError, run_federated
 from edge_client.client import presence_payload
+from edge_client.objectives import train
 from edge_client.wire.protocol import PresenceBody, Topics
 from edge_client.wire.transport import BrokerSettings, MqttTransport
+from storage.files import read_jsonl
 from test_federation import config_for
 
 
@@ -66,3 +71,26 @@ def test_a_run_no_device_joins_says_where_it_listened(tmp_path, mosquitto, prefi
     with pytest.raises(RunError, match=rf"only 0 of 2 clients came online within 2 s \(clients.presence_timeout\) "
                                        rf"\(\[\]\); no other device announced itself on {prefix}/clients/\+/presence"):
         run_federated(config, say=lambda s: None)
+
+
+def test_a_round_short_of_results_names_the_devices_that_did_not_answer_and_their_times(tmp_path):
+    """sim-002 trains as the others do in round 1, then holds its round-2 result past every attempt."""
+    def slow_from_round_2(model, data, hyper, ctx):
+        if ctx.round >= 2:
+            time.sleep(12)   # past both attempts (3 s each, the second waiting for it): the run has failed by then
+        return train(model, data, hyper, ctx)
+
+    slow = {"train": slow_from_round_2}
+    config = config_for(tmp_path / "run", transport__kind="inproc", clients__expected=3, clients__spawn=3,
+                        clients__round_timeout=3.0, clients__max_attempts=2, export__enabled=False)
+    with pytest.raises(RunError) as failed:
+        run_federated(config, say=lambda s: None, client_objectives=lambda client: slow if client == "sim-002" else {})
+    message = str(failed.value)
+    assert message.startswith("round 2 (train) got too few results in 2 attempts; ")
+    named = re.search(r"no answer in time from sim-002 \(its train tasks take (\d+\.\d) s\); the last attempt "
+                      r"waited (\d+\.\d) s \(clients.round_timeout", message)
+    assert named is not None, message
+    measured = [a["round_seconds"] for a in read_jsonl(tmp_path / "run" / "clients" / "sim-002.jsonl")
+                if a["round"] == 1 and not a["missed"]]
+    assert float(named.group(1)) == pytest.approx(measured[0], abs=0.05)   # its round-1 time, as measured
+    assert float(named.group(2)) >= 3.0 and "sim-000" not in message and "sim-001" not in message

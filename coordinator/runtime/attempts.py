@@ -15,9 +15,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from coordinator.runtime.round_book import RoundBook
+from coordinator.runtime.round_times import RoundTimes
 from coordinator.strategies.base import TaskPlan
 
-__all__ = ["Attempts", "TaskPlace"]
+__all__ = ["Attempts", "TaskPlace", "silent_note"]
 
 _MAX_PLACES = 100_000   # tasks whose place is remembered, for the late-result message
 
@@ -73,6 +74,13 @@ class Attempts:
         answered = answered.union(*(b.answered_by for b in self.earlier))
         return {task_id: client for task_id, client in given.items() if client not in answered}
 
+    def silent(self, book: RoundBook) -> dict[str, str]:
+        """The clients given a task in any attempt of the phase in progress (``book``: the last) that answered
+        in none of them: client -> the objective of its task."""
+        answered = book.answered_by.union(*(b.answered_by for b in self.earlier))
+        return {plan.client_id: plan.objective for b in (*self.earlier, book) for plan in b.plans.values()
+                if plan.client_id not in answered}
+
     def why_late(self, task_id: str, round: int) -> str:
         """Which attempt a result of ``task_id`` (given by this coordinator) missed, and why it is over."""
         place = self._places.get(task_id)
@@ -85,3 +93,18 @@ class Attempts:
         if place.round <= self.ended_round:
             return f"{missed} is over (the round ended)"
         return f"{missed} is over (the round's {place.phase} phase ended)"
+
+
+def silent_note(silent: dict[str, str], times: RoundTimes, waited: float) -> str:
+    """Which devices a phase waited for in vain and how long they take (the median of their round times measured
+    here, when they ever answered a task of that kind), beside how long the last attempt waited: what a person
+    needs to choose between a longer ``clients.round_timeout`` and looking at those devices. "" if none."""
+    if not silent:
+        return ""
+    said = []
+    for client, objective in sorted(silent.items()):
+        usual = times.usual(client, objective)
+        said.append(f"{client} (its {objective} tasks take {usual:.1f} s)" if usual is not None
+                    else f"{client} (no {objective} task of it answered yet: is it online?)")
+    return (f"no answer in time from {', '.join(said)}; the last attempt waited {waited:.1f} s "
+            "(clients.round_timeout, longer for devices known to be slow); ")

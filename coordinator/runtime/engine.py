@@ -31,6 +31,7 @@ from torch import nn
 from coordinator.runtime.device_book import DeviceBook, ModelSize
 from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
                                              write_checkpoint)
+from coordinator.runtime.attempts import silent_note
 from coordinator.runtime.broadcast import Broadcast
 from coordinator.config import RunConfig
 from coordinator.diagnostics import divergence_metrics
@@ -329,8 +330,10 @@ class Coordinator:
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying: results still count if "
                         "they come, devices still working are waited for, the rest drawn afresh", round, phase,
                         attempt + 1, len(book.results), len(book.selected), c.required_results)
+        silent = silent_note(self.intake.attempts.silent(book), self.intake.round_times,
+                             book.wait or c.clients.round_timeout)
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
-                       + self.intake.notes.why_too_few())
+                       + silent + self.intake.notes.why_too_few())
 
     def _await_answers(self, book: RoundBook) -> None:
         """Handle messages until every client the attempt waits for answered or its deadline passed."""
