@@ -80,7 +80,8 @@ def check_config(config: RunConfig) -> None:
          f"transport.max_partial_bytes must be 0 (sized by the run) or at least transport.max_decoded_bytes "
          f"({t.max_decoded_bytes}), or the largest accepted result could never be reassembled; got "
          f"{t.max_partial_bytes}"),
-        (config.checkpoint.keep in ("all", "last"), f"checkpoint.keep must be all or last, got {config.checkpoint.keep!r}"),
+        (config.checkpoint.keep in ("all", "last"),
+         f"checkpoint.keep must be all or last, got {config.checkpoint.keep!r}"),
         *_workers_checks(config),
         *_async_checks(config),
         *_selection_checks(config),
