@@ -12,6 +12,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from coordinator.runtime.run import RunError, run_federated
 from edge_client.client import presence_payload
@@ -94,3 +95,34 @@ def test_a_round_short_of_results_names_the_devices_that_did_not_answer_and_thei
                 if a["round"] == 1 and not a["missed"]]
     assert float(named.group(1)) == pytest.approx(measured[0], abs=0.05)   # its round-1 time, as measured
     assert float(named.group(2)) >= 3.0 and "sim-000" not in message and "sim-001" not in message
+
+
+def scaled_train(factor: float):
+    """The ``train`` objective of a hostile device: it sends ``factor`` times its update."""
+    def objective(model, data, hyper, ctx):
+        start = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+        out = train(model, data, hyper, ctx)
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                if k in start:
+                    v.copy_(start[k] + factor * (v - start[k]))
+        return out
+    return objective
+
+
+def test_a_poisoned_plain_mean_ends_saying_the_model_diverged_and_what_to_try(tmp_path):
+    """Two devices of ten scale their updates 1000 times; the plain mean takes them, and training the global model
+    soon gives infinite values (here first in a metric the device sends, the mean squared loss, which no JSON
+    body can carry): the run ends naming the divergence, the round and the settings to change."""
+    hostile = {"train": scaled_train(1000.0)}
+    config = config_for(tmp_path / "run", transport__kind="inproc", clients__expected=10, clients__spawn=10,
+                        data__partition="iid", run__rounds=4, clients__max_attempts=1, clients__round_timeout=30.0,
+                        export__enabled=False)
+    with pytest.raises(RunError) as failed:
+        run_federated(config, say=lambda s: None,
+                      client_objectives=lambda client: hostile if client in ("sim-000", "sim-001") else {})
+    message = str(failed.value)
+    assert re.match(r"round \d \(train\) got too few results in 1 attempts; the global model this round started "
+                    r"from has diverged", message), message
+    assert "aggregate.rule" in message and "train.lr" in message and "earlier checkpoint" in message
+    assert "not plain finite JSON" not in message

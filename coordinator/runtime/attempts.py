@@ -12,6 +12,7 @@ into the next attempt, and names the attempt a really late result missed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from coordinator.runtime.round_book import RoundBook
@@ -74,10 +75,10 @@ class Attempts:
         answered = answered.union(*(b.answered_by for b in self.earlier))
         return {task_id: client for task_id, client in given.items() if client not in answered}
 
-    def silent(self, book: RoundBook) -> dict[str, str]:
+    def silent(self, book: RoundBook, rejected: Iterable[str] = ()) -> dict[str, str]:
         """The clients given a task in any attempt of the phase in progress (``book``: the last) that answered
-        in none of them: client -> the objective of its task."""
-        answered = book.answered_by.union(*(b.answered_by for b in self.earlier))
+        in none of them (a result ``rejected`` is an answer too): client -> the objective of its task."""
+        answered = book.answered_by.union(rejected, *(b.answered_by for b in self.earlier))
         return {plan.client_id: plan.objective for b in (*self.earlier, book) for plan in b.plans.values()
                 if plan.client_id not in answered}
 

@@ -330,8 +330,8 @@ class Coordinator:
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying: results still count if "
                         "they come, devices still working are waited for, the rest drawn afresh", round, phase,
                         attempt + 1, len(book.results), len(book.selected), c.required_results)
-        silent = silent_note(self.intake.attempts.silent(book), self.intake.round_times,
-                             book.wait or c.clients.round_timeout)
+        silent = silent_note(self.intake.attempts.silent(book, self.intake.notes.rejections),
+                             self.intake.round_times, book.wait or c.clients.round_timeout)
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
                        + silent + self.intake.notes.why_too_few())
 
