@@ -51,7 +51,10 @@ class ProfileStore:
 
     def __init__(self, directory: Path, *, completed_rounds: int = 0) -> None:
         self.directory = directory
-        self.latest: dict[str, dict[str, Any]] = {}   # client id -> its latest profile this process took
+        # client id -> the latest profile of a training task this process took (not one that says it ran no
+        # optimizer step: a calibration, evaluation or secure-aggregation stage says nothing of how fast a
+        # device trains)
+        self.latest: dict[str, dict[str, Any]] = {}
         self._drop_rounds_after(completed_rounds)
 
     def _drop_rounds_after(self, completed_rounds: int) -> None:
@@ -74,7 +77,7 @@ class ProfileStore:
                   "late": late, "missed": missed, "error": error, "profile": profile or {}}
         with open(self.directory / f"{client_id}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
-        if profile:
+        if profile and profile.get("steps") != 0:
             self.latest[client_id] = profile
         latest = self.directory / f"{client_id}.json"
         if profile or not latest.exists():   # a missed task has no profile to show: keep the last real one
