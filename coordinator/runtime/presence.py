@@ -62,14 +62,15 @@ class Roster:
             self.gone[client_id] = time.monotonic()
         return False
 
-    def missing(self, known: Iterable[str] = ()) -> list[str]:
+    def missing(self, known: Iterable[str] = (), shown: int = 10) -> list[str]:
         """The devices a wait for clients may be waiting for, each with why it is not there: those that went
-        offline during the run, and ``known`` ones (they took part in the run before) never seen online since."""
+        offline during the run, and ``known`` ones (they took part in the run before) never seen online since;
+        the first ``shown`` of them, then how many more."""
         now = time.monotonic()
-        said = [f"{c} (went offline {now - at:.0f} s ago)" for c, at in sorted(self.gone.items())]
+        said = [f"{c} (went offline {now - at:.0f} s ago)" for c, at in sorted(self.gone.items(), key=lambda g: -g[1])]
         said += [f"{c} (took part in this run, not online since)" for c in sorted(set(known))
                  if c not in self.online and c not in self.gone]
-        return said
+        return said[:shown] + ([f"{len(said) - shown} more"] if len(said) > shown else [])
 
     def answering(self) -> list[str]:
         """The online clients selection may draw from: not those benched for unanswered tasks."""
