@@ -126,3 +126,11 @@ def test_a_poisoned_plain_mean_ends_saying_the_model_diverged_and_what_to_try(tm
                     r"from has diverged", message), message
     assert "aggregate.rule" in message and "train.lr" in message and "earlier checkpoint" in message
     assert "not plain finite JSON" not in message
+
+
+def test_a_run_short_of_aggregation_workers_names_the_timeout_that_gave_up(tmp_path, mosquitto, prefix):
+    config = config_for(tmp_path / "run", transport__broker=mosquitto, transport__prefix=prefix, clients__spawn=0,
+                        workers__count=1, clients__presence_timeout=1.0)
+    with pytest.raises(RunError, match=r"only 0 of 1 aggregation workers came online within 1 s "
+                                       r"\(clients.presence_timeout\)"):
+        run_federated(config, say=lambda s: None)

@@ -250,7 +250,7 @@ class Coordinator:
                   lambda: {"kind": "waiting", "online": answering(), "needed": count})
         if len(self.workers.online) < workers:
             raise RunError(f"only {len(self.workers.online)} of {workers} aggregation workers came online within "
-                           f"{timeout:.0f} s: start them (fedge-coordinator worker --config ... on the same broker) "
+                           f"{timeout:.0f} s (clients.presence_timeout): start them (fedge-coordinator worker --config ... on the same broker) "
                            "or lower workers.count")
         if len(answering()) < count:
             withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
