@@ -88,7 +88,7 @@ def test_a_round_short_of_results_names_the_devices_that_did_not_answer_and_thei
         run_federated(config, say=lambda s: None, client_objectives=lambda client: slow if client == "sim-002" else {})
     message = str(failed.value)
     assert message.startswith("round 2 (train) got too few results in 2 attempts; ")
-    named = re.search(r"no answer in time from sim-002 \(its train tasks take (\d+\.\d) s\); the last attempt "
+    named = re.search(r"no answer in time from sim-002 \(its earlier train tasks took (\d+\.\d) s\); the last attempt "
                       r"waited (\d+\.\d) s \(clients.round_timeout", message)
     assert named is not None, message
     measured = [a["round_seconds"] for a in read_jsonl(tmp_path / "run" / "clients" / "sim-002.jsonl")

@@ -105,7 +105,7 @@ def silent_note(silent: dict[str, str], times: RoundTimes, waited: float) -> str
     said = []
     for client, objective in sorted(silent.items()):
         usual = times.usual(client, objective)
-        said.append(f"{client} (its {objective} tasks take {usual:.1f} s)" if usual is not None
+        said.append(f"{client} (its earlier {objective} tasks took {usual:.1f} s)" if usual is not None
                     else f"{client} (no {objective} task of it answered yet: is it online?)")
     return (f"no answer in time from {', '.join(said)}; the last attempt waited {waited:.1f} s "
             "(clients.round_timeout, longer for devices known to be slow); ")
