@@ -134,3 +134,14 @@ def test_a_run_short_of_aggregation_workers_names_the_timeout_that_gave_up(tmp_p
     with pytest.raises(RunError, match=r"only 0 of 1 aggregation workers came online within 1 s "
                                        r"\(clients.presence_timeout\)"):
         run_federated(config, say=lambda s: None)
+
+
+def test_a_resumed_run_short_of_devices_names_those_that_took_part_before(tmp_path):
+    out = tmp_path / "run"
+    run_federated(config_for(out, transport__kind="inproc", run__rounds=1, export__enabled=False),
+                  say=lambda s: None)
+    fewer = config_for(out, transport__kind="inproc", run__rounds=2, clients__spawn=2, clients__presence_timeout=2.0,
+                       export__enabled=False)
+    with pytest.raises(RunError, match=r"only 2 of 3 clients came online within 2 s \(clients.presence_timeout\) "
+                                       r".*; waiting for sim-002 \(took part in this run, not online\)"):
+        run_federated(fewer, resume=True, say=lambda s: None)

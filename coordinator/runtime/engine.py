@@ -31,6 +31,7 @@ from torch import nn
 from coordinator.runtime.device_book import DeviceBook, ModelSize
 from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
                                              write_checkpoint)
+from coordinator.ops.spawn import sim_client_id
 from coordinator.runtime.attempts import silent_note
 from coordinator.runtime.broadcast import Broadcast
 from coordinator.config import RunConfig
@@ -255,7 +256,9 @@ class Coordinator:
         if len(answering()) < count:
             withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
             benched = [c for c in self.roster.benched_online() if c not in withdrawn]
-            missing = self.roster.missing(p.stem for p in self.profile_store.directory.glob("*.json"))
+            expected = {sim_client_id(i): "spawned for this run" for i in range(self.config.clients.spawn)}
+            expected.update((p.stem, "took part in this run") for p in self.profile_store.directory.glob("*.json"))
+            missing = self.roster.missing(expected)
             raise RunError(f"only {len(answering())} of {count} clients came online within {timeout:.0f} s "
                            f"(clients.presence_timeout) ({answering()})"
                            + (f", besides {benched}, online but not answering their tasks" if benched else "")

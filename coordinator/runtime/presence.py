@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 from coordinator.runtime.selection import Absences
@@ -62,13 +62,13 @@ class Roster:
             self.gone[client_id] = time.monotonic()
         return False
 
-    def missing(self, known: Iterable[str] = (), shown: int = 10) -> list[str]:
+    def missing(self, expected: Mapping[str, str], shown: int = 10) -> list[str]:
         """The devices a wait for clients may be waiting for, each with why it is not there: those that went
-        offline during the run, and ``known`` ones (they took part in the run before) never seen online since;
-        the first ``shown`` of them, then how many more."""
+        offline during the run, and ``expected`` ones (client id -> why: it took part in the run, it was
+        spawned for it) not online; the first ``shown`` of them, then how many more."""
         now = time.monotonic()
         said = [f"{c} (went offline {now - at:.0f} s ago)" for c, at in sorted(self.gone.items(), key=lambda g: -g[1])]
-        said += [f"{c} (took part in this run, not online since)" for c in sorted(set(known))
+        said += [f"{c} ({why}, not online)" for c, why in sorted(expected.items())
                  if c not in self.online and c not in self.gone]
         return said[:shown] + ([f"{len(said) - shown} more"] if len(said) > shown else [])
 
