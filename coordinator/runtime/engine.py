@@ -251,8 +251,8 @@ class Coordinator:
                   lambda: {"kind": "waiting", "online": answering(), "needed": count})
         if len(self.workers.online) < workers:
             raise RunError(f"only {len(self.workers.online)} of {workers} aggregation workers came online within "
-                           f"{timeout:.0f} s (clients.presence_timeout): start them (fedge-coordinator worker --config ... on the same broker) "
-                           "or lower workers.count")
+                           f"{timeout:.0f} s (clients.presence_timeout): start them (fedge-coordinator worker "
+                           "--config ... on the same broker) or lower workers.count")
         if len(answering()) < count:
             withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
             benched = [c for c in self.roster.benched_online() if c not in withdrawn]
