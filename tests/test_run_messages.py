@@ -145,3 +145,21 @@ def test_a_resumed_run_short_of_devices_names_those_that_took_part_before(tmp_pa
     with pytest.raises(RunError, match=r"only 2 of 3 clients came online within 2 s \(clients.presence_timeout\) "
                                        r".*; waiting for sim-002 \(took part in this run, not online\)"):
         run_federated(fewer, resume=True, say=lambda s: None)
+
+
+def test_after_a_resume_a_straggler_is_named_with_the_times_the_run_recorded_before(tmp_path):
+    """The resumed session has timed nothing yet: sim-002's times come from the run's records of round 1."""
+    out = tmp_path / "run"
+    run_federated(config_for(out, transport__kind="inproc", run__rounds=1, export__enabled=False), say=lambda s: None)
+
+    def stalled(model, data, hyper, ctx):
+        time.sleep(8)   # past the attempt (3 s): the run has failed by then
+        return train(model, data, hyper, ctx)
+
+    config = config_for(out, transport__kind="inproc", run__rounds=2, clients__round_timeout=3.0,
+                        clients__max_attempts=1, export__enabled=False)
+    with pytest.raises(RunError) as failed:
+        run_federated(config, resume=True, say=lambda s: None,
+                      client_objectives=lambda client: {"train": stalled} if client == "sim-002" else {})
+    recorded = [a["round_seconds"] for a in read_jsonl(out / "clients" / "sim-002.jsonl") if a["round"] == 1]
+    assert f"no answer in time from sim-002 (its earlier train tasks took {recorded[0]:.1f} s)" in str(failed.value)

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from coordinator.runtime.profiles import ProfileStore
 from coordinator.runtime.round_book import RoundBook
 from coordinator.runtime.round_times import RoundTimes
 from coordinator.strategies.base import TaskPlan
@@ -96,15 +97,17 @@ class Attempts:
         return f"{missed} is over (the round's {place.phase} phase ended)"
 
 
-def silent_note(silent: dict[str, str], times: RoundTimes, waited: float) -> str:
+def silent_note(silent: dict[str, str], times: RoundTimes, waited: float, records: ProfileStore) -> str:
     """Which devices a phase waited for in vain and how long they take (the median of their round times measured
-    here, when they ever answered a task of that kind), beside how long the last attempt waited: what a person
-    needs to choose between a longer ``clients.round_timeout`` and looking at those devices. "" if none."""
+    here, else of those the run's records hold from an earlier session, when they ever answered a task of that
+    kind), beside how long the last attempt waited: what a person needs to choose between a longer
+    ``clients.round_timeout`` and looking at those devices. "" if none."""
     if not silent:
         return ""
     said = []
     for client, objective in sorted(silent.items()):
         usual = times.usual(client, objective)
+        usual = usual if usual is not None else records.recorded_seconds(client, objective)
         said.append(f"{client} (its earlier {objective} tasks took {usual:.1f} s)" if usual is not None
                     else f"{client} (no {objective} task of it answered yet: is it online?)")
     return (f"no answer in time from {', '.join(said)}; the last attempt waited {waited:.1f} s "

@@ -334,7 +334,7 @@ class Coordinator:
                         "they come, devices still working are waited for, the rest drawn afresh", round, phase,
                         attempt + 1, len(book.results), len(book.selected), c.required_results)
         silent = silent_note(self.intake.attempts.silent(book, self.intake.notes.rejections),
-                             self.intake.round_times, book.wait or c.clients.round_timeout)
+                             self.intake.round_times, book.wait or c.clients.round_timeout, self.profile_store)
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
                        + silent + self.intake.notes.why_too_few())
 

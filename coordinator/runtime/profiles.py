@@ -16,6 +16,7 @@ client's hello message, so the facts are stored once per client, not per round.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,15 @@ class ProfileStore:
             kept = [r for r in rows if isinstance(r.get("round"), int) and r["round"] <= completed_rounds]
             if len(kept) != len(rows):
                 write_jsonl_atomic(path, kept)
+
+    def recorded_seconds(self, client_id: str, objective: str, window: int = 3) -> float | None:
+        """The median round time of the client's last ``window`` answered tasks of ``objective`` in this run's
+        records, earlier sessions included (None if none): what it takes, when this process has not timed it."""
+        path = self.directory / f"{client_id}.jsonl"
+        rows = read_jsonl(path) if path.is_file() else []
+        times = [r["round_seconds"] for r in rows if r.get("objective") == objective and not r.get("missed")
+                 and not r.get("error") and isinstance(r.get("round_seconds"), (int, float))][-window:]
+        return statistics.median(times) if times else None
 
     def add(self, client_id: str, *, round: int, task_id: str, objective: str, round_seconds: float,
             late: bool = False, missed: bool = False, error: str | None = None,
