@@ -34,49 +34,61 @@ def check_config(config: RunConfig) -> None:
     c, r, t = config.clients, config.run, config.transport
     train, ev, agg = config.train, config.eval, config.aggregate
     checks = [
-        (r.rounds >= 1, "run.rounds must be at least 1"),
-        (c.max_attempts >= 1, "clients.max_attempts must be at least 1"),
-        (c.max_misses >= 0, "clients.max_misses must be 0 (never leave a client out) or more"),
-        (c.max_rejected >= 0, "clients.max_rejected must be 0 (never leave a client out) or more"),
+        (r.rounds >= 1, f"run.rounds must be at least 1, got {r.rounds}"),
+        (c.max_attempts >= 1, f"clients.max_attempts must be at least 1, got {c.max_attempts}"),
+        (c.max_misses >= 0, f"clients.max_misses must be 0 (never leave a client out) or more, got {c.max_misses}"),
+        (train.epochs >= 1, f"train.epochs must be >= 1, got {train.epochs}"),
+        (train.batch_size >= 1, f"train.batch_size must be >= 1, got {train.batch_size}"),
+        (train.lr > 0, f"train.lr must be > 0, got {train.lr}"),
+        (train.momentum >= 0, f"train.momentum must be >= 0, got {train.momentum}"),
+        (c.max_rejected >= 0, f"clients.max_rejected must be 0 (never leave a client out) or more, got {c.max_rejected}"),
         (c.max_weight_ratio == 0 or c.max_weight_ratio >= 1,
          "clients.max_weight_ratio must be 0 (no bound relative to the fleet) or at least 1 (the median device's "
-         "own count must pass)"),
-        (c.max_samples >= 0, "clients.max_samples must be 0 (no fixed bound) or a positive sample count"),
-        (c.presence_interval >= 0, "clients.presence_interval must be >= 0 seconds (0: every presence re-sends)"),
-        (train.epochs >= 1 and train.batch_size >= 1, "train.epochs and train.batch_size must be >= 1"),
-        (train.lr > 0 and train.momentum >= 0, "train.lr must be > 0 and train.momentum >= 0"),
+         f"own count must pass), got {c.max_weight_ratio}"),
+        (c.max_samples >= 0, f"clients.max_samples must be 0 (no fixed bound) or a positive sample count, got {c.max_samples}"),
+        (c.presence_interval >= 0,
+         f"clients.presence_interval must be >= 0 seconds (0: every presence re-sends), got {c.presence_interval}"),
         (config.schedule.lr in LR_SCHEDULES,
          f"schedule.lr must be one of {', '.join(LR_SCHEDULES)}, got {config.schedule.lr!r}"),
         (config.schedule.warmup_rounds >= 0,
          f"schedule.warmup_rounds must be >= 0 (0: no warm-up), got {config.schedule.warmup_rounds}"),
-        (0.0 <= config.data.local_test_fraction < 1.0, "data.local_test_fraction must be in [0, 1)"),
-        (ev.every >= 1 and ev.finetune_epochs >= 0, "eval.every must be >= 1, eval.finetune_epochs >= 0"),
+        (0.0 <= config.data.local_test_fraction < 1.0,
+         f"data.local_test_fraction must be in [0, 1), got {config.data.local_test_fraction}"),
+        (ev.every >= 1, f"eval.every must be >= 1, got {ev.every}"),
+        (ev.finetune_epochs >= 0, f"eval.finetune_epochs must be >= 0, got {ev.finetune_epochs}"),
         (agg.rule in ("mean", "median", "trimmed_mean", "clipped_mean"),
-         "aggregate.rule is one of mean, median, trimmed_mean, clipped_mean"),
-        (0 <= agg.trim < 0.5 and agg.norm_bound >= 0,
-         "aggregate.trim must be in [0, 0.5) and aggregate.norm_bound >= 0 (0 turns the bound off)"),
+         f"aggregate.rule is one of mean, median, trimmed_mean, clipped_mean, got {agg.rule!r}"),
+        (0 <= agg.trim < 0.5, f"aggregate.trim must be in [0, 0.5), got {agg.trim}"),
+        (agg.norm_bound >= 0, f"aggregate.norm_bound must be >= 0 (0 turns the bound off), got {agg.norm_bound}"),
         *_order_checks(config),
         (not ev.personalized or config.data.local_test_fraction > 0 or c.spawn == 0,
          "eval.personalized needs data.local_test_fraction > 0 for spawned clients"),
-        (c.expected >= 1, "clients.expected must be at least 1"),
-        (0 <= c.per_round <= c.expected, "clients.per_round must be between 0 (all) and clients.expected"),
-        (c.min_results >= 0, "clients.min_results must be >= 0"),
-        (c.round_timeout > 0 and c.presence_timeout > 0, "timeouts must be positive"),
-        (c.spawn >= 0, "clients.spawn must be >= 0"),
-        (config.sim.workers >= -1, "sim.workers must be >= 1, 0 (one per core) or -1 (a thread per client)"),
-        (c.selection in SELECTIONS, f"clients.selection must be one of {', '.join(SELECTIONS)}"),
-        (t.kind in ("mqtt", "inproc"), "transport.kind must be mqtt or inproc"),
+        (c.expected >= 1, f"clients.expected must be at least 1, got {c.expected}"),
+        (0 <= c.per_round <= c.expected,
+         f"clients.per_round must be between 0 (all) and clients.expected ({c.expected}), got {c.per_round}"),
+        (c.min_results >= 0, f"clients.min_results must be >= 0, got {c.min_results}"),
+        (c.round_timeout > 0, f"clients.round_timeout must be a positive number of seconds (how long a round waits "
+                              f"for results), got {c.round_timeout}"),
+        (c.presence_timeout > 0, f"clients.presence_timeout must be a positive number of seconds (how long the run "
+                                 f"waits for enough devices online), got {c.presence_timeout}"),
+        (c.spawn >= 0, f"clients.spawn must be >= 0, got {c.spawn}"),
+        (config.sim.workers >= -1,
+         f"sim.workers must be >= 1, 0 (one per core) or -1 (a thread per client), got {config.sim.workers}"),
+        (c.selection in SELECTIONS, f"clients.selection must be one of {', '.join(SELECTIONS)}, got {c.selection!r}"),
+        (t.kind in ("mqtt", "inproc"), f"transport.kind must be mqtt or inproc, got {t.kind!r}"),
         (t.kind == "mqtt" or c.spawn > 0, "the inproc transport needs spawned clients (--spawn-clients N)"),
-        (t.protocol in ("auto", "5", "3.1.1"), "transport.protocol must be auto, 5 or 3.1.1"),
+        (t.protocol in ("auto", "5", "3.1.1"), f"transport.protocol must be auto, 5 or 3.1.1, got {t.protocol!r}"),
         (_broker_problem(t) == "", _broker_problem(t)),
         (t.max_message_bytes >= MIN_MESSAGE_BYTES, f"transport.max_message_bytes must be at least "
-                                                   f"{MIN_MESSAGE_BYTES}"),
+                                                   f"{MIN_MESSAGE_BYTES}, got {t.max_message_bytes}"),
         (t.max_decoded_bytes >= MIN_MESSAGE_BYTES, f"transport.max_decoded_bytes must be at least "
-                                                   f"{MIN_MESSAGE_BYTES}"),
+                                                   f"{MIN_MESSAGE_BYTES}, got {t.max_decoded_bytes}"),
         (t.max_partial_bytes == 0 or t.max_partial_bytes >= t.max_decoded_bytes,
-         "transport.max_partial_bytes must be 0 (sized by the run) or at least transport.max_decoded_bytes, "
-         "or the largest accepted result could never be reassembled"),
-        (config.checkpoint.keep in ("all", "last"), "checkpoint.keep must be all or last"),
+         f"transport.max_partial_bytes must be 0 (sized by the run) or at least transport.max_decoded_bytes "
+         f"({t.max_decoded_bytes}), or the largest accepted result could never be reassembled; got "
+         f"{t.max_partial_bytes}"),
+        (config.checkpoint.keep in ("all", "last"),
+         f"checkpoint.keep must be all or last, got {config.checkpoint.keep!r}"),
         *_workers_checks(config),
         *_async_checks(config),
         *_selection_checks(config),
@@ -133,12 +145,13 @@ def _metrics_checks(config: RunConfig) -> list[tuple[bool, str]]:
 def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:
     w = config.workers
     if w.count == 0:
-        return [(w.flush_timeout > 0, "workers.flush_timeout must be > 0")]
+        return [(w.flush_timeout > 0, f"workers.flush_timeout must be > 0, got {w.flush_timeout}")]
     need = "aggregation workers (workers.count > 0) need"
     return [
-        (w.count >= 0, "workers.count must be >= 0"),
-        (w.flush_timeout > 0, "workers.flush_timeout must be > 0"),
-        (bool(w.group) and not any(ch in w.group for ch in "/+#"), "workers.group must be a name without / + #"),
+        (w.count >= 0, f"workers.count must be >= 0, got {w.count}"),
+        (w.flush_timeout > 0, f"workers.flush_timeout must be > 0, got {w.flush_timeout}"),
+        (bool(w.group) and not any(ch in w.group for ch in "/+#"),
+         f"workers.group must be a name without / + #, got {w.group!r}"),
         (config.transport.kind == "mqtt" and bool(config.transport.broker),
          f"{need} a broker they can reach too: set transport.broker (mqtt://HOST:PORT)"),
         (config.run.strategy in ("fedavg", "fedprox"),
@@ -298,15 +311,20 @@ def _dense(spec: str) -> bool:
 def _selection_checks(config: RunConfig) -> list[tuple[bool, str]]:
     s = config.selection
     return [
-        (0.0 <= s.explore <= 1.0, "selection.explore must be in [0, 1] (the share of a draw spent exploring)"),
-        (s.alpha >= 0, "selection.alpha must be >= 0 (0: no penalty for slow devices)"),
-        (s.preferred_seconds >= 0, "selection.preferred_seconds must be >= 0 (0: from clients.round_timeout)"),
-        (s.staleness >= 0, "selection.staleness must be >= 0 (0: no bonus for devices not selected for a while)"),
-        (s.memory_margin >= 1.0, "selection.memory_margin must be at least 1.0"),
-        (math.isfinite(s.max_temperature_c), "selection.max_temperature_c must be a finite number of °C"),
+        (0.0 <= s.explore <= 1.0,
+         f"selection.explore must be in [0, 1] (the share of a draw spent exploring), got {s.explore}"),
+        (s.alpha >= 0, f"selection.alpha must be >= 0 (0: no penalty for slow devices), got {s.alpha}"),
+        (s.preferred_seconds >= 0,
+         f"selection.preferred_seconds must be >= 0 (0: from clients.round_timeout), got {s.preferred_seconds}"),
+        (s.staleness >= 0,
+         f"selection.staleness must be >= 0 (0: no bonus for devices not selected for a while), got {s.staleness}"),
+        (s.memory_margin >= 1.0, f"selection.memory_margin must be at least 1.0, got {s.memory_margin}"),
+        (math.isfinite(s.max_temperature_c),
+         f"selection.max_temperature_c must be a finite number of °C, got {s.max_temperature_c}"),
         (s.min_battery_percent >= 0 and s.min_battery_percent <= 100,
-         "selection.min_battery_percent must be in [0, 100]"),
-        (s.rest_rounds >= 0, "selection.rest_rounds must be >= 0 (0: never rest a hot or low-battery device)"),
+         f"selection.min_battery_percent must be in [0, 100], got {s.min_battery_percent}"),
+        (s.rest_rounds >= 0,
+         f"selection.rest_rounds must be >= 0 (0: never rest a hot or low-battery device), got {s.rest_rounds}"),
     ]
 
 

@@ -45,12 +45,16 @@ __all__ = ["MetricsError", "MetricsServer", "RunTelemetry", "WorkerTelemetry", "
 log = logging.getLogger("fedge.coordinator")
 
 QUANTILES = (0.5, 0.9, 0.99)
-# metric name -> (the profile field it is read from, what it says); over the online devices' latest profiles
+# metric name -> (the profile field it is read from, what it says); over the online devices' latest training
+# profiles (ProfileStore.latest)
 DEVICE_FIGURES = {
-    "fedge_device_task_seconds": ("seconds", "Seconds a device took for its last task, as it measured them"),
-    "fedge_device_step_seconds": ("step_p50", "Median seconds of one training step in a device's last task"),
-    "fedge_device_peak_memory_bytes": ("peak_rss_bytes", "Peak resident memory of a device's last task"),
-    "fedge_device_temperature_celsius": ("temperature_c", "CPU temperature a device read after its last task"),
+    "fedge_device_task_seconds": ("seconds", "Seconds a device took for its last training task, as it measured "
+                                             "them"),
+    "fedge_device_step_seconds": ("step_p50", "Median seconds of one training step in a device's last training "
+                                              "task"),
+    "fedge_device_peak_memory_bytes": ("peak_rss_bytes", "Peak resident memory of a device's last training task"),
+    "fedge_device_temperature_celsius": ("temperature_c", "CPU temperature a device read after its last training "
+                                                          "task"),
 }
 # a row's column -> the gauge holding its last value
 ROW_FIGURES = {

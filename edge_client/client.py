@@ -31,7 +31,8 @@ from edge_client.device_protocol import Actions, BroadcastCache, DeviceProtocol,
 from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
 from edge_client.models import ModelSpecError, federated_names, state_shapes
-from edge_client.objectives import LocalData, Objective, ObjectiveError, TaskContext, shuffle_seed, task_key, warm_up
+from edge_client.objectives import (LocalData, Objective, ObjectiveError, TaskContext, check_finite_metrics,
+                                    shuffle_seed, task_key, warm_up)
 from edge_client.privacy_budget import BudgetSettings, PrivacyBudget, PrivacyBudgetError
 from edge_client.registry import OBJECTIVES, build_model
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
@@ -342,6 +343,7 @@ class EdgeClient:
                           profiler=profiler, device=self.device)
         with profiler.phase("train"):
             output = objective(model, self.data, task.hyper, ctx)
+        check_finite_metrics(output, msg.round)
         if output.tensors is not None:
             if sorted(output.tensors) != sorted(up):
                 raise ProtocolError(f"objective produced {sorted(output.tensors)[:5]}, the task asked for {up[:5]}")

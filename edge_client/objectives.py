@@ -30,7 +30,9 @@ from profiling.profiler import Profiler
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "task_key", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
            "shuffle_seed", "TrainHyper", "evaluate_local", "local_data", "holdout_seed",
            "local_data_view", "warm_up", "minibatches",
-           "Objective"]
+           "Objective", "DIVERGED", "check_finite_metrics"]
+
+DIVERGED = "training diverged"   # what a device's answer says when its loss or metrics went infinite or NaN
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,17 @@ class ObjectiveOutput:
     tensors: dict[str, torch.Tensor] | None = None
 
 
+def check_finite_metrics(output: ObjectiveOutput, round: int) -> None:
+    """Raise ObjectiveError when a metric came out infinite or NaN: the model the task carried (or what
+    training made of it) diverged, and saying so is more use than a result that cannot even be encoded."""
+    bad = {name: value for name, value in output.metrics.items()
+           if isinstance(value, float) and not math.isfinite(value)}
+    if bad:
+        said = ", ".join(f"{name} is {value}" for name, value in sorted(bad.items()))
+        raise ObjectiveError(f"{DIVERGED} ({said} in round {round}): the model the task carried is broken or the "
+                             "learning rate is too high")
+
+
 def warm_up() -> None:
     """Pay one-time costs before the first task, not inside it.
 
@@ -167,7 +180,8 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
         profiler.lap("optimizer")
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise ObjectiveError("training diverged (non-finite loss); lower the learning rate")
+            raise ObjectiveError(f"{DIVERGED} (non-finite loss in round {ctx.round}): the model the task carried "
+                                 "is broken or the learning rate is too high")
         total_loss += value * len(yb)
         seen += len(yb)
         if step >= last_epoch:

@@ -643,3 +643,11 @@ def test_a_claim_body_is_typed_and_checked():
     for bad in ({"held": "yes"}, {"wire_bytes": -1}, {"wire_bytes": True}, {"problem": 3}):
         with pytest.raises(ProtocolError, match="claim field"):
             ClaimBody.from_body(bad)
+
+
+def test_a_body_that_cannot_be_json_names_the_number_that_is_not_finite():
+    body = {"num_samples": 10, "metrics": {"train_loss": 0.5, "train_loss_sq": float("inf")}}
+    with pytest.raises(ProtocolError, match=r"not plain finite JSON: body.metrics.train_loss_sq is inf"):
+        encode("result", run_id="r", round=3, task_id="t", sender="pi-01", body=body)
+    with pytest.raises(ProtocolError, match=r"not plain finite JSON: body.steps.1 is nan"):
+        encode("result", run_id="r", round=3, task_id="t", sender="pi-01", body={"steps": [1.0, float("nan")]})

@@ -1,12 +1,16 @@
-"""The per-round table when output is piped (a file, a CI log): one plain line per round."""
+"""The per-round table when output is piped (a file, a CI log): one plain line per round, with the columns
+of the modes a run has on (real runs for those)."""
 
 from __future__ import annotations
 
 import io
+import json
 import time
+from pathlib import Path
 
 from rich.console import Console
 
+from coordinator.ui.cli import main
 from coordinator.ui.report import RoundTable
 
 ROWS = [
@@ -72,3 +76,43 @@ def test_a_quick_round_adds_no_progress_lines_to_a_log_but_waiting_shows_at_once
         table.progress({"kind": "exchange", "round": 1, "phase": "train", "attempt": 1, "results": results,
                         "selected": 3, "bytes_down": 0, "bytes_up": 0, "started": time.monotonic(), "timeout": 9.0})
     assert out.getvalue().splitlines() == ["waiting for clients: 1/2 online (a)"]
+
+
+# --------------------------------------------------------------------------- the columns a mode adds, in real runs
+RUN = ["run", "--transport", "inproc", "--spawn-clients", "4", "--clients", "4", "--rounds", "2", "--data", "digits",
+       "--model", "mlp", "--set", "model.hidden=[16]", "--set", "export.enabled=false"]
+
+
+def _table_of(capsys, out: Path, *sets: str) -> tuple[list[str], list[list[str]], list[dict]]:
+    """Run the CLI piped; the table's header, its lines (split on two spaces or more) and metrics.jsonl."""
+    assert main([*RUN, "--out", str(out), *[arg for s in sets for arg in ("--set", s)]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["round", "accuracy"])
+    header = lines[start].split()
+    table = [line.split() for line in lines[start + 1:start + 4]]
+    return header, table, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_under_central_dp_and_secagg_the_table_shows_epsilon_spent_and_dropouts_tolerated(tmp_path, capsys):
+    header, table, rows = _table_of(capsys, tmp_path / "run", "privacy.mode=central", "privacy.clip_norm=0.5",
+                                    "privacy.noise_multiplier=1.0", "clients.max_attempts=1", "secagg.enabled=true")
+    assert header[-4:] == ["seconds", "ε", "spent", "drop/tol"]
+    for line, row in zip(table[1:], rows[1:]):
+        assert line[-2] == f"{row['dp_epsilon']:.2f}" and row["dp_epsilon"] > 0
+        assert line[-1] == f"{row['secagg_dropped']}/{row['secagg_degree'] - row['secagg_threshold']}"
+    assert table[2][-2] != table[1][-2]   # spent so far: it grows round by round
+
+
+def test_in_async_mode_the_table_shows_staleness(tmp_path, capsys):
+    header, table, rows = _table_of(capsys, tmp_path / "run", "run.mode=async", "async.concurrency=4",
+                                    "async.buffer_size=2")
+    assert header[-3:] == ["seconds", "stale", "avg/max"] and "ε" not in header and "drop/tol" not in header
+    for line, row in zip(table[1:], rows[1:]):
+        counts = {int(s): n for s, n in row["staleness"].items()}
+        mean = sum(s * n for s, n in counts.items()) / sum(counts.values())
+        assert line[-1] == f"{mean:.1f}/{max(counts)}"
+
+
+def test_without_those_modes_the_table_has_its_usual_columns(tmp_path, capsys):
+    header, _, _ = _table_of(capsys, tmp_path / "run")
+    assert header[-1] == "seconds"

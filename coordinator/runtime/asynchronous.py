@@ -92,6 +92,9 @@ class AsyncRun:
         """Make versions until ``last``; ``complete(row, state)`` writes each row and its checkpoint. A run
         that stops before (Ctrl-C, SIGTERM, an error) checkpoints the results it buffered meanwhile."""
         co = self.co
+        # What the intake counted before the first version (late results of tasks given before a resume, which
+        # may come while the run waits for its devices) goes in that version's row, as strays go in a round's.
+        self.book.tally.add(co.intake.book.tally.carried())
         co.intake.open(self.book)
         co.on_progress({"kind": "round", "round": co.state.round + 1, "phase": "start"})
         try:

@@ -12,12 +12,15 @@ into the next attempt, and names the attempt a really late result missed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from coordinator.runtime.profiles import ProfileStore
 from coordinator.runtime.round_book import RoundBook
+from coordinator.runtime.round_times import RoundTimes
 from coordinator.strategies.base import TaskPlan
 
-__all__ = ["Attempts", "TaskPlace"]
+__all__ = ["Attempts", "TaskPlace", "silent_note"]
 
 _MAX_PLACES = 100_000   # tasks whose place is remembered, for the late-result message
 
@@ -73,6 +76,13 @@ class Attempts:
         answered = answered.union(*(b.answered_by for b in self.earlier))
         return {task_id: client for task_id, client in given.items() if client not in answered}
 
+    def silent(self, book: RoundBook, rejected: Iterable[str] = ()) -> dict[str, str]:
+        """The clients given a task in any attempt of the phase in progress (``book``: the last) that answered
+        in none of them (a result ``rejected`` is an answer too): client -> the objective of its task."""
+        answered = book.answered_by.union(rejected, *(b.answered_by for b in self.earlier))
+        return {plan.client_id: plan.objective for b in (*self.earlier, book) for plan in b.plans.values()
+                if plan.client_id not in answered}
+
     def why_late(self, task_id: str, round: int) -> str:
         """Which attempt a result of ``task_id`` (given by this coordinator) missed, and why it is over."""
         place = self._places.get(task_id)
@@ -85,3 +95,20 @@ class Attempts:
         if place.round <= self.ended_round:
             return f"{missed} is over (the round ended)"
         return f"{missed} is over (the round's {place.phase} phase ended)"
+
+
+def silent_note(silent: dict[str, str], times: RoundTimes, waited: float, records: ProfileStore) -> str:
+    """Which devices a phase waited for in vain and how long they take (the median of their round times measured
+    here, else of those the run's records hold from an earlier session, when they ever answered a task of that
+    kind), beside how long the last attempt waited: what a person needs to choose between a longer
+    ``clients.round_timeout`` and looking at those devices. "" if none."""
+    if not silent:
+        return ""
+    said = []
+    for client, objective in sorted(silent.items()):
+        usual = times.usual(client, objective)
+        usual = usual if usual is not None else records.recorded_seconds(client, objective)
+        said.append(f"{client} (its earlier {objective} tasks took {usual:.1f} s)" if usual is not None
+                    else f"{client} (no {objective} task of it answered yet: is it online?)")
+    return (f"no answer in time from {', '.join(said)}; the last attempt waited {waited:.1f} s "
+            "(clients.round_timeout, longer for devices known to be slow); ")

@@ -31,6 +31,8 @@ from torch import nn
 from coordinator.runtime.device_book import DeviceBook, ModelSize
 from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
                                              write_checkpoint)
+from coordinator.ops.spawn import sim_client_id
+from coordinator.runtime.attempts import silent_note
 from coordinator.runtime.broadcast import Broadcast
 from coordinator.config import RunConfig
 from coordinator.diagnostics import divergence_metrics
@@ -249,21 +251,27 @@ class Coordinator:
                   lambda: {"kind": "waiting", "online": answering(), "needed": count})
         if len(self.workers.online) < workers:
             raise RunError(f"only {len(self.workers.online)} of {workers} aggregation workers came online within "
-                           f"{timeout:.0f} s: start them (fedge-coordinator worker --config ... on the same broker) "
-                           "or lower workers.count")
+                           f"{timeout:.0f} s (clients.presence_timeout): start them (fedge-coordinator worker "
+                           "--config ... on the same broker) or lower workers.count")
         if len(answering()) < count:
             withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
             benched = [c for c in self.roster.benched_online() if c not in withdrawn]
             refusing = [c for c in benched if c in self.absences.refusing]
             benched = [c for c in benched if c not in refusing]
+            expected = {sim_client_id(i): "spawned for this run" for i in range(self.config.clients.spawn)}
+            expected.update((p.stem, "took part in this run") for p in self.profile_store.directory.glob("*.json"))
+            missing = self.roster.missing(expected)
             raise RunError(f"only {len(answering())} of {count} clients came online within {timeout:.0f} s "
-                           f"({answering()})" + (f", besides {benched}, online but not answering their tasks"
-                                                 if benched else "")
+                           f"(clients.presence_timeout) ({answering()})"
+                           + (f", besides {benched}, online but not answering their tasks" if benched else "")
                            + (f", besides {refusing}, whose results were rejected (coordinator.log says why)"
                               if refusing else "")
                            + (f", besides {withdrawn}, which withdrew from the run (their own privacy budgets: "
                               "clients/ID.jsonl says why)" if withdrawn else "")
-                           + "; start more clients or lower clients.expected")
+                           + (f"; waiting for {', '.join(missing)}" if missing else
+                              f"; no other device announced itself on {self.topics.all_clients('presence')}")
+                           + "; start more clients (or bring those back), lower clients.expected, or raise "
+                             "clients.presence_timeout")
 
     def _sample(self, round: int, attempt: int, taken: set[str]) -> Draw:
         """The attempt's clients (besides ``taken``, which it already counts on), once enough are online."""
@@ -334,8 +342,10 @@ class Coordinator:
             log.warning("round %d %s attempt %d: %d of %d results (need %d); retrying: results still count if "
                         "they come, devices still working are waited for, the rest drawn afresh", round, phase,
                         attempt + 1, len(book.results), len(book.selected), c.required_results)
+        silent = silent_note(self.intake.attempts.silent(book, self.intake.notes.rejections),
+                             self.intake.round_times, book.wait or c.clients.round_timeout, self.profile_store)
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
-                       + self.intake.notes.why_too_few())
+                       + silent + self.intake.notes.why_too_few())
 
     def _await_answers(self, book: RoundBook) -> None:
         """Handle messages until every client the attempt waits for answered or its deadline passed."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ class Roster:
                  on_change: Callable[[str, str], None] = lambda client_id, state: None) -> None:
         self.absences = absences
         self.online: dict[str, PresenceBody] = {}
+        self.gone: dict[str, float] = {}   # clients that went offline and stayed away -> when (monotonic)
         self._warn = warn
         self._on_change = on_change   # (client id, "online" or "offline") when a client's state changes
 
@@ -85,11 +86,24 @@ class Roster:
             if self.absences.returned(client_id, announced=True):
                 log.info("client %s announced itself again: it may be selected again", client_id)
             self.online[client_id] = body
+            self.gone.pop(client_id, None)
             return True
         if self.online.pop(client_id, None) is not None:
-            log.info("client %s went offline", client_id)
+            # A warning: shown without -v, as a device leaving is what a person watching a run needs to know.
+            log.warning("client %s went offline", client_id)
+            self.gone[client_id] = time.monotonic()
             self._on_change(client_id, "offline")
         return False
+
+    def missing(self, expected: Mapping[str, str], shown: int = 10) -> list[str]:
+        """The devices a wait for clients may be waiting for, each with why it is not there: those that went
+        offline during the run, and ``expected`` ones (client id -> why: it took part in the run, it was
+        spawned for it) not online; the first ``shown`` of them, then how many more."""
+        now = time.monotonic()
+        said = [f"{c} (went offline {now - at:.0f} s ago)" for c, at in sorted(self.gone.items(), key=lambda g: -g[1])]
+        said += [f"{c} ({why}, not online)" for c, why in sorted(expected.items())
+                 if c not in self.online and c not in self.gone]
+        return said[:shown] + ([f"{len(said) - shown} more"] if len(said) > shown else [])
 
     def answering(self) -> list[str]:
         """The online clients selection may draw from: not those benched for unanswered tasks."""

@@ -16,6 +16,7 @@ client's hello message, so the facts are stored once per client, not per round.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,10 @@ class ProfileStore:
 
     def __init__(self, directory: Path, *, completed_rounds: int = 0) -> None:
         self.directory = directory
-        self.latest: dict[str, dict[str, Any]] = {}   # client id -> its latest profile this process took
+        # client id -> the latest profile of a training task this process took (not one that says it ran no
+        # optimizer step: a calibration, evaluation or secure-aggregation stage says nothing of how fast a
+        # device trains)
+        self.latest: dict[str, dict[str, Any]] = {}
         self._drop_rounds_after(completed_rounds)
 
     def _drop_rounds_after(self, completed_rounds: int) -> None:
@@ -45,6 +49,15 @@ class ProfileStore:
             if len(kept) != len(rows):
                 write_jsonl_atomic(path, kept)
 
+    def recorded_seconds(self, client_id: str, objective: str, window: int = 3) -> float | None:
+        """The median round time of the client's last ``window`` answered tasks of ``objective`` in this run's
+        records, earlier sessions included (None if none): what it takes, when this process has not timed it."""
+        path = self.directory / f"{client_id}.jsonl"
+        rows = read_jsonl(path) if path.is_file() else []
+        times = [r["round_seconds"] for r in rows if r.get("objective") == objective and not r.get("missed")
+                 and not r.get("error") and isinstance(r.get("round_seconds"), (int, float))][-window:]
+        return statistics.median(times) if times else None
+
     def add(self, client_id: str, *, round: int, task_id: str, objective: str, round_seconds: float,
             late: bool = False, missed: bool = False, error: str | None = None,
             profile: dict[str, Any] | None = None, device: Any = None) -> None:
@@ -56,7 +69,7 @@ class ProfileStore:
                   "late": late, "missed": missed, "error": error, "profile": profile or {}}
         with open(self.directory / f"{client_id}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
-        if profile:
+        if profile and profile.get("steps") != 0:
             self.latest[client_id] = profile
         latest = self.directory / f"{client_id}.json"
         if profile or not latest.exists():   # a missed task has no profile to show: keep the last real one

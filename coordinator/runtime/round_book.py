@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.strategies.base import ClientResult, TaskPlan
+from edge_client.objectives import DIVERGED
 from edge_client.wire.protocol import ManifestBody
 
 __all__ = ["COUNTERS", "Network", "Tally", "RoundBook", "RoundNotes"]
 
 COUNTERS = ("late", "rejected", "duplicates", "unexpected", "failed")   # outcomes counted in the row
+# What to try when the global model diverged, whoever noticed it
+_DIVERGED_FIX = ("the cause is a hostile or broken update (set aggregate.rule or aggregate.norm_bound, "
+                 "docs/robustness.md) or a learning rate too high (lower train.lr); resume from an earlier "
+                 "checkpoint once fixed")
 
 
 @dataclass(frozen=True)
@@ -147,11 +152,13 @@ class RoundNotes:
         than the timeout does."""
         said = "; ".join(f"{cid}: {why}" for cid, why in sorted(self.failures.items())[:3])
         rejected = sorted(self.rejections.items())
+        diverged = sorted((cid, why) for cid, why in self.failures.items() if DIVERGED in why)
+        if diverged:
+            return (f"the global model this round started from has diverged: training it gave {len(diverged)} "
+                    f"client(s) infinite or NaN values; {_DIVERGED_FIX} (first: {diverged[0][0]}: {diverged[0][1]})")
         if rejected and all(_says_diverged(why) for _, why in rejected):
             return (f"the results of {len(rejected)} client(s) held NaN or infinite values, which is what training "
-                    "a diverged global model gives: a hostile or broken update (set aggregate.rule or "
-                    "aggregate.norm_bound, docs/robustness.md) or a learning rate too high; resume from an earlier "
-                    f"checkpoint once fixed (first: {rejected[0][0]}: {rejected[0][1]})")
+                    f"a diverged global model gives; {_DIVERGED_FIX} (first: {rejected[0][0]}: {rejected[0][1]})")
         if said:
             return f"the clients said: {said}"
         if rejected:

@@ -41,6 +41,7 @@ from edge_client.objectives import Objective
 from edge_client.registry import build_model, describe_size, model_size
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
 from storage.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
+from storage.errors import FedgeError
 from storage.files import read_jsonl, write_jsonl_atomic
 from storage.state import ServerState
 
@@ -210,17 +211,26 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
         return RunResult(out, json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {})
     dump_config(config, out / "config.toml")
     handler = _setup_file_log(out)
+    began: list[bool] = []   # not empty once the run is on the broker: its failures are the log's to explain
     try:
         with _sigterm_as_interrupt():
             return _run(config, out, run_id, resume, say, on_round or (lambda row: None), strategy, on_progress,
-                        client_objectives)
+                        client_objectives, began)
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             log.warning("run %s stopped by %s", run_id, "SIGTERM" if isinstance(exc, _Terminated) else "Ctrl-C")
+        else:
+            log.error("run %s failed: %s", run_id, exc, extra={"said": True})
         _close_log(handler)
         rounds = checkpoint_rounds(out / "checkpoints")
-        if not rounds and created:   # a start that failed leaves no run directory behind
-            shutil.rmtree(out, ignore_errors=True)
+        failed = bool(began) and not isinstance(exc, KeyboardInterrupt)   # on the broker: the log says why
+        if not rounds and created:   # a start that failed leaves no run directory behind, but for its logs
+            if failed:
+                _keep_only_logs(out)
+            else:
+                shutil.rmtree(out, ignore_errors=True)
+        if failed:
+            _name_the_log(exc, out, bool(rounds))
         if isinstance(exc, KeyboardInterrupt):
             kept = None if not rounds and created else out
             raise RunInterrupted(kept, max(rounds) if rounds else None) from None
@@ -229,10 +239,30 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
         _close_log(handler)
 
 
+def _keep_only_logs(out: Path) -> None:
+    """A run that failed on the broker before its first checkpoint: nothing in ``out`` can be resumed, but
+    ``coordinator.log`` (and spawned clients' ``logs/``) say why it failed, so they stay."""
+    for path in out.iterdir():
+        if path.name in ("coordinator.log", "logs"):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _name_the_log(exc: BaseException, out: Path, checkpointed: bool) -> None:
+    """Add where the run's log is to the error that ended it (a fedge error: its one line is what the user
+    reads), and whether anything can be resumed."""
+    if isinstance(exc, FedgeError) and exc.args and isinstance(exc.args[0], str):
+        kept = "" if checkpointed else "nothing was checkpointed; "
+        exc.args = (f"{exc.args[0]} ({kept}the coordinator's log: {out / 'coordinator.log'})", *exc.args[1:])
+
+
 def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[[str], None],
          on_round: Callable[[dict[str, Any]], None], strategy: Strategy,
          on_progress: Callable[[dict[str, Any]], None] | None,
-         client_objectives: Callable[[str], Mapping[str, Objective]] | None) -> RunResult:
+         client_objectives: Callable[[str], Mapping[str, Objective]] | None, began: list[bool]) -> RunResult:
     started = time.monotonic()
     dataset = load_dataset(config.data.eval, train=config.clients.spawn > 0)   # spawned clients' partitions need it
     # As the clients see their data: attribute skew can change the channels (edge_client/attribute_skew.py).
@@ -247,6 +277,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
                                   eval_data=eval_data, on_progress=on_progress)
         telemetry.watch(coordinator.roster, coordinator.profile_store)   # [metrics]: the fleet at each scrape
         coordinator.announce("running")
+        began.append(True)
         spawned = SpawnedClients()
         completed = False
         try:
@@ -255,8 +286,12 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
             _train(coordinator, rows, metrics_path, telemetry.observing(on_round))
             completed = True
         finally:
-            # "stopped": the run may be resumed; devices drop what it queued instead of training it.
-            coordinator.announce("finished" if completed else "stopped")
+            # "stopped": the run may be resumed; devices drop what it queued instead of training it. "finished"
+            # carries the last round done (docs/protocol.md), not the next one a running status would name.
+            if completed:
+                coordinator.announce("finished", coordinator.state.round)
+            else:
+                coordinator.announce("stopped")
             spawned.stop()
     summary = {**run_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
                              coordinator.started_after), **strategy.summary(rows)}

@@ -351,13 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     handler.addFilter(lambda record: not getattr(record, "said", False))
     logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s")
 
-    from coordinator.ui.report import RoundTable
+    from coordinator.ui.report import RoundTable, mode_columns
     from coordinator.runtime.run import RunInterrupted, run_federated
     from storage.errors import FedgeError
 
     try:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
-        with RoundTable(console, title=f"fedge {config.run.strategy} / {config.model['name']}") as table:
+        with RoundTable(console, title=f"fedge {config.run.strategy} / {config.model['name']}",
+                        modes=mode_columns(config)) as table:
             result = run_federated(config, resume=getattr(args, "resume", False),
                                    say=lambda text: console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True),
                                    on_round=table.add,

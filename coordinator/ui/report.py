@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -12,12 +13,54 @@ from rich.text import Text
 
 from profiling.units import human_bytes
 
-__all__ = ["RoundTable", "progress_line", "human_bytes"]
+if TYPE_CHECKING:
+    from coordinator.run_config import RunConfig
+
+__all__ = ["RoundTable", "progress_line", "human_bytes", "mode_columns"]
 
 # Each column with the width of its plain-text line: the header or the widest usual cell ("1023.9 MiB"),
 # so that a round fits one 80-column line of a CI log (a wider cell widens its line, never wraps it).
 _COLUMNS = (("round", 5), ("accuracy", 8), ("loss", 7), ("personal", 8), ("clients", 7), ("late/rej", 8),
             ("down", 10), ("up", 10), ("seconds", 7))
+
+
+def _epsilon(row: dict[str, Any]) -> str:
+    """The differential privacy spent so far (the row's ``dp_epsilon``, the run's composed epsilon)."""
+    value = row.get("dp_epsilon")
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _dropouts(row: dict[str, Any]) -> str:
+    """A secure round's devices dropped, of the k - t dropouts its graph tolerates (degree k, threshold t)."""
+    degree, threshold = row.get("secagg_degree"), row.get("secagg_threshold")
+    if degree is None or threshold is None:
+        return "-"
+    return f"{row.get('secagg_dropped', 0)}/{degree - threshold}"
+
+
+def _staleness(row: dict[str, Any]) -> str:
+    """An asynchronous version's results: their mean and largest staleness (versions behind), "-" if none."""
+    counts = {int(s): n for s, n in (row.get("staleness") or {}).items()}
+    applied = sum(counts.values())
+    if not applied:
+        return "-"
+    return f"{sum(s * n for s, n in counts.items()) / applied:.1f}/{max(counts)}"
+
+
+# The columns a mode adds, each shown only where the mode is on: name, width, cell.
+_MODE_COLUMNS: dict[str, tuple[str, int, Callable[[dict[str, Any]], str]]] = {
+    "dp": ("ε spent", 7, _epsilon),
+    "secagg": ("drop/tol", 8, _dropouts),
+    "async": ("stale avg/max", 13, _staleness),
+}
+
+
+def mode_columns(config: RunConfig) -> list[str]:
+    """The modes of ``config`` whose columns the table shows: differential privacy's epsilon, secure
+    aggregation's dropouts and tolerance, asynchronous versions' staleness."""
+    on = {"dp": config.privacy.mode in ("central", "local"), "secagg": config.secagg.enabled,
+          "async": config.run.mode == "async"}
+    return [mode for mode in _MODE_COLUMNS if on[mode]]
 
 
 def _number(value: float | None) -> str:
@@ -40,8 +83,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
     ]
 
 
-def _plain_line(cells: list[str]) -> str:
-    return " ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, _COLUMNS))
+def _plain_line(cells: list[str], columns: tuple[tuple[str, int], ...] = _COLUMNS) -> str:
+    return " ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns))
 
 
 def progress_line(info: dict[str, Any], now: float | None = None) -> str:
@@ -84,10 +127,13 @@ class RoundTable:
 
     PIPED_EVERY = 10.0   # seconds between progress lines in a log, unless something new happened
 
-    def __init__(self, console: Console | None = None, title: str = "fedge") -> None:
+    def __init__(self, console: Console | None = None, title: str = "fedge", modes: list[str] | None = None) -> None:
+        """``modes``: those whose columns to add (:func:`mode_columns`)."""
         self.console = console or Console()
         self.table = Table(title=title)
-        for name, _ in _COLUMNS:
+        self._modes = [_MODE_COLUMNS[mode] for mode in modes or []]
+        self._columns = _COLUMNS + tuple((name, width) for name, width, _ in self._modes)
+        for name, _ in self._columns:
             self.table.add_column(name, justify="right")
         self._view = _View(self.table)
         self._live: Live | None = None
@@ -99,14 +145,14 @@ class RoundTable:
     def add(self, row: dict[str, Any]) -> None:
         """Show a round; the table (or the header line) appears with the first one, so an error at
         start-up comes alone, not under an empty table."""
-        cells = _cells(row)
+        cells = _cells(row) + [cell(row) for _, _, cell in self._modes]
         self.table.add_row(*cells)
         self._view.progress = None
         if self.console.is_terminal:
             self._start_live()
         else:
             if self.table.row_count == 1:
-                self._print_line([name for name, _ in _COLUMNS])
+                self._print_line([name for name, _ in self._columns])
             self._print_line(cells)
 
     def progress(self, info: dict[str, Any]) -> None:
@@ -134,7 +180,7 @@ class RoundTable:
 
     def _print_line(self, cells: list[str]) -> None:
         """One line as is: rich would otherwise wrap it at the console's width, 80 columns when piped."""
-        self.console.print(_plain_line(cells), soft_wrap=True, highlight=False, markup=False)
+        self.console.print(_plain_line(cells, self._columns), soft_wrap=True, highlight=False, markup=False)
 
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:

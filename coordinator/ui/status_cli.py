@@ -7,8 +7,8 @@ lately, without reading ``clients/*.jsonl`` by hand. Two sources, either or both
 - the broker: every device's retained presence (``PREFIX/clients/+/presence``: online with its device
   facts, or offline, the broker speaking its last will), the coordinator's retained run status and the
   aggregation workers' presences, read for ``--wait`` seconds over a session that ends with the command;
-- a run directory: each device's latest profile (``clients/ID.json``), its recent answers
-  (``clients/ID.jsonl``: errors, missed tasks, when it last answered) and the run's last row.
+- a run directory: each device's latest training profile and its recent answers (``clients/ID.jsonl``:
+  errors, missed tasks, when it last answered) and the run's last row.
 
 What comes from the broker is checked as the coordinator checks it (:func:`parse_presence`); nothing
 received is unpickled or evaluated.
@@ -36,10 +36,11 @@ def add_command(sub, name: str = "status") -> None:  # sub: the parser's subpars
         name, help="list the fleet: devices online, their class, last profile and recent failures",
         description="List every device the broker or a run directory knows: online or offline (its retained "
                     "presence on the broker), its class and site (FEDGE_DEVICE_CLASS and FEDGE_SITE on the device, "
-                    "else its board or architecture), when it last answered a task, its last profile (task seconds, "
-                    "median step, peak memory, temperature) and its failures among its last 10 answers (errors and "
-                    "missed tasks), with the run's state and last round. The broker is read (for --wait seconds) "
-                    "when --broker or --config names it; its other settings come from --config, else from "
+                    "else its board or architecture), when it last answered a task, its last training task's profile "
+                    "(task seconds, median step, peak memory in MiB, temperature) and its failures among its last "
+                    "10 answers (errors and missed tasks), with the run's state and last round. The broker is read "
+                    "(for --wait seconds) when --broker or --config names it; its other settings come from --config, "
+                    "else from "
                     "RUN_DIR/config.toml, and --set. On a broker with use_username_as_clientid (deploy/mosquitto.conf) "
                     "log in as a read-only user (--set transport.username=monitor), never as the coordinator: a "
                     "second login under its name disconnects the run. Profiles and failures need --run-dir. "
@@ -146,11 +147,12 @@ def read_run_dir(run_dir: Path) -> dict[str, Any]:
     run = {"dir": str(run_dir), "finished": (run_dir / "summary.json").is_file(), "round": last.get("round"),
            "test_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None}
     devices: dict[str, dict[str, Any]] = {}
+    trained = _training_profiles(run_dir)
     for path in sorted((run_dir / "clients").glob("*.jsonl")):
         client = path.stem
         answers = read_jsonl(path)[-RECENT:]
         latest = _json(run_dir / "clients" / f"{client}.json") or {}
-        profile = latest.get("profile") if isinstance(latest.get("profile"), dict) else {}
+        profile = trained.get(client, {})
         failures = [a for a in answers if a.get("error") or a.get("missed")]
         why = (failures[-1].get("error") or "missed its task") if failures else None
         klass, site = device_labels(latest.get("device"))
@@ -162,6 +164,24 @@ def read_run_dir(run_dir: Path) -> dict[str, Any]:
             "peak_memory_bytes": profile.get("peak_rss_bytes"), "temperature_c": profile.get("temperature_c"),
             "recent_failures": len(failures), "recent_answers": len(answers), "last_failure": why}
     return {"run": run, "devices": devices}
+
+
+def _training_profiles(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each device's latest profile of a training task (one that ran optimizer steps, as reports count them:
+    :attr:`profiling.runs.RunRecords.training_objectives`). A calibration, evaluation or secure-aggregation
+    task is short and says nothing of how long the device takes to train."""
+    from profiling.runs import ReportError, load
+
+    try:
+        records = load(run_dir)
+    except ReportError:   # nothing recorded yet
+        return {}
+    latest = {}
+    for client, device in records.devices.items():
+        profiles = [t.profile for t in records.training_tasks(device) if t.profile.get("seconds") is not None]
+        if profiles:
+            latest[client] = profiles[-1]
+    return latest
 
 
 # -- both --------------------------------------------------------------------------------------
@@ -203,6 +223,13 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_said(run: dict[str, Any]) -> str:
+    """The retained run status in words: a finished run names its last round, a running one the round in
+    progress (docs/protocol.md)."""
+    where = {"finished": "finished after round", "running": "running round", "stopped": "stopped in round"}
+    return f"run {run['run_id']} {where.get(run['state'], run['state'] + ' at round')} {run['round']}"
+
+
 def _print_table(status: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -215,7 +242,7 @@ def _print_table(status: dict[str, Any]) -> None:
     broker, run = status["broker"], status["run"]
     if broker is not None:
         r = broker["run"]
-        said = f"run {r['run_id']} {r['state']} at round {r['round']}" if r else "no run status retained"
+        said = _run_said(r) if r else "no run status retained"
         workers = ", ".join(f"{w} {s}" for w, s in broker["workers"].items()) or "none"
         console.print(escape(f"broker {broker['url']} (prefix {broker['prefix']}): {said}; aggregation workers: "
                              f"{workers}"), highlight=False, soft_wrap=True)
@@ -225,7 +252,7 @@ def _print_table(status: dict[str, Any]) -> None:
                              f"last row round {run['round']}, test accuracy {accuracy}"), highlight=False,
                       soft_wrap=True)
     table = Table(title=f"{len(status['devices'])} devices")
-    for column in ("device", "state", "last answer", "class", "site", "task s", "step ms", "peak MB", "temp C",
+    for column in ("device", "state", "last answer", "class", "site", "task s", "step ms", "peak MiB", "temp C",
                    "failures", "last failure"):
         table.add_column(column)
     for d in status["devices"]:

@@ -83,9 +83,25 @@ def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
     try:
         text = json.dumps(header, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"message body is not plain finite JSON: {exc}") from None
+        where = _non_finite(header["body"], "body")
+        raise ProtocolError(f"message body is not plain finite JSON: {where or exc}") from None
     payload = st_save(plain, metadata={"fedge": text})
     return compression.compress(payload) if compression is not None else payload
+
+
+def _non_finite(value: Any, path: str) -> str:
+    """Where in ``value`` the first infinite or NaN number is ("body.metrics.train_loss is nan"), "" if nowhere:
+    a number gone non-finite is usually a diverged model, and its name says which."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path} is {value}"
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    else:
+        items = enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        if found := _non_finite(item, f"{path}.{key}"):
+            return found
+    return ""
 
 
 def _refuse_constant(name: str) -> None:
