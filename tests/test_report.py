@@ -95,7 +95,8 @@ def _table_of(capsys, out: Path, *sets: str) -> tuple[list[str], list[list[str]]
 
 def test_under_central_dp_and_secagg_the_table_shows_epsilon_spent_and_dropouts_tolerated(tmp_path, capsys):
     header, table, rows = _table_of(capsys, tmp_path / "run", "privacy.mode=central", "privacy.clip_norm=0.5",
-                                    "privacy.noise_multiplier=1.0", "clients.max_attempts=1", "secagg.enabled=true")
+                                    "privacy.noise_multiplier=1.0", "clients.max_attempts=1", "secagg.enabled=true",
+                                    "privacy.allow_swamping_noise=true")   # 4 devices: the table, not learning
     assert header[-4:] == ["seconds", "ε", "spent", "drop/tol"]
     for line, row in zip(table[1:], rows[1:]):
         assert line[-2] == f"{row['dp_epsilon']:.2f}" and row["dp_epsilon"] > 0
