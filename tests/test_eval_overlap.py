@@ -108,13 +108,30 @@ class FailingEvaluation(FedAvg):
         return super().evaluate(state, model, x, y)
 
 
-def test_a_failed_evaluation_fails_the_run_and_keeps_the_rounds_before(tmp_path):
-    config = config_for(tmp_path / "run", run__rounds=4)
-    with pytest.raises(RunError, match="evaluation of round 2 failed: ValueError: no test split today"):
+@pytest.mark.parametrize("keep", ["all", "last"])
+def test_a_failed_evaluation_fails_the_run_keeps_the_rounds_trained_and_a_resume_evaluates_them(tmp_path, keep):
+    """Round 2's checkpoint is written when it is aggregated, before its evaluation fails: the run stops with
+    rounds 2 (and 3, if it was trained meanwhile) checkpointed and their rows pending; --resume evaluates them.
+    ``checkpoint.keep = "last"`` keeps the checkpoints of pending rows until they are evaluated."""
+    config = config_for(tmp_path / "run", run__rounds=4, checkpoint__keep=keep)
+    with pytest.raises(RunError, match="evaluation of round 2 failed: ValueError: no test split today.*--resume"):
         run_federated(config, say=lambda s: None, strategy=FailingEvaluation.from_config(config))
-    assert [r["round"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    rows = read_metrics(tmp_path / "run")
+    trained = [r["round"] for r in rows]
+    assert trained in ([0, 1, 2], [0, 1, 2, 3])
+    assert [r["round"] for r in rows if r.get("evaluation") == "pending"] == trained[2:]
+    assert all("test_accuracy" not in r for r in rows[2:]) and "test_accuracy" in rows[1]
     checkpoints = (tmp_path / "run" / "checkpoints").glob("round_*.safetensors")
-    assert [p.name for p in checkpoints] == ["round_0001.safetensors"]
+    kept = trained[1:] if keep == "all" else trained[2:]
+    assert sorted(p.name for p in checkpoints) == [f"round_{r:04d}.safetensors" for r in kept]
+
+    result = run_federated(config, resume=True, say=lambda s: None)
+    rows = read_metrics(result.out_dir)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all("test_accuracy" in r and "evaluation" not in r for r in rows)
+    assert result.summary["this_session"]["resumed_after_round"] == trained[-1]
+    checkpoints = (tmp_path / "run" / "checkpoints").glob("round_*.safetensors")
+    assert len(list(checkpoints)) == (4 if keep == "all" else 1)
 
 
 def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
