@@ -173,3 +173,120 @@ def test_a_schedule_sets_the_rate_of_each_version(tmp_path):
     result = run_federated(async_config(tmp_path, train__lr=0.09, schedule__warmup_rounds=3), say=lambda s: None)
     rows = [r for r in rows_of(result.out_dir) if r["round"] > 0]
     assert [r["train_lr"] for r in rows] == pytest.approx([0.03, 0.06, 0.09])
+
+
+# The coordinator as its CLI runs it, writing the id of every result it puts into its buffer to a file; with a
+# mark path, once a version exists and one acknowledged result waits in the buffer for the next, it leaves the
+# mark and waits, so the test can kill it with that result unapplied and tasks in flight.
+_COORDINATOR = """
+import pathlib, sys, time
+from coordinator.runtime.asynchronous import AsyncRun
+mark, taken = sys.argv.pop(1), pathlib.Path(sys.argv.pop(1))
+take, harvest = AsyncRun._take, AsyncRun._harvest
+def _take(self, task_id, client_id, version, result):
+    event = take(self, task_id, client_id, version, result)
+    if event is not None:
+        with open(taken, "a") as fh:
+            fh.write(task_id + "\\n")
+    return event
+def _harvest(self, report=True):
+    harvest(self, report)
+    if mark and self.co.state.round >= 1 and self.buffer.count == 1 and not self.buffer.due():
+        pathlib.Path(mark).write_text(str(self.co.state.round))
+        time.sleep(120)
+AsyncRun._take, AsyncRun._harvest = _take, _harvest
+from coordinator.ui.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def _journaled_results(out: Path) -> set[str]:
+    """The task ids of the results in the run's async journal."""
+    from safetensors import safe_open
+
+    ids = set()
+    for path in (out / "async-journal").glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as fh:
+            ids.add(json.loads(fh.metadata()["fedge_async_result"])["task_id"])
+    return ids
+
+
+def test_a_coordinator_killed_with_results_unapplied_applies_each_once_after_resume(tmp_path, mosquitto, prefix):
+    """SIGKILL with one acknowledged result buffered after version 1 (no checkpoint holds it) and tasks in
+    flight, the devices running on: the resumed coordinator restores the result from its journal, applies
+    the results the devices send to the killed coordinator's tasks, and applies no result twice."""
+    import subprocess
+    import sys
+
+    import paho.mqtt.client as mqtt
+    import psutil
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from edge_client.wire.protocol import ResultBody, decode
+
+    out, mark, taken = tmp_path / "run", tmp_path / "buffered", [tmp_path / "taken-1", tmp_path / "taken-2"]
+    rounds = 5
+    cmd = ["run", "--data", "digits", "--model", "mlp", "--set", "model.hidden=[16]",
+           "--rounds", str(rounds), "--clients", "3", "--broker", mosquitto, "--seed", "7", "--out", str(out),
+           "--set", f"transport.prefix={prefix}", "--set", "run.mode=async", "--set", "async.buffer_size=2",
+           "--set", "clients.round_timeout=60", "--set", "export.enabled=false"]
+    published: set[str] = set()   # results the devices sent, as anyone on the broker sees them
+
+    def on_message(client, userdata, msg):
+        message = decode(msg.payload)
+        if ResultBody.from_body(message.body).error is None:
+            published.add(message.task_id)
+
+    observer = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"observer-{prefix}")
+    observer.on_message = on_message
+    host, port = mosquitto.removeprefix("mqtt://").rsplit(":", 1)
+    observer.connect(host, int(port))
+    observer.subscribe(f"{prefix}/clients/+/result", qos=1)
+    observer.loop_start()
+    devices = [subprocess.Popen([sys.executable, "-m", "edge_client.cli", "run", "--broker", mosquitto,
+                                 "--client-id", f"dev-{i}", "--data", "digits", "--partition", "iid",
+                                 "--partition-index", str(i), "--num-partitions", "3", "--seed", "7",
+                                 "--state-dir", str(tmp_path / f"dev-{i}"), "--prefix", prefix, "--exit-after-run"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(3)]
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _COORDINATOR, str(mark), str(taken[0]), *cmd],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no result was ever buffered after version 1"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        version = int(mark.read_text())
+        state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+        assert state.round == version and AsyncBuffer.taken_from(state)[0].count == 0   # no checkpoint holds it
+        before = rows_of(out)
+        taken_1 = taken[0].read_text().split()
+        lost = taken_1[sum(r["results"] for r in before[1:]):]   # taken after the last version: the kill's loss
+        assert len(lost) == 1 and _journaled_results(out) == set(lost)
+        journal = (out / "async-journal" / "tasks.jsonl").read_text().splitlines()
+        given = {json.loads(line)["task_id"] for line in journal}
+        in_flight = given - set(taken_1)   # tasks of the killed coordinator still being trained
+        assert in_flight
+
+        resumed = subprocess.run([sys.executable, "-c", _COORDINATOR, "", str(taken[1]), *cmd, "--resume"],
+                                 capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    finally:
+        for device in devices:
+            device.terminate()
+        psutil.wait_procs([psutil.Process(d.pid) for d in devices if d.poll() is None], timeout=30)
+        observer.loop_stop()
+        observer.disconnect()
+    log = (out / "coordinator.log").read_text()
+    assert f"restored 1 result(s) taken after version {version}'s checkpoint" in log and lost[0] in log
+    taken_2 = taken[1].read_text().split()
+    assert len(set(taken_2)) == len(taken_2) and set(taken_1) & set(taken_2) == set(lost)   # only the lost one again
+    answered = in_flight & published
+    assert answered and answered <= set(taken_2)   # the killed coordinator's tasks: applied, not counted late
+    rows = rows_of(out)
+    assert [r["round"] for r in rows] == list(range(rounds + 1))
+    final, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+    applied = sum(r["results"] for r in rows[1:]) + AsyncBuffer.taken_from(final)[0].count
+    assert applied == len(set(taken_1) | set(taken_2))   # every result taken is applied (or buffered) once
+    assert not list((out / "async-journal").glob("*.safetensors"))   # the last checkpoint accounts for them all

@@ -229,13 +229,16 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
                                   eval_data=eval_data, on_progress=on_progress)
         telemetry.watch(coordinator.roster, coordinator.profile_store)   # [metrics]: the fleet at each scrape
+        # Async mode's driver takes over the intake before any message is handled: a resumed coordinator's
+        # session may hold results to the stopped one's tasks, queued while it was down.
+        driver = AsyncRun(coordinator, pump=coordinator.pump) if config.run.mode == "async" else None
         coordinator.announce("running")
         spawned = SpawnedClients()
         completed = False
         try:
             spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
             _wait_for_clients(coordinator, spawned, say)
-            _train(coordinator, rows, out, telemetry.observing(on_round))
+            _train(coordinator, rows, out, telemetry.observing(on_round), driver)
             completed = True
         finally:
             # "stopped": the run may be resumed; devices drop what it queued instead of training it.
@@ -312,9 +315,10 @@ def _wait_for_clients(coordinator: Coordinator, spawned: SpawnedClients, say: Ca
 
 
 def _train(coordinator: Coordinator, rows: list[dict[str, Any]], out: Path,
-           on_round: Callable[[dict[str, Any]], None]) -> None:
+           on_round: Callable[[dict[str, Any]], None], driver: AsyncRun | None) -> None:
     """Round 0's row (a new run: the initial model's evaluation), or the evaluations a killed coordinator
-    left undone (a resumed one), then the remaining rounds, each row appended to ``rows`` and written."""
+    left undone (a resumed one), then the remaining rounds (``driver``: async mode's versions), each row
+    appended to ``rows`` and written."""
     keep_all = coordinator.config.checkpoint.keep == "all"
     records = RunRecords(out, rows, checkpoint=lambda state: coordinator.checkpoint(state, keep_all=True),
                          keep_all=keep_all, on_round=on_round)
@@ -323,8 +327,8 @@ def _train(coordinator: Coordinator, rows: list[dict[str, Any]], out: Path,
                      "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
         on_round(rows[-1])
     records.evaluate_pending(coordinator.evaluation.now)
-    if coordinator.config.run.mode == "async":   # model versions instead of rounds, each row whole at once
-        AsyncRun(coordinator, pump=coordinator.pump).run(coordinator.config.run.rounds, records.complete)
+    if driver is not None:   # model versions instead of rounds, each row whole at once
+        driver.run(coordinator.config.run.rounds, records.complete)
     else:
         coordinator.run_rounds(coordinator.started_after + 1, coordinator.config.run.rounds, records)
     records.write()
