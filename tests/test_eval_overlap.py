@@ -134,6 +134,22 @@ def test_a_failed_evaluation_fails_the_run_keeps_the_rounds_trained_and_a_resume
     assert len(list(checkpoints)) == (4 if keep == "all" else 1)
 
 
+def test_a_run_killed_before_its_last_evaluation_is_completed_on_resume_without_clients(tmp_path):
+    """The last round is checkpointed and its evaluation never done: --resume evaluates it and writes the summary,
+    starting and waiting for no client."""
+    config = config_for(tmp_path / "run", run__rounds=2)
+    with pytest.raises(RunError, match="evaluation of round 2 failed"):
+        run_federated(config, say=lambda s: None, strategy=FailingEvaluation.from_config(config))
+    assert read_metrics(tmp_path / "run")[-1] == {**read_metrics(tmp_path / "run")[-1], "evaluation": "pending"}
+    said, progress = [], []
+    result = run_federated(config, resume=True, say=said.append, on_progress=progress.append)
+    rows = read_metrics(result.out_dir)
+    assert [r["round"] for r in rows] == [0, 1, 2] and all("evaluation" not in r for r in rows)
+    assert result.summary["final_accuracy"] == rows[2]["test_accuracy"]
+    assert not any("nothing to resume" in line for line in said)
+    assert not [p for p in progress if p["kind"] == "waiting"]
+
+
 def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "coordinator.ui.cli", "run", "--data", "digits", "--model", "mlp",
             "--set", "model.hidden=[32]", "--rounds", str(rounds), "--clients", "2", "--spawn-clients", "2",

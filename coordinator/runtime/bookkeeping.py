@@ -203,6 +203,11 @@ class RunRecords:
             return []
         return [r for r in read_jsonl(path) if isinstance(r.get("round"), int) and r["round"] <= up_to_round]
 
+    @staticmethod
+    def pending(out: Path, up_to_round: int) -> list[int]:
+        """The rounds up to the last checkpoint whose evaluation a stopped coordinator left undone."""
+        return [r["round"] for r in RunRecords.read(out, up_to_round) if r.get(EVALUATION) == PENDING]
+
     def write(self) -> None:
         write_jsonl_atomic(self.path, self.rows)
 

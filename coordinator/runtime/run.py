@@ -188,7 +188,7 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
         raise ConfigError("client objectives are for in-process clients: transport.kind = 'inproc' with "
                           "clients.spawn > 0")
     out, run_id, done, created = _prepare_out_dir(config, resume)
-    if resume and done >= config.run.rounds:
+    if resume and done >= config.run.rounds and not RunRecords.pending(out, done):
         say(f"run {run_id} finished all {done} rounds already; nothing to resume (raise --rounds to train more)")
         summary_path = out / "summary.json"
         return RunResult(out, json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {})
@@ -236,8 +236,9 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         spawned = SpawnedClients()
         completed = False
         try:
-            spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
-            _wait_for_clients(coordinator, spawned, say)
+            if coordinator.started_after < config.run.rounds:   # else only evaluations left undone are to do
+                spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
+                _wait_for_clients(coordinator, spawned, say)
             _train(coordinator, rows, out, telemetry.observing(on_round), driver)
             completed = True
         finally:
