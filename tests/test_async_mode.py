@@ -176,12 +176,12 @@ def test_a_schedule_sets_the_rate_of_each_version(tmp_path):
 
 
 # The coordinator as its CLI runs it, writing the id of every result it puts into its buffer to a file; with a
-# mark path, once a version exists and one acknowledged result waits in the buffer for the next, it leaves the
-# mark and waits, so the test can kill it with that result unapplied and tasks in flight.
+# mark path and a version, once that version exists and one acknowledged result waits in the buffer for the
+# next, it leaves the mark and waits, so the test can kill it with that result unapplied and tasks in flight.
 _COORDINATOR = """
 import pathlib, sys, time
 from coordinator.runtime.asynchronous import AsyncRun
-mark, taken = sys.argv.pop(1), pathlib.Path(sys.argv.pop(1))
+mark, version, taken = sys.argv.pop(1), int(sys.argv.pop(1)), pathlib.Path(sys.argv.pop(1))
 take, harvest = AsyncRun._take, AsyncRun._harvest
 def _take(self, task_id, client_id, version, result):
     event = take(self, task_id, client_id, version, result)
@@ -191,7 +191,7 @@ def _take(self, task_id, client_id, version, result):
     return event
 def _harvest(self, report=True):
     harvest(self, report)
-    if mark and self.co.state.round >= 1 and self.buffer.count == 1 and not self.buffer.due():
+    if mark and self.co.state.round >= version and self.buffer.count == 1 and not self.buffer.due():
         pathlib.Path(mark).write_text(str(self.co.state.round))
         time.sleep(120)
 AsyncRun._take, AsyncRun._harvest = _take, _harvest
@@ -211,10 +211,14 @@ def _journaled_results(out: Path) -> set[str]:
     return ids
 
 
-def test_a_coordinator_killed_with_results_unapplied_applies_each_once_after_resume(tmp_path, mosquitto, prefix):
-    """SIGKILL with one acknowledged result buffered after version 1 (no checkpoint holds it) and tasks in
-    flight, the devices running on: the resumed coordinator restores the result from its journal, applies
-    the results the devices send to the killed coordinator's tasks, and applies no result twice."""
+def _journaled_tasks(out: Path) -> set[str]:
+    return {json.loads(line)["task_id"] for line in (out / "async-journal" / "tasks.jsonl").read_text().splitlines()}
+
+
+def test_a_coordinator_killed_twice_with_results_unapplied_applies_each_once(tmp_path, mosquitto, prefix):
+    """SIGKILL twice, each time with an acknowledged result buffered after a version (no checkpoint holds it) and
+    tasks in flight, the devices running on: each resumed coordinator restores the result from its journal and
+    applies the results the devices send to the killed coordinator's tasks; no result is applied twice."""
     import subprocess
     import sys
 
@@ -224,8 +228,7 @@ def test_a_coordinator_killed_with_results_unapplied_applies_each_once_after_res
 
     from edge_client.wire.protocol import ResultBody, decode
 
-    out, mark, taken = tmp_path / "run", tmp_path / "buffered", [tmp_path / "taken-1", tmp_path / "taken-2"]
-    rounds = 5
+    out, rounds, kills = tmp_path / "run", 6, [1, 3]   # the versions after which the coordinator is killed
     cmd = ["run", "--data", "digits", "--model", "mlp", "--set", "model.hidden=[16]",
            "--rounds", str(rounds), "--clients", "3", "--broker", mosquitto, "--seed", "7", "--out", str(out),
            "--set", f"transport.prefix={prefix}", "--set", "run.mode=async", "--set", "async.buffer_size=2",
@@ -248,28 +251,29 @@ def test_a_coordinator_killed_with_results_unapplied_applies_each_once_after_res
                                  "--partition-index", str(i), "--num-partitions", "3", "--seed", "7",
                                  "--state-dir", str(tmp_path / f"dev-{i}"), "--prefix", prefix, "--exit-after-run"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(3)]
+    taken = [tmp_path / f"taken-{i}" for i in range(len(kills) + 1)]
+    # per kill: the version checkpointed, the journaled results no checkpoint holds, the tasks being trained
+    checkpointed, lost, in_flight = [], [], []
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _COORDINATOR, str(mark), str(taken[0]), *cmd],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 180
-        while not mark.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "no result was ever buffered after version 1"
-            time.sleep(0.05)
-        proc.kill()
-        proc.wait()
-        version = int(mark.read_text())
-        state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
-        assert state.round == version and AsyncBuffer.taken_from(state)[0].count == 0   # no checkpoint holds it
-        before = rows_of(out)
-        taken_1 = taken[0].read_text().split()
-        lost = taken_1[sum(r["results"] for r in before[1:]):]   # taken after the last version: the kill's loss
-        assert len(lost) == 1 and _journaled_results(out) == set(lost)
-        journal = (out / "async-journal" / "tasks.jsonl").read_text().splitlines()
-        given = {json.loads(line)["task_id"] for line in journal}
-        in_flight = given - set(taken_1)   # tasks of the killed coordinator still being trained
-        assert in_flight
-
-        resumed = subprocess.run([sys.executable, "-c", _COORDINATOR, "", str(taken[1]), *cmd, "--resume"],
+        for session, version in enumerate(kills):
+            mark = tmp_path / f"buffered-{session}"
+            proc = subprocess.Popen([sys.executable, "-c", _COORDINATOR, str(mark), str(version), str(taken[session]),
+                                     *cmd, *(["--resume"] if session else [])],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 180
+            while not mark.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, f"nothing buffered after version {version}"
+                time.sleep(0.05)
+            proc.kill()
+            proc.wait()
+            state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+            assert state.round == int(mark.read_text()) and AsyncBuffer.taken_from(state)[0].count == 0
+            checkpointed.append(state.round)
+            lost.append(_journaled_results(out))
+            assert len(lost[-1]) == 1 and lost[-1] <= set(taken[session].read_text().split())
+            in_flight.append(_journaled_tasks(out) - set(taken[session].read_text().split()))
+            assert in_flight[-1]
+        resumed = subprocess.run([sys.executable, "-c", _COORDINATOR, "", "0", str(taken[-1]), *cmd, "--resume"],
                                  capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     finally:
@@ -279,14 +283,19 @@ def test_a_coordinator_killed_with_results_unapplied_applies_each_once_after_res
         observer.loop_stop()
         observer.disconnect()
     log = (out / "coordinator.log").read_text()
-    assert f"restored 1 result(s) taken after version {version}'s checkpoint" in log and lost[0] in log
-    taken_2 = taken[1].read_text().split()
-    assert len(set(taken_2)) == len(taken_2) and set(taken_1) & set(taken_2) == set(lost)   # only the lost one again
-    answered = in_flight & published
-    assert answered and answered <= set(taken_2)   # the killed coordinator's tasks: applied, not counted late
+    took = [path.read_text().split() for path in taken]
+    for session, version in enumerate(checkpointed):
+        assert f"restored 1 result(s) taken after version {version}'s checkpoint" in log
+        assert next(iter(lost[session])) in log
+        assert lost[session] <= set(took[session + 1])             # restored by the next coordinator
+        answered = in_flight[session] & published
+        assert answered and answered <= set(took[session + 1])   # the killed one's tasks: applied, not counted late
+    everything = [task for session in took for task in session]
+    again = {task for task in everything if everything.count(task) > 1}
+    assert again == set().union(*lost) and all(everything.count(task) == 2 for task in again)   # only restored ones
     rows = rows_of(out)
     assert [r["round"] for r in rows] == list(range(rounds + 1))
     final, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
     applied = sum(r["results"] for r in rows[1:]) + AsyncBuffer.taken_from(final)[0].count
-    assert applied == len(set(taken_1) | set(taken_2))   # every result taken is applied (or buffered) once
+    assert applied == len(set(everything))   # every result taken is applied (or buffered) once
     assert not list((out / "async-journal").glob("*.safetensors"))   # the last checkpoint accounts for them all
