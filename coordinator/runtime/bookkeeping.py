@@ -136,7 +136,7 @@ class TrainedRounds:
             yield self
             self.complete(wait=True)
         except BaseException:
-            try:   # keep what was trained: a resumed run need not do it again
+            try:   # the evaluations under way: a resumed run need not do them again
                 self.complete(wait=True)
             except Exception as exc:
                 log.error("could not complete the rows of the rounds trained before the run stopped: %s", exc)
@@ -166,7 +166,7 @@ class TrainedRounds:
                     head.row.pop(EVALUATION, None)
                 self._complete(head.row)
             except BaseException:
-                self._waiting.clear()   # a later round's row must not be written before this one's
+                self._waiting.clear()   # a later round's row must not be completed before this one's
                 raise
 
 
