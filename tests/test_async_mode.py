@@ -271,7 +271,8 @@ def test_a_coordinator_killed_twice_with_results_unapplied_applies_each_once(tmp
             checkpointed.append(state.round)
             lost.append(_journaled_results(out))
             assert len(lost[-1]) == 1 and lost[-1] <= set(taken[session].read_text().split())
-            in_flight.append(_journaled_tasks(out) - set(taken[session].read_text().split()))
+            given = _journaled_tasks(out) | set(state.extra["async"]["in_flight"])   # since it, and before it
+            in_flight.append(given - set(taken[session].read_text().split()))
             assert in_flight[-1]
         resumed = subprocess.run([sys.executable, "-c", _COORDINATOR, "", "0", str(taken[-1]), *cmd, "--resume"],
                                  capture_output=True, text=True, timeout=300)
@@ -284,12 +285,15 @@ def test_a_coordinator_killed_twice_with_results_unapplied_applies_each_once(tmp
         observer.disconnect()
     log = (out / "coordinator.log").read_text()
     took = [path.read_text().split() for path in taken]
+    records = {json.loads(line)["task_id"] for path in (out / "clients").glob("*.jsonl")
+               for line in path.read_text().splitlines()}
     for session, version in enumerate(checkpointed):
         assert f"restored 1 result(s) taken after version {version}'s checkpoint" in log
         assert next(iter(lost[session])) in log
         assert lost[session] <= set(took[session + 1])             # restored by the next coordinator
         answered = in_flight[session] & published
         assert answered and answered <= set(took[session + 1])   # the killed one's tasks: applied, not counted late
+        assert answered <= records   # each with its profile record
     everything = [task for session in took for task in session]
     again = {task for task in everything if everything.count(task) > 1}
     assert again == set().union(*lost) and all(everything.count(task) == 2 for task in again)   # only restored ones

@@ -11,7 +11,8 @@ So, in ``OUT/async-journal/``:
 - every accepted result is written, synced, as ``NNNNNNNN.safetensors`` (its deltas; its task, device,
   base version, sample count and metrics in the metadata) before its device is acknowledged, numbered in
   the order results are taken;
-- every task's id, device and base version is appended to ``tasks.jsonl``, synced, before it is published.
+- every task's id, device, base version, deadline and time sent is appended to ``tasks.jsonl``, synced,
+  before it is published.
 
 A checkpoint names the last result it accounts for (``extra["async"]["journal"]``): those up to it are
 in a version or in the checkpoint's buffer, and their files are deleted once it is written. A resumed
@@ -83,11 +84,12 @@ class AsyncJournal:
         self.seq += 1
         return self.seq
 
-    def given(self, task_id: str, client_id: str, version: int, deadline: float) -> None:
-        """A task, on disk before it is published, with how long its result is waited for (``deadline``, Unix time)."""
+    def given(self, task_id: str, client_id: str, version: int, deadline: float, sent: float) -> None:
+        """A task, on disk before it is published, with until when its result is waited for and when it was sent
+        (Unix times)."""
         with self._writing("a task"):
             append_jsonl_synced(self.dir / TASKS, {"task_id": task_id, "client_id": client_id, "version": version,
-                                                   "deadline": deadline})
+                                                   "deadline": deadline, "sent": sent})
 
     @contextmanager
     def _writing(self, what: str) -> Iterator[None]:
@@ -143,9 +145,9 @@ class AsyncJournal:
         return JournaledResult(seq, task_id, version, result)
 
     def tasks_since(self, version: int) -> dict[str, list[Any]]:
-        """The tasks given from ``version`` on: task id -> [client, version, deadline] (the checkpoint's in-flight
-        form)."""
-        return {t["task_id"]: [t["client_id"], t["version"], t["deadline"]] for t in self._tasks()
+        """The tasks given from ``version`` on: task id -> [client, version, deadline, sent] (the checkpoint's
+        in-flight form)."""
+        return {t["task_id"]: [t["client_id"], t["version"], t["deadline"], t["sent"]] for t in self._tasks()
                 if t["version"] >= version}
 
     def _tasks(self) -> list[dict[str, Any]]:
@@ -153,4 +155,5 @@ class AsyncJournal:
         if not path.exists():
             return []
         return [t for t in read_jsonl(path) if isinstance(t.get("task_id"), str) and isinstance(t.get("client_id"), str)
-                and isinstance(t.get("version"), int) and isinstance(t.get("deadline"), (int, float))]
+                and isinstance(t.get("version"), int) and isinstance(t.get("deadline"), (int, float))
+                and isinstance(t.get("sent"), (int, float))]

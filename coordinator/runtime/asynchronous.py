@@ -137,15 +137,20 @@ class AsyncRun:
         latest = {entry[0]: (task_id, entry) for task_id, entry in given.items() if _in_flight_entry(entry)}
         now, wall = time.monotonic(), time.time()
         awaited = []
-        for client_id, (task_id, (_, version, *until)) in sorted(latest.items()):
+        for client_id, (task_id, (_, version, *times)) in sorted(latest.items()):
             plan = self.strategy.configure("train", co.state.round + 1, co.state, [client_id])[0]
-            # until the deadline the stopped coordinator set (a checkpoint written before it was kept: one anew)
-            wait = until[0] - wall if until else co.round_times.deadline([(client_id, plan.objective)],
-                                                                         co.config.clients.round_timeout)
-            if client_id in spawned or wait <= 0:
+            # Until the deadline the stopped coordinator set, timed from when it sent the task (Unix times); a
+            # checkpoint written before they were kept: a deadline anew, from now.
+            if times:
+                until, sent = times
+            else:
+                until, sent = wall + co.round_times.deadline([(client_id, plan.objective)],
+                                                             co.config.clients.round_timeout), wall
+            if client_id in spawned or until <= wall:
                 continue   # a result that comes all the same counts as late
-            self.flights[task_id] = Flight(task_id, client_id, version, plan, now, now + wait)
+            self.flights[task_id] = Flight(task_id, client_id, version, plan, now + sent - wall, now + until - wall)
             self._earlier.plans[task_id] = plan
+            co.round_times.sent(task_id, client_id, plan.objective, now + sent - wall)   # for its profile record
             awaited.append(task_id)
         if awaited:
             log.info("awaiting %d task(s) a stopped coordinator gave, up to the deadlines it set: their results are "
@@ -194,7 +199,7 @@ class AsyncRun:
         timeout = co.config.clients.round_timeout
         waits = [co.round_times.deadline([(plan.client_id, plan.objective)], timeout) for plan in plans]
         for task_id, plan, wait in zip(task_ids, plans, waits):   # known to a coordinator that resumes, if this dies
-            self.journal.given(task_id, plan.client_id, version, time.time() + wait)
+            self.journal.given(task_id, plan.client_id, version, time.time() + wait, time.time())
         now = time.monotonic()
         for task_id, plan, wait in zip(co.tasks.send_all(self.book, plans, broadcast=False, task_ids=task_ids),
                                        plans, waits):
@@ -293,9 +298,10 @@ class AsyncRun:
         return row, snapshot(self.buffer.saved_in(state, self._in_flight(), self.journal.seq))
 
     def _in_flight(self) -> dict[str, list[Any]]:
-        """The tasks in flight as a checkpoint keeps them: task id -> [client, version, deadline (Unix time)]."""
+        """The tasks in flight as a checkpoint keeps them: task id -> [client, version, deadline, sent] (Unix times)."""
         now, wall = time.monotonic(), time.time()
-        return {f.task_id: [f.client_id, f.version, wall + f.deadline - now] for f in self.flights.values()}
+        return {f.task_id: [f.client_id, f.version, wall + f.deadline - now, wall + f.sent - now]
+                for f in self.flights.values()}
 
     def _save_buffer(self) -> None:
         """On a stop: the last version's checkpoint again, now with the results buffered since (never lost).
@@ -319,7 +325,7 @@ class AsyncRun:
 
 
 def _in_flight_entry(entry: Any) -> bool:
-    """Whether a checkpoint's or the journal's in-flight entry reads: [client, version] or [client, version,
-    deadline]."""
-    return (isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], str)
+    """Whether a checkpoint's or the journal's in-flight entry reads: [client, version], or with the deadline and
+    the time sent (a checkpoint written before they were kept has neither)."""
+    return (isinstance(entry, list) and len(entry) in (2, 4) and isinstance(entry[0], str)
             and isinstance(entry[1], int) and all(isinstance(v, (int, float)) for v in entry[2:]))
