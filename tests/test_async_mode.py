@@ -303,3 +303,37 @@ def test_a_coordinator_killed_twice_with_results_unapplied_applies_each_once(tmp
     applied = sum(r["results"] for r in rows[1:]) + AsyncBuffer.taken_from(final)[0].count
     assert applied == len(set(everything))   # every result taken is applied (or buffered) once
     assert not list((out / "async-journal").glob("*.safetensors"))   # the last checkpoint accounts for them all
+
+
+def test_the_journal_reads_back_what_it_wrote_and_skips_what_does_not_read(tmp_path, caplog):
+    """Results come back bit for bit, in the order taken, after a mark; a damaged file and a torn task line are
+    skipped (with a warning for the result); a checkpoint's mark lets the files it accounts for go."""
+    import torch
+
+    from coordinator.runtime.async_journal import AsyncJournal
+    from coordinator.strategies.base import ClientResult
+
+    deltas = [{"w": torch.randn(3, 4), "b": torch.randn(4, dtype=torch.float64)} for _ in range(2)]
+    journal = AsyncJournal(tmp_path, mark=0)
+    for i, d in enumerate(deltas):
+        assert journal.taken(f"t{i}", 2 + i, ClientResult(f"dev-{i}", 10 + i, {}, {"train_loss": 0.5}, d)) == i + 1
+    (journal.dir / "00000003.safetensors").write_bytes(b"not a safetensors file")
+    journal.given("t5", "dev-0", 3, 200.0, 100.0)
+    with open(journal.dir / "tasks.jsonl", "a") as fh:
+        fh.write('{"task_id": "t6", "client_')   # a coordinator killed mid-append
+    journal.given("t7", "dev-1", 4, 300.0, 150.0)
+
+    again = AsyncJournal(tmp_path, mark=1)   # a checkpoint accounted for the first result
+    assert again.seq == 3                     # numbered after everything on disk
+    back = again.results_after(1)
+    assert [(r.seq, r.task_id, r.version, r.result.client_id, r.result.num_samples) for r in back] == [
+        (2, "t1", 3, "dev-1", 11)]
+    assert all(torch.equal(back[0].result.deltas[k], deltas[1][k]) for k in deltas[1])
+    assert back[0].result.metrics == {"train_loss": 0.5}
+    assert "00000003.safetensors, which does not read as a journaled result" in caplog.text
+    assert again.tasks_since(4) == {"t7": ["dev-1", 4, 300.0, 150.0]}
+    assert set(again.tasks_since(0)) == {"t5", "t7"}
+
+    again.forget(2, 4)
+    assert sorted(p.name for p in again.dir.glob("*.safetensors")) == ["00000003.safetensors"]
+    assert set(again.tasks_since(0)) == {"t7"}
