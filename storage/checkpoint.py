@@ -38,7 +38,7 @@ from storage.state import ServerState
 from storage.errors import FedgeError
 
 __all__ = ["CheckpointError", "DamagedCheckpoint", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "checkpoint_path", "checkpoint_rounds", "params_digest"]
+           "checkpoint_path", "checkpoint_rounds", "prune_checkpoints", "params_digest"]
 
 _NAME = re.compile(r"^round_(\d{4,})\.safetensors$")
 DIGEST_KEY = "fedge_digest"   # metadata entry beside "fedge": "sha256:" and the hex digest
@@ -98,10 +98,17 @@ def save_checkpoint(directory: Path, state: ServerState, info: dict[str, Any], *
     tensors.update({BUFFER + k: v.detach().cpu().contiguous() for k, v in state.buffers.items()})
     write_tensors_atomic(path, tensors, {"fedge": fedge, DIGEST_KEY: _digest(fedge, tensors)})
     if not keep_all:
-        for old in checkpoint_rounds(directory).values():
-            if old != path:
-                old.unlink(missing_ok=True)
+        prune_checkpoints(directory, {state.round})
     return path
+
+
+def prune_checkpoints(directory: Path, keep: set[int]) -> None:
+    """Delete every checkpoint in ``directory`` but those of the rounds in ``keep`` and the newest one."""
+    found = checkpoint_rounds(directory)
+    keep = keep | ({max(found)} if found else set())
+    for round, path in found.items():
+        if round not in keep:
+            path.unlink(missing_ok=True)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:

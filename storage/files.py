@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["write_atomic", "write_tensors_atomic", "write_jsonl_atomic", "read_jsonl"]
+__all__ = ["write_atomic", "write_tensors_atomic", "write_jsonl_atomic", "append_jsonl_synced", "read_jsonl"]
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -57,6 +57,20 @@ def write_tensors_atomic(path: Path, tensors: Mapping[str, torch.Tensor],
 def write_jsonl_atomic(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
     """Rewrite a JSON-lines file (one object per line) atomically."""
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"))
+
+
+def append_jsonl_synced(path: Path, row: Mapping[str, Any]) -> None:
+    """Append one object to a JSON-lines file and sync it to disk before returning: for journals whose line
+    must exist before what it records happens. A torn last line (a crash mid-append) is ended first, so it
+    cannot swallow this one."""
+    with open(path, "ab+") as fh:
+        if fh.tell():
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+        fh.write((json.dumps(row) + "\n").encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -108,13 +108,46 @@ class FailingEvaluation(FedAvg):
         return super().evaluate(state, model, x, y)
 
 
-def test_a_failed_evaluation_fails_the_run_and_keeps_the_rounds_before(tmp_path):
-    config = config_for(tmp_path / "run", run__rounds=4)
-    with pytest.raises(RunError, match="evaluation of round 2 failed: ValueError: no test split today"):
+@pytest.mark.parametrize("keep", ["all", "last"])
+def test_a_failed_evaluation_fails_the_run_keeps_the_rounds_trained_and_a_resume_evaluates_them(tmp_path, keep):
+    """Round 2's checkpoint is written when it is aggregated, before its evaluation fails: the run stops with
+    rounds 2 (and 3, if it was trained meanwhile) checkpointed and their rows pending; --resume evaluates them.
+    ``checkpoint.keep = "last"`` keeps the checkpoints of pending rows until they are evaluated."""
+    config = config_for(tmp_path / "run", run__rounds=4, checkpoint__keep=keep)
+    with pytest.raises(RunError, match="evaluation of round 2 failed: ValueError: no test split today.*--resume"):
         run_federated(config, say=lambda s: None, strategy=FailingEvaluation.from_config(config))
-    assert [r["round"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    rows = read_metrics(tmp_path / "run")
+    trained = [r["round"] for r in rows]
+    assert trained in ([0, 1, 2], [0, 1, 2, 3])
+    assert [r["round"] for r in rows if r.get("evaluation") == "pending"] == trained[2:]
+    assert all("test_accuracy" not in r for r in rows[2:]) and "test_accuracy" in rows[1]
     checkpoints = (tmp_path / "run" / "checkpoints").glob("round_*.safetensors")
-    assert [p.name for p in checkpoints] == ["round_0001.safetensors"]
+    kept = trained[1:] if keep == "all" else trained[2:]
+    assert sorted(p.name for p in checkpoints) == [f"round_{r:04d}.safetensors" for r in kept]
+
+    result = run_federated(config, resume=True, say=lambda s: None)
+    rows = read_metrics(result.out_dir)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all("test_accuracy" in r and "evaluation" not in r for r in rows)
+    assert result.summary["this_session"]["resumed_after_round"] == trained[-1]
+    checkpoints = (tmp_path / "run" / "checkpoints").glob("round_*.safetensors")
+    assert len(list(checkpoints)) == (4 if keep == "all" else 1)
+
+
+def test_a_run_killed_before_its_last_evaluation_is_completed_on_resume_without_clients(tmp_path):
+    """The last round is checkpointed and its evaluation never done: --resume evaluates it and writes the summary,
+    starting and waiting for no client."""
+    config = config_for(tmp_path / "run", run__rounds=2)
+    with pytest.raises(RunError, match="evaluation of round 2 failed"):
+        run_federated(config, say=lambda s: None, strategy=FailingEvaluation.from_config(config))
+    assert read_metrics(tmp_path / "run")[-1] == {**read_metrics(tmp_path / "run")[-1], "evaluation": "pending"}
+    said, progress = [], []
+    result = run_federated(config, resume=True, say=said.append, on_progress=progress.append)
+    rows = read_metrics(result.out_dir)
+    assert [r["round"] for r in rows] == [0, 1, 2] and all("evaluation" not in r for r in rows)
+    assert result.summary["final_accuracy"] == rows[2]["test_accuracy"]
+    assert not any("nothing to resume" in line for line in said)
+    assert not [p for p in progress if p["kind"] == "waiting"]
 
 
 def _coordinator_cmd(out: Path, broker: str, prefix: str, rounds: int, *extra: str) -> list[str]:
@@ -133,7 +166,7 @@ def test_resume_after_kill_with_evaluation_every_two_rounds(tmp_path, mosquitto,
     out = tmp_path / "resumed"
     proc = subprocess.Popen(_coordinator_cmd(out, mosquitto, prefix, rounds), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    kill_after_checkpoint(proc, out, 2)   # round 2's row is complete with its evaluation; round 3 was training
+    kill_after_checkpoint(proc, out, 2)   # round 2 aggregated (its evaluation, if due, may be pending)
     done_before = [r["round"] for r in read_metrics(out)]
     assert 2 <= max(done_before) < rounds
 

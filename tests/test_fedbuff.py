@@ -144,6 +144,7 @@ def driver(size: int, round: int, flights: list[Flight], max_staleness: int = 0)
                              intake=SimpleNamespace(count=lambda *a: rejected.append(a)))
     run.settings = SimpleNamespace(max_staleness=max_staleness)
     run.buffer, run.book, run.dropped = AsyncBuffer(size=size), RoundBook(round=round + 1, attempt=0), 0
+    run._earlier = RoundBook(round=round + 1, attempt=0)
     run.flights = {f.task_id: f for f in flights}
     return run, rejected
 

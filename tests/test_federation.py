@@ -212,6 +212,59 @@ def test_coordinator_killed_during_aggregation_resumes_to_the_same_rows(tmp_path
         assert rb["test_loss"] == pytest.approx(ra["test_loss"], abs=1e-3)
 
 
+# The coordinator as its CLI runs it, except that the evaluation of round 2 first leaves a mark and waits (as
+# a slow evaluation outlasts the next round), so the test can kill it after the aggregate, before the evaluation.
+_SLOW_EVALUATION = """
+import pathlib, sys, time
+from coordinator.strategies.fedavg import FedAvg
+mark = pathlib.Path(sys.argv.pop(1))
+original = FedAvg.evaluate
+def evaluate(self, state, model, x, y):
+    if state.round == 2:
+        mark.write_text("evaluating")
+        time.sleep(120)
+    return original(self, state, model, x, y)
+FedAvg.evaluate = evaluate
+from coordinator.ui.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_coordinator_killed_before_an_evaluation_finished_resumes_from_that_round(tmp_path, mosquitto, prefix,
+                                                                                  uninterrupted_rows):
+    """SIGKILL after round 2's aggregate and before its evaluation finished: round 2 is checkpointed, its row
+    pending; the resumed run evaluates it again, goes on from round 2, and its rows are the unbroken run's."""
+    rounds = 4
+
+    out, mark = tmp_path / "killed", tmp_path / "evaluating"
+    cmd = _coordinator_cmd(out, mosquitto, prefix, rounds)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_EVALUATION, str(mark), *cmd[3:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while not mark.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the coordinator never evaluated round 2"
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children()
+    proc.kill()
+    proc.wait()
+    psutil.wait_procs(children, timeout=30)
+    assert (out / "checkpoints" / "round_0002.safetensors").exists()
+    left = read_metrics(out)
+    assert left[2]["round"] == 2 and left[2]["evaluation"] == "pending" and "test_accuracy" not in left[2]
+
+    resumed = subprocess.run(_coordinator_cmd(out, mosquitto, prefix, rounds, "--resume"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    session = json.loads((out / "summary.json").read_text())["this_session"]
+    assert session["resumed_after_round"] == max(r["round"] for r in left) >= 2
+    a, b = uninterrupted_rows, read_metrics(out)
+    assert [r["round"] for r in b] == list(range(rounds + 1))
+    assert all("evaluation" not in r for r in b)
+    for ra, rb in zip(a, b):
+        assert rb["test_accuracy"] == pytest.approx(ra["test_accuracy"], abs=1e-3)
+        assert rb["test_loss"] == pytest.approx(ra["test_loss"], abs=1e-3)
+
+
 def test_demo_command_help_and_bad_input(tmp_path):
     for args in (["--help"], ["run", "--help"], ["demo", "--help"]):
         out = subprocess.run([sys.executable, "-m", "coordinator.ui.cli", *args], capture_output=True, text=True)

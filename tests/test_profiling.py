@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from coordinator.config import load_config
-from coordinator.runtime.run import _read_metrics, run_federated
+from coordinator.runtime.bookkeeping import RunRecords
+from coordinator.runtime.run import run_federated
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
 from edge_client.registry import build_model
@@ -274,6 +275,6 @@ def test_read_jsonl_keeps_every_complete_object_and_skips_a_torn_last_line(tmp_p
 
 def test_resume_reads_the_metrics_of_completed_rounds_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    assert _read_metrics(path, 3) == []
+    assert RunRecords.read(tmp_path, 3) == []
     write_jsonl_atomic(path, [{"round": r} for r in range(5)] + [{"no": "round"}])
-    assert _read_metrics(path, 2) == [{"round": 0}, {"round": 1}, {"round": 2}]
+    assert RunRecords.read(tmp_path, 2) == [{"round": 0}, {"round": 1}, {"round": 2}]

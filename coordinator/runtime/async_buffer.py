@@ -183,16 +183,24 @@ class AsyncBuffer:
     def finite(self) -> bool:
         return all(b.finite() for b in self.batches)
 
-    def saved_in(self, state: ServerState, in_flight: dict[str, list[Any]]) -> ServerState:
-        """``state`` with every waiting batch and the tasks in flight (task id -> [client, version]) in it, to
-        checkpoint. The first batch keeps the keys a single buffer always had; the others follow in ``queued``."""
+    def saved_in(self, state: ServerState, in_flight: dict[str, list[Any]], journal: int = 0) -> ServerState:
+        """``state`` with every waiting batch, the tasks in flight (task id -> [client, version]) and the last
+        journaled result it accounts for (:mod:`async_journal`) in it, to checkpoint. The first batch keeps the
+        keys a single buffer always had; the others follow in ``queued``."""
         sums, counts = {}, []
         for index, batch in enumerate(b for b in self.batches if b.partial is not None):
             sums.update({_prefix(index) + k: v for k, v in batch.partial.sums.items()})
             counts.append(batch._counts())
         extra = {**(counts[0] if counts else Batch(self.weighting)._counts()), "queued": counts[1:],
-                 "in_flight": in_flight}
+                 "in_flight": in_flight, "journal": journal}
         return dataclasses.replace(state, buffers={**state.buffers, **sums}, extra={**state.extra, EXTRA: extra})
+
+    @staticmethod
+    def journal_mark(state: ServerState) -> int:
+        """The last journaled result a checkpointed state accounts for (0: none, or written before the journal)."""
+        saved = state.extra.get(EXTRA)
+        mark = saved.get("journal", 0) if isinstance(saved, dict) else 0
+        return mark if isinstance(mark, int) and mark >= 0 else 0
 
     @classmethod
     def taken_from(cls, state: ServerState, size: int = 1, weighting: str = "fedbuff",

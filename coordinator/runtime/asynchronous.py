@@ -25,12 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from coordinator.ops.spawn import sim_client_id
 from coordinator.runtime.async_buffer import AsyncBuffer, Batch
+from coordinator.runtime.async_journal import AsyncJournal
 from coordinator.runtime.bookkeeping import snapshot
 from coordinator.runtime.guards import check_finite
 from coordinator.runtime.round_book import RoundBook, RoundNotes, Tally
 from coordinator.runtime.run_error import RunError
 from coordinator.runtime.selection import Sampler
+from coordinator.runtime.tasks import new_task_ids
 from coordinator.strategies.base import AggregationError, ClientResult, TaskPlan
 from coordinator.strategies.fedavg import FedAvg
 from storage.state import ServerState
@@ -75,39 +78,90 @@ class AsyncRun:
         self.sampler = Sampler(dataclasses.replace(c, clients=clients), coordinator.absences,
                                coordinator.round_times, coordinator.device_book)
         s = self.settings
+        mark = AsyncBuffer.journal_mark(coordinator.state)
         self.buffer, coordinator.state, before = AsyncBuffer.taken_from(coordinator.state, self.buffer_size,
                                                                         s.weighting, s.staleness_exponent)
-        if before and coordinator.started_after:
-            log.info("%d task(s) were in flight when the run stopped: their results, if they come, count as late "
-                     "(the models they trained from are not kept)", len(before))
+        self.journal = AsyncJournal(coordinator.out, mark)
         self.flights: dict[str, Flight] = {}
         self.book = RoundBook(round=coordinator.state.round + 1, attempt=0)   # every task and result of the run
+        self._earlier = RoundBook(round=coordinator.state.round + 1, attempt=0)   # tasks a stopped coordinator gave
         self.given = self.dropped = self._draws = 0   # this version's tasks, stale drops and sampler draws
         self._started = time.monotonic()
         self._idle_since: float | None = None
         self._making: tuple[ServerState, Batch] | None = None   # the state and batch a new version came from
+        self._resume(mark, before)
+        # Before any message is handled (a resumed coordinator's session may hold results queued while it was
+        # down): results go to the run's book, those to the earlier tasks too, each journaled before its ack.
+        coordinator.intake.open(self.book)
+        coordinator.intake.attempts.earlier = [self._earlier]
+        coordinator.intake.keep = self._keep
 
     # -- the loop -----------------------------------------------------------------
     def run(self, last: int, complete: Complete) -> None:
         """Make versions until ``last``; ``complete(row, state)`` writes each row and its checkpoint. A run
         that stops before (Ctrl-C, SIGTERM, an error) checkpoints the results it buffered meanwhile."""
         co = self.co
-        # What the intake counted before the first version (late results of tasks given before a resume, which
-        # may come while the run waits for its devices) goes in that version's row, as strays go in a round's.
-        self.book.tally.add(co.intake.book.tally.carried())
-        co.intake.open(self.book)
         co.on_progress({"kind": "round", "round": co.state.round + 1, "phase": "start"})
         try:
             while co.state.round < last:
                 self._step()
                 while self.buffer.due() and co.state.round < last:
-                    complete(*self._make_version())
+                    row, state = self._make_version()
+                    complete(row, state)
                     self._making = None
+                    self.journal.forget(AsyncBuffer.journal_mark(state), state.round)
         except BaseException:
             self._save_buffer()
             raise
         finally:
             co.intake.open(RoundBook(round=co.state.round + 1, attempt=-1))
+            co.intake.keep = None
+
+    def _resume(self, mark: int, in_flight: dict[str, Any]) -> None:
+        """Where a stopped coordinator left off. The results its journal kept after the checkpoint's ``mark``
+        go to the buffer, in the order they were taken, as they went to its buffer; the tasks it had in
+        flight (the checkpoint's, and those it gave since) that none of them answers are awaited: their
+        results are applied when they come (within ``async.max_staleness``), as this coordinator's are."""
+        co = self.co
+        given = {**in_flight, **self.journal.tasks_since(co.state.round)}
+        restored = self.journal.results_after(mark)
+        for entry in restored:
+            given.pop(entry.task_id, None)
+            self._take(entry.task_id, entry.result.client_id, entry.version, entry.result)
+        if restored:
+            log.warning("restored %d result(s) taken after version %d's checkpoint from %s (tasks %s)",
+                        len(restored), co.state.round, self.journal.dir, ", ".join(e.task_id for e in restored))
+        # A device trains one task at a time: the last one it was given. Spawned clients are new processes (or
+        # threads): what the stopped coordinator gave their predecessors died with them.
+        spawned = {sim_client_id(i) for i in range(co.config.clients.spawn)}
+        latest = {entry[0]: (task_id, entry) for task_id, entry in given.items() if _in_flight_entry(entry)}
+        now, wall = time.monotonic(), time.time()
+        awaited = []
+        for client_id, (task_id, (_, version, *times)) in sorted(latest.items()):
+            plan = self.strategy.configure("train", co.state.round + 1, co.state, [client_id])[0]
+            # Until the deadline the stopped coordinator set, timed from when it sent the task (Unix times); a
+            # checkpoint written before they were kept: a deadline anew, from now.
+            if times:
+                until, sent = times
+            else:
+                until, sent = wall + co.round_times.deadline([(client_id, plan.objective)],
+                                                             co.config.clients.round_timeout), wall
+            if client_id in spawned or until <= wall:
+                continue   # a result that comes all the same counts as late
+            self.flights[task_id] = Flight(task_id, client_id, version, plan, now + sent - wall, now + until - wall)
+            self._earlier.plans[task_id] = plan
+            co.round_times.sent(task_id, client_id, plan.objective, now + sent - wall)   # for its profile record
+            awaited.append(task_id)
+        if awaited:
+            log.info("awaiting %d task(s) a stopped coordinator gave, up to the deadlines it set: their results are "
+                     "applied when they come (async.max_staleness %d)", len(awaited), self.settings.max_staleness)
+
+    def _keep(self, task_id: str, result: ClientResult) -> None:
+        """A result the intake takes, in the journal before its device is acknowledged: a coordinator killed
+        before the next checkpoint leaves it to the one that resumes."""
+        flight = self.flights.get(task_id)
+        if flight is not None:   # else not a task in flight: the harvest drops it, and so would a resumed run
+            self.journal.taken(task_id, flight.version, result)
 
     def _step(self) -> None:
         """Give idle devices tasks, then take what comes for a moment; free the devices whose tasks expired."""
@@ -141,9 +195,14 @@ class AsyncRun:
             return
         self.book.round = version + 1
         plans = self.strategy.configure("train", version + 1, co.state, clients)
-        now, timeout = time.monotonic(), co.config.clients.round_timeout
-        for task_id, plan in zip(co.tasks.send_all(self.book, plans, broadcast=False), plans):
-            wait = co.round_times.deadline([(plan.client_id, plan.objective)], timeout)
+        task_ids = new_task_ids(len(plans))
+        timeout = co.config.clients.round_timeout
+        waits = [co.round_times.deadline([(plan.client_id, plan.objective)], timeout) for plan in plans]
+        for task_id, plan, wait in zip(task_ids, plans, waits):   # known to a coordinator that resumes, if this dies
+            self.journal.given(task_id, plan.client_id, version, time.time() + wait, time.time())
+        now = time.monotonic()
+        for task_id, plan, wait in zip(co.tasks.send_all(self.book, plans, broadcast=False, task_ids=task_ids),
+                                       plans, waits):
             self.flights[task_id] = Flight(task_id, plan.client_id, version, plan, now, now + wait)
         self.given += len(plans)
 
@@ -159,37 +218,42 @@ class AsyncRun:
             flight = by_client.get(client_id)
             if flight is None:   # the intake takes only answers to tasks in flight
                 continue
-            del self.flights[flight.task_id]
-            book.plans.pop(flight.task_id, None)
-            if result is not None and (event := self._take(flight, result)) is not None:
+            self._land(flight)
+            if result is not None and (event := self._take(flight.task_id, client_id, flight.version,
+                                                            result)) is not None:
                 events.append(event)
         for event in events if report else ():
             self.co.on_progress(event)
 
-    def _take(self, flight: Flight, result: ClientResult) -> dict[str, Any] | None:
-        """Fold a result into the buffer, or drop it as too stale (``async.max_staleness``, 0: never); what the
-        progress hears of it. Its staleness is counted against the version it will meet: past the full batches
-        waiting ahead of it."""
+    def _land(self, flight: Flight) -> None:
+        """A task is over (answered or expired): its device is free, and a later answer to it is late."""
+        del self.flights[flight.task_id]
+        self.book.plans.pop(flight.task_id, None)
+        self._earlier.plans.pop(flight.task_id, None)
+
+    def _take(self, task_id: str, client_id: str, version: int, result: ClientResult) -> dict[str, Any] | None:
+        """Fold a result trained from ``version`` into the buffer, or drop it as too stale (``async.max_staleness``,
+        0: never); what the progress hears of it. Its staleness is counted against the version it will meet:
+        past the full batches waiting ahead of it."""
         co, limit = self.co, self.settings.max_staleness
-        staleness = self.buffer.staleness(flight.version, co.state.round)
+        staleness = self.buffer.staleness(version, co.state.round)
         if limit and staleness > limit:
             self.dropped += 1
             log.info("dropped the result of %s: trained from version %d, %d versions behind (async.max_staleness "
-                     "%d)", flight.client_id, flight.version, staleness, limit)
+                     "%d)", client_id, version, staleness, limit)
             return None
         try:
             self.buffer.add(result, staleness)
         except AggregationError as exc:
-            co.intake.count("rejected", flight.client_id, f"cannot aggregate this result: {exc}")
+            co.intake.count("rejected", client_id, f"cannot aggregate this result: {exc}")
             return None
-        return {"kind": "buffered", "version": co.state.round, "client": flight.client_id,
-                "task_id": flight.task_id, "staleness": staleness, "buffered": self.buffer.count}
+        return {"kind": "buffered", "version": co.state.round, "client": client_id,
+                "task_id": task_id, "staleness": staleness, "buffered": self.buffer.count}
 
     def _expire(self, now: float) -> None:
         """Tasks past their deadline are missed (recorded, counted towards benching, as in a round's close)."""
         for flight in [f for f in self.flights.values() if now > f.deadline]:
-            del self.flights[flight.task_id]
-            self.book.plans.pop(flight.task_id, None)
+            self._land(flight)
             self.co.intake.close(RoundBook(round=flight.version + 1, attempt=0, plans={flight.task_id: flight.plan},
                                            wait=flight.deadline - flight.sent, opened=flight.sent))
 
@@ -231,10 +295,13 @@ class AsyncRun:
         co.on_progress({"kind": "round", "round": version, "phase": "end", "seconds": row["seconds"]})
         if version < co.config.run.rounds:
             co.on_progress({"kind": "round", "round": version + 1, "phase": "start"})
-        return row, snapshot(self.buffer.saved_in(state, self._in_flight()))
+        return row, snapshot(self.buffer.saved_in(state, self._in_flight(), self.journal.seq))
 
     def _in_flight(self) -> dict[str, list[Any]]:
-        return {f.task_id: [f.client_id, f.version] for f in self.flights.values()}
+        """The tasks in flight as a checkpoint keeps them: task id -> [client, version, deadline, sent] (Unix times)."""
+        now, wall = time.monotonic(), time.time()
+        return {f.task_id: [f.client_id, f.version, wall + f.deadline - now, wall + f.sent - now]
+                for f in self.flights.values()}
 
     def _save_buffer(self) -> None:
         """On a stop: the last version's checkpoint again, now with the results buffered since (never lost).
@@ -249,6 +316,16 @@ class AsyncRun:
         if not self.buffer.count or not self.buffer.finite():   # a NaN buffer would make the checkpoint unreadable
             return
         try:
-            self.co.checkpoint(self.buffer.saved_in(self.co.state, self._in_flight()))
+            self.co.checkpoint(self.buffer.saved_in(self.co.state, self._in_flight(), self.journal.seq))
         except (RunError, OSError) as exc:
-            log.error("could not checkpoint the %d buffered result(s) as the run stopped: %s", self.buffer.count, exc)
+            log.error("could not checkpoint the %d buffered result(s) as the run stopped (the journal keeps them "
+                      "for --resume): %s", self.buffer.count, exc)
+            return
+        self.journal.forget(self.journal.seq, self.co.state.round)
+
+
+def _in_flight_entry(entry: Any) -> bool:
+    """Whether a checkpoint's or the journal's in-flight entry reads: [client, version], or with the deadline and
+    the time sent (a checkpoint written before they were kept has neither)."""
+    return (isinstance(entry, list) and len(entry) in (2, 4) and isinstance(entry[0], str)
+            and isinstance(entry[1], int) and all(isinstance(v, (int, float)) for v in entry[2:]))

@@ -29,8 +29,8 @@ from typing import Any
 from torch import nn
 
 from coordinator.runtime.device_book import DeviceBook, ModelSize
-from coordinator.runtime.bookkeeping import (EvalData, Evaluation, TrainedRound, TrainedRounds, snapshot,
-                                             write_checkpoint)
+from coordinator.runtime.bookkeeping import (EvalData, Evaluation, RunRecords, TrainedRound, TrainedRounds,
+                                             snapshot, write_checkpoint)
 from coordinator.ops.spawn import sim_client_id
 from coordinator.runtime.attempts import silent_note
 from coordinator.runtime.broadcast import Broadcast
@@ -421,24 +421,26 @@ class Coordinator:
         factor = self.strategy.lr_factor
         return {} if factor is None else {"train_lr": self.config.train.lr * factor(round)}
 
-    def run_rounds(self, first: int, last: int, complete: Callable[[dict[str, Any], ServerState], None]) -> None:
+    def run_rounds(self, first: int, last: int, records: RunRecords) -> None:
         """Rounds ``first`` to ``last``, each test-set evaluation on a thread of its own while the next round trains.
 
-        ``complete(row, state)`` gets each round's finished row (its evaluation included) and a snapshot
-        of the state the round ended on, in round order, on this thread, as soon as the evaluation is
-        done: rows and checkpoints written there agree. At most one evaluation runs at a time; one that
-        fails ends the run. If something else ends it, rows already trained are completed first.
+        Each round's row and checkpoint go to ``records`` as soon as it is aggregated (a coordinator killed
+        afterwards resumes from it), and its row is completed with its evaluation in round order, on this
+        thread, as soon as the evaluation is done. At most one evaluation runs at a time; one that fails ends
+        the run. If something else ends it, the evaluations under way are waited for first.
         """
-        with self.trained.completing(complete) as trained:
+        with self.trained.completing(records.completed) as trained:
             for r in range(first, last + 1):
                 why = self.strategy.stop_before(r, self.state)
                 if why:
                     log.warning("%s; the run ends after round %d", why, r - 1)
                     break
-                done = TrainedRound(self.train_round(r), snapshot(self.state))
+                row, state = self.train_round(r), snapshot(self.state)
+                records.trained(row, state, evaluating=self.evaluates(r))
+                done = TrainedRound(row)
                 if self.evaluates(r):
                     trained.complete(wait=True)   # the evaluation in flight, and the rows behind it
-                    done.evaluation = self.evaluation.in_background(done.state)
+                    done.evaluation = self.evaluation.in_background(state)
                 trained.add(done)
                 trained.complete()
 
@@ -447,8 +449,9 @@ class Coordinator:
         (never while a background evaluation runs: they share the evaluation network)."""
         return self.evaluation.now(self.state)
 
-    def checkpoint(self, state: ServerState | None = None) -> Path:
-        """Save ``state`` (the current one by default) as the checkpoint of its round."""
+    def checkpoint(self, state: ServerState | None = None, *, keep_all: bool | None = None) -> Path:
+        """Save ``state`` (the current one by default) as the checkpoint of its round; ``keep_all`` (default:
+        ``checkpoint.keep``) False deletes the others."""
         return write_checkpoint(self.out, self.state if state is None else state,
                                 {"run_id": self.run_id, "strategy": self.strategy.name},
-                                keep_all=self.config.checkpoint.keep == "all")
+                                keep_all=self.config.checkpoint.keep == "all" if keep_all is None else keep_all)

@@ -121,6 +121,9 @@ class ResultIntake:
         self._other_runs: set[str] = set()          # results of other runs already acknowledged and logged
         self.attempts = Attempts()                  # the phase's earlier attempts, whose results still count
         self._heard: dict[str, float] = {}          # client -> its last first answer to a task of ours (monotonic)
+        # What must be on disk before a result is acknowledged: an asynchronous run journals it here
+        # (coordinator/runtime/async_journal.py), with the task id; an exception leaves the result unacknowledged.
+        self.keep: Callable[[str, ClientResult], None] | None = None
         # A secure round's stage results go here instead of being decoded (coordinator/runtime/secure_round.py):
         # it checks the stage's message and returns the result to keep; ProtocolError refuses it.
         self.secure: Callable[[TaskPlan, Message, ResultBody], ClientResult] | None = None
@@ -260,6 +263,8 @@ class ResultIntake:
         except ProtocolError as exc:
             self._refuse(client_id, msg.task_id, body, str(exc))
             return False
+        if self.keep is not None:
+            self.keep(msg.task_id, result)
         book.results[client_id] = result
         self.roster.absences.accepted(client_id)
         self._answer(client_id, msg.task_id, "ack")

@@ -27,6 +27,7 @@ from coordinator.aggregation import tolerance
 from coordinator.config import ConfigError, RunConfig, dump_config
 from coordinator.privacy_noise import refusal as noise_refusal, start_note as noise_note
 from coordinator.runtime.asynchronous import AsyncRun
+from coordinator.runtime.bookkeeping import RunRecords
 from coordinator.runtime.engine import Coordinator, EvalData, RunError
 from coordinator.runtime.run_summary import run_summary
 from coordinator.runtime.weights import WeightBound
@@ -42,7 +43,6 @@ from edge_client.registry import build_model, describe_size, model_size
 from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport, Transport
 from storage.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from storage.errors import FedgeError
-from storage.files import read_jsonl, write_jsonl_atomic
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -93,17 +93,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
-def _read_metrics(path: Path, up_to_round: int) -> list[dict[str, Any]]:
-    """Metrics rows of completed rounds; rows past the last checkpoint are dropped on resume."""
-    if not path.exists():
-        return []
-    return [r for r in read_jsonl(path) if isinstance(r.get("round"), int) and r["round"] <= up_to_round]
-
-
-def _write_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
-    write_jsonl_atomic(path, rows)
 
 
 def _setup_file_log(out_dir: Path) -> logging.Handler:
@@ -205,7 +194,7 @@ def run_federated(config: RunConfig, *, resume: bool = False, say: Callable[[str
         raise ConfigError("client objectives are for in-process clients: transport.kind = 'inproc' with "
                           "clients.spawn > 0")
     out, run_id, done, created = _prepare_out_dir(config, resume)
-    if resume and done >= config.run.rounds:
+    if resume and done >= config.run.rounds and not RunRecords.pending(out, done):
         say(f"run {run_id} finished all {done} rounds already; nothing to resume (raise --rounds to train more)")
         summary_path = out / "summary.json"
         return RunResult(out, json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {})
@@ -269,21 +258,24 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     x_eval, y_eval = evaluation_split(dataset, config.data.partition)
     state = _starting_state(config, out, run_id, resume, strategy, dataset, x_eval, say)
     _say_setup(config, strategy, state, dataset, say)
-    metrics_path = out / "metrics.jsonl"
-    rows = _read_metrics(metrics_path, state.round) if resume else []
+    rows = RunRecords.read(out, state.round) if resume else []
     eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
     with _open_transport(config, run_id, say) as (transport, reach), run_telemetry(config, run_id, say) as telemetry:
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
                                   eval_data=eval_data, on_progress=on_progress)
         telemetry.watch(coordinator.roster, coordinator.profile_store)   # [metrics]: the fleet at each scrape
+        # Async mode's driver takes over the intake before any message is handled: a resumed coordinator's
+        # session may hold results to the stopped one's tasks, queued while it was down.
+        driver = AsyncRun(coordinator, pump=coordinator.pump) if config.run.mode == "async" else None
         coordinator.announce("running")
         began.append(True)
         spawned = SpawnedClients()
         completed = False
         try:
-            spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
-            _wait_for_clients(coordinator, spawned, say)
-            _train(coordinator, rows, metrics_path, telemetry.observing(on_round))
+            if coordinator.started_after < config.run.rounds:   # else only evaluations left undone are to do
+                spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
+                _wait_for_clients(coordinator, spawned, say)
+            _train(coordinator, rows, out, telemetry.observing(on_round), driver)
             completed = True
         finally:
             # "stopped": the run may be resumed; devices drop what it queued instead of training it. "finished"
@@ -370,28 +362,24 @@ def _wait_for_clients(coordinator: Coordinator, spawned: SpawnedClients, say: Ca
     coordinator.watchdog = lambda: None
 
 
-def _train(coordinator: Coordinator, rows: list[dict[str, Any]], metrics_path: Path,
-           on_round: Callable[[dict[str, Any]], None]) -> None:
-    """Round 0's row (a new run: the initial model's evaluation), then the remaining rounds, each row
+def _train(coordinator: Coordinator, rows: list[dict[str, Any]], out: Path,
+           on_round: Callable[[dict[str, Any]], None], driver: AsyncRun | None) -> None:
+    """Round 0's row (a new run: the initial model's evaluation), or the evaluations a killed coordinator
+    left undone (a resumed one), then the remaining rounds (``driver``: async mode's versions), each row
     appended to ``rows`` and written."""
+    keep_all = coordinator.config.checkpoint.keep == "all"
+    records = RunRecords(out, rows, checkpoint=lambda state: coordinator.checkpoint(state, keep_all=True),
+                         keep_all=keep_all, on_round=on_round)
     if not rows:
         rows.append({"round": 0, **coordinator.evaluate(), "selected": 0, "returned": 0, "late": 0,
                      "rejected": 0, "bytes_down": 0, "bytes_up": 0, "seconds": 0.0})
         on_round(rows[-1])
-
-    def complete(row: dict[str, Any], trained: ServerState) -> None:
-        """A round's row is written with its evaluation, and only then its checkpoint: a resumed
-        run re-does every round whose row was not complete."""
-        rows.append(row)
-        _write_metrics(metrics_path, rows)
-        coordinator.checkpoint(trained)
-        on_round(row)
-
-    if coordinator.config.run.mode == "async":   # model versions instead of rounds, each completed as a round is
-        AsyncRun(coordinator, pump=coordinator.pump).run(coordinator.config.run.rounds, complete)
+    records.evaluate_pending(coordinator.evaluation.now)
+    if driver is not None:   # model versions instead of rounds, each row whole at once
+        driver.run(coordinator.config.run.rounds, records.complete)
     else:
-        coordinator.run_rounds(coordinator.started_after + 1, coordinator.config.run.rounds, complete)
-    _write_metrics(metrics_path, rows)
+        coordinator.run_rounds(coordinator.started_after + 1, coordinator.config.run.rounds, records)
+    records.write()
 
 
 def _say_tolerance(config: RunConfig, say: Callable[[str], None]) -> None:

@@ -11,12 +11,10 @@ its checkpoint into its account (:meth:`TaskJournal.replay`) before it runs them
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 from coordinator.strategies.base import Strategy
-from storage.files import read_jsonl
+from storage.files import append_jsonl_synced, read_jsonl
 from storage.state import ServerState
 
 __all__ = ["TaskJournal", "JOURNAL_FILE"]
@@ -29,20 +27,11 @@ class TaskJournal:
 
     def __init__(self, out_dir: Path) -> None:
         self.path = Path(out_dir) / JOURNAL_FILE
-        if self.path.exists() and self.path.stat().st_size:   # a torn last line must not swallow the next one
-            with open(self.path, "rb+") as fh:
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":
-                    fh.write(b"\n")
 
     def sent(self, round: int, attempt: int, clients: list[str]) -> None:
         """On disk before the tasks are published: a line the coordinator could lose would be a release the
         account misses."""
-        line = json.dumps({"round": round, "attempt": attempt, "clients": sorted(clients)}) + "\n"
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_jsonl_synced(self.path, {"round": round, "attempt": attempt, "clients": sorted(clients)})
 
     def replay(self, state: ServerState, strategy: Strategy) -> tuple[ServerState, int]:
         """``state`` with the exchanges of rounds after its checkpoint counted in (the tasks went out, the round

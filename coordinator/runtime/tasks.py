@@ -35,10 +35,15 @@ if TYPE_CHECKING:
     from coordinator.config import RunConfig
     from coordinator.runtime.outbox import Outbox
 
-__all__ = ["TaskSender"]
+__all__ = ["TaskSender", "new_task_ids"]
 
 log = logging.getLogger("fedge.coordinator")
 _MAX_RESENT = 10_000   # tasks whose last re-send on presence is remembered
+
+
+def new_task_ids(count: int) -> list[str]:
+    """Ids for ``count`` new tasks: random, so a resumed run's never meet a stopped one's."""
+    return [uuid.uuid4().hex[:16] for _ in range(count)]
 
 
 class TaskSender:
@@ -57,13 +62,15 @@ class TaskSender:
         self.network = network
         self._resent: OrderedDict[str, float] = OrderedDict()   # task id -> when a presence last re-sent it
 
-    def send_all(self, book: RoundBook, plans: list[TaskPlan], *, broadcast: bool = True) -> list[str]:
+    def send_all(self, book: RoundBook, plans: list[TaskPlan], *, broadcast: bool = True,
+                 task_ids: list[str] | None = None) -> list[str]:
         """The exchange's tasks, after the broadcast they share and (with workers) the manifest; their ids.
-        ``broadcast=False``: each task carries all its tensors (asynchronous versions outlive a broadcast)."""
+        ``broadcast=False``: each task carries all its tensors (asynchronous versions outlive a broadcast);
+        ``task_ids``: ids the caller chose (:func:`new_task_ids`, journaled before they go), else new ones."""
         shared = shared_tensors(plans) if self.config.codec.broadcast and broadcast else {}
         digest = self.broadcast.publish_model(book, shared) if shared else ""
         self.outbox.transport.prefer(self.topics.client(plan.client_id, "result") for plan in plans)
-        task_ids = [uuid.uuid4().hex[:16] for _ in plans]
+        task_ids = task_ids or new_task_ids(len(plans))
         if self.config.workers.count and plans:   # the workers learn the tasks before any result can come
             self.workers.open(book, plans, task_ids, self.downlink.upload_codec(plans[0]), digest or None)
         book.shared, book.broadcast = frozenset(shared), digest or None
