@@ -9,6 +9,7 @@ pytest's private temporary directories).
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import stat
@@ -395,6 +396,14 @@ def test_the_acl_names_the_broker_dir_it_was_given(tmp_path):
     acl = (done.out_dir / "broker" / "fedge.acl").read_text()
     assert "/srv/mq/fedge/fedge.passwd" in acl and "/etc/mosquitto" not in acl
     assert "\nuser monitor\ntopic read fedge/#\n" in acl
+
+
+def test_a_broker_run_from_the_provisioning_directory_keeps_the_user_who_provisioned_it(tmp_path):
+    in_place = provision(tmp_path / "d", hosts=["h"], devices=["pi-01"], broker_dir=str(tmp_path / "d" / "broker"))
+    conf = (in_place.out_dir / "broker" / "fedge.conf").read_text()
+    assert f"\nuser {getpass.getuser()}\n" in conf   # as root, not the `mosquitto` user that cannot read 0600 files
+    installed = provision(tmp_path / "e", hosts=["h"], devices=["pi-01"])
+    assert "\nuser " not in (installed.out_dir / "broker" / "fedge.conf").read_text()   # systemd's broker: its own
 
 
 def test_the_monitor_user_reads_everything_and_writes_nothing(own_broker):

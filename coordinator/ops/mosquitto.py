@@ -66,7 +66,7 @@ class LocalMosquitto:
             f"listener {self.port} 127.0.0.1", "allow_anonymous true",
             *(saved if self.persistence else ["persistence false"]), "max_queued_messages 100000"]
         lines += ["log_dest stderr", "log_type error", "log_type warning"]
-        if os.geteuid() == 0:
+        if os.geteuid() == 0 and not any(line.startswith("user ") for line in "\n".join(lines).splitlines()):
             lines.append("user root")   # otherwise it drops to 'mosquitto', which may not read our files
         conf.write_text("\n".join(lines) + "\n" + self.extra_config, encoding="utf-8")
         self._log = open(self.workdir / "mosquitto.log", "ab")

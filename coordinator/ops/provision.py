@@ -25,6 +25,7 @@ Mosquitto has, rather than a Python dependency.
 from __future__ import annotations
 
 import base64
+import getpass
 import hashlib
 import ipaddress
 import os
@@ -224,7 +225,9 @@ def provision(out_dir: Path, *, hosts: list[str], devices: list[str], port: int 
     central = [COORDINATOR_USER, MONITOR_USER, *(d for d in devices if d not in site_of), *agents, *bridges]
     write_file(broker / "fedge.passwd", _passwd(passwords, central), 0o600)
     write_file(broker / "fedge.acl", broker_acl(prefix, agents, sites, broker_dir), 0o644)
-    write_file(broker / "fedge.conf", mosquitto_conf(port, listen, broker_dir), 0o644)
+    in_place = Path(broker_dir).resolve() == broker.resolve()   # a broker run in a terminal from this directory
+    write_file(broker / "fedge.conf", mosquitto_conf(port, listen, broker_dir,
+                                                     run_as=getpass.getuser() if in_place else None), 0o644)
     coordinator = out_dir / "coordinator"
     write_file(coordinator / "password", passwords[COORDINATOR_USER] + "\n", 0o600)
     write_file(out_dir / "monitor" / "password", passwords[MONITOR_USER] + "\n", 0o600)

@@ -86,9 +86,15 @@ pattern read {p}/coordinator/#
 """
 
 
-def mosquitto_conf(port: int, listen: str, broker_dir: str) -> str:
+def mosquitto_conf(port: int, listen: str, broker_dir: str, run_as: str | None = None) -> str:
+    """The central broker's configuration; ``run_as``: the user a broker started as root keeps (one run in a
+    terminal from the provisioning directory, whose 0600 files the ``mosquitto`` user cannot read)."""
     d = broker_dir.rstrip("/")
     bind = f" {listen}" if listen else ""
+    user = ("" if run_as is None else
+            "\n# Started as root, Mosquitto drops to this user (by default `mosquitto`, which cannot read\n"
+            "# the 0600 files of the provisioning directory it runs from); as another user, it stays that user.\n"
+            f"user {run_as}\n")
     return f"""# Mosquitto 2.x configuration written by fedge-coordinator provision.
 # Install as /etc/mosquitto/conf.d/fedge.conf with the other files of this directory in {d}/
 # (docs/deploy.md shows the commands). The stock /etc/mosquitto/mosquitto.conf sets
@@ -118,7 +124,7 @@ use_username_as_clientid true
 # travel in many chunks, so keep a wide margin. Cap memory with max_queued_bytes if needed.
 max_queued_messages 100000
 max_inflight_messages 100
-"""
+{user}"""
 
 
 def bridge_conf(site: Site, prefix: str, centre: str, password: str, broker_dir: str, *, tls: bool = True) -> str:
