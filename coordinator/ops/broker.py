@@ -29,6 +29,10 @@ Notes for callers (measured against amqtt 0.12.1):
   publish QoS): a QoS 0 publish reaches a QoS 1 subscriber as QoS 1 and is
   even queued for it while it is offline.
 * There is no maximum packet size; the MQTT limit (256 MB) applies.
+* A QoS 1 delivery gets 5 s for its PUBACK (fixed); then amqtt forgets it
+  (it is not sent again) and logs a warning, and at its shutdown a
+  traceback.  A subscriber that acknowledges on take, as the coordinator
+  does, must take what arrives until it disconnects.
 
 .. _amqtt: https://github.com/Yakifo/amqtt
 """
