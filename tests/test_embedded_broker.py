@@ -509,3 +509,56 @@ def test_simultaneous_reconnects_and_subscriptions_leave_no_traceback(tmp_path: 
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
         assert done.stdout.strip() == "36 of 36 sessions subscribed", done.stdout + done.stderr
+
+
+# A subscriber that acknowledges on take (as the coordinator does) and is busy for longer than the 5 s amqtt
+# gives a PUBACK: amqtt logged a warning per message, another for each late PUBACK, and at its shutdown an
+# ERROR with a traceback for each, on a console that shows warnings (as fedge-coordinator's does).
+SLOW_TAKER = """
+import logging, time
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from coordinator.ops.broker import EmbeddedBroker
+
+logging.basicConfig(level=logging.WARNING)
+with EmbeddedBroker() as broker:
+    ep = broker.endpoint
+
+    def login(cid: str, manual_ack: bool) -> mqtt.Client:
+        client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=cid, clean_session=False,
+                             protocol=mqtt.MQTTv311, manual_ack=manual_ack)
+        client.username_pw_set(ep.username, ep.password)
+        client.connect(ep.host, ep.port)
+        client.loop_start()
+        return client
+
+    taken = []
+    taker = login("taker", manual_ack=True)
+    taker.on_message = lambda client, userdata, msg: taken.append(msg.mid)
+    taker.subscribe("t/#", 1)
+    time.sleep(0.5)
+    sender = login("sender", manual_ack=False)
+    for k in range(3):
+        sender.publish(f"t/{k}", b"x", qos=1).wait_for_publish(5)
+    time.sleep(6.0)         # busy past amqtt's 5 s
+    for mid in list(taken):
+        taker.ack(mid, 1)   # taken at last
+    time.sleep(0.5)
+    for client in (sender, taker):
+        client.disconnect()
+        client.loop_stop()
+print(f"{len(taken)} delivered")
+"""
+
+
+@pytest.mark.timeout(40)
+def test_a_slow_acknowledgement_and_the_shutdown_after_it_stay_off_the_console() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SLOW_TAKER], capture_output=True, text=True, timeout=35,
+                          cwd=Path(__file__).resolve().parents[1], env={k: v for k, v in os.environ.items()
+                                                                      if k != "FEDGE_BROKER_DEBUG"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3 delivered", done.stdout + done.stderr
+    assert done.stderr == "", done.stderr

@@ -29,6 +29,10 @@ Notes for callers (measured against amqtt 0.12.1):
   publish QoS): a QoS 0 publish reaches a QoS 1 subscriber as QoS 1 and is
   even queued for it while it is offline.
 * There is no maximum packet size; the MQTT limit (256 MB) applies.
+* A QoS 1 delivery gets 5 s for its PUBACK (fixed); then amqtt forgets it
+  (it is not sent again) and logs a warning, and at its shutdown a
+  traceback.  A subscriber that acknowledges on take, as the coordinator
+  does, must take what arrives until it disconnects.
 
 .. _amqtt: https://github.com/Yakifo/amqtt
 """
@@ -50,7 +54,8 @@ from types import TracebackType
 from typing import Any
 
 from coordinator.ops.amqtt_config import amqtt_config, hash_password, topic_acl
-from coordinator.ops.amqtt_quirks import SnapshotDict, configure_amqtt_logging, debug_requested, quiet_connection_errors
+from coordinator.ops.amqtt_quirks import (SnapshotDict, configure_amqtt_logging, debug_requested, quiet_loop_errors,
+                                          settle_deliveries)
 from coordinator.ops.broker_endpoint import BrokerEndpoint, BrokerError, free_port
 
 __all__ = [
@@ -64,6 +69,9 @@ log = logging.getLogger(__name__)
 
 # How often start() retries when the port it picked was taken in the meantime.
 _BIND_ATTEMPTS = 5
+
+# How long stop() lets deliveries in flight end before amqtt's shutdown cancels them.
+_SETTLE_SECONDS = 1.0
 
 
 def _is_loopback(host: str) -> bool:
@@ -225,8 +233,13 @@ class EmbeddedBroker:
         """Shut the broker down and delete its temporary files.
 
         Safe to call more than once, and on a broker that never started.
+        Deliveries in flight get up to a second to be acknowledged; what
+        failed or is still unacknowledged then is dropped, logged at DEBUG only.
         Connected clients lose their connection; all sessions and retained
-        messages are discarded (amqtt keeps them in memory only).
+        messages are discarded (amqtt keeps them in memory only).  Stop the
+        clients first (a run does: its devices are told the run finished and
+        have left, and the coordinator has taken what they sent), so nothing
+        is in flight.
 
         Raises:
             BrokerError: the broker thread did not finish within *timeout*
@@ -324,7 +337,7 @@ class EmbeddedBroker:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         if not debug_requested():
-            loop.set_exception_handler(quiet_connection_errors)
+            loop.set_exception_handler(quiet_loop_errors)
         outcome["loop"] = loop  # lets a timed-out start() stop this loop
         try:
             loop.run_until_complete(self._serve(port, ready, outcome))
@@ -365,6 +378,7 @@ class EmbeddedBroker:
         try:
             await stop_event.wait()
         finally:
+            await settle_deliveries(broker, _SETTLE_SECONDS)
             await broker.shutdown()
 
     @staticmethod

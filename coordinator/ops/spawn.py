@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,10 @@ from edge_client.wire.protocol import Topics
 from edge_client.wire.transport import InprocHub
 
 __all__ = ["SpawnedClients", "spawn_processes", "spawn_threads", "sim_client_id", "device_bundles"]
+
+
+# After the last client process left: how long the coordinator still takes what was on its way.
+_SETTLE_SECONDS = 0.5
 
 
 def sim_client_id(index: int) -> str:
@@ -58,17 +63,29 @@ class SpawnedClients:
                 out.append(f"client process {proc.pid} exited with {proc.returncode}: {' | '.join(tail)}")
         return out
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = 20.0, *, meanwhile: Callable[[float], None] = time.sleep) -> None:
+        """Wait up to ``timeout`` s in all for the clients to leave, then end those still there.
+
+        Processes leave when they see the run's status (the coordinator announces it first), threads
+        when told here. ``meanwhile(seconds)`` spends the wait; the coordinator's takes, and so
+        acknowledges, what arrives for it: the leaving clients' last messages would otherwise wait
+        unacknowledged until the broker gives up on them, noisily (amqtt after 5 s). It is called once
+        more after the last process is gone, for messages still on their way.
+        """
         self.stop_event.set()
+        deadline = time.monotonic() + timeout
+        while any(proc.poll() is None for proc in self.processes) and time.monotonic() < deadline:
+            meanwhile(0.1)
         for proc in self.processes:
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 proc.terminate()
                 try:
                     proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                    proc.wait()
+        if self.processes:
+            meanwhile(_SETTLE_SECONDS)
         for thread in self.threads:
             thread.join(timeout=timeout)
 

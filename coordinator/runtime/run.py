@@ -284,13 +284,23 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
                 coordinator.announce("finished", coordinator.state.round)
             else:
                 coordinator.announce("stopped")
-            spawned.stop()
+            spawned.stop(meanwhile=lambda seconds: _drop_arrivals(transport, seconds))
     summary = {**run_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
                              coordinator.started_after), **strategy.summary(rows)}
     if config.export.enabled:
         summary["export"] = _export_final(out, say)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return RunResult(out, summary)
+
+
+def _drop_arrivals(transport: Transport, seconds: float) -> None:
+    """Take what arrives for ``seconds`` and drop it. Once the rounds are over nothing reads the
+    transport, but what the leaving clients still send (their offline presence) must be taken all the
+    same: the coordinator acknowledges a message when it takes it, and a broker left waiting gives up
+    noisily (amqtt after 5 s, with a traceback for each message at its shutdown)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        transport.get(left)
 
 
 def _starting_state(config: RunConfig, out: Path, run_id: str, resume: bool, strategy: Strategy, dataset: Dataset,
