@@ -182,22 +182,28 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
+def _kill_at_mark(program: str, mark: Path, cmd: list[str], never: str) -> None:
+    """Run the coordinator's ``cmd`` under ``program`` and SIGKILL it (its spawned clients left to end) once it
+    writes ``mark``; ``never``: what failed when it does not within 3 minutes."""
+    proc = subprocess.Popen([sys.executable, "-c", program, str(mark), *cmd[3:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while not mark.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, never
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children()
+    proc.kill()
+    proc.wait()
+    psutil.wait_procs(children, timeout=30)
+
+
 def test_coordinator_killed_during_aggregation_resumes_to_the_same_rows(tmp_path, mosquitto, prefix,
                                                                        uninterrupted_rows):
     rounds = 4
 
     out, mark = tmp_path / "killed", tmp_path / "aggregating"
     cmd = _coordinator_cmd(out, mosquitto, prefix, rounds)
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_AGGREGATION, str(mark), *cmd[3:]],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not mark.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the coordinator never aggregated round 3"
-        time.sleep(0.05)
-    children = psutil.Process(proc.pid).children()
-    proc.kill()
-    proc.wait()
-    psutil.wait_procs(children, timeout=30)
+    _kill_at_mark(_SLOW_AGGREGATION, mark, cmd, "the coordinator never aggregated round 3")
     assert mark.read_text() == str(RESUME_CLIENTS)      # every result of round 3 was in
     assert [r["round"] for r in read_metrics(out)] == [0, 1, 2]
     assert not (out / "checkpoints" / "round_0003.safetensors").exists()
@@ -238,16 +244,7 @@ def test_coordinator_killed_before_an_evaluation_finished_resumes_from_that_roun
 
     out, mark = tmp_path / "killed", tmp_path / "evaluating"
     cmd = _coordinator_cmd(out, mosquitto, prefix, rounds)
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_EVALUATION, str(mark), *cmd[3:]],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not mark.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the coordinator never evaluated round 2"
-        time.sleep(0.05)
-    children = psutil.Process(proc.pid).children()
-    proc.kill()
-    proc.wait()
-    psutil.wait_procs(children, timeout=30)
+    _kill_at_mark(_SLOW_EVALUATION, mark, cmd, "the coordinator never evaluated round 2")
     assert (out / "checkpoints" / "round_0002.safetensors").exists()
     left = read_metrics(out)
     assert left[2]["round"] == 2 and left[2]["evaluation"] == "pending" and "test_accuracy" not in left[2]
