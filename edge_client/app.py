@@ -1,0 +1,294 @@
+"""The app interface: a user's model, data, loss and metrics, declared once, served by every part of fedge.
+
+An app is a Python package its owner writes and installs, outside fedge's tree. It declares
+one :class:`App` object, named by an import path (``"kws_app:app"``) in the run's ``[app]``
+section on the coordinator and registered on a device by installing the package (an entry
+point in the ``fedge.apps`` group, name -> import path). Code never travels over MQTT: a task
+names an app by its name, version and the digest of its installed files (:func:`app_identity`),
+and each party imports the app only from what is installed on it (:func:`installed_apps`), never
+from a path a message names.
+
+fedge's own networks and data sets are the first app, ``vision`` (:mod:`edge_client.apps.vision`),
+declared through this same interface.
+
+Everything an app returns is checked here before the runtime uses it (:func:`check_app`,
+:func:`check_samples`), and every refusal names the field to fix, because an app is the one part
+of a run fedge did not write.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["App", "AppError", "ExampleInput", "Metric", "Samples", "AppIdentity", "check_app", "check_samples",
+           "load_app", "installed_apps", "app_identity", "example_input", "trainable_names", "evaluate_metrics",
+           "ENTRY_POINT_GROUP", "BUILT_IN_APPS"]
+
+ENTRY_POINT_GROUP = "fedge.apps"
+# The apps fedge ships, by name: found without an entry point, so a checkout that was not reinstalled has them.
+BUILT_IN_APPS: Mapping[str, str] = {"vision": "edge_client.apps.vision:APP"}
+
+
+class AppError(ValueError):
+    """An app that cannot be loaded or used as declared; the message names the field to fix."""
+
+
+@dataclass(frozen=True)
+class ExampleInput:
+    """One sample as the model takes it, without the batch dimension: what profiling, memory estimates,
+    the export's graph and ``fedge-profile infer`` feed the model when they have no data of their own."""
+
+    shape: tuple[int, ...]                 # e.g. (3, 96, 96) for an RGB image, (40, 101) for audio features
+    dtype: torch.dtype = torch.float32
+
+    def tensor(self, batch: int = 1) -> torch.Tensor:
+        """A batch of zeros of this shape and dtype."""
+        return torch.zeros((batch, *self.shape), dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Data as tensors: ``x`` the model's inputs, ``y`` the targets the loss compares its outputs with.
+
+    Both have the samples along their first dimension; any shapes and dtypes beyond it (images, feature
+    sequences, table rows; integer classes, multi-label 0/1 rows, real-valued targets)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One figure a run reports on evaluation data.
+
+    ``fn(outputs, targets)`` is called once on the model's outputs over the whole evaluation set (in
+    eval mode, without gradients) and the matching targets, and returns a float."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], float]
+    higher_is_better: bool = True   # False for an error (MSE, MAE): "best" then means the lowest
+
+
+@dataclass(frozen=True)
+class App:
+    """What a run trains and how it is judged; one object per app, declared in the app's package.
+
+    Every callable is a plain function of its arguments: the runtime calls it on the coordinator, on
+    each device and in exports, and it must give the same result for the same inputs everywhere."""
+
+    name: str
+    """The app's name: letters, digits, ``_`` and ``-``; devices find the app installed under it."""
+    version: str
+    """The app's version (its package's), carried in every task: a device whose installed app has another
+    version or other files refuses the task, naming both."""
+    model: Callable[[Mapping[str, Any]], nn.Module]
+    """A factory from the run's ``[model]`` options to a new network. Called on every party with the same
+    options; its initial weights come from the coordinator's, so any initialization will do."""
+    example_input: ExampleInput | Callable[[Mapping[str, Any]], ExampleInput]
+    """One sample's shape and dtype, or a function of the model options giving it."""
+    device_data: Callable[[str], Samples]
+    """A loader from a device's data location (``--data`` on ``fedge-client run``: a path, a directory, a URL
+    the function understands) to all of the device's samples. The runtime holds out the run's
+    ``data.local_test_fraction`` of them for personalized evaluation."""
+    eval_data: Callable[[str], Samples]
+    """A loader from the coordinator's data location (``--data`` on ``fedge-coordinator run``) to the
+    samples the global model is evaluated on after each round, and the export's parity check runs on."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``loss(outputs, targets)``: the mean loss of a batch as a scalar tensor with a gradient."""
+    metrics: Mapping[str, Metric]
+    """The figures reported on evaluation data, by name; their names become row columns (``test_NAME``)."""
+    headline: str
+    """The metric that ranks models: reports, checkpoints' "best", selection and the export card use it."""
+    preprocessing: Mapping[str, Any] = field(default_factory=dict)
+    """What a served model's inputs need before the graph (JSON values), written on the export's model
+    card; preprocessing inside the model is carried by the graph itself."""
+    trainable: Sequence[str] = ()
+    """Patterns (``fnmatch``, over parameter names) of what trains and travels; empty: every parameter.
+    Frozen parameters are never sent, aggregated or counted."""
+    hooks: Mapping[str, str] = field(default_factory=dict)
+    """Submodule names methods that need structure ask for: ``features`` (the feature extractor) and
+    ``head`` (the last layer on its output) for SphereFed and FFC."""
+
+    def require_hook(self, hook: str, method: str) -> str:
+        """The submodule name ``hook`` names, or AppError saying what ``method`` needs declared."""
+        name = self.hooks.get(hook)
+        if not name:
+            raise AppError(f"{method} needs the app to name its {hook!r} submodule: add hooks={{{hook!r}: "
+                           f"'MODULE.NAME'}} to app {self.name!r}")
+        return name
+
+
+@dataclass(frozen=True)
+class AppIdentity:
+    """What a task says about the app it was made with, and a device checks against its own."""
+
+    name: str
+    version: str
+    digest: str   # sha256 of the app package's installed files
+
+    def to_spec(self) -> dict[str, str]:
+        return {"name": self.name, "version": self.version, "digest": self.digest}
+
+    def mismatch(self, other: AppIdentity) -> str | None:
+        """None when the two are the same app; else one line naming both."""
+        if self == other:
+            return None
+        return (f"the task was made with app {self.name} {self.version} (digest {self.digest[:12]}) but this "
+                f"device has {other.name} {other.version} (digest {other.digest[:12]}): install the run's app "
+                "(fedge-coordinator kit --app)")
+
+
+def check_app(app: object, where: str = "the app") -> App:
+    """``app`` when it is a usable App; AppError naming the field to fix otherwise."""
+    if not isinstance(app, App):
+        raise AppError(f"{where} is a {type(app).__name__}, not an edge_client.app.App: declare it as App(...)")
+    if not app.name or not all(c.isalnum() or c in "_-" for c in app.name):
+        raise AppError(f"{where}: name {app.name!r} must be letters, digits, '_' and '-'")
+    if not isinstance(app.version, str) or not app.version:
+        raise AppError(f"{where}: version must be a non-empty string, got {app.version!r}")
+    for name in ("model", "device_data", "eval_data", "loss"):
+        if not callable(getattr(app, name)):
+            raise AppError(f"{where}: {name} must be a function, got {type(getattr(app, name)).__name__}")
+    if not isinstance(app.example_input, ExampleInput) and not callable(app.example_input):
+        raise AppError(f"{where}: example_input must be an ExampleInput or a function of the model options")
+    if not app.metrics:
+        raise AppError(f"{where}: metrics is empty; declare at least one, e.g. {{'mae': Metric(mae, False)}}")
+    bad = [n for n, m in app.metrics.items() if not isinstance(m, Metric) or not callable(m.fn)]
+    if bad:
+        raise AppError(f"{where}: metrics {bad} must be Metric(fn, higher_is_better)")
+    if app.headline not in app.metrics:
+        raise AppError(f"{where}: headline {app.headline!r} is not one of its metrics {sorted(app.metrics)}")
+    if isinstance(app.trainable, str):
+        raise AppError(f"{where}: trainable must be a list of patterns, not the string {app.trainable!r}")
+    return app
+
+
+def example_input(app: App, options: Mapping[str, Any]) -> ExampleInput:
+    """The app's example input under the run's model options, checked."""
+    found = app.example_input(options) if callable(app.example_input) else app.example_input
+    if not isinstance(found, ExampleInput) or not all(isinstance(d, int) and d > 0 for d in found.shape):
+        raise AppError(f"app {app.name!r}: example_input must give an ExampleInput with positive int dimensions, "
+                       f"got {found!r}")
+    return found
+
+
+def check_samples(samples: object, app: App, what: str) -> Samples:
+    """``samples`` when they are finite tensors with as many targets as inputs; AppError otherwise."""
+    if not isinstance(samples, Samples):
+        raise AppError(f"app {app.name!r}: {what} must return Samples(x, y), got {type(samples).__name__}")
+    x, y = samples.x, samples.y
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise AppError(f"app {app.name!r}: {what} must give tensors, got {type(x).__name__} and {type(y).__name__}")
+    if x.ndim == 0 or y.ndim == 0 or x.shape[0] != y.shape[0]:
+        raise AppError(f"app {app.name!r}: {what} gave {tuple(x.shape)} inputs and {tuple(y.shape)} targets; both "
+                       "need the samples along their first dimension, as many of each")
+    if x.shape[0] == 0:
+        raise AppError(f"app {app.name!r}: {what} gave no samples")
+    for name, t in (("inputs", x), ("targets", y)):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise AppError(f"app {app.name!r}: {what} gave {name} that are not all finite (NaN or infinite)")
+    return samples
+
+
+def trainable_names(app: App, names: Sequence[str]) -> list[str]:
+    """The parameter ``names`` the app's ``trainable`` patterns select (all of them when it declares none);
+    AppError when a pattern selects nothing, which is a typo more often than a wish."""
+    if not app.trainable:
+        return list(names)
+    unmatched = [p for p in app.trainable if not fnmatch.filter(names, p)]
+    if unmatched:
+        raise AppError(f"app {app.name!r}: trainable patterns {unmatched} match no parameter of the model; its "
+                       f"parameters start {list(names)[:5]}")
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in app.trainable)]
+
+
+@torch.no_grad()
+def evaluate_metrics(app: App, model: nn.Module, samples: Samples, batch_size: int = 1024) -> dict[str, float]:
+    """The app's loss (``loss``) and each of its metrics on ``samples``, with the model in eval mode."""
+    model.eval()
+    outputs = torch.cat([model(samples.x[i:i + batch_size]) for i in range(0, len(samples), batch_size)])
+    figures = {"loss": float(app.loss(outputs, samples.y))}
+    for name, metric in app.metrics.items():
+        value = float(metric.fn(outputs, samples.y))
+        if not math.isfinite(value):
+            raise AppError(f"app {app.name!r}: metric {name!r} gave {value}; a metric must be finite")
+        figures[name] = value
+    return figures
+
+
+def installed_apps() -> dict[str, str]:
+    """Every app installed here: name -> import path; fedge's own, then those registered by packages in the
+    ``fedge.apps`` entry-point group (a package's own name wins over nothing: a clash is an error)."""
+    found = dict(BUILT_IN_APPS)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name in found and found[entry.name] != entry.value:
+            raise AppError(f"two installed packages register an app named {entry.name!r} ({found[entry.name]} and "
+                           f"{entry.value}); uninstall one")
+        found[entry.name] = entry.value
+    return found
+
+
+def load_app(reference: str) -> App:
+    """The App an import path (``"package.module:attribute"``) or an installed app's name names, checked."""
+    path = installed_apps().get(reference, reference)
+    return _load(path)
+
+
+@functools.cache
+def _load(path: str) -> App:
+    module, sep, attribute = path.partition(":")
+    if not sep or not module or not attribute:
+        raise AppError(f"app {path!r} is neither an installed app ({', '.join(sorted(installed_apps()))}) nor an "
+                       "import path 'package.module:attribute'")
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except ImportError as exc:
+        raise AppError(f"app {path!r} does not import ({exc}); install its package (pip install ...) on this "
+                       "machine") from exc
+    except AttributeError:
+        raise AppError(f"app {path!r}: module {module} has no attribute {attribute!r}") from None
+    return check_app(found, f"app {path!r}")
+
+
+def app_identity(app: App) -> AppIdentity:
+    """The app's name, version and the sha256 of the Python files of the package that declares it."""
+    return AppIdentity(app.name, app.version, _package_digest(_package_of(app)))
+
+
+def _package_of(app: App) -> str:
+    """The top-level package (or module) that declares ``app``: its ``model`` function's."""
+    module = getattr(app.model, "__module__", None) or ""
+    return module.partition(".")[0]
+
+
+@functools.cache
+def _package_digest(package: str) -> str:
+    spec = importlib.util.find_spec(package) if package else None
+    if spec is None:
+        raise AppError(f"cannot find the installed files of package {package!r} to identify the app")
+    if spec.submodule_search_locations:
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+    else:
+        root = Path(str(spec.origin)).parent
+        files = [Path(str(spec.origin))]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
