@@ -24,6 +24,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -219,16 +220,33 @@ def trainable_names(app: App, names: Sequence[str]) -> list[str]:
 
 @torch.no_grad()
 def evaluate_metrics(app: App, model: nn.Module, samples: Samples, batch_size: int = 1024) -> dict[str, float]:
-    """The app's loss (``loss``) and each of its metrics on ``samples``, with the model in eval mode."""
+    """The app's loss (``loss``) and each of its metrics on ``samples``, with the model in eval mode.
+
+    The loss is summed batch by batch in double precision and divided once, as the runtime's own
+    evaluation does, so the built-in app's figures are the runtime's to the bit; a loss that takes no
+    ``reduction`` argument is taken as a batch mean and weighted by the batch's size."""
     model.eval()
-    outputs = torch.cat([model(samples.x[i:i + batch_size]) for i in range(0, len(samples), batch_size)])
-    figures = {"loss": float(app.loss(outputs, samples.y))}
+    summed = _takes_reduction(app.loss)
+    parts, loss_sum = [], 0.0
+    for start in range(0, len(samples), batch_size):
+        out, yb = model(samples.x[start:start + batch_size]), samples.y[start:start + batch_size]
+        loss_sum += float(app.loss(out, yb, reduction="sum")) if summed else float(app.loss(out, yb)) * len(yb)
+        parts.append(out)
+    outputs = torch.cat(parts)
+    figures = {"loss": loss_sum / max(len(samples), 1)}
     for name, metric in app.metrics.items():
         value = float(metric.fn(outputs, samples.y))
         if not math.isfinite(value):
             raise AppError(f"app {app.name!r}: metric {name!r} gave {value}; a metric must be finite")
         figures[name] = value
     return figures
+
+
+def _takes_reduction(loss: Callable[..., torch.Tensor]) -> bool:
+    try:
+        return "reduction" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):   # a builtin without a signature
+        return False
 
 
 def installed_apps() -> dict[str, str]:

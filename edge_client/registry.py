@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from edge_client.objectives import Objective
 
 __all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "commands", "model_options", "model_hooks",
-           "build_model", "build_aside", "model_size", "describe_size"]
+           "build_model", "build_builtin", "build_aside", "model_size", "describe_size"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,12 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
 
     Building draws from torch's global generator, so it holds that generator (edge_client.seeding).
     """
+    return build_builtin(spec)
+
+
+def build_builtin(spec: Mapping[str, Any]) -> nn.Module:
+    """fedge's own network a spec names (the ``vision`` app's model): the one place it is built, so that
+    :func:`build_model` can dispatch to other apps without the built-in app coming back to it."""
     from edge_client import models
     from edge_client.seeding import global_rng
 

@@ -30,9 +30,11 @@ def _fedge_version() -> str:
 
 
 def _model(options: Mapping[str, Any]) -> nn.Module:
-    from edge_client.registry import build_model
+    """fedge's own network, with every registered method's model hook, drawn from torch's global generator as
+    every party's build is (the registry's path for a spec that names no other app)."""
+    from edge_client.registry import build_builtin
 
-    return build_model(options)
+    return build_builtin(options)
 
 
 def _example_input(options: Mapping[str, Any]) -> ExampleInput:
@@ -42,7 +44,9 @@ def _example_input(options: Mapping[str, Any]) -> ExampleInput:
 
 def _device_data(location: str) -> Samples:
     """All of a device's own images (every row of its npz; the train split of a built-in data set), normalized
-    as its data set says; a task whose model names another normalization makes them again (edge_client/inputs.py)."""
+    as its data set says. The device's runtime path (edge_client/inputs.py) also keeps the pixels, to make
+    the inputs again under a task's normalization, and applies simulation partitions; it stays the built-in
+    app's path until device data is loaded through apps."""
     from edge_client.datasets import load_own_pixels
 
     pixels, labels, normalization = load_own_pixels(location)
@@ -58,7 +62,7 @@ def _eval_data(location: str) -> Samples:
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
     """The share of samples whose largest score is their label's."""
-    return float((outputs.argmax(1) == targets).float().mean())
+    return int((outputs.argmax(1) == targets).sum()) / max(len(targets), 1)
 
 
 APP = App(
