@@ -16,6 +16,7 @@ from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MO
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
+from edge_client.registry import METHODS, model_hooks
 from edge_client.device import DeviceError, resolve_device
 from edge_client.privacy_account import ACCOUNTANTS
 from edge_client.wire.broker_settings import parse_broker_address
@@ -105,6 +106,7 @@ def check_config(config: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
     _check_codecs(config.codec)
+    _check_app(config)
     try:
         resolve_device(ev.device)
     except DeviceError as exc:
@@ -112,6 +114,24 @@ def check_config(config: RunConfig) -> None:
     if config.selected_per_round < config.required_results:
         raise ConfigError(f"clients.min_results={c.min_results} exceeds the {config.selected_per_round} "
                           f"clients selected per round")
+
+
+def _check_app(config: RunConfig) -> None:
+    """A run on an app (not fedge's own networks) takes the methods that need nothing of the network's
+    structure, and no model hook (they rebuild fedge's own networks layer by layer)."""
+    if config.app.module in ("", "vision"):   # fedge's own networks
+        return
+    takes = [name for name, entry in METHODS.items() if entry.takes_apps]
+    if not METHODS[config.run.strategy].takes_apps:
+        raise ConfigError(f"run.strategy = {config.run.strategy!r} does not train apps yet (app.module = "
+                          f"{config.app.module!r}): use one of {', '.join(takes)} (docs/apps.md#methods-and-apps)")
+    hooked = sorted(key for hook in model_hooks() for key in hook.options if key in config.model)
+    if hooked:
+        raise ConfigError(f"model options {hooked} change fedge's own networks and cannot apply to app "
+                          f"{config.app.module!r}; remove them (docs/apps.md#methods-and-apps)")
+    if config.data.partition != "iid":
+        raise ConfigError(f"data.partition = {config.data.partition!r}: an app's data is split iid in a "
+                          "simulation (label-based partitions need fedge's own data sets)")
 
 
 def _order_checks(config: RunConfig) -> list[tuple[bool, str]]:

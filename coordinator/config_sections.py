@@ -15,7 +15,7 @@ from coordinator.aggregation import DEFAULT_TRIM
 from edge_client.hyper import LocalTraining
 from edge_client.privacy_account import DEFAULT_ACCOUNTANT
 
-__all__ = ["RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
+__all__ = ["AppSection", "RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "WEIGHTINGS", "SelectionSection", "PrivacySection", "PRIVACY_MODES",
            "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES"]
@@ -34,6 +34,11 @@ class RunSection:
     out: str = ""                   # empty: runs/<run id>
     diagnostics: bool = False       # record per-layer weight divergence of each round's client models
     mode: str = "sync"              # sync | async (buffered asynchronous aggregation, docs/async.md)
+
+
+@dataclass(frozen=True)
+class AppSection:
+    module: str = ""                # the app: an installed app's name or "package.module:attribute"; "": vision
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.config_sections import (AggregateSection, AsyncSection, CheckpointSection, ClientsSection,
-                                         CodecSection, DataSection, EvalSection, ExportSection, MetricsSection,
-                                         PrivacySection, RunSection, ScheduleSection, SecAggSection, SelectionSection,
+from coordinator.config_sections import (AggregateSection, AppSection, AsyncSection, CheckpointSection,
+                                         ClientsSection, CodecSection, DataSection, EvalSection, ExportSection,
+                                         MetricsSection, PrivacySection, RunSection, ScheduleSection, SecAggSection, SelectionSection,
                                          SimSection, TrainSection, TransportSection, WorkersSection)
 from coordinator.methods import method_sections
 
@@ -25,6 +25,7 @@ FIELD_OF = {"async": "asynchronous"}   # sections whose name is a Python keyword
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
+    app: AppSection = field(default_factory=AppSection)
     data: DataSection = field(default_factory=DataSection)
     clients: ClientsSection = field(default_factory=ClientsSection)
     train: TrainSection = field(default_factory=TrainSection)

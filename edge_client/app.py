@@ -34,16 +34,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from storage.errors import FedgeError
+
 __all__ = ["App", "AppError", "ExampleInput", "Metric", "Samples", "AppIdentity", "check_app", "check_samples",
            "load_app", "installed_apps", "app_identity", "example_input", "trainable_names", "evaluate_metrics",
-           "ENTRY_POINT_GROUP", "BUILT_IN_APPS"]
+           "ENTRY_POINT_GROUP", "BUILT_IN_APPS", "APP_KEY", "spec_app", "app_options", "run_app"]
 
 ENTRY_POINT_GROUP = "fedge.apps"
+APP_KEY = "app"   # the model spec's key holding the app's identity; a spec without it is the built-in vision app's
 # The apps fedge ships, by name: found without an entry point, so a checkout that was not reinstalled has them.
 BUILT_IN_APPS: Mapping[str, str] = {"vision": "edge_client.apps.vision:APP"}
 
 
-class AppError(ValueError):
+class AppError(FedgeError, ValueError):
     """An app that cannot be loaded or used as declared; the message names the field to fix."""
 
 
@@ -123,7 +126,7 @@ class App:
     Frozen parameters are never sent, aggregated or counted."""
     hooks: Mapping[str, str] = field(default_factory=dict)
     """Submodule names methods that need structure ask for: ``features`` (the feature extractor) and
-    ``head`` (the last layer on its output) for SphereFed and FFC."""
+    ``head`` (the last layer on its output), for methods that replace or calibrate a classifier's head."""
 
     def require_hook(self, hook: str, method: str) -> str:
         """The submodule name ``hook`` names, or AppError saying what ``method`` needs declared."""
@@ -261,10 +264,20 @@ def installed_apps() -> dict[str, str]:
     return found
 
 
+_LOADED: dict[str, App] = {}   # apps this process loaded (by a run's [app] or a device's --app), by name
+
+
 def load_app(reference: str) -> App:
-    """The App an import path (``"package.module:attribute"``) or an installed app's name names, checked."""
+    """The App an import path (``"package.module:attribute"``) or an installed app's name names, checked.
+
+    A loaded app is what a model spec naming it resolves to in this process (:func:`spec_app`): the person
+    running the coordinator or the device chose it, a message never does."""
     path = installed_apps().get(reference, reference)
-    return _load(path)
+    app = _load(path)
+    known = _LOADED.setdefault(app.name, app)
+    if known is not app:
+        raise AppError(f"two apps named {app.name!r} in one process ({path} and an earlier one); give each its own name")
+    return app
 
 
 @functools.cache
@@ -310,3 +323,39 @@ def _package_digest(package: str) -> str:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
+
+
+def spec_app(spec: Mapping[str, Any]) -> App | None:
+    """The installed app a model spec names, after checking that it is the one the spec was made with;
+    None for a spec that names none (fedge's own networks). AppError names both when they differ."""
+    named = spec.get(APP_KEY) if isinstance(spec, Mapping) else None
+    if named is None:   # no app, or not a spec at all (the built-in path says what is wrong with it)
+        return None
+    if not isinstance(named, Mapping) or not all(isinstance(named.get(k), str) for k in ("name", "version", "digest")):
+        raise AppError(f"the model spec's app must be {{name, version, digest}} strings, got {named!r}")
+    wanted = AppIdentity(named["name"], named["version"], named["digest"])
+    app = _LOADED.get(wanted.name)
+    if app is None:
+        if wanted.name not in installed_apps():
+            raise AppError(f"the task needs app {wanted.name} {wanted.version}, which is neither installed here "
+                           f"(installed: {', '.join(sorted(installed_apps()))}) nor given with --app; install it "
+                           "(fedge-coordinator kit --app)")
+        app = load_app(wanted.name)
+    mismatch = wanted.mismatch(app_identity(app))
+    if mismatch:
+        raise AppError(mismatch)
+    return app
+
+
+def app_options(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The model options an app's factory takes: the spec without the app's identity."""
+    return {k: v for k, v in spec.items() if k != APP_KEY}
+
+
+def run_app(module: str) -> App | None:
+    """The app a run's ``app.module`` (or a device's ``--app``) names; None for fedge's own networks (``""`` or
+    the built-in ``vision``), which keep their own path: their specs name no app."""
+    if module in ("", "vision"):
+        return None
+    app = load_app(module)
+    return None if app is load_app("vision") else app

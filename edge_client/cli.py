@@ -61,7 +61,11 @@ def _add_broker_options(run: argparse.ArgumentParser) -> None:
 def _add_data_options(run: argparse.ArgumentParser) -> None:
     """What this device trains on, and what it keeps across restarts."""
     run.add_argument("--data", required=True,
-                     help="this device's data: digits, fashion-mnist[:DIR] or npz:PATH (its train split is used)")
+                     help="this device's data: digits, fashion-mnist[:DIR] or npz:PATH (its train split is used); "
+                          "with --app, whatever location the app's loader reads")
+    run.add_argument("--app", default="",
+                     help="the installed app whose loader reads --data and whose model the tasks train (docs/apps.md); "
+                          "default: fedge's own networks and data sets")
     run.add_argument("--partition", default=None,
                      help="simulation only: take one partition of --data (iid, dirichlet:ALPHA, shards:K, "
                           "attribute:color|rotate|invert:DOMAINS[+LABEL_SPEC])")
@@ -116,8 +120,15 @@ def _add_runtime_options(run: argparse.ArgumentParser) -> None:
 
 
 def _load_data(args: argparse.Namespace):  # -> LocalData
-    from edge_client.inputs import load_device_data
+    from edge_client.inputs import app_device_data, load_device_data
 
+    from edge_client.app import run_app
+
+    app = run_app(args.app)
+    if app is not None:
+        return app_device_data(app, args.data, args.local_test_fraction, seed=args.seed,
+                               client_id=args.client_id, partition=args.partition,
+                               partition_index=args.partition_index, num_partitions=args.num_partitions)
     # a simulated device (--partition) keeps only its partition's rows
     return load_device_data(args.data, args.local_test_fraction, seed=args.seed, client_id=args.client_id,
                             partition=args.partition, partition_index=args.partition_index,
@@ -230,8 +241,9 @@ def _early_check(args: argparse.Namespace):  # -> tuple[BrokerSettings | None, s
     try:   # a URL, bundle or TLS file no retry can fix is a configuration error, said at once
         broker = _broker_settings(args)
         broker.ssl_context()
-        check_data_spec(args.data)
-        if args.partition:
+        if args.app in ("", "vision"):   # another app's loader says what its locations are
+            check_data_spec(args.data)
+        if args.partition and args.app in ("", "vision"):
             check_partition_spec(args.partition)
     except (BundleError, TransportError, DataError) as exc:
         return None, str(exc)
@@ -278,9 +290,11 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
+    from edge_client.app import AppError
+
     try:
         data = _load_data(args)
-    except DataError as exc:
+    except (DataError, AppError) as exc:
         print(f"fedge-client: {exc}", file=sys.stderr)
         return 2
     settings = ClientSettings(client_id=args.client_id, topics=Topics(args.prefix), state_dir=args.state_dir,

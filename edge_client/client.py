@@ -30,11 +30,12 @@ from edge_client.device import GpuMeter
 from edge_client.device_protocol import Actions, BroadcastCache, DeviceProtocol, Publish, Task, presence_payload
 from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
+from edge_client.app import APP_KEY, AppError, spec_app
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.objectives import (LocalData, Objective, ObjectiveError, TaskContext, check_finite_metrics,
                                     shuffle_seed, task_key, warm_up)
 from edge_client.privacy_budget import BudgetSettings, PrivacyBudget, PrivacyBudgetError
-from edge_client.registry import OBJECTIVES, build_model
+from edge_client.registry import OBJECTIVES, build_model, example_sample
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
 from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, PresenceBody, ProtocolError, ResultBody,
                                        TaskBody, Topics, encode)
@@ -257,7 +258,7 @@ class EdgeClient:
                 if outcome is None:   # a refused or malformed stage: answering could only reveal something
                     return
                 tensors, answer = outcome
-        except (ObjectiveError, ModelSpecError, ProtocolError, PrivacyBudgetError) as exc:
+        except (ObjectiveError, ModelSpecError, AppError, ProtocolError, PrivacyBudgetError) as exc:
             log.warning("task %s failed: %s", msg.task_id, exc)
             tensors, answer = {}, ResultBody(error=str(exc), withdrawn=getattr(exc, "final", False))
         except Exception as exc:  # a task must never take the device's client down
@@ -340,7 +341,7 @@ class EdgeClient:
             model.load_state_dict(received, strict=False)
         ctx = TaskContext(seed=shuffle_seed(task.seed, msg.round, self.settings.client_id),
                           round=msg.round, client_id=self.settings.client_id, state_dir=self.settings.state_dir,
-                          profiler=profiler, device=self.device)
+                          profiler=profiler, device=self.device, app=spec_app(task.model))
         with profiler.phase("train"):
             output = objective(model, self.data, task.hyper, ctx)
         check_finite_metrics(output, msg.round)
@@ -397,6 +398,12 @@ class EdgeClient:
         return tensors
 
     def _check_data_fits(self, spec: dict[str, Any]) -> None:
+        if APP_KEY in spec:   # an app's samples: the shape of its example input, its targets whatever its loss takes
+            wanted = tuple(example_sample(spec).shape[1:])
+            if tuple(self.data.x.shape[1:]) != wanted:
+                raise ObjectiveError(f"the app's model takes samples of shape {list(wanted)} but this device's data "
+                                     f"has {list(self.data.x.shape[1:])}")
+            return
         c, h = int(self.data.x.shape[1]), int(self.data.x.shape[2])
         if (c, h) != (spec["in_channels"], spec["image_size"]):
             raise ObjectiveError(f"model expects {spec['in_channels']}x{spec['image_size']}x{spec['image_size']} "

@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_client.app import App, check_samples
 from edge_client.data import client_pixels, holdout_split, load_client_split, parse_attribute_skew
 from edge_client.datasets import load_own_pixels
 from edge_client.objectives import LocalData, ObjectiveError, holdout_seed, local_data
 from storage.pixels import DataError, Normalization, Pixels, normalization_of
 
-__all__ = ["DeviceData", "device_data", "load_device_data", "for_model"]
+__all__ = ["DeviceData", "device_data", "load_device_data", "app_device_data", "app_partition", "for_model"]
 
 activity = logging.getLogger("fedge.client.activity")
 
@@ -68,6 +69,28 @@ def load_device_data(spec: str, test_fraction: float, *, seed: int, client_id: s
     else:
         pixels, y, own = load_own_pixels(spec)
     return device_data(pixels, y, own, test_fraction, seed=seed, client_id=client_id)
+
+
+def app_partition(n: int, index: int, parts: int, seed: int) -> np.ndarray:
+    """Rows of partition ``index`` of ``parts`` when an app's ``n`` samples are split iid in a simulation:
+    a permutation seeded by the run's seed, cut into near-equal parts (sorted, so a partition keeps its order)."""
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(np.array_split(order, parts)[index])
+
+
+def app_device_data(app: App, location: str, test_fraction: float, *, seed: int, client_id: str,
+                    partition: str | None = None, partition_index: int = 0, num_partitions: int = 1) -> LocalData:
+    """A device's data loaded by its app from ``location`` (with ``partition``, only ``iid``: one part of it, in
+    a simulation), holding out ``test_fraction`` for personalized evaluation."""
+    samples = check_samples(app.device_data(location), app, "device_data")
+    x, y = samples.x.numpy(), samples.y.numpy()
+    if partition:
+        if partition != "iid":
+            raise DataError(f"an app's data is split iid in a simulation; partition {partition!r} needs fedge's "
+                            "own data sets (their labels are classes)")
+        rows = app_partition(len(x), partition_index, num_partitions, seed)
+        x, y = x[rows], y[rows]
+    return local_data(x, y, test_fraction, seed=seed, client_id=client_id)
 
 
 def for_model(data: LocalData, spec: Mapping[str, Any]) -> LocalData:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from edge_client.hyper import ObjectiveError, TrainHyper
-from edge_client.registry import build_aside
+from edge_client.registry import build_aside, example_sample
 from profiling.memory import memory_available_bytes
 from profiling.units import human_bytes
 
@@ -86,7 +86,7 @@ def estimate_task_bytes(model: nn.Module, spec: Mapping[str, Any], batch_size: i
     the module's docstring."""
     parameters = sum(p.numel() for p in model.parameters())
     device = next(model.parameters(), torch.zeros(0)).device
-    sample = torch.zeros(1, int(spec["in_channels"]), int(spec["image_size"]), int(spec["image_size"]), device=device)
+    sample = example_sample(spec).to(device)
     return 5 * _FLOAT * parameters + 3 * _FLOAT * _leaf_outputs(model, sample) * batch_size + SLACK
 
 

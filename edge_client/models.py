@@ -366,8 +366,8 @@ def state_shapes(model: nn.Module, names: list[str] | None = None) -> dict[str, 
     return {k: tuple(state[k].shape) for k in (names if names is not None else federated_names(model))}
 
 
-def model_cost(model: nn.Module, in_channels: int, image_size: int) -> dict[str, int]:
-    """Trainable parameters and multiply-adds of one forward pass on one image.
+def model_cost(model: nn.Module, sample: torch.Tensor) -> dict[str, int]:
+    """Trainable parameters and multiply-adds of one forward pass on ``sample`` (a batch of one).
 
     Multiply-adds count the connections each weight layer actually computes: a group
     convolution's ``in / groups`` inputs per output, and for any other layer whose weight is not
@@ -392,7 +392,7 @@ def model_cost(model: nn.Module, in_channels: int, image_size: int) -> dict[str,
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            model(torch.zeros(1, in_channels, image_size, image_size))
+            model(sample)
         model.train(was_training)
     finally:
         for hook in hooks:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_client.app import App, Samples, evaluate_metrics
 from edge_client.data import ClientRows, holdout_split
 from edge_client.hyper import ObjectiveError, TrainHyper
 from edge_client.optim import DeviceSGD
@@ -94,6 +95,7 @@ class TaskContext:
     state_dir: Path | None     # survives restarts: local state a method keeps on the device
     profiler: Profiler
     device: torch.device = torch.device("cpu")   # where the model and data live; new tensors go there too
+    app: App | None = None     # the app of the task's model spec; None: fedge's own networks (cross-entropy, accuracy)
 
 
 def task_key(ctx: TaskContext) -> str:
@@ -145,13 +147,16 @@ Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: TaskContext, *,
-          criterion: Criterion = F.cross_entropy) -> ObjectiveOutput:
+          criterion: Criterion | None = None) -> ObjectiveOutput:
     """SGD on the local data; with ``mu > 0`` adds FedProx's (mu/2)||w - w_global||^2.
 
     A fresh optimizer each round, so momentum never leaks between rounds.
     ``criterion(scores, labels)``: the loss; a method with its own (a squared error
-    against fixed class vectors, say) reuses this loop through it.
+    against fixed class vectors, say) reuses this loop through it. None: the task's app's loss,
+    cross-entropy for fedge's own networks.
     """
+    if criterion is None:
+        criterion = ctx.app.loss if ctx.app is not None else F.cross_entropy
     h = TrainHyper.from_dict(hyper)
     if len(data) == 0:
         raise ObjectiveError("this device has no training samples")
@@ -248,6 +253,10 @@ def evaluate_local(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], 
     epochs = int(hyper.get("finetune_epochs", 0))
     if epochs > 0:
         train(model, data, {**hyper.get("train", {}), "epochs": epochs}, ctx)
+    if ctx.app is not None:
+        figures = evaluate_metrics(ctx.app, model, Samples(data.x_test, data.y_test))
+        return ObjectiveOutput(num_samples=data.num_test, metrics={f"local_{k}": v for k, v in figures.items()},
+                               tensors={})
     loss, accuracy = evaluate(model, data.x_test, data.y_test)
     return ObjectiveOutput(num_samples=data.num_test, metrics={"local_accuracy": accuracy, "local_loss": loss},
                            tensors={})

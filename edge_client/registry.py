@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from edge_client.models import ModelHook
     from edge_client.objectives import Objective
 
 __all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "commands", "model_options", "model_hooks",
-           "build_model", "build_builtin", "build_aside", "model_size", "describe_size"]
+           "build_model", "build_builtin", "build_aside", "example_sample", "model_size", "describe_size"]
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,16 @@ class Method:
     model_options: Mapping[str, Any] = field(default_factory=dict)
     # "section.key" -> value: a default of the method's own, applied when the user set none.
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # It trains any app's model (edge_client.app): it needs nothing of the network's structure.
+    takes_apps: bool = False
 
 
 _STRATEGIES = "coordinator.strategies"
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("fedavg", f"{_STRATEGIES}.fedavg:FedAvg"),
+    Method("fedavg", f"{_STRATEGIES}.fedavg:FedAvg", takes_apps=True),
     Method("fedprox", f"{_STRATEGIES}.fedavg:FedProx",
-           sections={"fedprox": f"{_STRATEGIES}.fedavg:FedProxSection"}),
+           sections={"fedprox": f"{_STRATEGIES}.fedavg:FedProxSection"}, takes_apps=True),
     Method("spherefed", "methods.spherefed.strategy:SphereFed", objectives="methods.spherefed.device:OBJECTIVES",
            model="methods.spherefed.model:HOOK", export="methods.spherefed.export:HOOK",
            sections={"spherefed": "methods.spherefed.strategy:SphereFedSection",
@@ -76,13 +79,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            model_options={"norm": "none"}),
     Method("pans", model="methods.pans.model:HOOK", export="methods.pans.export:HOOK"),
     Method("fedadam", "methods.fedadam.strategy:FedAdam",
-           sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}),
+           sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}, takes_apps=True),
     Method("fedyogi", "methods.fedyogi.strategy:FedYogi",
-           sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}),
+           sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}, takes_apps=True),
     Method("fedadagrad", "methods.fedadagrad.strategy:FedAdagrad",
-           sections={"fedadagrad": "methods.fedadagrad.strategy:FedAdagradSection"}),
+           sections={"fedadagrad": "methods.fedadagrad.strategy:FedAdagradSection"}, takes_apps=True),
     Method("fedavgm", "methods.fedavgm.strategy:FedAvgM",
-           sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}),
+           sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}, takes_apps=True),
 )}
 
 
@@ -152,9 +155,32 @@ def model_hooks() -> tuple[ModelHook, ...]:
 def build_model(spec: Mapping[str, Any]) -> nn.Module:
     """The network a model spec names, a backbone or a method's; every party builds it the same way.
 
-    Building draws from torch's global generator, so it holds that generator (edge_client.seeding).
+    Building draws from torch's global generator, so it holds that generator (edge_client.seeding). A spec
+    that names an app (edge_client.app) is built by the app's own factory, once the installed app is checked
+    to be the one the spec was made with.
     """
-    return build_builtin(spec)
+    from edge_client.app import app_options, spec_app
+    from edge_client.seeding import global_rng
+
+    app = spec_app(spec)
+    if app is None:
+        return build_builtin(spec)
+    with global_rng():
+        return app.model(app_options(spec))
+
+
+def example_sample(spec: Mapping[str, Any]) -> torch.Tensor:
+    """A batch of one zero sample of the input the spec's network takes: its app's example input, or fedge's
+    own networks' square image."""
+    import torch
+
+    from edge_client.app import app_options, example_input, spec_app
+
+    app = spec_app(spec)
+    if app is not None:
+        return example_input(app, app_options(spec)).tensor(1)
+    size = int(spec["image_size"])
+    return torch.zeros(1, int(spec["in_channels"]), size, size)
 
 
 def build_builtin(spec: Mapping[str, Any]) -> nn.Module:
@@ -182,7 +208,7 @@ def model_size(spec: Mapping[str, Any]) -> dict[str, Any]:
     from edge_client import models
 
     def cost(s: Mapping[str, Any]) -> dict[str, int]:
-        return models.model_cost(build_aside(s), int(s["in_channels"]), int(s["image_size"]))
+        return models.model_cost(build_aside(s), example_sample(s))
 
     size: dict[str, Any] = cost(spec)
     original = dict(spec)

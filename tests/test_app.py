@@ -140,3 +140,17 @@ def test_data_and_patterns_that_do_not_fit_are_refused_with_what_to_fix():
         load_app("no_such_package_anywhere:app")
     with pytest.raises(AppError, match="not an edge_client.app.App"):
         load_app("edge_client.apps.vision:accuracy")
+
+
+def test_the_built_in_app_named_is_fedge_own_path_and_methods_that_need_structure_refuse_other_apps():
+    from coordinator.config import ConfigError, load_config
+    from edge_client.app import run_app
+
+    assert run_app("") is None and run_app("vision") is None and run_app("edge_client.apps.vision:APP") is None
+    load_config(None, [("app", "module", "vision"), ("run", "strategy", "spherefed")])   # the built-in app: all
+    with pytest.raises(ConfigError, match="run.strategy = 'spherefed' does not train apps yet .* use one of fedavg"):
+        load_config(None, [("app", "module", "tab_app:app"), ("run", "strategy", "spherefed")])
+    with pytest.raises(ConfigError, match=r"model options \['pan'\] change fedge's own networks"):
+        load_config(None, [("app", "module", "tab_app:app"), ("model", "pan", "add")])
+    with pytest.raises(ConfigError, match="an app's data is split iid"):
+        load_config(None, [("app", "module", "tab_app:app"), ("data", "partition", "dirichlet:0.5")])

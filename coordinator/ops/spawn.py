@@ -28,9 +28,11 @@ from pathlib import Path
 from coordinator.config import RunConfig
 from coordinator.errors import ConfigError
 from coordinator.runtime.simulation import ClientPool, worker_count
+from edge_client.app import App
 from edge_client.bundle import BundleError, read_bundle
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import Dataset, arrange_clients
+from edge_client.inputs import app_device_data
 from edge_client.objectives import Objective, holdout_seed, local_data_view
 from edge_client.wire.protocol import Topics
 from edge_client.wire.transport import InprocHub
@@ -142,6 +144,7 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
             login = ["--username", cid, *_tls_options(config, with_ca=True)]
             own_env = {**env, "FEDGE_MQTT_PASSWORD": device_logins[cid]}
         cmd = [sys.executable, "-m", "edge_client.cli", "run", "--broker", broker_url, "--client-id", cid, *login,
+               *(["--app", config.app.module] if config.app.module else []),
                "--data", config.data.eval, "--partition", config.data.partition, "--partition-index", str(i),
                "--num-partitions", str(count), "--seed", str(config.run.seed),
                "--local-test-fraction", str(config.data.local_test_fraction),
@@ -159,20 +162,24 @@ def spawn_processes(config: RunConfig, count: int, *, broker_url: str, protocol:
     return spawned
 
 
-def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dataset,
+def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dataset | None,
                   out_dir: Path | None = None,
-                  objectives: Callable[[str], Mapping[str, Objective]] | None = None) -> SpawnedClients:
+                  objectives: Callable[[str], Mapping[str, Objective]] | None = None,
+                  app: App | None = None) -> SpawnedClients:
     """Run ``count`` clients inside this process, through the in-process transport.
 
     With ``out_dir`` each gets a state directory ``OUT/clients/ID``, as spawned processes do
     (methods that keep state on the device, such as a client's own branches, need one). ``objectives(client_id)``: the
-    objectives that client runs instead of the registry's (:attr:`ClientSettings.objectives`).
+    objectives that client runs instead of the registry's (:attr:`ClientSettings.objectives`). With ``app``, each
+    loads its part of the app's data from ``data.eval`` as a spawned process does (``dataset`` is then unused).
     """
     spawned = SpawnedClients()
     ids = [sim_client_id(i) for i in range(count)]
     fraction, seed = config.data.local_test_fraction, config.run.seed
-    rows = arrange_clients(dataset, config.data.partition, count, seed, fraction,
-                           [holdout_seed(seed, cid) for cid in ids])
+    if app is None:
+        assert dataset is not None
+        rows = arrange_clients(dataset, config.data.partition, count, seed, fraction,
+                               [holdout_seed(seed, cid) for cid in ids])
     topics = Topics(config.transport.prefix)
     pool = ClientPool(hub, topics, worker_count(config.sim.workers)) if config.sim.workers != -1 else None
     for i, cid in enumerate(ids):
@@ -183,7 +190,9 @@ def spawn_threads(config: RunConfig, count: int, *, hub: InprocHub, dataset: Dat
                                   state_dir=out_dir / "clients" / cid if out_dir is not None else None,
                                   objectives=objectives(cid) if objectives is not None else {})
         transport = hub.connect(cid, will=EdgeClient.will(settings))
-        data = local_data_view(rows, i, fraction)
+        data = (local_data_view(rows, i, fraction) if app is None else
+                app_device_data(app, config.data.eval, fraction, seed=seed, client_id=cid,
+                                partition=config.data.partition, partition_index=i, num_partitions=count))
         if pool is None:
             client = EdgeClient(settings, transport, data)
             thread = threading.Thread(target=client.run, args=(spawned.stop_event,), name=cid, daemon=True)

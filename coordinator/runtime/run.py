@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,6 +37,7 @@ from coordinator.strategies.base import Strategy
 from coordinator.telemetry import run_telemetry
 from edge_client.data import (Dataset, describe_partitions, evaluation_split, load_dataset, model_normalization,
                                partition_indices)
+from edge_client.app import APP_KEY, App, app_identity, check_samples, run_app
 from edge_client.models import federated_names
 from edge_client.objectives import Objective
 from edge_client.registry import build_model, describe_size, model_size
@@ -44,9 +45,6 @@ from edge_client.wire.transport import BrokerSettings, InprocHub, MqttTransport,
 from storage.checkpoint import checkpoint_rounds, latest_checkpoint, load_checkpoint
 from storage.errors import FedgeError
 from storage.state import ServerState
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = ["RunResult", "RunInterrupted", "run_federated", "new_run_id"]
 
@@ -253,13 +251,19 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
          on_progress: Callable[[dict[str, Any]], None] | None,
          client_objectives: Callable[[str], Mapping[str, Objective]] | None, began: list[bool]) -> RunResult:
     started = time.monotonic()
-    dataset = load_dataset(config.data.eval, train=config.clients.spawn > 0)   # spawned clients' partitions need it
-    # As the clients see their data: attribute skew can change the channels (edge_client/attribute_skew.py).
-    x_eval, y_eval = evaluation_split(dataset, config.data.partition)
-    state = _starting_state(config, out, run_id, resume, strategy, dataset, x_eval, say)
+    app = run_app(config.app.module)
+    dataset: Dataset | None = None
+    if app is None:
+        dataset = load_dataset(config.data.eval, train=config.clients.spawn > 0)   # spawned clients' partitions
+        # As the clients see their data: attribute skew can change the channels (edge_client/attribute_skew.py).
+        x_eval, y_eval = evaluation_split(dataset, config.data.partition)
+        eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
+    else:
+        samples = check_samples(app.eval_data(config.data.eval), app, "eval_data")
+        eval_data = EvalData(samples.x, samples.y)
+    state = _starting_state(config, out, run_id, resume, strategy, dataset, eval_data.x, say, app)
     _say_setup(config, strategy, state, dataset, say)
     rows = RunRecords.read(out, state.round) if resume else []
-    eval_data = EvalData(torch.from_numpy(x_eval), torch.from_numpy(y_eval))
     with _open_transport(config, run_id, say) as (transport, reach), run_telemetry(config, run_id, say) as telemetry:
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
                                   eval_data=eval_data, on_progress=on_progress)
@@ -273,7 +277,7 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
         completed = False
         try:
             if coordinator.started_after < config.run.rounds:   # else only evaluations left undone are to do
-                spawned = _spawn_clients(config, reach, dataset, out, client_objectives)
+                spawned = _spawn_clients(config, reach, dataset, out, client_objectives, app)
                 _wait_for_clients(coordinator, spawned, say)
             _train(coordinator, rows, out, telemetry.observing(on_round), driver)
             completed = True
@@ -287,7 +291,9 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
             spawned.stop(meanwhile=lambda seconds: _drop_arrivals(transport, seconds))
     summary = {**run_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
                              coordinator.started_after), **strategy.summary(rows)}
-    if config.export.enabled:
+    if config.export.enabled and app is not None:
+        say("export: not yet for apps (docs/apps.md); the run's checkpoints hold the model")
+    elif config.export.enabled:
         summary["export"] = _export_final(out, say)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return RunResult(out, summary)
@@ -303,30 +309,38 @@ def _drop_arrivals(transport: Transport, seconds: float) -> None:
         transport.get(left)
 
 
-def _starting_state(config: RunConfig, out: Path, run_id: str, resume: bool, strategy: Strategy, dataset: Dataset,
-                    x_eval: np.ndarray, say: Callable[[str], None]) -> ServerState:
+def _starting_state(config: RunConfig, out: Path, run_id: str, resume: bool, strategy: Strategy,
+                    dataset: Dataset | None, x_eval: torch.Tensor, say: Callable[[str], None],
+                    app: App | None = None) -> ServerState:
     """The state round 1 starts from (its network fitted to the data), or the last checkpoint's on resume."""
     if resume:   # the network is the checkpoint's: a strategy may have changed it since round 1
         state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))  # type: ignore[arg-type]
         say(f"resuming run {run_id} after round {state.round}")
         return state
-    spec = strategy.model_spec({**config.model, "num_classes": dataset.num_classes,
-                                "in_channels": int(x_eval.shape[1]), "image_size": dataset.image_size,
-                                "normalization": model_normalization(dataset, config.data.partition).to_spec()})
+    if app is not None:   # the app's model options: [model] as given (its default network name is fedge's own)
+        options = {k: v for k, v in config.model.items() if k != "name" or "model.name" in config.explicit}
+        spec = strategy.model_spec({**options, APP_KEY: app_identity(app).to_spec()})
+    else:
+        assert dataset is not None
+        spec = strategy.model_spec({**config.model, "num_classes": dataset.num_classes,
+                                    "in_channels": int(x_eval.shape[1]), "image_size": dataset.image_size,
+                                    "normalization": model_normalization(dataset, config.data.partition).to_spec()})
     torch.manual_seed(config.run.seed)
     model = build_model(spec)
     params = {k: v.detach().clone() for k, v in model.state_dict().items() if k in set(federated_names(model))}
     return strategy.initialize(spec, params)
 
 
-def _say_setup(config: RunConfig, strategy: Strategy, state: ServerState, dataset: Dataset,
+def _say_setup(config: RunConfig, strategy: Strategy, state: ServerState, dataset: Dataset | None,
                say: Callable[[str], None]) -> None:
     """What a person starting the run should know before it waits: the model's size, what the aggregation
     withstands, what central DP's noise does to the mean update, and the sizes of the spawned clients' partitions."""
     size = describe_size(model_size(state.spec))
     data = f"data {config.data.eval}" + (" (the default; --data names another)" if config.data.eval == "digits" else "")
-    log.info("model %s: %s; %s", state.spec["name"], size, data, extra={"said": True})
-    say(f"model {state.spec['name']}: {size}; {data}")
+    named = (f"app {state.spec[APP_KEY]['name']} {state.spec[APP_KEY]['version']}" if APP_KEY in state.spec
+             else f"model {state.spec['name']}")
+    log.info("%s: %s; %s", named, size, data, extra={"said": True})
+    say(f"{named}: {size}; {data}")
     if strategy.robust:
         _say_tolerance(config, say)
     noise, heavy = noise_note(config)
@@ -336,20 +350,21 @@ def _say_setup(config: RunConfig, strategy: Strategy, state: ServerState, datase
         log.info("%s", noise, extra={"said": True})
         say(noise)
     spawn = config.clients.spawn
-    if spawn:
+    if spawn and dataset is not None:
         parts = partition_indices(dataset.y_train, config.data.partition, spawn, config.run.seed)
         sizes = [d["size"] for d in describe_partitions(dataset.y_train, parts, dataset.num_classes)]
         log.info("partition %s over %d clients: sizes %s", config.data.partition, spawn, sizes, extra={"said": True})
         say(f"partition {config.data.partition}: client sizes {sizes}")
 
 
-def _spawn_clients(config: RunConfig, reach: dict[str, Any], dataset: Dataset, out: Path,
-                   client_objectives: Callable[[str], Mapping[str, Objective]] | None) -> SpawnedClients:
+def _spawn_clients(config: RunConfig, reach: dict[str, Any], dataset: Dataset | None, out: Path,
+                   client_objectives: Callable[[str], Mapping[str, Objective]] | None,
+                   app: App | None = None) -> SpawnedClients:
     """The ``clients.spawn`` local clients: threads on the in-process hub, or processes on the broker."""
     spawn = config.clients.spawn
     if spawn and config.transport.kind == "inproc":
         return spawn_threads(config, spawn, hub=reach["hub"], dataset=dataset, out_dir=out,
-                             objectives=client_objectives)
+                             objectives=client_objectives, app=app)
     if spawn:
         return spawn_processes(config, spawn, broker_url=reach["url"], protocol=reach["protocol"],
                                username=reach["username"], password=reach["password"], out_dir=out,

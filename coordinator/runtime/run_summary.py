@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import RunConfig
+from edge_client.app import spec_app
 
 __all__ = ["run_summary", "traffic"]
 
@@ -44,6 +45,7 @@ def run_summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, 
         "final_loss": final.get("test_loss"),
         "final_personalized_accuracy": next((r["personalized_accuracy_mean"] for r in reversed(rows)
                                              if "personalized_accuracy_mean" in r), None),
+        **_headline(rows, spec),
         **traffic(rows),
         "rejected": sum(r.get("rejected", 0) for r in rows),
         "late": sum(r.get("late", 0) for r in rows),
@@ -51,3 +53,16 @@ def run_summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, 
         "this_session": {"resumed_after_round": started_after, "rounds": len(session),
                          **{k: sum(r.get(k, 0) for r in session) for k in ("bytes_down", "bytes_up", "late")}},
     }
+
+
+def _headline(rows: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
+    """An app's run: its headline metric's name, direction, and its first, last and best value (the lowest
+    for a metric where lower is better); nothing for fedge's own networks, whose summary keys say accuracy."""
+    app = spec_app(spec)
+    if app is None:
+        return {}
+    name, higher = app.headline, app.metrics[app.headline].higher_is_better
+    values = [r[f"test_{name}"] for r in rows if r.get(f"test_{name}") is not None]
+    return {"headline": name, "higher_is_better": higher, f"initial_{name}": values[0] if values else None,
+            f"final_{name}": values[-1] if values else None,
+            f"best_{name}": (max if higher else min)(values) if values else None}

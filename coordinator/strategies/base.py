@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edge_client.app import Samples, evaluate_metrics, spec_app
 from edge_client.objectives import evaluate as evaluate_model
 from storage.state import ServerState
 from storage.errors import FedgeError
@@ -307,6 +308,9 @@ class Strategy:
 
         It runs on the coordinator's evaluation thread while the next round trains, so it must
         read only its arguments (a snapshot of the round's state and a model of its own)."""
+        app = spec_app(state.spec)
+        if app is not None:   # the app's loss and metrics, each a column test_NAME
+            return {f"test_{k}": v for k, v in evaluate_metrics(app, model, Samples(x, y)).items()}
         loss, accuracy = evaluate_model(model, x, y)
         return {"test_accuracy": accuracy, "test_loss": loss}
 

@@ -352,13 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[handler], format="%(message)s")
 
     from coordinator.ui.report import RoundTable, mode_columns
+    from edge_client.app import run_app
     from coordinator.runtime.run import RunInterrupted, run_federated
     from storage.errors import FedgeError
 
     try:
         config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
-        with RoundTable(console, title=f"fedge {config.run.strategy} / {config.model['name']}",
-                        modes=mode_columns(config)) as table:
+        app = run_app(config.app.module)
+        with RoundTable(console, title=f"fedge {config.run.strategy} / {app.name if app else config.model['name']}",
+                        modes=mode_columns(config), headline=app.headline if app else "accuracy") as table:
             result = run_federated(config, resume=getattr(args, "resume", False),
                                    say=lambda text: console.print(f"[dim]{escape(text)}[/dim]", soft_wrap=True),
                                    on_round=table.add,
@@ -374,7 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[yellow]interrupted before the run started; nothing was written[/yellow]")
         return 130
     s = result.summary
-    if s.get("rounds") is not None:
+    if s.get("rounds") is not None and "headline" in s:   # an app's run: its headline metric
+        name = s["headline"]
+        value = s.get(f"final_{name}")
+        console.print(f"final test {name} {'-' if value is None else f'{value:.4f}'} after {s['rounds']} rounds "
+                      f"({s['bytes_down'] + s['bytes_up']:,} bytes moved)")
+    elif s.get("rounds") is not None:
         accuracy = (f"final test accuracy {s['final_accuracy']:.4f}" if s["final_accuracy"] is not None
                     else f"final personalized accuracy {s['final_personalized_accuracy'] or 0.0:.4f}")
         console.print(f"{accuracy} after {s['rounds']} rounds ({s['bytes_down'] + s['bytes_up']:,} bytes moved)")

@@ -69,10 +69,10 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
+def _cells(row: dict[str, Any], headline: str = "accuracy") -> list[str]:
     return [
         str(row["round"]),
-        _number(row.get("test_accuracy")),
+        _number(row.get(f"test_{headline}")),
         _number(row.get("test_loss")),
         _number(row.get("personalized_accuracy_mean")),
         f"{row.get('returned', 0)}/{row.get('selected', 0)}",
@@ -127,12 +127,16 @@ class RoundTable:
 
     PIPED_EVERY = 10.0   # seconds between progress lines in a log, unless something new happened
 
-    def __init__(self, console: Console | None = None, title: str = "fedge", modes: list[str] | None = None) -> None:
-        """``modes``: those whose columns to add (:func:`mode_columns`)."""
+    def __init__(self, console: Console | None = None, title: str = "fedge", modes: list[str] | None = None,
+                 headline: str = "accuracy") -> None:
+        """``modes``: those whose columns to add (:func:`mode_columns`); ``headline``: the metric in the second
+        column (the run's app's headline, ``test_NAME`` in the rows)."""
         self.console = console or Console()
         self.table = Table(title=title)
+        self._headline = headline
         self._modes = [_MODE_COLUMNS[mode] for mode in modes or []]
-        self._columns = _COLUMNS + tuple((name, width) for name, width, _ in self._modes)
+        first = ((_COLUMNS[1][0] if headline == "accuracy" else headline), max(_COLUMNS[1][1], len(headline)))
+        self._columns = (_COLUMNS[0], first, *_COLUMNS[2:]) + tuple((name, width) for name, width, _ in self._modes)
         for name, _ in self._columns:
             self.table.add_column(name, justify="right")
         self._view = _View(self.table)
@@ -145,7 +149,7 @@ class RoundTable:
     def add(self, row: dict[str, Any]) -> None:
         """Show a round; the table (or the header line) appears with the first one, so an error at
         start-up comes alone, not under an empty table."""
-        cells = _cells(row) + [cell(row) for _, _, cell in self._modes]
+        cells = _cells(row, self._headline) + [cell(row) for _, _, cell in self._modes]
         self.table.add_row(*cells)
         self._view.progress = None
         if self.console.is_terminal:
