@@ -6,8 +6,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
+import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,59 +17,26 @@ from coordinator.config import load_config
 from coordinator.runtime.engine import RunError
 from coordinator.runtime.run import run_federated
 
-# A regression on scikit-learn's diabetes data, written against the app interface alone.
-DIABETES = '''
-"""Disease progression from ten clinical readings: MSE, MAE and R^2."""
-import torch
-from torch import nn
-from edge_client.app import App, ExampleInput, Metric, Samples
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "diabetes"
 
 
-def model(options):
-    hidden = int(options.get("hidden", 32))
-    return nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-
-def load(location):
-    from sklearn.datasets import load_diabetes
-    x, y = load_diabetes(return_X_y=True)
-    return Samples(torch.tensor(x, dtype=torch.float32) * 10,
-                   (torch.tensor(y, dtype=torch.float32).unsqueeze(1) - 152.0) / 77.0)
-
-
-def mae(outputs, targets):
-    return float((outputs - targets).abs().mean())
-
-
-def r2(outputs, targets):
-    return float(1 - ((outputs - targets) ** 2).sum() / ((targets - targets.mean()) ** 2).sum())
-
-
-app = App(name="diabetes", version="1.0", model=model, example_input=ExampleInput((10,)), device_data=load,
-          eval_data=load, loss=nn.functional.mse_loss, metrics={"mae": Metric(mae, False), "r2": Metric(r2)},
-          headline="r2")
-'''
-
-
-def _package(root: Path, extra: str = "") -> Path:
-    package = root / "diabetes_app"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(textwrap.dedent(DIABETES) + extra)
-    return root
-
-
-@pytest.fixture
-def diabetes_app(tmp_path, monkeypatch) -> Path:
-    """The app's package on this process's path and its spawned devices'."""
-    root = _package(tmp_path / "site-packages")
+def _on_path(monkeypatch, root: Path) -> None:
+    """``root``'s packages importable here and in the processes this test starts."""
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
     importlib.invalidate_caches()
-    return root
+
+
+@pytest.fixture
+def diabetes_app(monkeypatch) -> Path:
+    """The example app (examples/diabetes), as installed beside fedge."""
+    _on_path(monkeypatch, EXAMPLE)
+    return EXAMPLE
 
 
 def _config(out: Path, **sets):
     base = {"run__rounds": 4, "run__out": str(out), "app__module": "diabetes_app:app", "train__lr": 0.05,
+            "data__eval": "sklearn",
             "clients__expected": 3, "clients__spawn": 3, "clients__round_timeout": 60.0,
             "clients__presence_timeout": 60.0}
     base.update(sets)
@@ -91,23 +59,40 @@ def test_a_regression_app_trains_in_process_and_reports_its_own_metrics(tmp_path
     assert s["best_r2"] == max(r["test_r2"] for r in rows) and s["model"]["app"]["name"] == "diabetes"
 
 
-def test_a_regression_app_trains_over_mosquitto_with_device_processes_as_in_process(tmp_path, diabetes_app,
-                                                                                     mosquitto, prefix):
-    run_federated(_config(tmp_path / "mqtt", transport__broker=mosquitto, transport__prefix=prefix),
-                  say=lambda s: None)
-    run_federated(_config(tmp_path / "inproc", transport__kind="inproc"), say=lambda s: None)
-    over_mqtt, in_process = _rows(tmp_path / "mqtt"), _rows(tmp_path / "inproc")
-    assert [r["test_r2"] for r in over_mqtt] == [r["test_r2"] for r in in_process]   # the same devices' work
-    assert all(r["returned"] == 3 for r in over_mqtt[1:])
+def test_devices_with_their_own_files_train_the_example_app_over_mosquitto(tmp_path, diabetes_app, mosquitto,
+                                                                            prefix):
+    from diabetes_app.split import main as split
+
+    split([str(tmp_path / "devices"), "3"])
+    devices = [subprocess.Popen([sys.executable, "-m", "edge_client.cli", "run", "--broker", mosquitto,
+                                 "--client-id", f"device-00{i}", "--app", "diabetes_app:app", "--prefix", prefix,
+                                 "--data", str(tmp_path / "devices" / f"device-00{i}.csv"),
+                                 "--state-dir", str(tmp_path / f"state-{i}"), "--exit-after-run"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in (1, 2, 3)]
+    try:
+        result = run_federated(_config(tmp_path / "run", transport__broker=mosquitto, transport__prefix=prefix,
+                                       clients__spawn=0, run__rounds=8), say=lambda s: None)
+    finally:
+        said = [device.communicate(timeout=60)[1] for device in devices]
+    rows = _rows(tmp_path / "run")
+    assert all(r["returned"] == 3 for r in rows[1:]) and all(d.returncode == 0 for d in devices), said
+    assert rows[-1]["test_r2"] > rows[0]["test_r2"] + 0.3 and result.summary["final_r2"] == rows[-1]["test_r2"]
+    # each device trained on its own file's patients: 148, 147 and 147 of the 442
+    profiles = [json.loads(line) for i in (1, 2, 3)
+                for line in (tmp_path / f"state-{i}" / "profile.jsonl").read_text().splitlines()[-1:]]
+    assert sorted(p["samples"] for p in profiles) == [147, 147, 148]
 
 
 def test_a_device_whose_app_differs_refuses_the_task_naming_both(tmp_path, diabetes_app, mosquitto, prefix,
                                                                   monkeypatch):
-    other = _package(tmp_path / "elsewhere", extra="\n# a later edit of the same version\n")
+    other = tmp_path / "elsewhere"
+    shutil.copytree(EXAMPLE / "diabetes_app", other / "diabetes_app")
+    with open(other / "diabetes_app" / "__init__.py", "a") as fh:
+        fh.write("\n# a later edit of the same version\n")
     monkeypatch.setenv("PYTHONPATH", str(other))   # the devices import their own copy, the coordinator this one
     config = _config(tmp_path / "run", transport__broker=mosquitto, transport__prefix=prefix, run__rounds=1,
                      clients__round_timeout=20.0, clients__max_attempts=1)
-    with pytest.raises(RunError, match=r"the task was made with app diabetes 1\.0 \(digest \w{12}\) but this device "
-                                       r"has diabetes 1\.0 \(digest \w{12}\)"):
+    with pytest.raises(RunError, match=r"the task was made with app diabetes 1\.0\.0 \(digest \w{12}\) but this device "
+                                       r"has diabetes 1\.0\.0 \(digest \w{12}\)"):
         run_federated(config, say=lambda s: None)
     assert "diabetes_app" in sys.modules

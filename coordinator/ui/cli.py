@@ -305,7 +305,7 @@ def _early_problem(args: argparse.Namespace) -> str:
         broker = value.get(("transport", "broker"))
         if isinstance(broker, str) and broker:
             parse_broker_address(broker)
-        if args.command == "run":
+        if args.command == "run" and value.get(("app", "module")) in (None, "", "vision"):   # an app reads its own
             for key, check in (("eval", check_data_spec), ("partition", check_partition_spec)):
                 spec = value.get(("data", key))
                 if isinstance(spec, str):
