@@ -108,6 +108,28 @@ def _show_progress() -> None:
     progress.propagate = False
 
 
+def _trained_an_app(source: Path, round: int | None) -> bool:
+    from export.app_export import run_app_of
+    from export.source import open_run
+
+    return run_app_of(open_run(Path(source), round)) is not None
+
+
+def _export_app(args: argparse.Namespace) -> int:
+    """A run on an app: its graph, parity and the app's own metrics on the card (int8 is for fedge's own networks)."""
+    from export.app_export import export_app
+
+    if args.int8:
+        print("fedge-export: --int8 is not available for apps yet; export float32", file=sys.stderr)
+        return 2
+    card = export_app(Path(args.source), round=args.round, out=args.out, data=args.data,
+                      parity_samples=args.parity_samples)
+    scores = ", ".join(f"{k} {card[k]:.4f}" for k in card if k.startswith("test_") and k != "test_data")
+    print(f"wrote {card['onnx']} ({card['bytes']:,} bytes; app {card['app']['name']} {card['app']['version']}; "
+          f"served by ONNX Runtime: {scores}; parity max |difference| {card['parity']['max_abs_diff']:.2g})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -129,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     options = ExportOptions(out=args.out, data=args.data, parity_samples=args.parity_samples,
                             test_samples=args.test_samples)
     try:
+        if args.client_state is None and _trained_an_app(args.source, args.round):
+            return _export_app(args)
         if args.client_state is not None:
             exported = export_personalized(args.source, args.client_state, round=args.round, options=options)
         else:

@@ -57,6 +57,16 @@ def test_a_regression_app_trains_in_process_and_reports_its_own_metrics(tmp_path
     s = result.summary
     assert s["headline"] == "r2" and s["higher_is_better"] and s["final_r2"] == rows[-1]["test_r2"]
     assert s["best_r2"] == max(r["test_r2"] for r in rows) and s["model"]["app"]["name"] == "diabetes"
+    # exported, and served by ONNX Runtime: the card scores it by the app's metrics, as the run did
+    card = json.loads((tmp_path / "run" / "export" / "model.card.json").read_text())
+    assert card["test_r2"] == pytest.approx(rows[-1]["test_r2"], abs=1e-5) and card["headline"] == "r2"
+    assert card["input"]["shape"] == ["batch", 10] and card["output"]["shape"] == ["batch", 1]
+    assert card["app"] == s["model"]["app"] and card["preprocessing"]["output"].startswith("progression")
+    assert "accuracy" not in json.dumps(card) and s["export"]["onnx"].endswith("model.onnx")
+    from export.cli import main as export_main
+    assert export_main([str(tmp_path / "run"), "-o", str(tmp_path / "again.onnx")]) == 0   # fedge-export, too
+    again = json.loads((tmp_path / "again.card.json").read_text())
+    assert again["test_r2"] == card["test_r2"] and again["sha256"] == card["sha256"]
 
 
 def test_devices_with_their_own_files_train_the_example_app_over_mosquitto(tmp_path, diabetes_app, mosquitto,

@@ -291,10 +291,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
             spawned.stop(meanwhile=lambda seconds: _drop_arrivals(transport, seconds))
     summary = {**run_summary(config, run_id, out, rows, time.monotonic() - started, coordinator.state.spec,
                              coordinator.started_after), **strategy.summary(rows)}
-    if config.export.enabled and app is not None:
-        say("export: not yet for apps (docs/apps.md); the run's checkpoints hold the model")
-    elif config.export.enabled:
-        summary["export"] = _export_final(out, say)
+    if config.export.enabled:
+        summary["export"] = _export_final(out, say, app)
     (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return RunResult(out, summary)
 
@@ -422,14 +420,27 @@ def _say_tolerance(config: RunConfig, say: Callable[[str], None]) -> None:
     say(bound)
 
 
-def _export_final(out: Path, say: Callable[[str], None]) -> dict[str, Any]:
+def _export_final(out: Path, say: Callable[[str], None], app: App | None = None) -> dict[str, Any]:
     """The final global model as ONNX in OUT/export/ (``[export] enabled``); never fails the run."""
     try:   # the export extra (onnx, onnxruntime) is optional on a coordinator
+        from export.app_export import export_app
+        from export.errors import ExportError
         from export.pipeline import export_after_run
     except ImportError as exc:
         log.warning("not exporting the final model to ONNX (%s): install the export extra "
                     "(pip install 'fedge[export]') or set export.enabled = false", exc)
         return {"skipped": f"the export extra is not installed ({exc})"}
+    if app is not None:
+        try:
+            card = export_app(out)
+        except ExportError as exc:
+            log.warning("the automatic ONNX export of %s failed: %s", out, exc)
+            say(f"no ONNX export: {exc}")
+            return {"error": str(exc)}
+        name = f"test_{card['headline']}"
+        say(f"exported the final model to {card['onnx']} ({name} {card[name]:.4f} served by ONNX Runtime)")
+        return {"onnx": card["onnx"], "bytes": card["bytes"], name: card[name],
+                "parity_max_abs_diff": card["parity"]["max_abs_diff"]}
     result = export_after_run(out)
     if "onnx" in result:
         say(f"exported the final model to {result['onnx']} (test accuracy {result['test_accuracy']:.4f})")
