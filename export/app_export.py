@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from edge_client.app import App, app_options, check_samples, example_input, load_app, spec_app
-from edge_client.registry import model_size
-from export.card import portable_path, sha256, strategy_config, write_card
+from export.card import provenance, sha256, write_card
 from export.errors import SourceError
 from export.onnx_graph import INPUT_NAME, OUTPUT_NAME, check_parity, predict, session, to_onnx
 from export.source import RunSource, global_model, open_run
@@ -70,12 +69,7 @@ def export_app(source_path: Path, *, round: int | None = None, out: Path | None 
         "input": {"name": INPUT_NAME, "dtype": str(example.dtype).removeprefix("torch."),
                   "shape": ["batch", *example.shape]},
         "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": ["batch", *served.shape[1:]]},
-        "run": {"run_id": source.checkpoint.run_id, "round": source.checkpoint.round,
-                "checkpoint": portable_path(source.checkpoint.path, source.run_dir),
-                "run_dir": source.run_dir.resolve().name if source.run_dir else None},
-        "strategy": strategy_config(source.config, source.checkpoint.strategy),
-        "model": spec,
-        "size": model_size(spec),
+        **provenance(source),
         "headline": app.headline,
         **scores,
         "test_data": {"location": location, "samples": len(samples),

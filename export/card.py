@@ -15,7 +15,7 @@ from typing import Any
 
 from edge_client.data import (COLOR_KINDS, COLOR_NORMALIZATION, DIGITS_NORMALIZATION,
                               FASHION_MNIST_CLASSES, FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
-from edge_client.registry import METHODS
+from edge_client.registry import METHODS, model_size
 from storage.files import write_atomic
 from storage.pixels import Normalization
 
@@ -71,6 +71,18 @@ def input_normalization(data_spec: str | None, partition: str, channels: int,
                 else "with inverted contrast (light background) in the odd ones of")
         out["note"] = f"the run trained on images {look} {skew.domains} domains ({partition})"
     return out
+
+
+def provenance(source: Any) -> dict[str, Any]:
+    """What every card says about where its model came from: the run and round, the checkpoint (relative to
+    the run directory), the strategy's settings, the model spec and its size. ``source``: an export.source.RunSource."""
+    checkpoint, spec = source.checkpoint, source.checkpoint.model_spec
+    return {"run": {"run_id": checkpoint.run_id, "round": checkpoint.round,
+                    "checkpoint": portable_path(checkpoint.path, source.run_dir),
+                    "run_dir": source.run_dir.resolve().name if source.run_dir else None},
+            "strategy": strategy_config(source.config, checkpoint.strategy),
+            "model": spec,
+            "size": model_size(spec)}
 
 
 def strategy_config(config: dict[str, Any], strategy: str) -> dict[str, Any]:

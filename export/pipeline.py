@@ -35,10 +35,9 @@ from torch import nn
 
 from edge_client.data import (DataError, client_split, evaluation_split, load_dataset, parse_attribute_skew,
                                pixel_normalization)
-from edge_client.registry import model_size
 from export import hooks
 from export.baseline import against_start
-from export.card import class_names, input_normalization, portable_path, sha256, strategy_config, write_card
+from export.card import class_names, input_normalization, portable_path, provenance, sha256, write_card
 from export.errors import ExportError, SourceError
 from export.onnx_graph import (EXPORTER, INPUT_NAME, OPSET, OUTPUT_NAME, Parity, ParityLimits, check_parity, predict,
                                session, to_onnx)
@@ -141,12 +140,7 @@ def export_model(model: nn.Module, source: RunSource, out: Path, data: ExportDat
         "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": ["batch", num_classes],
                    "meaning": "class scores; the predicted class is the argmax"},
         "classes": classes,
-        "run": {"run_id": source.checkpoint.run_id, "round": source.checkpoint.round,
-                "checkpoint": portable_path(source.checkpoint.path, source.run_dir),
-                "run_dir": source.run_dir.resolve().name if source.run_dir else None},
-        "strategy": strategy_config(source.config, source.checkpoint.strategy),
-        "model": spec,
-        "size": model_size(spec),
+        **provenance(source),
         "personalized": personalized,
         "test_accuracy": test_acc,
         "test_data": {"spec": data.spec, "partition": data.partition, "samples": n_test,
