@@ -63,6 +63,9 @@ def test_a_regression_app_trains_in_process_and_reports_its_own_metrics(tmp_path
     assert card["input"]["shape"] == ["batch", 10] and card["output"]["shape"] == ["batch", 1]
     assert card["app"] == s["model"]["app"] and card["preprocessing"]["output"].startswith("progression")
     assert "accuracy" not in json.dumps(card) and s["export"]["onnx"].endswith("model.onnx")
+    from coordinator.ui.status_cli import read_run_dir
+    status = read_run_dir(tmp_path / "run")["run"]
+    assert status["headline"] == "r2" and status["test_r2"] == rows[-1]["test_r2"]   # status says the headline
     from export.cli import main as export_main
     assert export_main([str(tmp_path / "run"), "-o", str(tmp_path / "again.onnx")]) == 0   # fedge-export, too
     again = json.loads((tmp_path / "again.card.json").read_text())

@@ -143,9 +143,10 @@ def read_run_dir(run_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"--run-dir {run_dir} is not a directory: give the --out of a run")
     rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     last = rows[-1] if rows else {}
-    evaluated = [r for r in rows if "test_accuracy" in r]
+    name = _headline(run_dir)
+    evaluated = [r for r in rows if f"test_{name}" in r]
     run = {"dir": str(run_dir), "finished": (run_dir / "summary.json").is_file(), "round": last.get("round"),
-           "test_accuracy": evaluated[-1]["test_accuracy"] if evaluated else None}
+           "headline": name, f"test_{name}": evaluated[-1][f"test_{name}"] if evaluated else None}
     devices: dict[str, dict[str, Any]] = {}
     trained = _training_profiles(run_dir)
     for path in sorted((run_dir / "clients").glob("*.jsonl")):
@@ -247,9 +248,10 @@ def _print_table(status: dict[str, Any]) -> None:
         console.print(escape(f"broker {broker['url']} (prefix {broker['prefix']}): {said}; aggregation workers: "
                              f"{workers}"), highlight=False, soft_wrap=True)
     if run is not None:
-        accuracy = show(run["test_accuracy"], "{:.4f}")
+        name = run.get("headline", "accuracy")
+        value = show(run.get(f"test_{name}"), "{:.4f}")
         console.print(escape(f"run directory {run['dir']}: {'finished' if run['finished'] else 'not finished'}, "
-                             f"last row round {run['round']}, test accuracy {accuracy}"), highlight=False,
+                             f"last row round {run['round']}, test {name} {value}"), highlight=False,
                       soft_wrap=True)
     table = Table(title=f"{len(status['devices'])} devices")
     for column in ("device", "state", "last answer", "class", "site", "task s", "step ms", "peak MiB", "temp C",
@@ -265,3 +267,19 @@ def _print_table(status: dict[str, Any]) -> None:
                       show(None if d["peak_memory_bytes"] is None else d["peak_memory_bytes"] / 2**20, "{:.0f}"),
                       show(d["temperature_c"], "{:.1f}"), failures, show((d["last_failure"] or "")[:60]))
     console.print(table)
+
+
+def _headline(run_dir: Path) -> str:
+    """The metric a run is judged by: its app's headline (the run's config.toml names the app), or accuracy for
+    fedge's own networks and for an app this machine cannot load."""
+    from coordinator.config import load_config
+    from storage.errors import FedgeError
+
+    from edge_client.app import run_app
+
+    path = run_dir / "config.toml"
+    try:
+        app = run_app(load_config(path).app.module) if path.is_file() else None
+    except FedgeError:
+        return "accuracy"
+    return app.headline if app is not None else "accuracy"
