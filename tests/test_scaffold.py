@@ -30,10 +30,11 @@ def test_a_new_app_passes_its_own_test_and_trains_in_a_simulation(template, tmp_
     assert own_test.returncode == 0, own_test.stdout + own_test.stderr
     monkeypatch.syspath_prepend(str(root))
     importlib.invalidate_caches()
-    sets = {"run": {"rounds": 3, "out": str(tmp_path / "run")}, "app": {"module": f"{name}_app:app"},
-            "data": {"eval": TEMPLATES[template][1]}, "train": {"lr": 0.05},
-            "clients": {"expected": 3, "spawn": 3}, "transport": {"kind": "inproc"}}
-    config = load_config(None, [(s, k, v) for s, keys in sets.items() for k, v in keys.items()])
+    sets = {"run": {"rounds": 10, "out": str(tmp_path / "run")}, "app": {"module": f"{name}_app:app"},
+            "data": {"eval": TEMPLATES[template][1]}, "clients": {"expected": 3, "spawn": 3},
+            "transport": {"kind": "inproc"}}
+    suited = [(*key.split("."), value) for key, value in TEMPLATES[template][2].items()]   # as the printed command
+    config = load_config(None, [(s, k, v) for s, keys in sets.items() for k, v in keys.items()] + suited)
     result = run_federated(config, say=lambda text: None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     headline = result.summary["headline"]

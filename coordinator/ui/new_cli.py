@@ -17,7 +17,7 @@ def add_command(sub, name: str = "new") -> None:  # sub: the parser's subparsers
         description="Write DIR/NAME/: a working app package (NAME_app/, pyproject.toml registering it as "
                     "NAME, a test, a README) from a template whose data needs no download, and print the one "
                     "command that trains it in a simulation. Templates: "
-                    + "; ".join(f"{t}: {what}" for t, (what, _) in TEMPLATES.items()) + ". docs/apps.md")
+                    + "; ".join(f"{t}: {entry[0]}" for t, entry in TEMPLATES.items()) + ". docs/apps.md")
     new.add_argument("name", help="the app's name: a lower-case letter, then letters, digits or '_'")
     new.add_argument("--template", choices=sorted(TEMPLATES), default="tabular", help="what to start from")
     new.add_argument("--dir", type=Path, default=Path("."), help="where to write NAME/ (default: here)")
