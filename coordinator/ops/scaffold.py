@@ -12,6 +12,8 @@ import importlib.resources
 import re
 from pathlib import Path
 
+from storage.errors import FedgeError
+
 __all__ = ["TEMPLATES", "ScaffoldError", "write_app", "train_command"]
 
 # template -> (what it is, the --data its generated or bundled set loads from, the training settings that
@@ -29,7 +31,7 @@ TEMPLATES: dict[str, tuple[str, str, dict[str, float]]] = {
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 
-class ScaffoldError(ValueError):
+class ScaffoldError(FedgeError, ValueError):
     """A name, template or destination ``new`` cannot use; the message says which."""
 
 
