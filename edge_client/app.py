@@ -38,7 +38,7 @@ from storage.errors import FedgeError
 
 __all__ = ["App", "AppError", "ExampleInput", "Metric", "Samples", "AppIdentity", "check_app", "check_samples",
            "load_app", "installed_apps", "app_identity", "example_input", "trainable_names", "evaluate_metrics",
-           "ENTRY_POINT_GROUP", "BUILT_IN_APPS", "APP_KEY", "spec_app", "app_options", "run_app"]
+           "ENTRY_POINT_GROUP", "BUILT_IN_APPS", "APP_KEY", "spec_app", "app_options", "run_app", "accuracy"]
 
 ENTRY_POINT_GROUP = "fedge.apps"
 APP_KEY = "app"   # the model spec's key holding the app's identity; a spec without it is the built-in vision app's
@@ -219,6 +219,12 @@ def trainable_names(app: App, names: Sequence[str]) -> list[str]:
         raise AppError(f"app {app.name!r}: trainable patterns {unmatched} match no parameter of the model; its "
                        f"parameters start {list(names)[:5]}")
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in app.trainable)]
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """The share of samples whose largest score is their label's: the metric of any classifier app (counted, then
+    divided once, as the runtime's own evaluation does)."""
+    return int((outputs.argmax(1) == targets).sum()) / max(len(targets), 1)
 
 
 @torch.no_grad()

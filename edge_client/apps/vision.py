@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge_client.app import App, ExampleInput, Metric, Samples
+from edge_client.app import App, ExampleInput, Metric, Samples, accuracy
 
 __all__ = ["APP", "accuracy"]
 
@@ -58,11 +58,6 @@ def _eval_data(location: str) -> Samples:
 
     data = load_dataset(location, train=False)
     return Samples(torch.from_numpy(data.x_test), torch.from_numpy(data.y_test))
-
-
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
-    """The share of samples whose largest score is their label's."""
-    return int((outputs.argmax(1) == targets).sum()) / max(len(targets), 1)
 
 
 APP = App(

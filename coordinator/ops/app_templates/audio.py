@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.app import App, ExampleInput, Metric, Samples
+from edge_client.app import App, ExampleInput, Metric, Samples, accuracy
 
 NAME = "audio"
 BANDS, FRAMES, CLASSES = 40, 32, 4
@@ -62,10 +62,6 @@ def load(location: str) -> Samples:
         with np.load(location, allow_pickle=False) as arrays:
             x, y = arrays["x"].astype(np.float32), arrays["y"].astype(np.int64)
     return Samples(torch.from_numpy(x), torch.from_numpy(y))
-
-
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
-    return int((outputs.argmax(1) == targets).sum()) / max(len(targets), 1)
 
 
 app = App(name=NAME, version="0.1.0", model=model, example_input=ExampleInput((1, BANDS, FRAMES)), device_data=load,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.app import App, ExampleInput, Metric, Samples
+from edge_client.app import App, ExampleInput, Metric, Samples, accuracy
 
 NAME = "vision"
 SIZE, CLASSES = 32, 3
@@ -60,10 +60,6 @@ def load(location: str) -> Samples:
             x, y = arrays["x"], arrays["y"].astype(np.int64)
         x = x.astype(np.float32) / (255.0 if x.dtype == np.uint8 else 1.0)
     return Samples(torch.from_numpy(x), torch.from_numpy(y))
-
-
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
-    return int((outputs.argmax(1) == targets).sum()) / max(len(targets), 1)
 
 
 app = App(name=NAME, version="0.1.0", model=model, example_input=ExampleInput((3, SIZE, SIZE)), device_data=load,
