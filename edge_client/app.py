@@ -37,7 +37,7 @@ from torch import nn
 from storage.errors import FedgeError
 
 __all__ = ["App", "AppError", "ExampleInput", "Metric", "Samples", "AppIdentity", "check_app", "check_samples",
-           "load_app", "installed_apps", "app_identity", "example_input", "trainable_names", "evaluate_metrics",
+           "load_app", "installed_apps", "app_identity", "weights_path", "example_input", "trainable_names", "evaluate_metrics",
            "ENTRY_POINT_GROUP", "BUILT_IN_APPS", "APP_KEY", "spec_app", "app_options", "run_app", "accuracy"]
 
 ENTRY_POINT_GROUP = "fedge.apps"
@@ -122,8 +122,15 @@ class App:
     """What a served model's inputs need before the graph (JSON values), written on the export's model
     card; preprocessing inside the model is carried by the graph itself."""
     trainable: Sequence[str] = ()
-    """Patterns (``fnmatch``, over parameter names) of what trains and travels; empty: every parameter.
-    Frozen parameters are never sent, aggregated or counted."""
+    """Patterns (``fnmatch``, over the names in the model's state dict) of what trains and travels; empty:
+    everything. The rest is frozen: it keeps the values ``weights`` gives it for the whole run and is never
+    sent, aggregated or counted, so codecs, clipping and secure aggregation see only the trainable part."""
+    weights: str = ""
+    """A safetensors file of starting weights (a pretrained feature extractor, say), loaded into every new
+    model on every party before anything else: a path relative to the directory of the package that
+    declares the app (ship it as package data) or absolute. Its sha256 is part of the app's identity, so a
+    device holding another file refuses the run's tasks. With ``trainable``, it must hold every frozen
+    tensor: the frozen part comes from this file and nowhere else."""
     hooks: Mapping[str, str] = field(default_factory=dict)
     """Submodule names methods that need structure ask for: ``features`` (the feature extractor) and
     ``head`` (the last layer on its output), for methods that replace or calibrate a classifier's head."""
@@ -144,14 +151,20 @@ class AppIdentity:
     name: str
     version: str
     digest: str   # sha256 of the app package's installed files
+    weights: str = ""   # sha256 of its starting weights' file (App.weights); "" when it declares none
 
     def to_spec(self) -> dict[str, str]:
-        return {"name": self.name, "version": self.version, "digest": self.digest}
+        return {"name": self.name, "version": self.version, "digest": self.digest,
+                **({"weights": self.weights} if self.weights else {})}
 
     def mismatch(self, other: AppIdentity) -> str | None:
         """None when the two are the same app; else one line naming both."""
         if self == other:
             return None
+        if (self.name, self.version, self.digest) == (other.name, other.version, other.digest):
+            return (f"the task was made with app {self.name} {self.version} whose weights file has sha256 "
+                    f"{self.weights[:12] or 'none'}, but this device's has {other.weights[:12] or 'none'}: install "
+                    "the run's app (fedge-coordinator kit --app)")
         return (f"the task was made with app {self.name} {self.version} (digest {self.digest[:12]}) but this "
                 f"device has {other.name} {other.version} (digest {other.digest[:12]}): install the run's app "
                 "(fedge-coordinator kit --app)")
@@ -179,6 +192,8 @@ def check_app(app: object, where: str = "the app") -> App:
         raise AppError(f"{where}: headline {app.headline!r} is not one of its metrics {sorted(app.metrics)}")
     if isinstance(app.trainable, str):
         raise AppError(f"{where}: trainable must be a list of patterns, not the string {app.trainable!r}")
+    if not isinstance(app.weights, str):
+        raise AppError(f"{where}: weights must be a path (a string), got {type(app.weights).__name__}")
     return app
 
 
@@ -303,8 +318,42 @@ def _load(path: str) -> App:
 
 
 def app_identity(app: App) -> AppIdentity:
-    """The app's name, version and the sha256 of the Python files of the package that declares it."""
-    return AppIdentity(app.name, app.version, _package_digest(_package_of(app)))
+    """The app's name, version, the sha256 of the Python files of the package that declares it, and that of
+    its starting weights' file."""
+    path = weights_path(app)
+    return AppIdentity(app.name, app.version, _package_digest(_package_of(app)),
+                       _file_digest(path, *_stamp(path)) if path is not None else "")
+
+
+def weights_path(app: App) -> Path | None:
+    """The file ``App.weights`` names, resolved against its package's directory; None when it names none."""
+    if not app.weights:
+        return None
+    path = Path(app.weights)
+    if not path.is_absolute():
+        spec = importlib.util.find_spec(_package_of(app))
+        root = (Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations
+                else Path(str(spec.origin)).parent if spec and spec.origin else Path.cwd())
+        path = root / path
+    if not path.is_file():
+        raise AppError(f"app {app.name!r}: its weights file {path} does not exist; install the app's package with "
+                       "the file (package data) or fix App.weights")
+    return path
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    info = path.stat()
+    return info.st_size, info.st_mtime_ns
+
+
+@functools.cache
+def _file_digest(path: Path, _size: int, _mtime_ns: int) -> str:
+    """sha256 of a file, once per version of it (its size and time are part of the cache's key)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _package_of(app: App) -> str:
@@ -337,9 +386,11 @@ def spec_app(spec: Mapping[str, Any]) -> App | None:
     named = spec.get(APP_KEY) if isinstance(spec, Mapping) else None
     if named is None:   # no app, or not a spec at all (the built-in path says what is wrong with it)
         return None
-    if not isinstance(named, Mapping) or not all(isinstance(named.get(k), str) for k in ("name", "version", "digest")):
-        raise AppError(f"the model spec's app must be {{name, version, digest}} strings, got {named!r}")
-    wanted = AppIdentity(named["name"], named["version"], named["digest"])
+    if not isinstance(named, Mapping) or not all(isinstance(named.get(k), str)
+                                                 for k in ("name", "version", "digest")) \
+            or not isinstance(named.get("weights", ""), str):
+        raise AppError(f"the model spec's app must be {{name, version, digest[, weights]}} strings, got {named!r}")
+    wanted = AppIdentity(named["name"], named["version"], named["digest"], named.get("weights", ""))
     app = _LOADED.get(wanted.name)
     if app is None:
         if wanted.name not in installed_apps():

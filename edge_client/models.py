@@ -23,7 +23,7 @@ it is given; it knows no method.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from storage.errors import FedgeError
 from storage.pixels import DataError, Normalization
 
 __all__ = ["ModelSpecError", "MODELS", "NORMS", "ImageClassifier", "LayerPlan", "ModelHook", "build_model",
-           "register_model", "mlp", "cnn", "vgg9", "federated_names", "state_shapes", "model_cost"]
+           "register_model", "mlp", "cnn", "vgg9", "federated_names", "limit_exchange", "EXCHANGED", "state_shapes", "model_cost"]
 
 
 class ModelSpecError(FedgeError, ValueError):
@@ -350,14 +350,27 @@ def build_model(spec: Mapping[str, Any], hooks: Sequence[ModelHook] = ()) -> nn.
     return model
 
 
+# The attribute of a network that limits what is exchanged to some of its state (fine-tuning: the rest is frozen).
+EXCHANGED = "_fedge_exchanged"
+
+
 def federated_names(model: nn.Module) -> list[str]:
     """Names of the floating-point state that federated training exchanges.
 
     Non-persistent buffers (fixed encodings rebuilt on every party) are not in the
     state dict, and integer counters such as BatchNorm's ``num_batches_tracked``
-    are local bookkeeping, so neither is ever sent.
+    are local bookkeeping, so neither is ever sent. A network whose part is frozen
+    (:func:`limit_exchange`) exchanges only the rest.
     """
-    return [k for k, v in model.state_dict().items() if v.is_floating_point()]
+    limit = getattr(model, EXCHANGED, None)
+    return [k for k, v in model.state_dict().items() if v.is_floating_point() and (limit is None or k in limit)]
+
+
+def limit_exchange(model: nn.Module, names: Iterable[str]) -> nn.Module:
+    """``model`` with only ``names`` of its state exchanged, wherever a party asks :func:`federated_names`:
+    every party builds the network the same way, so all agree on what travels."""
+    setattr(model, EXCHANGED, frozenset(names))
+    return model
 
 
 def state_shapes(model: nn.Module, names: list[str] | None = None) -> dict[str, tuple[int, ...]]:

@@ -160,13 +160,14 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
     to be the one the spec was made with.
     """
     from edge_client.app import app_options, spec_app
+    from edge_client.finetune import prepare_app_model
     from edge_client.seeding import global_rng
 
     app = spec_app(spec)
     if app is None:
         return build_builtin(spec)
     with global_rng():
-        return app.model(app_options(spec))
+        return prepare_app_model(app, app.model(app_options(spec)))
 
 
 def example_sample(spec: Mapping[str, Any]) -> torch.Tensor:
