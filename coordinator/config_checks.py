@@ -129,9 +129,9 @@ def _check_app(config: RunConfig) -> None:
     if hooked:
         raise ConfigError(f"model options {hooked} change fedge's own networks and cannot apply to app "
                           f"{config.app.module!r}; remove them (docs/apps.md#methods-and-apps)")
-    if config.data.partition != "iid":
-        raise ConfigError(f"data.partition = {config.data.partition!r}: an app's data is split iid in a "
-                          "simulation (label-based partitions need fedge's own data sets)")
+    if config.data.partition.startswith("attribute:"):
+        raise ConfigError(f"data.partition = {config.data.partition!r} changes fedge's own images; an app's data "
+                          "takes 'iid', 'dirichlet:A' or 'shards:K' (the last two need integer class targets)")
 
 
 def _order_checks(config: RunConfig) -> list[tuple[bool, str]]:

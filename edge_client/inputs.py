@@ -23,6 +23,7 @@ import torch
 from edge_client.app import App, check_samples
 from edge_client.data import client_pixels, holdout_split, load_client_split, parse_attribute_skew
 from edge_client.datasets import load_own_pixels
+from edge_client.label_partitions import label_partition_indices
 from edge_client.objectives import LocalData, ObjectiveError, holdout_seed, local_data
 from storage.pixels import DataError, Normalization, Pixels, normalization_of
 
@@ -71,24 +72,29 @@ def load_device_data(spec: str, test_fraction: float, *, seed: int, client_id: s
     return device_data(pixels, y, own, test_fraction, seed=seed, client_id=client_id)
 
 
-def app_partition(n: int, index: int, parts: int, seed: int) -> np.ndarray:
-    """Rows of partition ``index`` of ``parts`` when an app's ``n`` samples are split iid in a simulation:
-    a permutation seeded by the run's seed, cut into near-equal parts (sorted, so a partition keeps its order)."""
-    order = np.random.default_rng(seed).permutation(n)
-    return np.sort(np.array_split(order, parts)[index])
+def app_partition(y: np.ndarray, partition: str, index: int, parts: int, seed: int) -> np.ndarray:
+    """Rows of partition ``index`` of ``parts`` of an app's samples in a simulation, whose targets are ``y``.
+
+    ``iid`` takes any targets; a label partition (``dirichlet:A``, ``shards:K``) splits by class, so it needs
+    one integer class per sample. Deterministic in its arguments, so every process agrees without talking."""
+    if parse_attribute_skew(partition) is not None:
+        raise DataError(f"partition {partition!r} changes fedge's own images; an app's data takes 'iid', "
+                        "'dirichlet:A' or 'shards:K'")
+    if partition != "iid" and (y.ndim != 1 or not np.issubdtype(y.dtype, np.integer)):
+        raise DataError(f"partition {partition!r} splits by class label, but the app's targets are {y.dtype} "
+                        f"{tuple(y.shape)}, not one integer class per sample; use data.partition = 'iid'")
+    labels = y if partition != "iid" else np.zeros(len(y), dtype=np.int64)
+    return label_partition_indices(labels, partition, parts, seed)[index]
 
 
 def app_device_data(app: App, location: str, test_fraction: float, *, seed: int, client_id: str,
                     partition: str | None = None, partition_index: int = 0, num_partitions: int = 1) -> LocalData:
-    """A device's data loaded by its app from ``location`` (with ``partition``, only ``iid``: one part of it, in
-    a simulation), holding out ``test_fraction`` for personalized evaluation."""
+    """A device's data loaded by its app from ``location`` (with ``partition``: one part of it, in a
+    simulation), holding out ``test_fraction`` for personalized evaluation."""
     samples = check_samples(app.device_data(location), app, "device_data")
     x, y = samples.x.numpy(), samples.y.numpy()
     if partition:
-        if partition != "iid":
-            raise DataError(f"an app's data is split iid in a simulation; partition {partition!r} needs fedge's "
-                            "own data sets (their labels are classes)")
-        rows = app_partition(len(x), partition_index, num_partitions, seed)
+        rows = app_partition(y, partition, partition_index, num_partitions, seed)
         x, y = x[rows], y[rows]
     return local_data(x, y, test_fraction, seed=seed, client_id=client_id)
 

@@ -6,6 +6,7 @@ import importlib
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,5 +153,20 @@ def test_the_built_in_app_named_is_fedge_own_path_and_methods_that_need_structur
         load_config(None, [("app", "module", "tab_app:app"), ("run", "strategy", "spherefed")])
     with pytest.raises(ConfigError, match=r"model options \['pan'\] change fedge's own networks"):
         load_config(None, [("app", "module", "tab_app:app"), ("model", "pan", "add")])
-    with pytest.raises(ConfigError, match="an app's data is split iid"):
-        load_config(None, [("app", "module", "tab_app:app"), ("data", "partition", "dirichlet:0.5")])
+    with pytest.raises(ConfigError, match="changes fedge's own images; an app's data takes 'iid'"):
+        load_config(None, [("app", "module", "tab_app:app"), ("data", "partition", "attribute:rotate:4")])
+    load_config(None, [("app", "module", "tab_app:app"), ("data", "partition", "dirichlet:0.5")])   # split on devices
+
+
+def test_a_simulation_splits_an_apps_classes_by_label_and_refuses_a_label_split_of_real_targets():
+    from edge_client.inputs import app_partition
+    from storage.pixels import DataError
+
+    classes = np.repeat(np.arange(4), 50)
+    parts = [app_partition(classes, "shards:1", i, 4, seed=0) for i in range(4)]
+    assert sorted(len(set(classes[p])) for p in parts) == [1, 1, 1, 1]   # one class each
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(200))
+    iid = [app_partition(np.zeros((200, 1), np.float32), "iid", i, 4, seed=0) for i in range(4)]
+    assert np.array_equal(np.sort(np.concatenate(iid)), np.arange(200))   # any targets split iid
+    with pytest.raises(DataError, match=r"splits by class label, but the app's targets are float32 \(200, 1\)"):
+        app_partition(np.zeros((200, 1), np.float32), "dirichlet:0.5", 0, 4, seed=0)
