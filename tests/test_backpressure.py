@@ -43,8 +43,7 @@ def _flood_through(url: str, client_id: str, prefix: str, *, flow_control: bool,
     receiver = MqttTransport(settings, client_id, queue_size=20, flow_control=flow_control).connect()
     sender = MqttTransport(settings, client_id + "-sender").connect()
     try:
-        receiver.subscribe(f"{prefix}/load/+")
-        time.sleep(0.3)
+        receiver.subscribe(f"{prefix}/load/+")   # returns once the broker acknowledged it
         for i in range(messages):   # from 40 senders' topics, as results come, each within its share of the queue
             sender.publish(f"{prefix}/load/{i % 40}", i.to_bytes(4, "big") + bytes(size))
         got: set[int] = set()

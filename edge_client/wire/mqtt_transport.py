@@ -28,6 +28,8 @@ __all__ = ["MqttTransport"]
 
 log = logging.getLogger("fedge.transport")
 
+SUBACK_TIMEOUT = 10.0   # seconds subscribe() waits for the broker's acknowledgement
+
 
 class MqttTransport(Transport):
     """paho-mqtt client with a persistent session, QoS 1 and automatic reconnects.
@@ -68,6 +70,8 @@ class MqttTransport(Transport):
         self._birth: tuple[str, bytes] | None = None
         self._broker_max: int | None = None   # the broker's maximum packet size, when it tells (MQTT 5)
         self._subscribing: dict[int, str] = {}   # SUBSCRIBE packet id -> topic filter, until its SUBACK
+        self._early_subacks: set[int] = set()    # SUBACKs that beat subscribe() recording their packet id
+        self._subacked = threading.Condition(self._lock)
         self.denied: set[str] = set()            # topic filters the broker refused to let us read or write
         # PUBLISH packet id -> topic until its PUBACK, and refusals whose PUBACK beat publish() returning.
         # No lock: paho calls on_publish holding its own lock, which publish() takes too.
@@ -232,20 +236,41 @@ class MqttTransport(Transport):
                   "packet limit (max_packet_size); lower max_message_bytes so such messages are chunked",
                   self._too_large)
 
-    def _subscribe_with(self, client: mqtt.Client, topic_filter: str) -> None:
+    def _subscribe_with(self, client: mqtt.Client, topic_filter: str) -> int | None:
+        """Send SUBSCRIBE; the packet id to wait for, or None when its SUBACK is already in (or none will come)."""
         _, mid = client.subscribe(topic_filter, qos=1)
-        if mid is not None:
-            with self._lock:
-                self._subscribing[mid] = topic_filter
+        if mid is None:
+            return None
+        with self._lock:
+            if mid in self._early_subacks:
+                self._early_subacks.discard(mid)
+                return None
+            self._subscribing[mid] = topic_filter
+        return mid
+
+    def _await_suback(self, client: mqtt.Client, mid: int | None, timeout: float) -> None:
+        """Wait until the broker acknowledged a subscription, so that what is published next reaches us.
+
+        Never on paho's own thread (it is the one that reads the SUBACK); a SUBACK that does not come in
+        ``timeout`` (a broker gone) is left to the reconnect, which subscribes again."""
+        if mid is None or threading.current_thread() is getattr(client, "_thread", None):
+            return
+        with self._subacked:
+            if not self._subacked.wait_for(lambda: mid not in self._subscribing, timeout):
+                log.warning("no SUBACK from the broker in %.0f s for %s; what is published meanwhile may not "
+                            "reach %s", timeout, self._subscribing.get(mid, "?"), self.client_id)
 
     def _on_subscribe(self, client: mqtt.Client, userdata: object, mid: int, reasons: list[Any],
                       properties: object) -> None:
         """A refused subscription fails silently in MQTT: nothing ever arrives. Say so, and what to fix."""
         with self._lock:
-            topic_filter = self._subscribing.pop(mid, "?")
+            topic_filter = self._subscribing.pop(mid, None)
+            if topic_filter is None:
+                self._early_subacks.add(mid)
+            self._subacked.notify_all()
         refused = [r for r in reasons if getattr(r, "is_failure", False)]
         if refused:
-            self._denied(topic_filter, "read", refused[0])
+            self._denied(topic_filter or "?", "read", refused[0])
 
     def _on_publish(self, client: mqtt.Client, userdata: object, mid: int, reason: object,
                     properties: object) -> None:
@@ -283,12 +308,17 @@ class MqttTransport(Transport):
         return self._inbox.held_over
 
     # -- messaging --------------------------------------------------------------
-    def subscribe(self, topic_filter: str) -> None:
+    def subscribe(self, topic_filter: str, *, timeout: float = SUBACK_TIMEOUT) -> None:
+        """Subscribe, and return once the broker acknowledged it (or after ``timeout`` seconds): a message
+        published after this returns is delivered to us."""
         with self._lock:
             if topic_filter not in self._filters:
                 self._filters.append(topic_filter)
-        if self._client is not None:
-            self._subscribe_with(self._client, topic_filter)
+        client = self._client
+        if client is not None and self._connected.is_set():
+            self._await_suback(client, self._subscribe_with(client, topic_filter), timeout)
+        elif client is not None:
+            self._subscribe_with(client, topic_filter)
 
     def unsubscribe(self, topic_filter: str) -> None:
         with self._lock:
