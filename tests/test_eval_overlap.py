@@ -81,7 +81,6 @@ def test_evaluation_runs_while_the_next_round_trains(tmp_path):
     config = config_for(tmp_path / "run", run__rounds=rounds, clients__expected=2, clients__spawn=2)
     strategy = SlowEvaluation.from_config(config)
     result = run_federated(config, say=lambda s: None, strategy=strategy)
-    ended = time.monotonic()
     rows = read_metrics(result.out_dir)
     assert all("test_accuracy" in r for r in rows)
     evaluated = {r: (start, end, thread) for r, start, end, thread in strategy.evaluations}
@@ -92,13 +91,8 @@ def test_evaluation_runs_while_the_next_round_trains(tmp_path):
         planned, aggregated = strategy.rounds[r + 1]
         assert thread != threading.current_thread().name
         assert start < aggregated and planned < end, (r, evaluated[r], strategy.rounds[r + 1])
-    # One after the other: every round's training time plus a second per evaluation; overlapped,
-    # only the last round's evaluation adds its second.
-    train = sum(r["seconds"] for r in rows[1:])
-    total = ended - strategy.rounds[1][0]
-    print(f"\n{rounds} rounds: {total:.2f} s from round 1's tasks to the end; training {train:.2f} s, "
-          f"evaluations {rounds} x 1 s; one after the other would take at least {train + rounds:.2f} s")
-    assert total < train + rounds - 1.5
+    # The overlap is the order asserted above (each evaluation began before the next round was aggregated and
+    # ended after its tasks were planned), never a duration, which a loaded machine stretches at will.
 
 
 class FailingEvaluation(FedAvg):
