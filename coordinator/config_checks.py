@@ -16,7 +16,7 @@ from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MO
 from coordinator.errors import ConfigError
 from coordinator.methods import requirements
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
-from edge_client.registry import METHODS, model_hooks
+from edge_client.registry import METHODS, model_hooks, optimizers
 from edge_client.device import DeviceError, resolve_device
 from edge_client.privacy_account import ACCOUNTANTS
 from edge_client.wire.broker_settings import parse_broker_address
@@ -90,6 +90,7 @@ def check_config(config: RunConfig) -> None:
          f"{t.max_partial_bytes}"),
         (config.checkpoint.keep in ("all", "last"),
          f"checkpoint.keep must be all or last, got {config.checkpoint.keep!r}"),
+        *_server_checks(config),
         *_workers_checks(config),
         *_async_checks(config),
         *_selection_checks(config),
@@ -132,6 +133,19 @@ def _check_app(config: RunConfig) -> None:
     if config.data.partition.startswith("attribute:"):
         raise ConfigError(f"data.partition = {config.data.partition!r} changes fedge's own images; an app's data "
                           "takes 'iid', 'dirichlet:A' or 'shards:K' (the last two need integer class targets)")
+
+
+def _server_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``server.optimizer``: a registered optimizer's name, and not a second one beside a strategy named after one."""
+    wanted, strategy = config.server.optimizer, config.run.strategy
+    names = ["fedavg", *optimizers()]
+    return [
+        (wanted in ("", *names), f"server.optimizer must be one of {', '.join(names)} (or empty: the strategy's "
+                                 f"own), got {wanted!r}"),
+        (wanted in ("", strategy) or strategy not in optimizers(),
+         f"run.strategy = {strategy!r} is FedAvg with its own server optimizer, and server.optimizer = {wanted!r} "
+         f"names another: set run.strategy = 'fedavg' (or the method you want) and server.optimizer = {wanted!r}"),
+    ]
 
 
 def _order_checks(config: RunConfig) -> list[tuple[bool, str]]:

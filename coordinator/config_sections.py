@@ -15,7 +15,7 @@ from coordinator.aggregation import DEFAULT_TRIM
 from edge_client.hyper import LocalTraining
 from edge_client.privacy_account import DEFAULT_ACCOUNTANT
 
-__all__ = ["AppSection", "RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
+__all__ = ["AppSection", "ServerSection", "RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "WEIGHTINGS", "SelectionSection", "PrivacySection", "PRIVACY_MODES",
            "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES"]
@@ -34,6 +34,13 @@ class RunSection:
     out: str = ""                   # empty: runs/<run id>
     diagnostics: bool = False       # record per-layer weight divergence of each round's client models
     mode: str = "sync"              # sync | async (buffered asynchronous aggregation, docs/async.md)
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """``[server]``: the stages of the coordinator's step that compose with any strategy combining model deltas."""
+
+    optimizer: str = ""             # "" : the strategy's own; fedavg | fedadam | fedyogi | fedadagrad | fedavgm
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 from coordinator.config_sections import (AggregateSection, AppSection, AsyncSection, CheckpointSection,
                                          ClientsSection, CodecSection, DataSection, EvalSection, ExportSection,
                                          MetricsSection, PrivacySection, RunSection, ScheduleSection, SecAggSection, SelectionSection,
+                                         ServerSection,
                                          SimSection, TrainSection, TransportSection, WorkersSection)
 from coordinator.methods import method_sections
 
@@ -24,6 +25,7 @@ FIELD_OF = {"async": "asynchronous"}   # sections whose name is a Python keyword
 @dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
+    server: ServerSection = field(default_factory=ServerSection)
     model: dict[str, Any] = field(default_factory=lambda: {"name": "cnn"})
     app: AppSection = field(default_factory=AppSection)
     data: DataSection = field(default_factory=DataSection)

@@ -9,30 +9,53 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 from coordinator.aggregation import Aggregator
 from coordinator.config import RunConfig
 from coordinator.errors import ConfigError
 from coordinator.methods import method, resolve
+from coordinator.strategies.server import PlainStep, ServerOptimizer
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.base import PersonalizedEval, Strategy
+from edge_client.registry import strategies
 
-__all__ = ["make_strategy"]
+__all__ = ["make_strategy", "strategies_that"]
+
+
+def strategies_that(can: Callable[[type[Strategy]], bool]) -> str:
+    """The registered strategies whose class ``can``, comma-separated: what a refusal offers instead, read from
+    each strategy's own declarations so that no message lists methods by hand."""
+    return ", ".join(name for name in strategies() if can(resolve(method(name).strategy)))
+
+
+def _folds_updates(cls: type[Strategy]) -> bool:
+    """Every result is one update of the model it was sent, folded into one sum: the class declares no reason
+    against it."""
+    return issubclass(cls, FedAvg) and not cls.sync_only and not cls.central_dp
 
 
 def make_strategy(config: RunConfig) -> Strategy:
-    """The configured strategy, with the optional personalized evaluation from ``[eval]``."""
+    """The configured strategy, with its stages (server optimizer, privacy, robust rule, learning-rate schedule)
+    and the optional personalized evaluation from ``[eval]``."""
     strategy = resolve(method(config.run.strategy).strategy).from_config(config)
     a = config.aggregate
     if (a.rule != "mean" or a.norm_bound > 0) and not strategy.robust:
         raise ConfigError(f"aggregate.rule = {a.rule!r} and aggregate.norm_bound apply to strategies that average "
-                          f"updates (such as fedavg and fedprox); {config.run.strategy!r} as configured combines "
-                          "results its own way: leave them at mean and 0")
+                          f"updates ({strategies_that(lambda cls: bool(cls.robust))}); {config.run.strategy!r} as "
+                          "configured combines results its own way: leave them at mean and 0")
+    if config.server.optimizer and config.server.optimizer != config.run.strategy:
+        if not isinstance(strategy, FedAvg):
+            raise ConfigError(f"server.optimizer = {config.server.optimizer!r} cannot step run.strategy = "
+                              f"{config.run.strategy!r}: it does not combine its results into one model update; "
+                              "leave server.optimizer empty or use a strategy that does "
+                              f"({strategies_that(lambda cls: issubclass(cls, FedAvg))})")
+        strategy.optimizer = _optimizer(config)
     if config.run.mode == "async" and strategy.sync_only:
         raise ConfigError(f"run.mode = 'async' cannot run run.strategy = {config.run.strategy!r}: "
                           f"{strategy.sync_only}; use run.mode = 'sync' or a strategy that folds every result into "
-                          "one update (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm)")
+                          f"one update ({strategies_that(lambda cls: issubclass(cls, FedAvg) and not cls.sync_only)})")
     privacy = CentralPrivacy.from_config(config) or LocalPrivacy.from_config(config)
     if privacy is not None:
         # Local DP needs the same of a strategy: one update per device of the model it was sent, which the device
@@ -41,15 +64,14 @@ def make_strategy(config: RunConfig) -> Strategy:
             raise ConfigError(f"privacy.mode = {config.privacy.mode!r} cannot run run.strategy = "
                               f"{config.run.strategy!r}: {strategy.central_dp or 'it combines results its own way'}; "
                               "use privacy.mode = 'off' or a strategy whose every result is one clipped update per "
-                              "device (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm; docs/privacy.md)")
+                              f"device ({strategies_that(_folds_updates)}; docs/privacy.md)")
         strategy.privacy = privacy
     if config.secagg.enabled and (strategy.central_dp or not isinstance(strategy, FedAvg)
                                   or not strategy.streams("train")):
         raise ConfigError(f"secagg.enabled = true cannot run run.strategy = {config.run.strategy!r}: "
                           f"{strategy.central_dp or 'it combines results its own way'}; the coordinator sees only "
                           "the sum of the round's updates, so use secagg.enabled = false or a strategy that folds one "
-                          "update per device into one sum (fedavg, fedprox, fedadam, fedyogi, fedadagrad, fedavgm; "
-                          "docs/privacy.md)")
+                          f"update per device into one sum ({strategies_that(_folds_updates)}; docs/privacy.md)")
     if config.schedule.scheduled:
         strategy.lr_factor = functools.partial(config.schedule.factor, rounds=config.run.rounds)
     if strategy.robust:
@@ -58,3 +80,11 @@ def make_strategy(config: RunConfig) -> Strategy:
         strategy.personalized = PersonalizedEval(every=config.eval.every, finetune_epochs=config.eval.finetune_epochs,
                                                  train=dataclasses.asdict(config.train))
     return strategy
+
+
+def _optimizer(config: RunConfig) -> ServerOptimizer:
+    """The server optimizer ``server.optimizer`` names, configured by its own section."""
+    if config.server.optimizer == "fedavg":
+        return PlainStep()
+    step = resolve(method(config.server.optimizer).optimizer)
+    return step(getattr(config, step.section))

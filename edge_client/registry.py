@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from edge_client.models import ModelHook
     from edge_client.objectives import Objective
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "commands", "model_options", "model_hooks",
+__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "optimizers", "commands", "model_options", "model_hooks",
            "build_model", "build_builtin", "build_aside", "example_sample", "model_size", "describe_size"]
 
 
@@ -50,6 +50,9 @@ class Method:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     # It trains any app's model (edge_client.app): it needs nothing of the network's structure.
     takes_apps: bool = False
+    # "module:Class" of a server optimizer (coordinator.strategies.server.ServerOptimizer): ``[server] optimizer``
+    # names it for any strategy that combines model deltas; its strategy is FedAvg with it.
+    optimizer: str = ""
 
 
 _STRATEGIES = "coordinator.strategies"
@@ -79,13 +82,17 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            model_options={"norm": "none"}),
     Method("pans", model="methods.pans.model:HOOK", export="methods.pans.export:HOOK"),
     Method("fedadam", "methods.fedadam.strategy:FedAdam",
-           sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}, takes_apps=True),
+           sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}, takes_apps=True,
+           optimizer="methods.fedadam.strategy:FedAdamStep"),
     Method("fedyogi", "methods.fedyogi.strategy:FedYogi",
-           sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}, takes_apps=True),
+           sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}, takes_apps=True,
+           optimizer="methods.fedyogi.strategy:FedYogiStep"),
     Method("fedadagrad", "methods.fedadagrad.strategy:FedAdagrad",
-           sections={"fedadagrad": "methods.fedadagrad.strategy:FedAdagradSection"}, takes_apps=True),
+           sections={"fedadagrad": "methods.fedadagrad.strategy:FedAdagradSection"}, takes_apps=True,
+           optimizer="methods.fedadagrad.strategy:FedAdagradStep"),
     Method("fedavgm", "methods.fedavgm.strategy:FedAvgM",
-           sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}, takes_apps=True),
+           sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}, takes_apps=True,
+           optimizer="methods.fedavgm.strategy:FedAvgMStep"),
 )}
 
 
@@ -103,6 +110,11 @@ def resolve(path: str) -> Any:
 def strategies() -> list[str]:
     """The names ``run.strategy`` takes, in registry order."""
     return [name for name, entry in METHODS.items() if entry.strategy]
+
+
+def optimizers() -> list[str]:
+    """The names ``server.optimizer`` takes besides FedAvg's plain step (``"fedavg"``), in registry order."""
+    return [name for name, entry in METHODS.items() if entry.optimizer]
 
 
 def commands() -> dict[str, str]:

@@ -132,3 +132,40 @@ def test_each_optimizer_runs_a_federation(tmp_path, name):
     state, _ = load_checkpoint(latest_checkpoint(result.out_dir / "checkpoints"))
     assert state.round == 2 and state.buffers and set(state.buffers) <= {f"{kind}/{k}" for k in state.params
                                                                           for kind in ("m", "v", "momentum")}
+
+
+def _config(**sets):
+    return load_config(None, [(*k.split("__", 1), v) for k, v in sets.items()])
+
+
+@pytest.mark.parametrize("strategy", ["fedprox", "spherefed", "fedavg_ffc", "fed2"])
+def test_any_strategy_that_combines_deltas_takes_any_server_optimizer(strategy):
+    built = make_strategy(_config(run__strategy=strategy, server__optimizer="fedyogi", fedyogi__lr=0.1))
+    assert type(built.optimizer).name == "fedyogi" and type(built).name == strategy
+    alone = make_strategy(_config(run__strategy=strategy))
+    assert type(alone.optimizer).name == "fedavg"   # its own step when none is named
+
+
+def test_fedprox_with_fedyogi_steps_as_fedyogi_does_and_trains_as_fedprox_does():
+    both = make_strategy(_config(run__strategy="fedprox", fedprox__mu=0.1, server__optimizer="fedyogi",
+                                 fedyogi__lr=0.1))
+    assert both.hyper()["mu"] == 0.1
+    assert torch.equal(_run(both).params["w"], _run(FedYogi({}, FedYogiSection(lr=0.1))).params["w"])
+
+
+def test_a_named_optimizer_is_its_shorthand_strategy_to_the_bit():
+    for name, shorthand in [("fedadam", FedAdam), ("fedavgm", FedAvgM)]:
+        section = {"fedadam": FedAdamSection(lr=0.1), "fedavgm": FedAvgMSection(lr=0.5)}[name]
+        staged = make_strategy(_config(server__optimizer=name, **{f"{name}__lr": section.lr}))
+        assert torch.equal(_run(staged).params["w"], _run(shorthand({}, section)).params["w"])
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"run__strategy": "dfl", "server__optimizer": "fedyogi"},
+     r"server.optimizer = 'fedyogi' cannot step run.strategy = 'dfl': .* \(fedavg, fedprox, spherefed"),
+    ({"run__strategy": "fedadam", "server__optimizer": "fedyogi"}, "is FedAvg with its own server optimizer"),
+    ({"server__optimizer": "adamw"}, "server.optimizer must be one of fedavg, fedadam, fedyogi"),
+])
+def test_an_optimizer_a_strategy_cannot_take_is_refused_naming_those_that_can(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        make_strategy(_config(**sets))

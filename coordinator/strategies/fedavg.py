@@ -9,19 +9,20 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from coordinator.aggregation import Aggregator
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan, WeightedSum
+from coordinator.strategies.server import PlainStep, ServerOptimizer
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["FedAvg", "FedProx", "FedProxSection"]
+__all__ = ["FedAvg", "OptimizerShorthand", "FedProx", "FedProxSection"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class FedAvg(Strategy):
     aggregator = Aggregator()
     # [privacy] mode = "central" or "local" (coordinator/strategy_setup.py)
     privacy: CentralPrivacy | LocalPrivacy | None = None
+    # [server] optimizer: the step a round's combined update takes (coordinator/strategy_setup.py)
+    optimizer: ServerOptimizer = PlainStep()
 
     def __init__(self, train: dict[str, Any]) -> None:
         self.train = dict(train)
@@ -147,13 +150,25 @@ class FedAvg(Strategy):
         return self.server_step(round, state, update)
 
     def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
-        """The state after the round's combined update (float64, by tensor name): FedAvg adds it.
+        """The state after the round's combined update (float64, by tensor name): the server optimizer's
+        step (:mod:`coordinator.strategies.server`; FedAvg's adds it)."""
+        return self.optimizer.step(round, state, update)
 
-        Server optimizers (momentum, adaptive steps) override this and keep what they carry between
-        rounds in ``state.buffers``, which is checkpointed with the parameters.
-        """
-        params = {k: (state.params[k].to(torch.float64) + u).to(torch.float32) for k, u in update.items()}
-        return dataclasses.replace(state, round=round, params={**state.params, **params})
+
+class OptimizerShorthand(FedAvg):
+    """FedAvg with a named server optimizer: the strategies named after one (``run.strategy = "fedadam"``),
+    the same as ``run.strategy = "fedavg"`` with ``server.optimizer = "fedadam"``."""
+
+    step: ClassVar[type[ServerOptimizer]]
+
+    def __init__(self, train: dict[str, Any], settings: Any) -> None:
+        super().__init__(train)
+        self.settings = settings
+        self.optimizer = self.step(settings)
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> OptimizerShorthand:
+        return cls(dataclasses.asdict(config.train), getattr(config, cls.step.section))
 
 
 class FedProx(FedAvg):

@@ -1,5 +1,11 @@
 """Server optimizers: what the coordinator does with a round's combined update.
 
+An optimizer is a stage of its own (:class:`ServerOptimizer`), not a strategy: any strategy that
+combines model deltas into one update and ends its round with ``server_step`` takes any optimizer
+(``[server] optimizer``), so FedProx with FedYogi, or a method's own training with server momentum,
+are a setting, not a class. The strategies named after an optimizer (``fedadam``, ...) are FedAvg
+with that optimizer.
+
 FedAvg adds the clients' mean update to the model: a server step of learning rate 1. The
 adaptive federated optimizers (Reddi et al., "Adaptive Federated Optimization", ICLR 2021,
 Algorithm 2) treat that update as a pseudo-gradient and scale each coordinate by moments
@@ -16,17 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from coordinator.strategies.fedavg import FedAvg
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["AdaptiveSection", "AdaptiveServer", "moment"]
+__all__ = ["AdaptiveSection", "AdaptiveStep", "ServerOptimizer", "PlainStep", "moment"]
 
 
 @dataclass(frozen=True)
@@ -59,29 +64,46 @@ def moment(state: ServerState, name: str, like: torch.Tensor, start: float = 0.0
     return kept.to(torch.float64)
 
 
-class AdaptiveServer(FedAvg):
-    """FedAvg whose server takes an adaptive step on the clients' mean update ``d``:
+class ServerOptimizer:
+    """The server's step: the state after a round's combined update (float64, by tensor name).
+
+    A pure function of the state and the update; what it carries between rounds lives in
+    ``state.buffers``, checkpointed with the parameters, so a resumed run takes the same steps."""
+
+    name: ClassVar[str] = "fedavg"
+    section: ClassVar[str] = ""   # the config section of its settings, "" for none
+
+    def step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+        raise NotImplementedError
+
+
+class PlainStep(ServerOptimizer):
+    """FedAvg's step: the model plus the update (a server learning rate of 1)."""
+
+    def __init__(self, settings: object = None) -> None:
+        pass
+
+    def step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+        params = {k: (state.params[k].to(torch.float64) + u).to(torch.float32) for k, u in update.items()}
+        return dataclasses.replace(state, round=round, params={**state.params, **params})
+
+
+class AdaptiveStep(ServerOptimizer):
+    """An adaptive step on the combined update ``d``:
 
     m = beta1 m + (1 - beta1) d;  v = second_moment(v, d^2);  x = x + lr m / (sqrt(v) + tau),
 
-    with m starting at 0 and v at tau^2 (the paper's v_{-1}). Subclasses set ``name``, their
-    config ``section`` and :meth:`second_moment`.
+    with m starting at 0 and v at tau^2 (the paper's v_{-1}). Subclasses set ``name``, ``section`` and
+    :meth:`second_moment`.
     """
 
-    section: ClassVar[str] = ""
-
-    def __init__(self, train: dict[str, Any], settings: AdaptiveSection) -> None:
-        super().__init__(train)
+    def __init__(self, settings: AdaptiveSection) -> None:
         self.settings = settings
-
-    @classmethod
-    def from_config(cls, config: RunConfig) -> AdaptiveServer:
-        return cls(dataclasses.asdict(config.train), getattr(config, cls.section))
 
     def second_moment(self, v: torch.Tensor, square: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+    def step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
         s = self.settings
         params, buffers = dict(state.params), dict(state.buffers)
         for name, d in update.items():

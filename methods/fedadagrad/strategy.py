@@ -7,23 +7,33 @@ from typing import ClassVar
 
 import torch
 
-from coordinator.strategies.server import AdaptiveSection, AdaptiveServer
+from coordinator.strategies.fedavg import OptimizerShorthand
+from coordinator.strategies.server import AdaptiveSection, AdaptiveStep
 
-__all__ = ["FedAdagrad", "FedAdagradSection"]
+__all__ = ["FedAdagrad", "FedAdagradStep", "FedAdagradSection"]
 
 
 @dataclass(frozen=True)
 class FedAdagradSection(AdaptiveSection):
-    """``[fedadagrad]``: the server's Adagrad step (run.strategy = "fedadagrad"); ``beta2`` is unused."""
+    """``[fedadagrad]``: the server's Adagrad step (server.optimizer = "fedadagrad", or run.strategy = "fedadagrad"); ``beta2`` is unused."""
 
     beta1: float = 0.0      # Adagrad keeps no momentum unless asked
     section: ClassVar[str] = "fedadagrad"
 
 
-class FedAdagrad(AdaptiveServer):
+class FedAdagradStep(AdaptiveStep):
+    """FedAdagrad's server step, for any strategy that combines model deltas (``server.optimizer = "fedadagrad"``)."""
+
     name = "fedadagrad"
     section = "fedadagrad"
 
     def second_moment(self, v: torch.Tensor, square: torch.Tensor) -> torch.Tensor:
         """Every squared update summed: a coordinate's step only shrinks."""
         return v + square
+
+
+class FedAdagrad(OptimizerShorthand):
+    """``run.strategy = "fedadagrad"``: FedAvg with FedAdagrad's server step."""
+
+    name = "fedadagrad"
+    step = FedAdagradStep

@@ -7,19 +7,22 @@ from typing import ClassVar
 
 import torch
 
-from coordinator.strategies.server import AdaptiveSection, AdaptiveServer
+from coordinator.strategies.fedavg import OptimizerShorthand
+from coordinator.strategies.server import AdaptiveSection, AdaptiveStep
 
-__all__ = ["FedAdam", "FedAdamSection"]
+__all__ = ["FedAdam", "FedAdamStep", "FedAdamSection"]
 
 
 @dataclass(frozen=True)
 class FedAdamSection(AdaptiveSection):
-    """``[fedadam]``: the server's Adam step (run.strategy = "fedadam")."""
+    """``[fedadam]``: the server's Adam step (server.optimizer = "fedadam", or run.strategy = "fedadam")."""
 
     section: ClassVar[str] = "fedadam"
 
 
-class FedAdam(AdaptiveServer):
+class FedAdamStep(AdaptiveStep):
+    """FedAdam's server step, for any strategy that combines model deltas (``server.optimizer = "fedadam"``)."""
+
     name = "fedadam"
     section = "fedadam"
 
@@ -27,3 +30,10 @@ class FedAdam(AdaptiveServer):
         """An exponential average of the squared update."""
         b = self.settings.beta2
         return b * v + (1 - b) * square
+
+
+class FedAdam(OptimizerShorthand):
+    """``run.strategy = "fedadam"``: FedAvg with FedAdam's server step."""
+
+    name = "fedadam"
+    step = FedAdamStep

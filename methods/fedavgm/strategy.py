@@ -5,24 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.strategies.fedavg import FedAvg
-from coordinator.strategies.server import moment
+from coordinator.strategies.fedavg import OptimizerShorthand
+from coordinator.strategies.server import ServerOptimizer, moment
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["FedAvgM", "FedAvgMSection"]
+__all__ = ["FedAvgM", "FedAvgMStep", "FedAvgMSection"]
 
 
 @dataclass(frozen=True)
 class FedAvgMSection:
-    """``[fedavgm]``: the server's momentum step (run.strategy = "fedavgm"). With lr 1 and momentum 0 it
-    is FedAvg."""
+    """``[fedavgm]``: the server's momentum step (server.optimizer = "fedavgm", or run.strategy = "fedavgm").
+    With lr 1 and momentum 0 it is FedAvg's step."""
 
     lr: float = 1.0         # the server learning rate
     momentum: float = 0.9
@@ -32,20 +32,16 @@ class FedAvgMSection:
                 (0 <= self.momentum < 1, f"fedavgm.momentum must be in [0, 1), got {self.momentum}")]
 
 
-class FedAvgM(FedAvg):
-    """v = momentum v + d;  x = x + lr v, with d the clients' mean update and v kept in the state's buffers."""
+class FedAvgMStep(ServerOptimizer):
+    """v = momentum v + d;  x = x + lr v, with d the combined update and v kept in the state's buffers."""
 
     name = "fedavgm"
+    section = "fedavgm"
 
-    def __init__(self, train: dict[str, Any], settings: FedAvgMSection) -> None:
-        super().__init__(train)
+    def __init__(self, settings: FedAvgMSection) -> None:
         self.settings = settings
 
-    @classmethod
-    def from_config(cls, config: RunConfig) -> FedAvgM:
-        return cls(dataclasses.asdict(config.train), config.fedavgm)
-
-    def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+    def step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
         s = self.settings
         params, buffers = dict(state.params), dict(state.buffers)
         for name, d in update.items():
@@ -53,3 +49,10 @@ class FedAvgM(FedAvg):
             params[name] = (state.params[name].to(torch.float64) + s.lr * v).to(torch.float32)
             buffers[f"momentum/{name}"] = v
         return dataclasses.replace(state, round=round, params=params, buffers=buffers)
+
+
+class FedAvgM(OptimizerShorthand):
+    """``run.strategy = "fedavgm"``: FedAvg with server momentum."""
+
+    name = "fedavgm"
+    step = FedAvgMStep

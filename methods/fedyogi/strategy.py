@@ -7,19 +7,22 @@ from typing import ClassVar
 
 import torch
 
-from coordinator.strategies.server import AdaptiveSection, AdaptiveServer
+from coordinator.strategies.fedavg import OptimizerShorthand
+from coordinator.strategies.server import AdaptiveSection, AdaptiveStep
 
-__all__ = ["FedYogi", "FedYogiSection"]
+__all__ = ["FedYogi", "FedYogiStep", "FedYogiSection"]
 
 
 @dataclass(frozen=True)
 class FedYogiSection(AdaptiveSection):
-    """``[fedyogi]``: the server's Yogi step (run.strategy = "fedyogi")."""
+    """``[fedyogi]``: the server's Yogi step (server.optimizer = "fedyogi", or run.strategy = "fedyogi")."""
 
     section: ClassVar[str] = "fedyogi"
 
 
-class FedYogi(AdaptiveServer):
+class FedYogiStep(AdaptiveStep):
+    """FedYogi's server step, for any strategy that combines model deltas (``server.optimizer = "fedyogi"``)."""
+
     name = "fedyogi"
     section = "fedyogi"
 
@@ -27,3 +30,10 @@ class FedYogi(AdaptiveServer):
         """Moves toward the squared update by a fixed fraction of it, in the direction of the gap:
         unlike Adam's average, a sudden large update cannot shrink the step of every coordinate at once."""
         return v - (1 - self.settings.beta2) * square * torch.sign(v - square)
+
+
+class FedYogi(OptimizerShorthand):
+    """``run.strategy = "fedyogi"``: FedAvg with FedYogi's server step."""
+
+    name = "fedyogi"
+    step = FedYogiStep
