@@ -383,24 +383,29 @@ def model_cost(model: nn.Module, sample: torch.Tensor) -> dict[str, int]:
     """Trainable parameters and multiply-adds of one forward pass on ``sample`` (a batch of one).
 
     Multiply-adds count the connections each weight layer actually computes: a group
-    convolution's ``in / groups`` inputs per output, and for any other layer whose weight is not
-    what it computes, what its own ``multiply_adds(output)`` says. What a method changes in a
-    network's size is stated with these two numbers.
+    convolution's ``in / groups`` inputs per output, a recurrent layer's weights once per time
+    step, and for any other layer whose weight is not what it computes, what its own
+    ``multiply_adds(output)`` says. What a method changes in a network's size is stated with
+    these two numbers.
     """
     macs = 0
+    convolutions = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
-    def count(module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+    def count(module: nn.Module, _inputs: Any, output: Any) -> None:
         nonlocal macs
         own = getattr(module, "multiply_adds", None)
         if callable(own):
             macs += int(own(output))
-        elif isinstance(module, nn.Conv2d):
+        elif isinstance(module, convolutions):
             macs += output[0].numel() * module.weight[0].numel()
         elif isinstance(module, nn.Linear):
             macs += module.weight.numel()
+        elif isinstance(module, nn.RNNBase) and isinstance(output[0], torch.Tensor):   # (outputs, state)
+            steps = output[0].shape[1 if module.batch_first else 0] if output[0].dim() == 3 else output[0].shape[0]
+            macs += steps * sum(w.numel() for name, w in module.named_parameters() if name.startswith("weight_"))
 
     hooks = [m.register_forward_hook(count) for m in model.modules()
-             if isinstance(m, (nn.Conv2d, nn.Linear)) or callable(getattr(m, "multiply_adds", None))]
+             if isinstance(m, (*convolutions, nn.Linear, nn.RNNBase)) or callable(getattr(m, "multiply_adds", None))]
     try:
         was_training = model.training
         model.eval()

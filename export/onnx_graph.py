@@ -49,6 +49,9 @@ def to_onnx(model: nn.Module, sample_shape: tuple[int, ...], metadata: dict[str,
         # GroupNorm's batch-size check is traced as a constant; the graph is still right for every batch
         # (the parity check runs other batch sizes than the one traced).
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        # Likewise the warning on every GRU or LSTM traced at a batch other than 1: it concerns initial states
+        # built with the traced batch size, which the parity check's other batch sizes would catch.
+        warnings.filterwarnings("ignore", message=".*batch_size other than 1.*", category=UserWarning)
         try:
             torch.onnx.export(model, (example,), buffer, dynamo=False, opset_version=OPSET,
                               input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], do_constant_folding=True,

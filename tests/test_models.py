@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save, save_file
 from torch import nn
 
-from edge_client.models import MODELS, ModelSpecError, federated_names, state_shapes
+from edge_client.models import MODELS, ModelSpecError, federated_names, model_cost, state_shapes
 from edge_client.pooling import MaxPool2d
 from edge_client.registry import build_model
 from storage.checkpoint import (
@@ -40,6 +40,16 @@ def test_registry_has_mlp_and_cnn():
 def test_cnn_parameter_count():
     assert _n_params(build_model(CNN28)) == 421_834
     assert all(p.requires_grad for p in build_model(CNN28).parameters())
+
+
+def test_model_cost_counts_recurrent_layers_per_step_and_1d_convolutions():
+    # an app's sequence model: each weight of a GRU or LSTM is used once per time step, in every layer and direction
+    gru = nn.Sequential(nn.GRU(30, 32, batch_first=True))
+    assert model_cost(gru, torch.zeros(1, 10, 30))["multiply_adds"] == 10 * (96 * 30 + 96 * 32)
+    lstm = nn.LSTM(4, 8, num_layers=2, bidirectional=True)   # time first: [steps, batch, inputs]
+    assert model_cost(lstm, torch.zeros(5, 1, 4))["multiply_adds"] == 5 * 2 * (32 * 4 + 32 * 8 + 32 * 16 + 32 * 8)
+    conv = nn.Conv1d(3, 16, 5, padding=2)
+    assert model_cost(conv, torch.zeros(1, 3, 64))["multiply_adds"] == 16 * 64 * 3 * 5
 
 
 def test_cnn_layer_structure():
