@@ -36,6 +36,7 @@ from rich.table import Table
 from bench.bench_io import RESULTS, write_result
 from coordinator.config import load_config
 from coordinator.runtime.run import run_federated
+from storage.checkpoint import latest_checkpoint, load_checkpoint
 from storage.files import read_jsonl
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "garments"
@@ -53,6 +54,12 @@ def device_seconds(out: Path) -> dict[int, float]:
     return {r: statistics.median(v) for r, v in sorted(by_round.items())}
 
 
+def exchanged_parameters(out: Path) -> int:
+    """How many numbers the run's model exchanges: those in its last checkpoint (the trainable part alone)."""
+    state, _ = load_checkpoint(latest_checkpoint(out / "checkpoints"))
+    return sum(int(t.numel()) for t in state.params.values())
+
+
 def run(kind: str, data: Path, out: Path, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     overrides = [("run", "rounds", args.rounds), ("run", "seed", 0), ("run", "out", str(out)),
                  ("app", "module", APPS[kind]), ("data", "eval", str(data)), ("clients", "expected", args.clients),
@@ -67,7 +74,7 @@ def run(kind: str, data: Path, out: Path, args: argparse.Namespace, console: Con
     seconds = device_seconds(result.out_dir)
     return {
         "app": APPS[kind],
-        "exchanged_parameters": result.summary.get("model", {}).get("parameters"),
+        "exchanged_parameters": exchanged_parameters(result.out_dir),
         "accuracy_per_round": [r.get("test_accuracy") for r in rows],   # round 0: the initial model
         "bytes_down_per_device_per_round": statistics.median(r["bytes_down_per_client"] for r in trained),
         "bytes_up_per_device_per_round": statistics.median(r["bytes_up_per_client"] for r in trained),
