@@ -103,6 +103,7 @@ PREPROCESSING = {
 
 
 def _app(name: str, **fine_tuning: Any) -> App:
+    """One declaration for both apps, so that they differ only in what fine-tuning adds (weights, trainable)."""
     return App(name=name, version=VERSION, model=model, example_input=ExampleInput((3, SIZE, SIZE)),
                device_data=load_device, eval_data=load_eval, loss=nn.functional.cross_entropy,
                metrics={"accuracy": Metric(accuracy)}, headline="accuracy", preprocessing=PREPROCESSING,
