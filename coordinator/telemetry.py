@@ -172,6 +172,9 @@ class RunTelemetry:
                                           "the run's weight bound (the rows' weight_capped)", registry=r)
         self.presence_ignored = prom.Counter("fedge_presence_ignored", "Presences that re-sent no task within "
                                              "clients.presence_interval (the rows' presence_ignored)", registry=r)
+        self.app_refused = prom.Gauge("fedge_devices_app_refused", "Devices out of the run because their installed "
+                                      "app is not the run's, as the last round ended (the rows' app_refused)",
+                                      registry=r)
         self.bytes = prom.Counter("fedge_bytes", "Bytes of tasks and the model broadcast (down) and of results (up)",
                                   ["direction"], registry=r)
         for direction in ("down", "up"):
@@ -198,6 +201,8 @@ class RunTelemetry:
         self.selected.inc(max(0, int(row.get("selected", 0))))
         self.weight_capped.inc(max(0, int(row.get("weight_capped", 0))))
         self.presence_ignored.inc(max(0, int(row.get("presence_ignored", 0))))
+        if row["round"] >= 1:   # absent from a row: none (round 0 trains nothing and says nothing of the fleet)
+            self.app_refused.set(max(0, int(row.get("app_refused", 0))))
         self.bytes.labels("down").inc(max(0, int(row.get("bytes_down", 0))))
         self.bytes.labels("up").inc(max(0, int(row.get("bytes_up", 0))))
         for key, (name, text) in ROW_FIGURES.items():   # absent until a row has it: no accuracy of 0 before one

@@ -38,7 +38,8 @@ from storage.errors import FedgeError
 
 __all__ = ["App", "AppError", "ExampleInput", "Metric", "Samples", "AppIdentity", "check_app", "check_samples",
            "load_app", "installed_apps", "app_identity", "weights_path", "example_input", "trainable_names", "evaluate_metrics",
-           "ENTRY_POINT_GROUP", "BUILT_IN_APPS", "APP_KEY", "spec_app", "app_options", "run_app", "accuracy"]
+           "ENTRY_POINT_GROUP", "BUILT_IN_APPS", "APP_KEY", "spec_app", "app_options", "run_app", "accuracy",
+           "AppMismatch"]
 
 ENTRY_POINT_GROUP = "fedge.apps"
 APP_KEY = "app"   # the model spec's key holding the app's identity; a spec without it is the built-in vision app's
@@ -48,6 +49,12 @@ BUILT_IN_APPS: Mapping[str, str] = {"vision": "edge_client.apps.vision:APP"}
 
 class AppError(FedgeError, ValueError):
     """An app that cannot be loaded or used as declared; the message names the field to fix."""
+
+
+class AppMismatch(AppError):
+    """This machine's app is not the one a task was made with (another version, other files, or none installed):
+    every task of the run is refused alike until the run's app is installed, so a device says so in its refusal
+    (the result's ``refusal``: ``app``) and the coordinator stops giving it tasks."""
 
 
 @dataclass(frozen=True)
@@ -394,13 +401,13 @@ def spec_app(spec: Mapping[str, Any]) -> App | None:
     app = _LOADED.get(wanted.name)
     if app is None:
         if wanted.name not in installed_apps():
-            raise AppError(f"the task needs app {wanted.name} {wanted.version}, which is neither installed here "
-                           f"(installed: {', '.join(sorted(installed_apps()))}) nor given with --app; install it "
-                           "(fedge-coordinator kit --app)")
+            raise AppMismatch(f"the task needs app {wanted.name} {wanted.version}, which is neither installed "
+                              f"here (installed: {', '.join(sorted(installed_apps()))}) nor given with --app; install "
+                              "it (fedge-coordinator kit --app)")
         app = load_app(wanted.name)
     mismatch = wanted.mismatch(app_identity(app))
     if mismatch:
-        raise AppError(mismatch)
+        raise AppMismatch(mismatch)
     return app
 
 

@@ -30,15 +30,15 @@ from edge_client.device import GpuMeter
 from edge_client.device_protocol import Actions, BroadcastCache, DeviceProtocol, Publish, Task, presence_payload
 from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
-from edge_client.app import APP_KEY, AppError, spec_app
+from edge_client.app import APP_KEY, AppError, AppMismatch, spec_app
 from edge_client.models import ModelSpecError, federated_names, state_shapes
 from edge_client.objectives import (LocalData, Objective, ObjectiveError, TaskContext, check_finite_metrics,
                                     shuffle_seed, task_key, warm_up)
 from edge_client.privacy_budget import BudgetSettings, PrivacyBudget, PrivacyBudgetError
 from edge_client.registry import OBJECTIVES, build_model, example_sample
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
-from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, PresenceBody, ProtocolError, ResultBody,
-                                       TaskBody, Topics, encode)
+from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, REFUSAL_APP, Message, PresenceBody, ProtocolError,
+                                       ResultBody, TaskBody, Topics, encode)
 from edge_client.wire.transport import Incoming, MessageTooLarge, Transport, TransportError, Will
 from edge_client.wire.updates import ResidualStore, decode_download, encode_clipped_upload
 from profiling.device import device_facts
@@ -260,7 +260,8 @@ class EdgeClient:
                 tensors, answer = outcome
         except (ObjectiveError, ModelSpecError, AppError, ProtocolError, PrivacyBudgetError) as exc:
             log.warning("task %s failed: %s", msg.task_id, exc)
-            tensors, answer = {}, ResultBody(error=str(exc), withdrawn=getattr(exc, "final", False))
+            tensors, answer = {}, ResultBody(error=str(exc), withdrawn=getattr(exc, "final", False),
+                                             refusal=REFUSAL_APP if isinstance(exc, AppMismatch) else "")
         except Exception as exc:  # a task must never take the device's client down
             log.exception("task %s failed unexpectedly", msg.task_id)
             tensors, answer = {}, ResultBody(error=f"{type(exc).__name__}: {exc}")

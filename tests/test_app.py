@@ -101,6 +101,12 @@ def test_an_apps_identity_follows_its_installed_files_and_a_mismatch_names_both(
     assert after.digest != before.digest and before.mismatch(before) is None
     said = before.mismatch(after)
     assert "tab 1.0" in said and before.digest[:12] in said and after.digest[:12] in said
+    # a task made with the earlier files is refused as a mismatch, the kind a device reports (refusal "app")
+    from edge_client.app import APP_KEY, AppMismatch, spec_app
+    with pytest.raises(AppMismatch, match="the task was made with app tab 1.0"):
+        spec_app({APP_KEY: before.to_spec()})
+    with pytest.raises(AppMismatch, match="neither installed here"):
+        spec_app({APP_KEY: {"name": "elsewhere", "version": "1", "digest": "0" * 64}})
 
 
 def _app(**changes) -> App:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from storage.errors import FedgeError
 
-__all__ = ["TEMPLATES", "ScaffoldError", "write_app", "train_command"]
+__all__ = ["TEMPLATES", "DEVICE_DATA", "ScaffoldError", "write_app", "train_command"]
 
 # template -> (what it is, the --data its generated or bundled set loads from, the training settings that
 # suit it: measured with 3 devices in one process over 10 rounds)
@@ -27,6 +27,15 @@ TEMPLATES: dict[str, tuple[str, str, dict[str, float]]] = {
                {"train.lr": 0.1, "train.epochs": 3}),
     "audio": ("a small CNN spotting four keywords in log-mel-like features (a generated set)", "synthetic",
               {"train.lr": 0.2, "train.epochs": 3}),
+}
+# template -> what a device of a real fleet gives as --data: each device its own samples
+_OWN_DRAW = ("or `synthetic:N` with another N on each device (a generated set of its own, to try a fleet without "
+             "data)")
+DEVICE_DATA: dict[str, str] = {
+    "tabular": "a CSV file of its own rows (the ten readings, then the target)",
+    "timeseries": f"an npz file of its own windows (`x` [N, 3, 64], integer labels `y` [N]), {_OWN_DRAW}",
+    "vision": f"an npz file of its own pictures (`x` [N, 3, 32, 32], integer labels `y` [N]), {_OWN_DRAW}",
+    "audio": f"an npz file of its own feature maps (`x` [N, 1, 40, 32], integer labels `y` [N]), {_OWN_DRAW}",
 }
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
@@ -53,7 +62,7 @@ def write_app(name: str, template: str, parent: Path) -> Path:
     (package / "__init__.py").write_text(source)
     (root / "pyproject.toml").write_text(_PYPROJECT.format(name=name, what=TEMPLATES[template][0]))
     (root / "tests" / f"test_{name}_app.py").write_text(_TEST.format(name=name, data=TEMPLATES[template][1]))
-    (root / "README.md").write_text(_README.format(name=name, what=TEMPLATES[template][0],
+    (root / "README.md").write_text(_README.format(name=name, what=TEMPLATES[template][0], device=DEVICE_DATA[template],
                                                    train=train_command(name, template)))
     return root
 
@@ -124,5 +133,8 @@ Train it in a simulation on this machine (three devices, in one process):
 
 Test it: `python -m pytest {name}/tests`. Install it beside fedge on the coordinator and every device
 (`pip install -e {name}`, or its wheel), then name it in a run with `--set app.module={name}` and on each
-device with `fedge-client run --app {name} --data LOCATION ...`.
+device with `fedge-client run --app {name} --data LOCATION ...`, each device's LOCATION {device}.
+A device whose installed copy of the app differs from the coordinator's (another version, or edited files)
+refuses the run's tasks; the run goes on without it while enough others are left (`clients.min_results`):
+install the same copy everywhere.
 """

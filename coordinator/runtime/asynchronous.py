@@ -282,7 +282,7 @@ class AsyncRun:
         tally, model_bytes = self.book.tally, co.fp32_model_bytes
         row = {"round": version, "version": version, **batch.columns(),
                "returned": batch.count + self.dropped, "dropped_stale": self.dropped,
-               "in_flight": len(self.flights), "selected": self.given, **tally.row(),
+               "in_flight": len(self.flights), "selected": self.given, **tally.row(), **co.app_columns(),
                "bytes_per_client": co.intake.notes.bytes_per_client(),
                "fp32_bytes_down": model_bytes * self.given,
                "fp32_bytes_up": model_bytes * (batch.count + self.dropped), **co.lr_columns(version),

@@ -256,8 +256,9 @@ class Coordinator:
         if len(answering()) < count:
             withdrawn = sorted(set(self.roster.online) & self.absences.withdrawn)
             benched = [c for c in self.roster.benched_online() if c not in withdrawn]
-            refusing = [c for c in benched if c in self.absences.refusing]
-            benched = [c for c in benched if c not in refusing]
+            wrong_app = [c for c in benched if c in self.absences.wrong_app]
+            refusing = [c for c in benched if c in self.absences.refusing and c not in wrong_app]
+            benched = [c for c in benched if c not in refusing and c not in wrong_app]
             expected = {sim_client_id(i): "spawned for this run" for i in range(self.config.clients.spawn)}
             expected.update((p.stem, "took part in this run") for p in self.profile_store.directory.glob("*.json"))
             missing = self.roster.missing(expected)
@@ -268,6 +269,9 @@ class Coordinator:
                               if refusing else "")
                            + (f", besides {withdrawn}, which withdrew from the run (their own privacy budgets: "
                               "clients/ID.jsonl says why)" if withdrawn else "")
+                           + (f", besides {wrong_app}, whose app is not the run's ({wrong_app[0]}: "
+                              f"{self.absences.wrong_app[wrong_app[0]]}; restart them once it is installed)"
+                              if wrong_app else "")
                            + (f"; waiting for {', '.join(missing)}" if missing else
                               f"; no other device announced itself on {self.topics.all_clients('presence')}")
                            + "; start more clients (or bring those back), lower clients.expected, or raise "
@@ -388,6 +392,7 @@ class Coordinator:
             row.update(self._aggregate(round, phase, book, totals))
         self.intake.attempts.ended_round = round   # a late result of this round now missed it for good
         row.update(tally.row())
+        row.update(self.app_columns())
         dropped = self._inbox_drops()
         if dropped:
             row["inbox_dropped"] = dropped
@@ -415,6 +420,13 @@ class Coordinator:
         self._network()   # the strategy may have changed the network: the next phase checks against it
         row.update(phase_metrics)
         return row
+
+    def app_columns(self) -> dict[str, int]:
+        """``app_refused``: the devices out of the run for their app, as the round ends: each refused a task because
+        its installed app is not the run's and has not come online again since (clients/ID.jsonl and coordinator.log
+        name both apps); only when there are any."""
+        refused = len(self.absences.wrong_app)
+        return {"app_refused": refused} if refused else {}
 
     def lr_columns(self, round: int) -> dict[str, float]:
         """``train_lr``, the local rate the round's training tasks carried, when ``[schedule]`` sets one."""

@@ -33,8 +33,8 @@ from coordinator.strategies.base import AggregationError, ClientResult, Strategy
 from edge_client.memory_guard import REFUSAL_PREFIX
 from edge_client.privacy import clip_update
 from edge_client.wire.codec import CodecSpec
-from edge_client.wire.protocol import (ClaimBody, ContentError, Message, ProtocolError, ResultBody, Topics,
-                                      check_tensors, decode)
+from edge_client.wire.protocol import (REFUSAL_APP, ClaimBody, ContentError, Message, ProtocolError, ResultBody,
+                                      Topics, check_tensors, decode)
 from edge_client.wire.throttle import ThrottledLog
 from edge_client.wire.updates import decode_parts
 from profiling.schema import clean_profile
@@ -121,6 +121,7 @@ class ResultIntake:
         self._other_runs: set[str] = set()          # results of other runs already acknowledged and logged
         self.attempts = Attempts()                  # the phase's earlier attempts, whose results still count
         self._heard: dict[str, float] = {}          # client -> its last first answer to a task of ours (monotonic)
+        self._app_said: dict[str, str] = {}         # client -> the app refusal logged for it (once per device and line)
         # What must be on disk before a result is acknowledged: an asynchronous run journals it here
         # (coordinator/runtime/async_journal.py), with the task id; an exception leaves the result unacknowledged.
         self.keep: Callable[[str, ClientResult], None] | None = None
@@ -219,9 +220,9 @@ class ResultIntake:
         self.book.tally.bytes_up += n
         self.notes.add_bytes(client_id, "up", n)
 
-    def count(self, what: str, client_id: str, reason: str) -> None:
-        """One refused result, logged (throttled) with its reason; failures and rejections also explain a
-        round that got too few results."""
+    def count(self, what: str, client_id: str, reason: str, *, logged: bool = False) -> None:
+        """One refused result, logged (throttled) with its reason unless ``logged`` already; failures and
+        rejections also explain a round that got too few results."""
         self.book.tally.counts[what] += 1
         if what == "failed":
             self.notes.failures[client_id] = reason
@@ -229,7 +230,8 @@ class ResultIntake:
                 self.book.tally.counts["failed_memory"] = self.book.tally.counts.get("failed_memory", 0) + 1
         elif what == "rejected":
             self.notes.rejections[client_id] = reason
-        self._warn.warning("%s result from %s: %s", what, client_id, reason)
+        if not logged:
+            self._warn.warning("%s result from %s: %s", what, client_id, reason)
 
     # -- sorting -----------------------------------------------------------------------
     def _sort(self, client_id: str, msg: Message, claim: Claim | None = None, unreadable: str = "") -> bool:
@@ -291,6 +293,8 @@ class ResultIntake:
         if body is not None and body.withdrawn and self.roster.absences.withdraw(client_id):
             log.warning("client %s withdrew from the run: %s; it is not drawn again in this run", client_id,
                         (body.error or "")[:300])
+        if body is not None and body.error is not None and body.refusal == REFUSAL_APP:
+            self._refused_for_app(client_id, body.error[:500])
         answered = self.round_times.answered(msg.task_id, client_id, time.monotonic())
         if answered is None:
             return
@@ -299,11 +303,21 @@ class ResultIntake:
         error = body.error if body is not None else None
         self.profile_store.add(client_id, round=msg.round, task_id=msg.task_id, objective=objective,
                                round_seconds=seconds, late=self._plan_of(msg.task_id, True) is None,
-                               error=None if error is None else error[:500], profile=profile,
-                               device=self.roster.device(client_id))
+                               error=None if error is None else error[:500],
+                               refusal=body.refusal if body is not None and error is not None else "",
+                               profile=profile, device=self.roster.device(client_id))
         if self.device_book is not None and body is not None:   # its utility counts its samples: within the bound
             samples = self.weights.cap(body.num_samples)[0]
             self.device_book.answered(client_id, seconds, profile, body.metrics, samples, error)
+
+    def _refused_for_app(self, client_id: str, why: str) -> None:
+        """The device's app is not the run's (``why`` names both): it refuses every task alike until it restarts
+        with the run's app, so it is given none until it comes online again; said once per device (and line)."""
+        self.roster.absences.refused_for_app(client_id, why)
+        if self._app_said.get(client_id) != why:
+            self._app_said[client_id] = why
+            log.warning("client %s refuses this run's tasks: %s; it gets no task until it comes online again "
+                        "(restarted with the run's app)", client_id, why)
 
     def _plan_of(self, task_id: str, earlier: bool) -> TaskPlan | None:
         """The plan of a task of the current attempt or, with ``earlier``, of an earlier attempt of the
@@ -436,7 +450,7 @@ class ResultIntake:
         answers the task the attempt waits for, the attempt waits no more for this client."""
         book = self.book
         what = "failed" if body is not None and body.error is not None else "rejected"
-        self.count(what, client_id, reason)
+        self.count(what, client_id, reason, logged=what == "failed" and body.refusal == REFUSAL_APP)
         if task_id in book.plans or client_id in book.carried:   # not a task an earlier attempt replaced
             book.failed.add(client_id)
             self._fold_held(book)   # the results held behind it need not wait for it

@@ -83,6 +83,9 @@ class Roster:
             if client_id not in self.online:
                 log.info("client %s online (%s samples)", client_id, body.num_samples)
                 self._on_change(client_id, "online")
+                if self.absences.came_online(client_id):
+                    log.info("client %s came back online: it may be selected again, its app checked with its next "
+                             "task", client_id)
             if self.absences.returned(client_id, announced=True):
                 log.info("client %s announced itself again: it may be selected again", client_id)
             self.online[client_id] = body

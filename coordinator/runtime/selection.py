@@ -92,6 +92,11 @@ class Absences:
     whose results to ``rejected_limit`` tasks in a row were refused is benched for *rejected results*
     until it announces itself again (a restarted device may have been fixed); only an accepted result
     ends the streak, so a device that re-announces and sends another bad result is benched again at once.
+
+    A device that refused a task because its installed app is not the run's (the result's ``refusal``) would refuse
+    every further one alike: it is benched *for its app* until it comes online again after going offline, as it does
+    when it restarts, which it must to load a reinstalled app. Its presence repeated while it stays online (a
+    reconnect, or the retained presence delivered again when the coordinator subscribes again) does not end that.
     """
 
     def __init__(self, limit: int, rejected_limit: int = 0) -> None:
@@ -102,6 +107,7 @@ class Absences:
         self.withdrawn: set[str] = set()        # clients that said they refuse every further task of the run
         self._refused: dict[str, list[str]] = {}   # client -> tasks in a row whose results were refused
         self.refusing: set[str] = set()         # benched for rejected results until they announce themselves
+        self.wrong_app: dict[str, str] = {}     # benched for their app until they announce themselves -> its refusal
 
     def missed(self, client_ids: Iterable[str]) -> list[str]:
         """An attempt ended with these clients' tasks unanswered; returns those benched just now."""
@@ -139,6 +145,18 @@ class Absences:
         """A result of the client was accepted: its streak of rejected results is over."""
         self._refused.pop(client_id, None)
 
+    def refused_for_app(self, client_id: str, why: str) -> bool:
+        """The client refused a task because its installed app differs from the run's (``why``: its line naming
+        both): not drawn again until it announces itself again; True when it was not benched for that already."""
+        first = client_id not in self.wrong_app
+        self.wrong_app[client_id] = why
+        return first
+
+    def came_online(self, client_id: str) -> bool:
+        """The client came online after being offline (or unknown): restarted, perhaps with the run's app, so it may
+        be drawn again; True when that ended a bench for its app."""
+        return self.wrong_app.pop(client_id, None) is not None
+
     def withdraw(self, client_id: str) -> bool:
         """The client refuses every further task of the run (its own privacy budget): never drawn again in
         this run, whatever it answers or announces; True the first time."""
@@ -147,7 +165,7 @@ class Absences:
         return first
 
     def benched(self, client_id: str) -> bool:
-        return (client_id in self.withdrawn or client_id in self.refusing
+        return (client_id in self.withdrawn or client_id in self.refusing or client_id in self.wrong_app
                 or (bool(self.limit) and self._misses.get(client_id, 0) >= self.limit))
 
     def pool(self, online: Iterable[str], needed: int, retry: bool) -> list[str]:

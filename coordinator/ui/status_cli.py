@@ -135,6 +135,7 @@ def _json(path: Path) -> Any:
 def read_run_dir(run_dir: Path) -> dict[str, Any]:
     """What ``run_dir`` says of its run and of each device that answered or missed a task."""
     from coordinator.runtime.profiles import device_labels
+    from edge_client.wire.protocol import REFUSAL_APP
     from storage.files import read_jsonl
 
     from coordinator.errors import ConfigError
@@ -146,7 +147,8 @@ def read_run_dir(run_dir: Path) -> dict[str, Any]:
     name = _headline(run_dir)
     evaluated = [r for r in rows if f"test_{name}" in r]
     run = {"dir": str(run_dir), "finished": (run_dir / "summary.json").is_file(), "round": last.get("round"),
-           "headline": name, f"test_{name}": evaluated[-1][f"test_{name}"] if evaluated else None}
+           "headline": name, f"test_{name}": evaluated[-1][f"test_{name}"] if evaluated else None,
+           "app_refused": last.get("app_refused", 0)}
     devices: dict[str, dict[str, Any]] = {}
     trained = _training_profiles(run_dir)
     for path in sorted((run_dir / "clients").glob("*.jsonl")):
@@ -163,7 +165,9 @@ def read_run_dir(run_dir: Path) -> dict[str, Any]:
             "last_round": answers[-1].get("round") if answers else None,
             "task_seconds": profile.get("seconds"), "step_seconds": profile.get("step_p50"),
             "peak_memory_bytes": profile.get("peak_rss_bytes"), "temperature_c": profile.get("temperature_c"),
-            "recent_failures": len(failures), "recent_answers": len(answers), "last_failure": why}
+            "recent_failures": len(failures), "recent_answers": len(answers), "last_failure": why,
+            # its last answer refused a task because its installed app is not the run's
+            "app_refused": bool(answers) and answers[-1].get("refusal") == REFUSAL_APP}
     return {"run": run, "devices": devices}
 
 
@@ -190,7 +194,8 @@ def fleet_status(broker: dict[str, Any] | None, run_dir: dict[str, Any] | None) 
     """One record per device from what the broker and the run directory say (None: not consulted). The broker's
     class and site win: they are what the device says now."""
     fields = ("online", "device_class", "site", "samples", "last_answer_at", "last_round", "task_seconds",
-              "step_seconds", "peak_memory_bytes", "temperature_c", "recent_failures", "recent_answers", "last_failure")
+              "step_seconds", "peak_memory_bytes", "temperature_c", "recent_failures", "recent_answers", "last_failure",
+              "app_refused")
     ids = sorted(set((broker or {}).get("devices", {})) | set((run_dir or {}).get("devices", {})))
     devices = []
     for client in ids:
@@ -250,8 +255,12 @@ def _print_table(status: dict[str, Any]) -> None:
     if run is not None:
         name = run.get("headline", "accuracy")
         value = show(run.get(f"test_{name}"), "{:.4f}")
+        refused = [d["client_id"] for d in status["devices"] if d.get("app_refused")]
+        apps = (f"; {run['app_refused']} device(s) refused for their app, which is not the run's "
+                f"({', '.join(refused) or 'see clients/'}): install the run's app and restart them"
+                if run.get("app_refused") else "")
         console.print(escape(f"run directory {run['dir']}: {'finished' if run['finished'] else 'not finished'}, "
-                             f"last row round {run['round']}, test {name} {value}"), highlight=False,
+                             f"last row round {run['round']}, test {name} {value}{apps}"), highlight=False,
                       soft_wrap=True)
     table = Table(title=f"{len(status['devices'])} devices")
     for column in ("device", "state", "last answer", "class", "site", "task s", "step ms", "peak MiB", "temp C",

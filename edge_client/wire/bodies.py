@@ -9,6 +9,7 @@ thing for people; keep both true.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +18,18 @@ from edge_client.wire.codec import FP32, CodecSpec
 from edge_client.wire.errors import ProtocolError
 
 __all__ = ["DEFAULT_TASK_TIMEOUT", "DEFAULT_RESEND_EVERY", "UPDATES", "PRESENCE_STATES", "STATUS_STATES",
-           "UploadSettings", "PresenceBody", "TaskBody", "ResultBody", "StatusBody", "ModelBody"]
+           "REFUSAL_APP", "UploadSettings", "PresenceBody", "TaskBody", "ResultBody", "StatusBody", "ModelBody"]
 
 DEFAULT_TASK_TIMEOUT = 600.0     # a task's ``timeout`` when it has none
 DEFAULT_RESEND_EVERY = 10.0      # a task's ``resend_every`` when it has none
 UPDATES = ("delta", "raw")
 PRESENCE_STATES = ("online", "offline")
 STATUS_STATES = ("ack", "rejected", "running", "finished", "stopped")
+# A failed result's ``refusal`` when the device's installed app is not the task's: it refuses every task of the run
+# until the run's app is installed (edge_client.app.AppMismatch). Other kinds may come: a reader that does not know
+# one takes the result as a plain failure.
+REFUSAL_APP = "app"
+_REFUSAL_RE = re.compile(r"^[a-z_]{1,32}$")
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,9 @@ class ResultBody:
     # With ``error``: the device will refuse every further task of the run (its own privacy budget is spent or
     # cannot cover the run's tasks), so drawing it again only wastes a place in a round.
     withdrawn: bool = False
+    # With ``error``: what kind of refusal it is, for a coordinator to act on without reading the text
+    # (REFUSAL_APP: the device's app differs from the task's); "" for any other failure.
+    refusal: str = ""
 
     @classmethod
     def from_body(cls, body: Any) -> ResultBody:
@@ -182,7 +191,9 @@ class ResultBody:
         profile = f.get("profile", "an object", is_object, {})
         if "error" in f:
             return cls(error=f.get("error", "a string", is_str), profile=profile,
-                       withdrawn=f.get("withdrawn", "true or false", lambda v: isinstance(v, bool), False))
+                       withdrawn=f.get("withdrawn", "true or false", lambda v: isinstance(v, bool), False),
+                       refusal=f.get("refusal", "1 to 32 lowercase letters or '_'",
+                                     lambda v: isinstance(v, str) and bool(_REFUSAL_RE.fullmatch(v)), ""))
         metrics = f.get("metrics", "an object of finite numbers",
                         lambda v: isinstance(v, dict) and all(is_number(x) for x in v.values()), {})
         return cls(num_samples=f.get("num_samples", "a positive integer", lambda v: is_int(v) and v >= 1),
@@ -193,7 +204,8 @@ class ResultBody:
 
     def to_body(self) -> dict[str, Any]:
         if self.error is not None:
-            return {"error": self.error, "profile": self.profile, **({"withdrawn": True} if self.withdrawn else {})}
+            return {"error": self.error, "profile": self.profile, **({"withdrawn": True} if self.withdrawn else {}),
+                    **({"refusal": self.refusal} if self.refusal else {})}
         out = {"num_samples": self.num_samples, "metrics": self.metrics, "codec": self.codec.text,
                "delta": list(self.delta), "profile": self.profile}
         if self.secagg is not None:

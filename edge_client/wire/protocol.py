@@ -21,8 +21,8 @@ people; keep both true.
 
 from __future__ import annotations
 
-from edge_client.wire.bodies import (DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, PRESENCE_STATES, STATUS_STATES,
-                                     UPDATES, ModelBody, PresenceBody, ResultBody, StatusBody, TaskBody,
+from edge_client.wire.bodies import (DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, PRESENCE_STATES, REFUSAL_APP,
+                                     STATUS_STATES, UPDATES, ModelBody, PresenceBody, ResultBody, StatusBody, TaskBody,
                                      UploadSettings)
 from edge_client.wire.envelope import (DEFAULT_MAX_MESSAGE_BYTES, KINDS, PROTOCOL_VERSION, ContentError, Message,
                                        check_tensors, decode, encode)
@@ -39,6 +39,7 @@ __all__ = [
     "UPDATES",
     "PRESENCE_STATES",
     "STATUS_STATES",
+    "REFUSAL_APP",
     "ProtocolError",
     "ContentError",
     "Message",
