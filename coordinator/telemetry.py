@@ -8,7 +8,8 @@ Prometheus scrapes an HTTP endpoint; this module serves one, on request only (``
 
 - the round counters come from each ``metrics.jsonl`` row as it is written (:meth:`RunTelemetry.observe`
   is handed every row the run completes), so a counter equals the sum of its column over the rows
-  this process wrote (Prometheus takes a restart as a counter reset);
+  this process wrote (Prometheus takes a restart as a counter reset), and the gauges their last
+  value (a run on an app: its headline metric's ``test_NAME`` as ``fedge_headline_metric``);
 - the devices online come from the presences the coordinator's roster holds, read at each scrape;
 - the device percentiles come from the latest profile each online device sent with a result;
 - a worker's counters are the ones it prints when it stops.
@@ -38,9 +39,10 @@ if TYPE_CHECKING:
     from coordinator.config import RunConfig
     from coordinator.runtime.presence import Roster
     from coordinator.runtime.profiles import ProfileStore
+    from edge_client.app import App
 
 __all__ = ["MetricsError", "MetricsServer", "RunTelemetry", "WorkerTelemetry", "run_telemetry", "missing_library",
-           "QUANTILES", "DEVICE_FIGURES", "ROW_FIGURES"]
+           "QUANTILES", "DEVICE_FIGURES", "ROW_FIGURES", "HEADLINE_GAUGE"]
 
 log = logging.getLogger("fedge.coordinator")
 
@@ -64,6 +66,9 @@ ROW_FIGURES = {
     "dp_epsilon": ("fedge_dp_epsilon", "Differential privacy spent so far (epsilon at privacy.delta; with "
                    "privacy on)"),
 }
+# a run on an app: the gauge holding the last value of its headline metric's column (test_NAME)
+HEADLINE_GAUGE = ("fedge_headline_metric", ("A run on an app: its headline metric (the metric label; higher_is_better "
+                                            "says its direction) of the last evaluated global model"))
 MAX_GROUPS = 100   # (class, site) pairs shown apiece; the rest are summed under "other": devices choose them
 ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -154,7 +159,10 @@ def _outcomes(row: Mapping[str, Any]) -> list[tuple[str, str, int]]:
 class RunTelemetry:
     """A run's metrics in a registry of their own: counters fed from the rows, the fleet read at each scrape."""
 
-    def __init__(self, *, run_id: str, strategy: str, model: str) -> None:
+    def __init__(self, *, run_id: str, strategy: str, model: str, headline: str | None = None,
+                 higher_is_better: bool = True) -> None:
+        """``headline``: a run on an app, its headline metric (rows' ``test_NAME``) and its direction; fedge's own
+        networks are judged by accuracy, which ``fedge_test_accuracy`` carries."""
         prom = _prometheus()
         self.registry = prom.CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -182,8 +190,10 @@ class RunTelemetry:
         self.round_seconds = prom.Histogram("fedge_round_seconds", "Wall time of a round's exchanges and "
                                             "aggregation (the rows' seconds)", buckets=ROUND_BUCKETS, registry=r)
         self.last_round_seconds = prom.Gauge("fedge_last_round_seconds", "Wall time of the last round", registry=r)
-        self._gauge = lambda name, text: prom.Gauge(name, text, registry=r)
+        self._gauge = lambda name, text, labels=(): prom.Gauge(name, text, list(labels), registry=r)
         self.figures: dict[str, Any] = {}   # a row's column -> its gauge, made when a row first has the column
+        self._headline = None if headline is None else (headline, "true" if higher_is_better else "false")
+        self._headline_gauge: Any = None    # made when a row first has the headline's column
         self._fleet: Callable[[], tuple[Mapping[str, Any], Mapping[str, Mapping[str, Any]]]] = lambda: ({}, {})
         r.register(_FleetCollector(lambda: self._fleet()))
 
@@ -211,6 +221,13 @@ class RunTelemetry:
                 if key not in self.figures:
                     self.figures[key] = self._gauge(name, text)
                 self.figures[key].set(value)
+        if self._headline is not None:   # absent until a row has it, as the figures
+            value = row.get(f"test_{self._headline[0]}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if self._headline_gauge is None:
+                    self._headline_gauge = self._gauge(*HEADLINE_GAUGE, ("metric", "higher_is_better")).labels(
+                        *self._headline)
+                self._headline_gauge.set(value)
         if row["round"] >= 1 and isinstance(row.get("seconds"), (int, float)):   # round 0 trains nothing
             self.round_seconds.observe(row["seconds"])
             self.last_round_seconds.set(row["seconds"])
@@ -267,13 +284,19 @@ class _Off:
 
 
 @contextlib.contextmanager
-def run_telemetry(config: RunConfig, run_id: str, say: Callable[[str], None]) -> Iterator[RunTelemetry | _Off]:
-    """The run's metrics served at ``metrics.host``:``metrics.port`` while the block runs (``[metrics]``)."""
+def run_telemetry(config: RunConfig, run_id: str, say: Callable[[str], None],
+                  app: App | None = None) -> Iterator[RunTelemetry | _Off]:
+    """The run's metrics served at ``metrics.host``:``metrics.port`` while the block runs (``[metrics]``); a run
+    on ``app`` is named by the app and its headline metric has a gauge."""
     m = config.metrics
     if not m.enabled:
         yield _Off()
         return
-    telemetry = RunTelemetry(run_id=run_id, strategy=config.run.strategy, model=str(config.model.get("name")))
+    if app is None:
+        telemetry = RunTelemetry(run_id=run_id, strategy=config.run.strategy, model=str(config.model.get("name")))
+    else:
+        telemetry = RunTelemetry(run_id=run_id, strategy=config.run.strategy, model=app.name, headline=app.headline,
+                                 higher_is_better=app.metrics[app.headline].higher_is_better)
     server = MetricsServer(telemetry.registry, m.host, m.port)
     log.info("serving metrics at %s", server.url, extra={"said": True})
     say(f"serving metrics at {server.url}")

@@ -3,31 +3,24 @@
 A device that serves the model needs the input shape and how raw pixels become
 the input (the data set's normalization), and the class names; an operator needs
 the run, round, strategy and its settings, the measured test accuracy and the
-file's SHA-256 to know which model is deployed. ``model.onnx`` gets ``model.card.json``.
+file's SHA-256 to know which model is deployed. ``model.onnx`` gets ``model.card.json``
+(:mod:`storage.cards` writes and reads the file).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from edge_client.data import (COLOR_KINDS, COLOR_NORMALIZATION, DIGITS_NORMALIZATION,
                               FASHION_MNIST_CLASSES, FASHION_MNIST_NORMALIZATION, parse_attribute_skew)
 from edge_client.registry import METHODS, model_size
-from storage.files import write_atomic
+from storage.cards import CARD_FORMAT, card_path, write_card
 from storage.pixels import Normalization
 
 __all__ = ["CARD_FORMAT", "card_path", "class_names", "input_normalization", "strategy_config", "sha256",
            "write_card", "portable_path"]
-
-CARD_FORMAT = "fedge-model-card/1"
-
-
-def card_path(onnx_path: Path) -> Path:
-    """``DIR/NAME.onnx`` -> ``DIR/NAME.card.json``."""
-    return onnx_path.with_name(onnx_path.stem + ".card.json")
 
 
 def class_names(data_spec: str | None, num_classes: int) -> list[str]:
@@ -112,9 +105,3 @@ def portable_path(path: Path, run_dir: Path | None) -> str:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def write_card(onnx_path: Path, card: dict[str, Any]) -> Path:
-    path = card_path(onnx_path)
-    write_atomic(path, (json.dumps({"format": CARD_FORMAT, **card}, indent=2) + "\n").encode())
-    return path

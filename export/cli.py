@@ -3,9 +3,11 @@
     fedge-export RUN_DIR [--round N] [-o model.onnx]           the global model
     fedge-export [RUN_DIR] --client-state DIR                   one device's personalized model
     ... --int8 [--data SPEC] [--calibration-samples N] [--max-accuracy-drop POINTS]
+    ... --int8 [--max-headline-drop FRACTION]                   a run on an app: guarded on its headline metric
 
 Exit status: 0 written; 2 nothing written (bad source, data or parity); 3 the
-float32 model was written but the int8 one was refused by its accuracy guard.
+float32 model was written but the int8 one was refused by its accuracy guard
+(an app's: its headline metric's).
 """
 
 from __future__ import annotations
@@ -49,10 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--int8", action="store_true",
                         help="also write a statically quantized int8 model (QDQ) beside the float32 one")
     parser.add_argument("--calibration-samples", type=at_least(1), default=512, metavar="N",
-                        help="training samples that calibrate the int8 activation ranges (default 512)")
-    parser.add_argument("--max-accuracy-drop", type=at_least(0.0, float), default=1.0, metavar="POINTS",
+                        help="training samples (an app's: evaluation samples) that calibrate the int8 activation "
+                             "ranges (default 512)")
+    parser.add_argument("--max-accuracy-drop", type=at_least(0.0, float), default=None, metavar="POINTS",
                         help="refuse an int8 model whose test accuracy is more than this many points below "
                              "float32 (default 1)")
+    parser.add_argument("--max-headline-drop", type=at_least(0.0, float), default=None, metavar="FRACTION",
+                        help="a run on an app: refuse an int8 model whose headline metric is worse than float32's "
+                             "by more than this fraction of it, in the metric's direction (default 0.01: 1%%)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what each step does")
     return parser
 
@@ -116,18 +122,45 @@ def _trained_an_app(source: Path, round: int | None) -> bool:
 
 
 def _export_app(args: argparse.Namespace) -> int:
-    """A run on an app: its graph, parity and the app's own metrics on the card (int8 is for fedge's own networks)."""
-    from export.app_export import export_app
+    """A run on an app: its graph, parity and the app's own metrics on the card; with --int8, the int8 model
+    guarded on the app's headline metric."""
+    from export.app_export import export_app_float32, export_app_int8
+    from export.errors import QuantizationError
+    from export.quantize import QuantSettings
 
-    if args.int8:
-        print("fedge-export: --int8 is not available for apps yet; export float32", file=sys.stderr)
+    if args.max_accuracy_drop is not None:
+        print("fedge-export: --max-accuracy-drop is for fedge's own networks; an app's int8 model is guarded on its "
+              "headline metric: --max-headline-drop FRACTION", file=sys.stderr)
         return 2
-    card = export_app(Path(args.source), round=args.round, out=args.out, data=args.data,
-                      parity_samples=args.parity_samples)
-    scores = ", ".join(f"{k} {card[k]:.4f}" for k in card if k.startswith("test_") and k != "test_data")
-    print(f"wrote {card['onnx']} ({card['bytes']:,} bytes; app {card['app']['name']} {card['app']['version']}; "
-          f"served by ONNX Runtime: {scores}; parity max |difference| {card['parity']['max_abs_diff']:.2g})")
+    exported = export_app_float32(Path(args.source), round=args.round, out=args.out, data=args.data,
+                                  parity_samples=args.parity_samples)
+    card = exported.card
+    print(f"wrote {exported.path} ({card['bytes']:,} bytes; app {card['app']['name']} {card['app']['version']}; "
+          f"served by ONNX Runtime: {_scores(card)}; parity max |difference| {card['parity']['max_abs_diff']:.2g})")
+    if not args.int8:
+        return 0
+    limit = QuantSettings.max_headline_drop if args.max_headline_drop is None else args.max_headline_drop
+    settings = QuantSettings(calibration_samples=args.calibration_samples, max_headline_drop=limit)
+    progress.info("int8: static quantization, refused if its test %s is more than %s%% worse than float32's",
+                  card["headline"], f"{100 * settings.max_headline_drop:g}")
+    try:
+        quantized = export_app_int8(exported, settings)
+    except QuantizationError as exc:
+        print(f"fedge-export: int8: {exc}", file=sys.stderr)
+        return 3
+    q = quantized.card["quantization"]
+    name = q["headline"]
+    print(f"wrote {quantized.path} ({q['int8_bytes']:,} bytes, {q['size_ratio']:.1%} of float32); served by ONNX "
+          f"Runtime: {_scores(quantized.card)}")
+    print(f"  test {name} float32 {q[f'float32_{name}']:.4f}, int8 {q[f'int8_{name}']:.4f} "
+          f"({100 * q['headline_worse_by']:.2f}% worse, limit {100 * q['max_headline_drop']:g}%), "
+          f"calibrated on {q['calibration_samples']} samples of the app's evaluation data")
     return 0
+
+
+def _scores(card: dict) -> str:
+    """An app's card's metrics as ONNX Runtime served them: ``test_mae 0.5932, test_r2 0.4871``."""
+    return ", ".join(f"{k} {card[k]:.4f}" for k in card if k.startswith("test_") and k != "test_data")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.client_state is None and _trained_an_app(args.source, args.round):
             return _export_app(args)
+        if args.max_headline_drop is not None:
+            print("fedge-export: --max-headline-drop is for runs on apps; fedge's own networks are guarded on their "
+                  "accuracy: --max-accuracy-drop POINTS", file=sys.stderr)
+            return 2
         if args.client_state is not None:
             exported = export_personalized(args.source, args.client_state, round=args.round, options=options)
         else:
@@ -163,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(_describe(exported)))
     if not args.int8:
         return 0
+    max_drop = QuantSettings.max_drop if args.max_accuracy_drop is None else args.max_accuracy_drop
     progress.info("int8: static quantization, refused if its test accuracy is more than %s points below "
-                  "float32's", f"{args.max_accuracy_drop:g}")
+                  "float32's", f"{max_drop:g}")
     try:
         quantized = export_int8(exported, QuantSettings(calibration_samples=args.calibration_samples,
-                                                        max_drop=args.max_accuracy_drop))
+                                                        max_drop=max_drop))
     except QuantizationError as exc:
         print(f"fedge-export: int8: {exc}", file=sys.stderr)
         return 3

@@ -31,16 +31,21 @@ __all__ = ["OPSET", "EXPORTER", "INPUT_NAME", "OUTPUT_NAME", "ParityLimits", "Pa
 OPSET = 17
 EXPORTER = "torchscript"
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
+# ONNX Runtime's input types -> what predict() feeds them (an app's inputs may be integers: token ids, indices)
+_FEED_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+               "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
+               "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
 
 
-def to_onnx(model: nn.Module, sample_shape: tuple[int, ...], metadata: dict[str, str] | None = None) -> bytes:
-    """The serialized ONNX model of ``model`` (eval mode) for inputs ``[batch, *sample_shape]``.
+def to_onnx(model: nn.Module, sample_shape: tuple[int, ...], metadata: dict[str, str] | None = None,
+            dtype: torch.dtype = torch.float32) -> bytes:
+    """The serialized ONNX model of ``model`` (eval mode) for inputs ``[batch, *sample_shape]`` of ``dtype``.
 
     ``metadata`` goes into the file's ``metadata_props``, so a device that has only
     the .onnx file still knows its classes and input normalization.
     """
     model = model.eval()
-    example = torch.zeros(2, *sample_shape)
+    example = torch.zeros(2, *sample_shape, dtype=dtype)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         # The TorchScript exporter is chosen on purpose (module docstring); its deprecation notice is known.
@@ -95,9 +100,11 @@ def session(model: bytes | Path, threads: int = 0, *, spinning: bool = False) ->
 
 
 def predict(sess: ort.InferenceSession, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
-    """Outputs of ``sess`` on ``x`` (float32 ``[N, C, H, W]``), in batches."""
-    name = sess.get_inputs()[0].name
-    outs = [sess.run(None, {name: np.ascontiguousarray(x[i:i + batch_size], dtype=np.float32)})[0]
+    """Outputs of ``sess`` on ``x`` (samples along the first axis: float32 ``[N, C, H, W]`` for fedge's own
+    networks), fed as the model's input type, in batches."""
+    name, kind = sess.get_inputs()[0].name, sess.get_inputs()[0].type
+    dtype = _FEED_TYPES.get(kind, np.float32)
+    outs = [sess.run(None, {name: np.ascontiguousarray(x[i:i + batch_size], dtype=dtype)})[0]
             for i in range(0, len(x), batch_size)]
     return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
 

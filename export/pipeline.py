@@ -213,11 +213,9 @@ def export_int8(exported: Exported, settings: QuantSettings = QuantSettings(), o
     card = {**exported.card, "file": path.name, "sha256": sha256(result.model), "bytes": len(result.model),
             "precision": "int8", "test_accuracy": result.int8_accuracy,
             "parity": None,   # int8 is not meant to match torch to 1e-4; the accuracy guard stands in for it
-            "quantization": {"format": "QDQ", "weights": "int8 per channel" if settings.per_channel
-                             else "int8 per tensor", "activations": "int8 per tensor (MinMax calibration)",
-                             "float32_file": exported.path.name, "float32_sha256": exported.card["sha256"],
-                             "float32_parity": exported.card["parity"], "max_accuracy_drop_points": settings.max_drop,
-                             **result.as_dict()}}
+            "quantization": {**settings.describe(), "float32_file": exported.path.name,
+                             "float32_sha256": exported.card["sha256"], "float32_parity": exported.card["parity"],
+                             "max_accuracy_drop_points": settings.max_drop, **result.as_dict()}}
     return Exported(path, write_card(path, card), card, result.model, data)
 
 

@@ -7,13 +7,16 @@ MatMul/Gemm-like operators). QDQ format (QuantizeLinear/DequantizeLinear pairs
 around int8 operators) is the one ONNX Runtime recommends for CPUs, including ARM;
 weights are int8 per output channel, activations int8 per tensor, ranges by
 MinMax. The int8 model is only written when its test accuracy is at most
-``max_drop`` points below the float32 model's.
+``max_drop`` points below the float32 model's; an app's (:mod:`export.app_export`)
+when its headline metric is at most ``max_headline_drop`` (a fraction of float32's
+value) worse, in the metric's direction (:class:`HeadlineDrop`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +28,8 @@ import numpy as np
 from export.errors import QuantizationError
 from export.onnx_graph import INPUT_NAME, predict, session
 
-__all__ = ["QuantSettings", "QuantResult", "quantize_int8", "accuracy"]
+__all__ = ["QuantSettings", "QuantResult", "HeadlineDrop", "quantize_int8", "quantize_static_int8", "calibration_set",
+           "accuracy"]
 
 log = logging.getLogger("fedge.export")
 progress = logging.getLogger("fedge.export.progress")   # the step running, shown by fedge-export
@@ -36,8 +40,14 @@ class QuantSettings:
     calibration_samples: int = 512
     calibration_batch: int = 32
     max_drop: float = 1.0            # accuracy points (percentage points) the int8 model may lose
+    max_headline_drop: float = 0.01  # an app's: how much worse its headline may be, as a fraction of float32's
     per_channel: bool = True
     seed: int = 0                    # which training samples calibrate
+
+    def describe(self) -> dict[str, str]:
+        """What the card says of the quantization's form."""
+        return {"format": "QDQ", "weights": "int8 per channel" if self.per_channel else "int8 per tensor",
+                "activations": "int8 per tensor (MinMax calibration)"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,42 @@ class QuantResult:
                 "calibration_samples": self.calibration_samples, "test_samples": self.test_samples}
 
 
+@dataclass(frozen=True)
+class HeadlineDrop:
+    """An app's int8 model against its float32 one by the app's headline metric, in the metric's direction.
+
+    ``worse_by`` is how much worse int8 is as a fraction of float32's value (its magnitude): 0.01 is 1% worse
+    whether the metric is an R² that should rise or an MAE that should fall; negative when int8 is better.
+    A relative limit suits metrics of any scale (an MAE in the targets' units, a share in [0, 1])."""
+
+    metric: str
+    higher_is_better: bool
+    float_value: float
+    int8_value: float
+    limit: float                     # the largest ``worse_by`` allowed (QuantSettings.max_headline_drop)
+
+    @property
+    def worse_by(self) -> float:
+        loss = self.float_value - self.int8_value if self.higher_is_better else self.int8_value - self.float_value
+        if self.float_value == 0:
+            return math.inf if loss > 0 else 0.0
+        return loss / abs(self.float_value)
+
+    def check(self) -> None:
+        """QuantizationError naming the metric and both values when int8 is worse than the limit allows."""
+        if self.worse_by > self.limit:
+            direction = "higher" if self.higher_is_better else "lower"
+            raise QuantizationError(
+                f"the int8 model's test {self.metric} is {self.int8_value:.4f} against {self.float_value:.4f} in "
+                f"float32 ({100 * self.worse_by:.2f}% worse, {direction} is better; limit {100 * self.limit:g}%); "
+                "not written. Calibrate on more samples (--calibration-samples) or allow more (--max-headline-drop)")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"headline": self.metric, "higher_is_better": self.higher_is_better,
+                f"float32_{self.metric}": self.float_value, f"int8_{self.metric}": self.int8_value,
+                "headline_worse_by": self.worse_by, "max_headline_drop": self.limit}
+
+
 def accuracy(model: bytes, x: np.ndarray, y: np.ndarray) -> float:
     """Share of ``x`` that the ONNX model classifies as ``y``."""
     return float((predict(session(model), x).argmax(1) == y).mean()) if len(y) else 0.0
@@ -82,7 +128,8 @@ class _Batches:
                 progress.info("int8: quantizing weights and activations")
             self._done = True
             return None
-        return {INPUT_NAME: np.ascontiguousarray(chunk, dtype=np.float32)}
+        floating = np.issubdtype(chunk.dtype, np.floating)   # an app's integer inputs stay integers
+        return {INPUT_NAME: np.ascontiguousarray(chunk, dtype=np.float32 if floating else chunk.dtype)}
 
 
 def _ort_quantization() -> Any:
@@ -117,7 +164,8 @@ def _quiet_quantizer() -> Iterator[None]:
         root.removeFilter(note_filter)
 
 
-def _calibration_set(x_train: np.ndarray, settings: QuantSettings) -> np.ndarray:
+def calibration_set(x_train: np.ndarray, settings: QuantSettings) -> np.ndarray:
+    """``settings.calibration_samples`` of ``x_train`` (all of them when it has fewer), drawn with its seed."""
     if settings.calibration_samples < 1:
         raise QuantizationError("--calibration-samples must be at least 1")
     n = min(settings.calibration_samples, len(x_train))
@@ -138,14 +186,14 @@ def _used_opsets_only(model: bytes) -> bytes:
     return proto.SerializeToString()
 
 
-def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
-                  settings: QuantSettings = QuantSettings(), *,
-                  float_accuracy: float | None = None) -> QuantResult:
-    """Quantize ``float_model``; QuantizationError (with both accuracies) when it loses too much."""
+def quantize_static_int8(float_model: bytes, calibration: np.ndarray, settings: QuantSettings = QuantSettings(), *,
+                         samples: str = "training samples") -> bytes:
+    """The int8 (QDQ) model of ``float_model``, its activation ranges measured on ``calibration`` (``samples``
+    says what they are, in the progress line); no guard: the callers score it (:func:`quantize_int8` by
+    accuracy, an app's export by its headline metric)."""
     q = _ort_quantization()
     CalibrationMethod, QuantFormat, QuantType = q.CalibrationMethod, q.QuantFormat, q.QuantType
     quantize_static, quant_pre_process = q.quantize_static, q.shape_inference.quant_pre_process
-    calibration = _calibration_set(x_train, settings)
     with tempfile.TemporaryDirectory(prefix="fedge-int8-") as tmp:
         src, prepared, out = Path(tmp) / "float.onnx", Path(tmp) / "prepared.onnx", Path(tmp) / "int8.onnx"
         src.write_bytes(float_model)
@@ -154,7 +202,7 @@ def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y
             # Symbolic shape inference fails on the Expand that F.normalize exports (an L2-normalizing head);
             # ONNX's own shape inference and the graph optimization still run.
             quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
-            progress.info("int8: calibrating activation ranges on %d training samples", len(calibration))
+            progress.info("int8: calibrating activation ranges on %d %s", len(calibration), samples)
             with _quiet_quantizer():
                 quantize_static(str(prepared), str(out), _Batches(calibration, settings.calibration_batch),
                                 quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
@@ -163,7 +211,15 @@ def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y
         except Exception as exc:   # onnxruntime.quantization raises plain Exceptions of many kinds
             raise QuantizationError(f"ONNX Runtime could not quantize the model: {type(exc).__name__}: {exc}; "
                                     "the float32 model is unaffected") from exc
-        int8_model = _used_opsets_only(out.read_bytes())
+        return _used_opsets_only(out.read_bytes())
+
+
+def quantize_int8(float_model: bytes, x_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
+                  settings: QuantSettings = QuantSettings(), *,
+                  float_accuracy: float | None = None) -> QuantResult:
+    """Quantize ``float_model``; QuantizationError (with both accuracies) when it loses too much."""
+    calibration = calibration_set(x_train, settings)
+    int8_model = quantize_static_int8(float_model, calibration, settings)
     progress.info("int8: checking its test accuracy on %d samples", len(y_test))
     base = accuracy(float_model, x_test, y_test) if float_accuracy is None else float_accuracy
     result = QuantResult(int8_model, base, accuracy(int8_model, x_test, y_test), len(float_model), len(int8_model),

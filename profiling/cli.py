@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     show = sub.add_parser("show", help="print a report of a run directory or a device's profile history",
                           description="Print one row per device (median round time, phase breakdown, peak memory, "
-                                      "temperature, straggler rank) and one per round (accuracy, bytes), or, for "
-                                      "a device's profile.jsonl, one row per task and inference benchmark. "
+                                      "temperature, straggler rank) and one per round (the headline metric: "
+                                      "accuracy, or a run's app's own; bytes), or, for a device's profile.jsonl, "
+                                      "one row per task and inference benchmark. "
                                       "Without rich installed the tables are plain text.")
     show.add_argument("path", type=Path, metavar="RUN_DIR_OR_PROFILE",
                       help="a run directory (the coordinator's --out), a device's state directory "
@@ -39,19 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Write one HTML file with the report's tables and plots embedded: first "
                                       "what sizes hardware (peak memory against each device's memory and the kind "
                                       "of task that set it, speed per sample, traffic, time offline, memory, CPU "
-                                      "and temperature over time, inference benchmarks), then accuracy and bytes "
-                                      "per round, round time per device, phase breakdown and memory.")
+                                      "and temperature over time, inference benchmarks), then the headline metric "
+                                      "(accuracy, or a run's app's own) and bytes per round, round time per "
+                                      "device, phase breakdown and memory.")
     page.add_argument("path", type=Path, metavar="RUN_DIR", help="a run directory or a profile file")
     page.add_argument("-o", "--output", type=Path, default=Path("report.html"),
                       help="file to write (default report.html)")
     infer = sub.add_parser("infer", help="benchmark an ONNX model's latency on this device",
                            description="Run MODEL.onnx with ONNX Runtime: warm-up, then --runs timed runs at batch 1 "
                                        "and at --batch; print p50/p95/p99 latency, throughput and peak memory, and "
-                                       "append them to the device's profile history (--state-dir/profile.jsonl).")
+                                       "append them to the device's profile history (--state-dir/profile.jsonl). "
+                                       "An app's export is fed as the model card beside it says (input shape and "
+                                       "dtype), without torch or the app.")
     infer.add_argument("model", type=Path, metavar="MODEL.onnx", help="the ONNX model file")
     infer.add_argument("--data", default=None, metavar="SPEC",
                        help="npz:PATH with real samples (array x_test or x; with labels y_test or y the model's "
-                            "accuracy on them is reported too); default: seeded random input")
+                            "accuracy on them is reported too, except for an app's export, whose metrics are the "
+                            "app's code); default: seeded random input")
     infer.add_argument("--runs", type=int, default=200, help="timed runs per batch size (default 200)")
     infer.add_argument("--warmup", type=int, default=20, help="untimed runs first (default 20)")
     infer.add_argument("--batch", type=int, default=32, help="the larger batch size (default 32)")

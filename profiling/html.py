@@ -32,7 +32,7 @@ from matplotlib.ticker import MaxNLocator
 from profiling.report import (SIZING_NOTE, TableData, breakdown_table, device_table, facts_line,
                               fleet_inference_table, kind_peaks_table, memory_fit_table, resources_table, rounds_table,
                               run_title, speed_table, traffic_table)
-from profiling.runs import DeviceStats, RunRecords, TaskRecord, part_names, straggler_ranks
+from profiling.runs import ACCURACY, DeviceStats, RunRecords, TaskRecord, part_names, straggler_ranks
 from profiling.sizing import UNNAMED_KIND, Sizing, fit_order, sizing
 from profiling.units import human_bytes
 
@@ -91,14 +91,30 @@ def _legend_below(fig: Figure, ax: Axes) -> None:
                    fontsize="small", frameon=False)
 
 
-def plot_accuracy(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
-    rows = [r for r in run.rounds if isinstance(r.get("test_accuracy"), (int, float))]
-    if not rows:
+def plot_headline(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
+    """The run's headline metric per round: accuracy, or its app's (every metric its rows hold while the app's
+    run has no summary to name it)."""
+    metrics = run.headline_metrics
+    series = [(m, [r for r in run.rounds if isinstance(r.get(m.column), (int, float))]) for m in metrics]
+    series = [(m, rows) for m, rows in series if rows]
+    if not series:
         return None
-    fig, ax = _figure("Test accuracy per round", "round", "accuracy")
-    ax.plot([r["round"] for r in rows], [r["test_accuracy"] for r in rows], marker="o")
-    _round_axis(ax, [r["round"] for r in rows])
+    name = ylabel = _metric_words(run)
+    if len(metrics) == 1 and metrics[0] != ACCURACY and metrics[0].higher_is_better is not None:
+        ylabel += " (higher is better)" if metrics[0].higher_is_better else " (lower is better)"
+    fig, ax = _figure(f"Test {name} per round", "round", ylabel)
+    for metric, rows in series:
+        ax.plot([r["round"] for r in rows], [r[metric.column] for r in rows], marker="o",
+                label=metric.name if len(series) > 1 else None)
+    _round_axis(ax, [r["round"] for _, rows in series for r in rows])
+    _legend_below(fig, ax)
     return fig
+
+
+def _metric_words(run: RunRecords) -> str:
+    """The headline metric's name in a title or caption: ``accuracy``, ``r2``, or ``mae, r2`` for an app's run
+    whose summary does not name its headline yet."""
+    return ", ".join(m.name for m in run.headline_metrics) or "metric"
 
 
 def plot_bytes(run: RunRecords, stats: list[DeviceStats]) -> Figure | None:
@@ -331,9 +347,11 @@ def plot_over_time(run: RunRecords, rows: list[Sizing]) -> Figure | None:
     return fig
 
 
-# (anchor, caption, plot): the report's figures, in order
+# (anchor, caption, plot): the report's figures, in order. "{metric}" stands for the run's headline metric: in a
+# caption its name (accuracy for fedge's own networks, an app's own: _metric_words), in an anchor "accuracy" or,
+# for a run on an app, "headline" (a metric's name need not be a valid HTML id)
 PLOTS: tuple[tuple[str, str, Callable[[RunRecords, list[DeviceStats]], Figure | None]], ...] = (
-    ("accuracy", "Test accuracy of the global model after each round (round 0: the initial model).", plot_accuracy),
+    ("{metric}", "Test {metric} of the global model after each round (round 0: the initial model).", plot_headline),
     ("bytes", "Bytes of task messages sent and result messages received in each round.", plot_bytes),
     ("round-times", "Each device's round time as the coordinator measured it (x: the answer came after its "
                     "attempt ended; triangle: no answer by then, drawn at the timeout); dashed red: the deadline "
@@ -426,8 +444,10 @@ def render_html(run: RunRecords) -> str:
         parts += _sizing_section(run)
         parts.append(_table(device_table(run, stats)))
         parts.append(_table(resources_table(stats)))
+    metric = _metric_words(run)
     for anchor, caption, plot in PLOTS:
-        parts.append(_figure_html(anchor, caption, plot(run, stats)))
+        parts.append(_figure_html(anchor.replace("{metric}", "headline" if metric != "accuracy" else metric),
+                                  caption.replace("{metric}", metric), plot(run, stats)))
     if stats:
         parts.append(_table(breakdown_table(stats)))
         parts.append(_facts_table(run, stats))

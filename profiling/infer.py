@@ -15,6 +15,13 @@ pixels become the model's input as the model was trained: normalized by the
 with the same function the training data went through, so the accuracy is the one the
 model card reports for the same samples.
 
+An app's export (its card beside the model names the app: ``model.card.json`` beside
+``model.onnx``) is fed as its card says: the input's shape and dtype from the card (random
+floats, or zeros for integer inputs, as the app's example input is), and ``--data`` samples as
+they are, without pixel scaling or normalization (an app's ``preprocessing`` is its own).
+Its metrics are the app's code, which needs torch, so labels are not scored; the report
+quotes the card's headline as ONNX Runtime served it at export.
+
 ``--provider`` picks ONNX Runtime's execution provider: the CPU on a Raspberry Pi,
 CUDA or TensorRT on a Jetson with NVIDIA's onnxruntime-gpu build; ``auto`` takes the
 first of TensorRT, CUDA and CPU that the installed onnxruntime offers. The report
@@ -38,10 +45,11 @@ from profiling.device import device_facts
 from profiling.errors import ProfileError
 from profiling.history import append_history
 from profiling.profiler import peak_rss_since_reset, percentile, reset_peak_rss
+from storage.cards import CardError, card_path, read_card
 from storage.pixels import DataError, Normalization, npz_pixels, read_npz
 
 __all__ = ["InferError", "InferSettings", "PROVIDERS", "benchmark", "choose_provider", "format_result",
-           "model_normalization"]
+           "model_normalization", "app_card"]
 
 # --provider names and the ONNX Runtime execution providers they stand for, in auto's order of preference
 PROVIDERS = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
@@ -115,16 +123,57 @@ def model_normalization(session: ort.InferenceSession) -> Normalization | None:
         raise InferError(f"the model's fedge.normalization metadata is unusable: {exc}") from None
 
 
-def _samples(settings: InferSettings, shape: list[Any], dtype: type,
-             normalization: Normalization | None) -> tuple[np.ndarray, np.ndarray | None]:
+def app_card(model: Path, sha256: str) -> dict[str, Any] | None:
+    """The card beside ``model`` when it is an app's export (it names the app); None for any other model.
+    InferError when that card describes another file (its SHA-256 differs) or is unreadable."""
+    try:
+        card = read_card(model)
+    except CardError as exc:
+        raise InferError(str(exc)) from None
+    if card is None or not isinstance(card.get("app"), dict):
+        return None
+    if card.get("sha256") != sha256:
+        raise InferError(f"{card_path(model)} describes another file (sha256 {str(card.get('sha256'))[:12]}, this "
+                         f"model's is {sha256[:12]}): export the model again, or move the stale card away")
+    return card
+
+
+def _card_input(card: dict[str, Any], spec: Any) -> tuple[list[Any], type]:
+    """The input shape (``["batch", ...]``) and NumPy dtype an app's card gives, checked against the model's
+    input ``spec`` (ONNX Runtime's NodeArg)."""
+    entry = card.get("input") if isinstance(card.get("input"), dict) else {}
+    shape, name = entry.get("shape"), entry.get("dtype")
+    if not isinstance(shape, list) or not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
+        raise InferError(f"the card's input shape {shape!r} is not [\"batch\", positive sizes...]; export the "
+                         "model again with fedge-export")
+    try:
+        dtype = np.dtype(str(name)).type
+    except TypeError:
+        raise InferError(f"the card's input dtype {name!r} has no NumPy type to feed") from None
+    if _DTYPES.get(spec.type) is not dtype:
+        raise InferError(f"the card says the input is {name} but the model takes {spec.type}: the card does not "
+                         "describe this model; export it again with fedge-export")
+    fixed = [(i, d) for i, d in enumerate(spec.shape) if isinstance(d, int) and i > 0]
+    if len(spec.shape) != len(shape) or any(shape[i] != d for i, d in fixed):
+        raise InferError(f"the card says the input is {shape} but the model takes {list(spec.shape)}: the card "
+                         "does not describe this model; export it again with fedge-export")
+    return shape, dtype
+
+
+def _samples(settings: InferSettings, shape: list[Any], dtype: type, normalization: Normalization | None, *,
+             app: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Samples shaped like the model's input (first axis: the samples), and their labels if the file has them.
 
-    Float inputs are the pixels normalized by ``normalization`` (None: the [0, 1] pixels as they are)."""
+    Float inputs are the pixels normalized by ``normalization`` (None: the [0, 1] pixels as they are). An
+    ``app``'s inputs are taken as they are (cast to ``dtype``), its random integer inputs are zeros (any
+    index an embedding takes), and labels are not read: its metrics are its own code."""
     sample_shape = shape[1:]
     if settings.data is None:
         if not all(isinstance(d, int) and d > 0 for d in sample_shape):
             raise InferError(f"the model's input {shape} has dynamic dimensions besides the batch; "
                              "pass --data npz:PATH with real samples")
+        if app and not np.issubdtype(dtype, np.floating):
+            return np.zeros((64, *sample_shape), dtype), None
         rng = np.random.default_rng(settings.seed)
         return rng.standard_normal((64, *sample_shape)).astype(dtype), None
     kind, _, path = settings.data.partition(":")
@@ -139,14 +188,14 @@ def _samples(settings: InferSettings, shape: list[Any], dtype: type,
         raise InferError(f"{path} has no array x or x_test (it has {sorted(archive)})")
     x = archive[key]
     label_key = {"x_test": "y_test", "x": "y"}[key]
-    y = archive.get(label_key)
-    if np.issubdtype(dtype, np.floating) and len(shape) == 4:   # images: pixels -> the model's inputs
+    y = None if app else archive.get(label_key)
+    if not app and np.issubdtype(dtype, np.floating) and len(shape) == 4:   # images: pixels -> the model's inputs
         try:
             pixels = npz_pixels(Path(path), key, x)
             x = pixels.normalized(normalization or Normalization.identity(pixels.channels))
         except DataError as exc:
             raise InferError(f"{exc}; the model takes {sample_shape}") from None
-    else:
+    elif not app:   # an app's samples go in as its loader made them
         if x.dtype == np.uint8 and dtype != np.uint8:
             x = x.astype(np.float32) / 255.0
         if x.ndim == len(shape) - 1:
@@ -210,10 +259,14 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
     dtype = _DTYPES.get(spec.type)
     if dtype is None:
         raise InferError(f"input {spec.name!r} is {spec.type}; supported: {', '.join(_DTYPES)}")
-    shape = list(spec.shape)
-    normalization = model_normalization(session)
-    samples, labels = _samples(settings, shape, dtype, normalization)
-    batch_dim = shape[0] if shape else None
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    card = app_card(model, digest)
+    if card is None:
+        shape, normalization = list(spec.shape), model_normalization(session)
+    else:   # an app's export: its card gives the input; its preprocessing is the app's own
+        (shape, dtype), normalization = _card_input(card, spec), None
+    samples, labels = _samples(settings, shape, dtype, normalization, app=card is not None)
+    batch_dim = spec.shape[0] if spec.shape else None
     results, skipped, peak = [], [], rss_loaded
     for size in dict.fromkeys((1, settings.batch)):
         if isinstance(batch_dim, int) and batch_dim != size:
@@ -227,7 +280,7 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
                         "mean": sum(times) / len(times), "samples_per_second": size * len(times) / sum(times)})
     record = {
         "model": str(model.resolve()), "model_name": model.name, "model_bytes": model.stat().st_size,
-        "model_sha256": hashlib.sha256(model.read_bytes()).hexdigest(),
+        "model_sha256": digest,
         "input": {"name": spec.name, "type": spec.type, "shape": [d if isinstance(d, int) else str(d) for d in shape]},
         "data": settings.data or "random",
         "normalization": None if normalization is None or settings.data is None else normalization.to_spec(),
@@ -238,6 +291,11 @@ def benchmark(model: Path, settings: InferSettings, *, state_dir: Path | None = 
         "peak_rss_bytes": max(peak, peak_rss_since_reset() or 0),
         "device": device_facts(),
     }
+    if card is not None:
+        headline = card.get("headline")
+        record["app"] = {k: card["app"].get(k) for k in ("name", "version")}
+        record["card"] = {"file": card_path(model).name, "precision": card.get("precision"), "headline": headline,
+                          f"test_{headline}": card.get(f"test_{headline}")}
     if labels is not None:
         record["accuracy"] = _accuracy(session, spec.name, samples, labels, settings.batch,
                                        batch_dim if isinstance(batch_dim, int) else None)
@@ -265,6 +323,13 @@ def format_result(record: dict[str, Any]) -> str:
     if record.get("normalization"):
         n = record["normalization"]
         lines.append(f"pixels normalized as the model's metadata says: mean {n['mean']}, std {n['std']}")
+    if record.get("app"):
+        app, card = record["app"], record["card"]
+        name, value = card["headline"], card.get(f"test_{card['headline']}")
+        served = f"{value:.4f}" if isinstance(value, (int, float)) else "not recorded"
+        lines.append(f"app {app['name']} {app['version']}: input as its card {card['file']} says; test {name} "
+                     f"{served} as ONNX Runtime served it at export (the app's metrics run in its own code: not "
+                     "measured here)")
     if "accuracy" in record:
         lines.append(f"accuracy {100 * record['accuracy']:.2f}% on the {record['accuracy_samples']} labelled samples "
                      f"of {record['data']}")

@@ -4,9 +4,9 @@ For a run: one row per device (median round time, step latency, throughput, peak
 memory, CPU, temperature, straggler rank), the phase breakdown per device, the
 sizing tables (peak memory against the device's memory and the kind of task that set
 it, speed per sample, traffic, time offline, inference: :mod:`profiling.sizing`), and
-one row per round (accuracy, bytes, slowest client, skipped clients). For a single
-device's history: one row per task, whether the model fits it, and one row per
-inference benchmark.
+one row per round (the headline metric: accuracy, or a run's app's own; bytes, slowest
+client, skipped clients). For a single device's history: one row per task, whether the
+model fits it, and one row per inference benchmark.
 
 The tables are built as plain data (:class:`TableData`, :func:`report_parts`) and drawn
 with rich where it is installed (:func:`render`), else as aligned plain text
@@ -81,12 +81,15 @@ def facts_line(facts: dict[str, Any] | None) -> str:
 
 def run_title(run: RunRecords) -> str:
     s = run.summary or {}
-    model = s.get("model", {}).get("name") if isinstance(s.get("model"), dict) else None
+    spec = s.get("model") if isinstance(s.get("model"), dict) else {}
+    app = spec.get("app") if isinstance(spec.get("app"), dict) else {}
+    model = spec.get("name") or (f"app {app['name']}" if app.get("name") else None)
     bits = [f"run {s['run_id']}" if s.get("run_id") else str(run.source)]
     if s.get("strategy"):
         bits.append(f"{s['strategy']} / {model or '?'}")
-    if isinstance(s.get("final_accuracy"), (int, float)):
-        bits.append(f"final accuracy {s['final_accuracy']:.4f}")
+    for metric in run.headline_metrics:   # accuracy, or an app's headline (the summary's final_NAME)
+        if isinstance(s.get(f"final_{metric.name}"), (int, float)):
+            bits.append(f"final {metric.name} {s[f'final_{metric.name}']:.4f}")
     if isinstance(s.get("bytes_down"), int) and isinstance(s.get("bytes_up"), int):
         bits.append(f"{human_bytes(s['bytes_down'])} down, {human_bytes(s['bytes_up'])} up")
     return " · ".join(bits)
@@ -158,13 +161,15 @@ def breakdown_table(stats: list[DeviceStats]) -> TableData:
 
 
 def rounds_table(run: RunRecords) -> TableData:
-    table = TableData("Rounds", ("round", "accuracy", "loss", "clients", "bytes down", "bytes up", "slowest client",
-                                 "slowest s", "skipped", "round s"), frozenset({"slowest client", "skipped"}))
+    """One row per round; the second column is the run's headline metric (accuracy, or its app's)."""
+    metrics = run.headline_metrics
+    table = TableData("Rounds", ("round", *(m.name for m in metrics), "loss", "clients", "bytes down", "bytes up",
+                                 "slowest client", "slowest s", "skipped", "round s"),
+                      frozenset({"slowest client", "skipped"}))
     for row in run.rounds:
-        acc, loss = row.get("test_accuracy"), row.get("test_loss")
+        figures = [row.get(m.column) for m in metrics] + [row.get("test_loss")]
         table.add_row(
-            str(row["round"]), number(acc, ".4f") if isinstance(acc, (int, float)) else ABSENT,
-            number(loss, ".4f") if isinstance(loss, (int, float)) else ABSENT,
+            str(row["round"]), *(number(v, ".4f") if isinstance(v, (int, float)) else ABSENT for v in figures),
             f"{row.get('returned', 0)}/{row.get('selected', 0)}", human_bytes(row.get("bytes_down")),
             human_bytes(row.get("bytes_up")), str(row.get("slowest_client") or ABSENT),
             seconds(row.get("slowest_seconds")), ", ".join(row.get("skipped") or []) or ABSENT,
@@ -275,8 +280,17 @@ _INFERENCE_COLUMNS = ("when", "model", "provider", "batch", "runs", "p50 ms", "p
                       "accuracy", "peak RSS")
 
 
-def inference_rows(device: Device) -> list[list[str]]:
-    """One row of cells per batch size of each of the device's ``fedge-profile infer`` benchmarks."""
+def _inference_columns(devices: list[Device]) -> tuple[str, ...]:
+    """The inference tables' columns: accuracy only where a benchmark may have measured it, that is unless every
+    one was of an app's export (whose metrics are the app's code, which ``fedge-profile infer`` does not run)."""
+    if all("app" in line for d in devices for line in d.inference):
+        return tuple(c for c in _INFERENCE_COLUMNS if c != "accuracy")
+    return _INFERENCE_COLUMNS
+
+
+def inference_rows(device: Device, with_accuracy: bool = True) -> list[list[str]]:
+    """One row of cells per batch size of each of the device's ``fedge-profile infer`` benchmarks; the accuracy
+    cell only ``with_accuracy`` (:func:`_inference_columns`)."""
     rows = []
     for line in device.inference:
         provider = str(line.get("provider", "CPUExecutionProvider")).removesuffix("ExecutionProvider")
@@ -286,23 +300,27 @@ def inference_rows(device: Device) -> list[list[str]]:
                          str(result.get("batch")), str(result.get("runs")), milliseconds(result.get("p50")),
                          milliseconds(result.get("p95")), milliseconds(result.get("p99")),
                          number(result.get("samples_per_second"), ".0f"),
-                         number(100 * accuracy, ".2f") if isinstance(accuracy, (int, float)) else ABSENT,
+                         *((number(100 * accuracy, ".2f") if isinstance(accuracy, (int, float)) else ABSENT,)
+                           * with_accuracy),
                          human_bytes(line.get("peak_rss_bytes"))])
     return rows
 
 
 def inference_table(device: Device) -> TableData:
-    table = TableData(f"Inference benchmarks (ONNX Runtime) of {device.client_id}", _INFERENCE_COLUMNS,
+    columns = _inference_columns([device])
+    table = TableData(f"Inference benchmarks (ONNX Runtime) of {device.client_id}", columns,
                       frozenset({"when", "model", "provider"}))
-    table.rows = inference_rows(device)
+    table.rows = inference_rows(device, "accuracy" in columns)
     return table
 
 
 def fleet_inference_table(devices: list[Device]) -> TableData:
     """Every device's inference benchmarks in one table, a device column first."""
+    columns = _inference_columns(devices)
     table = TableData("Inference benchmarks (ONNX Runtime, fedge-profile infer) of each device",
-                      ("device", *_INFERENCE_COLUMNS), frozenset({"device", "when", "model", "provider"}))
-    table.rows = [[d.client_id, *row] for d in sorted(devices, key=lambda d: d.client_id) for row in inference_rows(d)]
+                      ("device", *columns), frozenset({"device", "when", "model", "provider"}))
+    table.rows = [[d.client_id, *row] for d in sorted(devices, key=lambda d: d.client_id)
+                  for row in inference_rows(d, "accuracy" in columns)]
     return table
 
 

@@ -40,8 +40,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ReportError", "TaskRecord", "Device", "RunRecords", "DeviceStats", "load", "device_stats", "task_kinds",
-           "straggler_ranks", "slowest_first", "task_breakdown", "part_names", "BREAKDOWN"]
+__all__ = ["ReportError", "TaskRecord", "Device", "RunRecords", "DeviceStats", "Metric", "ACCURACY", "load",
+           "device_stats", "task_kinds", "straggler_ranks", "slowest_first", "task_breakdown", "part_names",
+           "BREAKDOWN"]
 
 # The parts a task's time is shown in, in order. `train_other` is the local objective's
 # time outside the four step phases (setup, shuffling, reading the loss).
@@ -66,6 +67,21 @@ class TaskRecord:
     missed: bool = False                  # no answer by the end of its attempt: round_seconds is the timeout
     objective: str | None = None          # what the task ran (train, evaluate, ...); None in older records
     time: float | None = None             # when the answer came (Unix time); None in older records
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A figure a run is judged by, as its rows hold it (``test_NAME``)."""
+
+    name: str
+    higher_is_better: bool | None = True   # None: not known (an app's run whose summary.json is not written yet)
+
+    @property
+    def column(self) -> str:
+        return f"test_{self.name}"
+
+
+ACCURACY = Metric("accuracy")   # fedge's own networks' headline
 
 
 @dataclass
@@ -107,6 +123,21 @@ class RunRecords:
     def stats(self) -> list["DeviceStats"]:
         """Each device's figures: counts and peaks over every task it was given, times over its training tasks."""
         return [device_stats(d, self.training_tasks(d)) for d in self.devices.values()]
+
+    @property
+    def headline_metrics(self) -> list[Metric]:
+        """What the run is judged by: accuracy for fedge's own networks; for a run on an app, the headline its
+        summary names with its direction, or, while the run goes (no summary yet), every metric its rows hold:
+        which one is the headline only the app knows, and reports do not import apps."""
+        summary = self.summary or {}
+        if isinstance(summary.get("headline"), str):
+            return [Metric(summary["headline"], summary.get("higher_is_better") is not False)]
+        app = self.config.get("app")
+        if not isinstance(app, dict) or app.get("module", "") in ("", "vision"):   # fedge's own networks
+            return [ACCURACY]
+        names = dict.fromkeys(key[len("test_"):] for row in self.rounds for key in row
+                              if key.startswith("test_") and key != "test_loss")
+        return [Metric(name, None) for name in names]
 
     @property
     def round_timeout(self) -> float | None:

@@ -178,9 +178,10 @@ def test_a_worker_serves_its_counters(mosquitto, prefix):
 
 
 def _exported_names() -> set[str]:
-    """Every sample name a coordinator and a worker export, with a row that has every figure."""
-    telemetry = RunTelemetry(run_id="r", strategy="fedavg", model="cnn")
-    telemetry.observe({"round": 1, "seconds": 1.0, **{key: 0.5 for key in ROW_FIGURES}})
+    """Every sample name a coordinator and a worker export, with a row that has every figure (and a run on an
+    app's headline)."""
+    telemetry = RunTelemetry(run_id="r", strategy="fedavg", model="cnn", headline="r2")
+    telemetry.observe({"round": 1, "seconds": 1.0, "test_r2": 0.5, **{key: 0.5 for key in ROW_FIGURES}})
     worker = AggregationWorker(load_config(None, []), InprocHub().connect("w"), "w")
     names = set()
     for registry in (telemetry.registry, WorkerTelemetry(worker.worker_id, worker.stats).registry):

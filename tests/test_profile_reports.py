@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from profiling.cli import main
-from profiling.html import PLOTS, plot_accuracy, plot_bytes, plot_memory, plot_round_times
+from profiling.html import PLOTS, plot_headline, plot_bytes, plot_memory, plot_round_times
 from profiling.runs import RunRecords, device_stats, load, straggler_ranks
 from profiling.units import human_bytes
 
@@ -158,14 +158,14 @@ def _shown_ticks(ax) -> list[float]:
 def test_per_round_plots_have_integer_round_ticks():
     run = load(FIXTURE)
     stats = run.stats()
-    for plot in (plot_accuracy, plot_bytes, plot_round_times):
+    for plot in (plot_headline, plot_bytes, plot_round_times):
         ax = _drawn(plot(run, stats)).axes[0]
         ticks = _shown_ticks(ax)
         assert ticks and all(float(t).is_integer() for t in ticks), (plot.__name__, ticks)
         assert all(label.get_text().lstrip("−-").isdigit() for label in ax.get_xticklabels() if label.get_text())
     long_run = RunRecords(FIXTURE, rounds=[{"round": r, "test_accuracy": r / 60, "bytes_down": 1, "bytes_up": 1}
                                            for r in range(61)])
-    for plot in (plot_accuracy, plot_bytes):   # past 20 rounds: fewer ticks, still whole rounds
+    for plot in (plot_headline, plot_bytes):   # past 20 rounds: fewer ticks, still whole rounds
         ticks = _shown_ticks(_drawn(plot(long_run, [])).axes[0])
         assert 3 <= len(ticks) <= 12 and all(float(t).is_integer() for t in ticks)
 

@@ -264,7 +264,8 @@ def _run(config: RunConfig, out: Path, run_id: str, resume: bool, say: Callable[
     state = _starting_state(config, out, run_id, resume, strategy, dataset, eval_data.x, say, app)
     _say_setup(config, strategy, state, dataset, say)
     rows = RunRecords.read(out, state.round) if resume else []
-    with _open_transport(config, run_id, say) as (transport, reach), run_telemetry(config, run_id, say) as telemetry:
+    with (_open_transport(config, run_id, say) as (transport, reach),
+          run_telemetry(config, run_id, say, app) as telemetry):
         coordinator = Coordinator(config, transport, run_id=run_id, out_dir=out, strategy=strategy, state=state,
                                   eval_data=eval_data, on_progress=on_progress)
         telemetry.watch(coordinator.roster, coordinator.profile_store)   # [metrics]: the fleet at each scrape
