@@ -26,9 +26,9 @@ import importlib.metadata
 import importlib.util
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from storage.errors import FedgeError
 __all__ = ["App", "AppError", "ExampleInput", "Metric", "Samples", "AppIdentity", "check_app", "check_samples",
            "load_app", "installed_apps", "app_identity", "weights_path", "example_input", "trainable_names", "evaluate_metrics",
            "ENTRY_POINT_GROUP", "BUILT_IN_APPS", "APP_KEY", "spec_app", "app_options", "run_app", "accuracy",
-           "AppMismatch"]
+           "AppMismatch", "files_digest", "app_package"]
 
 ENTRY_POINT_GROUP = "fedge.apps"
 APP_KEY = "app"   # the model spec's key holding the app's identity; a spec without it is the built-in vision app's
@@ -163,6 +163,11 @@ class AppIdentity:
     def to_spec(self) -> dict[str, str]:
         return {"name": self.name, "version": self.version, "digest": self.digest,
                 **({"weights": self.weights} if self.weights else {})}
+
+    def line(self) -> str:
+        """``NAME VERSION DIGEST``, then ``weights=SHA256`` for an app with starting weights: how ``fedge-client
+        apps`` lists it (a flash kit checks the line it expects)."""
+        return f"{self.name} {self.version} {self.digest}" + (f" weights={self.weights}" if self.weights else "")
 
     def mismatch(self, other: AppIdentity) -> str | None:
         """None when the two are the same app; else one line naming both."""
@@ -328,7 +333,7 @@ def app_identity(app: App) -> AppIdentity:
     """The app's name, version, the sha256 of the Python files of the package that declares it, and that of
     its starting weights' file."""
     path = weights_path(app)
-    return AppIdentity(app.name, app.version, _package_digest(_package_of(app)),
+    return AppIdentity(app.name, app.version, _package_digest(app_package(app)),
                        _file_digest(path, *_stamp(path)) if path is not None else "")
 
 
@@ -338,7 +343,7 @@ def weights_path(app: App) -> Path | None:
         return None
     path = Path(app.weights)
     if not path.is_absolute():
-        spec = importlib.util.find_spec(_package_of(app))
+        spec = importlib.util.find_spec(app_package(app))
         root = (Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations
                 else Path(str(spec.origin)).parent if spec and spec.origin else Path.cwd())
         path = root / path
@@ -363,7 +368,7 @@ def _file_digest(path: Path, _size: int, _mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def _package_of(app: App) -> str:
+def app_package(app: App) -> str:
     """The top-level package (or module) that declares ``app``: its ``model`` function's."""
     module = getattr(app.model, "__module__", None) or ""
     return module.partition(".")[0]
@@ -376,14 +381,20 @@ def _package_digest(package: str) -> str:
         raise AppError(f"cannot find the installed files of package {package!r} to identify the app")
     if spec.submodule_search_locations:
         root = Path(next(iter(spec.submodule_search_locations)))
-        files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+        files = [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
     else:
         root = Path(str(spec.origin)).parent
         files = [Path(str(spec.origin))]
+    return files_digest((path.relative_to(root).as_posix(), path.read_bytes()) for path in files)
+
+
+def files_digest(files: Iterable[tuple[str, bytes]]) -> str:
+    """The digest of an app's identity over its package's Python files, each given as (its path relative to the
+    package's directory, or the module's file name; its bytes): the installed files here, a wheel's for a kit."""
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    for name, data in sorted(files, key=lambda item: PurePosixPath(item[0]).parts):
+        digest.update(name.encode() + b"\0")
+        digest.update(hashlib.sha256(data).digest())
     return digest.hexdigest()
 
 

@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_broker_options(run)
     _add_data_options(run)
     _add_runtime_options(run)
+    sub.add_parser("apps", help="list the apps installed here: name, version and digest",
+                   description="List every app installed on this device (fedge's own and those registered in the "
+                               "fedge.apps entry-point group), one line each: its name, version and the digest of "
+                               "its files, which a task names it by. Each is imported to be listed; one that does "
+                               "not import is named on stderr and the exit status is 1.")
     return parser
 
 
@@ -367,9 +372,28 @@ def _say_stopping(stop: _Stop) -> None:
     log.warning("stopping: finishing the task at hand")
 
 
+def _apps() -> int:
+    """``fedge-client apps``: one ``NAME VERSION DIGEST`` line per installed app that loads; 1 when one does not."""
+    from edge_client.app import AppError, app_identity, installed_apps, load_app
+
+    try:
+        names = sorted(installed_apps())
+    except AppError as exc:
+        print(f"fedge-client: {exc}", file=sys.stderr)
+        return 1
+    status = 0
+    for name in names:
+        try:
+            print(app_identity(load_app(name)).line(), flush=True)
+        except Exception as exc:   # noqa: BLE001 -- an app's own import may raise anything; name it and go on
+            print(f"fedge-client: app {name} does not load: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 1
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # A person at the device sees it working without -v: connecting, one line per task, a run's end.
     logging.getLogger("fedge.client.activity").setLevel(logging.INFO)
@@ -379,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:   # Ctrl-C while starting up, before the stop signals are handled
             print("fedge-client: interrupted", file=sys.stderr)
             return 130
+    if args.command == "apps":
+        return _apps()
     return 2
 
 

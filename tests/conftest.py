@@ -155,6 +155,22 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def diabetes_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/diabetes built into a wheel as its owner builds one (pip wheel, offline), from a copy: building
+    writes build/ and an egg-info beside the sources."""
+    import shutil
+    import sys
+
+    root = tmp_path_factory.mktemp("diabetes-wheel")
+    example = Path(__file__).resolve().parents[1] / "examples" / "diabetes"
+    shutil.copytree(example, root / "src", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                    "-w", str(root / "dist"), str(root / "src")], check=True, timeout=300, env=env)
+    return next((root / "dist").glob("*.whl"))
+
+
 # --- The integration tier ------------------------------------------------------------------------------------------
 #
 # `make test-fast` runs `pytest -m "not integration"`. A test is in the integration tier when it, a fixture it uses,

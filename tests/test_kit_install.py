@@ -1,6 +1,6 @@
 """The flash kit's install.sh, its steps run for real on this machine: torch from an index over HTTP, the
-memory and disk checks, a device's data fetched and checked by SHA-256, and the wait for the client to
-say the broker passed its presence back.
+memory and disk checks, the kit's app wheels installed beside fedge and listed by fedge-client, a device's
+data fetched and checked by SHA-256, and the wait for the client to say the broker passed its presence back.
 
 install.sh runs ``main`` only when executed; sourced, it only defines its steps, and each test calls the
 ones it checks with the kit's own ``kit.env``. PyTorch's CPU index cannot be reached from a test machine:
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import os
 import shutil
+import site
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ from coordinator.ops.mosquitto import LocalMosquitto, mosquitto_binary
 from coordinator.ops.provision import provision
 
 TORCH_VERSION = "2.13.0+cpu"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "diabetes"
 # pip as on a fresh device: none of this machine's pip settings (its own wheel folders and indexes)
 _ENV = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
 
@@ -149,6 +152,70 @@ def test_an_index_without_the_pin_stops_the_install_with_what_to_check(deploy, f
     done = _steps(kit, "install_torch", PREFIX=str(tmp_path / "opt"), VENV=str(venv), TORCH_INDEX=url)
     assert done.returncode == 1
     assert f"pip could not install torch==2.13.0 from {url}" in done.stderr
+
+
+# -- the fleet owner's apps, beside fedge ---------------------------------------------------------------------------
+
+def _device_venv(prefix: Path) -> Path:
+    """A device's venv in miniature, whose torch and fedge are this interpreter's: a .pth file adds its
+    site-packages (what --system-site-packages does from a plain interpreter, which this one, a venv, is not),
+    so its pip too (the new venv has none of its own, whose old setuptools torch's metadata refuses), and
+    bin/fedge-client is the console script pip writes for fedge."""
+    venv = prefix / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120, env=_ENV)
+    purelib = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (purelib / "_this_interpreter.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in site.getsitepackages()) + "\n")
+    script = venv / "bin" / "fedge-client"
+    script.write_text(f"#!{venv}/bin/python\nimport sys\nfrom edge_client.cli import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    return venv
+
+
+def test_the_kits_app_wheel_is_installed_beside_fedge_and_listed_as_the_coordinator_has_it(
+        deploy, fedge_wheel, diabetes_wheel, served, tmp_path, monkeypatch):
+    _, url, log = served   # an empty index as both indexes: the app's dependencies are installed, nothing is fetched
+    monkeypatch.syspath_prepend(str(EXAMPLE))   # the coordinator's side of the app, which the kit checks it against
+    importlib.invalidate_caches()
+    kit = _kit(deploy, fedge_wheel, apps=(diabetes_wheel,))
+    venv = _device_venv(tmp_path / "opt")
+    where = {"PREFIX": str(tmp_path / "opt"), "VENV": str(venv), "TORCH_INDEX": url, "TORCH_PIP_ARGS": f"--index-url {url}"}
+    done = _steps(kit, "install_apps", **where)
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = (kit / "apps" / "apps.txt").read_text().strip()   # diabetes 1.0.0 DIGEST, the coordinator's
+    assert f"installing the apps diabetes from {diabetes_wheel.name} and their dependencies" in done.stdout
+    assert f"app diabetes 1.0.0 (digest {expected.split()[2][:12]}) installed" in done.stdout
+    assert (venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" /
+            "diabetes_app" / "__init__.py").is_file()   # in the device's venv, not on a path of this test's
+    listed = subprocess.run([str(venv / "bin" / "fedge-client"), "apps"], capture_output=True, text=True, timeout=120,
+                            env=_ENV)
+    assert listed.returncode == 0 and expected in listed.stdout.splitlines(), listed.stderr
+    again = _steps(kit, "install_apps", **where)
+    assert again.returncode == 0 and "installing" not in again.stdout   # the same wheels: nothing reinstalled
+    # a device whose app is not the coordinator's would refuse its tasks: the install stops, naming both
+    (kit / "apps" / "apps.txt").write_text(expected[:-12] + "0" * 12 + "\n")
+    other = _steps(kit, "install_apps", **where)
+    assert other.returncode == 1
+    assert (f"fedge-client apps does not list app diabetes 1.0.0 with digest {expected[-64:-12]}000000000000, the "
+            f"coordinator's, as the kit expects; it lists diabetes 1.0.0 (digest {expected[-64:-52]})") in other.stderr
+    # a wheel damaged on the way (a boot partition's FAT): refused by the kit's manifest
+    with open(kit / "apps" / diabetes_wheel.name, "ab") as wheel:
+        wheel.write(b"\0")
+    damaged = _steps(kit, "install_apps", **where)
+    assert damaged.returncode == 1 and "do not match the kit's manifest" in damaged.stderr
+
+
+def test_a_kit_with_several_apps_installs_nothing_until_told_which_the_device_runs(deploy, fedge_wheel):
+    kit = _kit(deploy, fedge_wheel)   # its client.env names no app
+    untold = _steps(kit, "check_app_choice", FEDGE_APPS="diabetes kws")
+    assert untold.returncode == 1
+    assert ("this kit installs the apps diabetes kws: say which this device runs with FEDGE_APP=NAME in "
+            f"{kit}/client.env") in untold.stderr
+    with open(kit / "client.env", "a") as env:
+        env.write("FEDGE_APP=kws\n")
+    assert _steps(kit, "check_app_choice", FEDGE_APPS="diabetes kws").returncode == 0
+    wrong = _steps(kit, "check_app_choice", FEDGE_APPS="diabetes tab")
+    assert wrong.returncode == 1 and "FEDGE_APP=kws" in wrong.stderr and "none of this kit's apps" in wrong.stderr
 
 
 # -- will it fit: memory and disk -------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 ``fedge-coordinator kit`` reads a provisioning directory (``fedge-coordinator provision``) and
 writes ``kits/ID/`` for each device: ``install.sh`` (the same for every device), ``kit.env``
 (what to install: the target, the torch pin and where it comes from, with its size, the memory the
-client needs, the fedge wheel's name, where to fetch the device's data), ``client.env`` (the
-service's data path and torch threads), the systemd unit, the fedge wheel, optionally the
-device's data (one npz for all, or each device's own), and its bundle. Copy one kit onto its device's boot partition (or anywhere on it)
+client needs, the fedge wheel's name, the apps, where to fetch the device's data), ``client.env`` (the
+service's data path, app and torch threads), the systemd unit, the fedge wheel, the fleet owner's app
+wheels with their manifest (``apps/``, coordinator.ops.kit_apps), optionally the device's data (one
+file for all, or each device's own), and its bundle. Copy one kit onto its device's boot partition (or anywhere on it)
 and run ``sudo bash KIT/install.sh``; docs/deploy.md#flash-kits walks through it.
 
 The kit holds the device's password in ``bundle.toml`` only (mode 0600); ``install.sh`` moves it
@@ -22,13 +23,17 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import urlparse
 
-from coordinator.ops.provision import ProvisionError, write_file
+from coordinator.ops.kit_apps import KitApp, KitError, kit_apps
+from coordinator.ops.provision import write_file
 from edge_client.device_protocol import ONLINE_LINE
 from edge_client.bundle import BundleError, read_bundle
 
-__all__ = ["KitError", "KitOptions", "TARGETS", "CPU_INDEX", "write_kits", "kit_env", "client_env", "memory_need"]
+__all__ = ["KitError", "KitOptions", "TARGETS", "CPU_INDEX", "write_kits", "kit_env", "client_env", "memory_need",
+           "service_data", "DATA_PATH"]
 
 TARGETS = ("pi", "jetson")
+# Where the kit's data goes on the device (install.sh installs it there, whatever its format).
+DATA_PATH = "/var/lib/fedge/data.npz"
 # Every file of a kit but the bundle, the wheels and the data is text the kit writer makes or
 # copies from this package, so a kit made by one fedge version installs that version.
 _KIT_FILES = ("install.sh", "fedge-client.service")
@@ -52,10 +57,6 @@ FEDGE_MB = 200
 CLIENT_STARTUP_MIB = 260
 
 
-class KitError(ProvisionError):
-    """A kit cannot be written; the message says what to fix."""
-
-
 @dataclass(frozen=True)
 class KitOptions:
     """What goes into every kit of one call."""
@@ -72,10 +73,13 @@ class KitOptions:
     data_dir: Path | None = None        # DIR/ID.npz: each device's own npz, into its kit
     data_url: str = ""                  # fetched by install.sh; "{device}" becomes the device's id
     data_sha256: str = ""               # with data_url: the sha256 of all, or a file as sha256sum prints (ID.npz)
-    data_spec: str = "npz:/var/lib/fedge/data.npz"
-    model: str = "cnn"                  # what the devices will train, for the memory check at install
-    image_size: int = 28
-    in_channels: int = 1
+    data_spec: str = ""                 # the service's --data; "" for where the kit puts the data (service_data)
+    apps: tuple[Path, ...] = ()         # app wheels installed beside fedge (coordinator.ops.kit_apps)
+    # what the devices will train, for the memory check at install: fedge's own network (default cnn on
+    # 1x28x28 images); None with apps, whose example inputs size it
+    model: str | None = None
+    image_size: int | None = None
+    in_channels: int | None = None
     batch_size: int = 32
     privacy_budget: float = 0.0         # > 0: every device keeps its own local-DP budget (fedge-client --privacy-budget)
     min_noise_multiplier: float = 0.0   # with it: the devices' floor on the tasks' noise multiplier
@@ -117,7 +121,10 @@ def _check(options: KitOptions) -> None:
                            "sha256sum lines naming ID.npz per device, so a device refuses data that is not yours")
     elif options.data_sha256:
         raise KitError("--data-sha256 goes with --data-url")
-    if not (options.batch_size > 0 and options.image_size > 0 and options.in_channels > 0):
+    if options.apps and (options.model, options.image_size, options.in_channels) != (None, None, None):
+        raise KitError("--model, --image-size and --channels size fedge's own networks; with --app the apps' "
+                       "example inputs size the devices' memory check: leave them out")
+    if not (options.batch_size > 0 and (options.image_size or 1) > 0 and (options.in_channels or 1) > 0):
         raise KitError("--batch-size, --image-size and --channels must be positive")
     if not (options.privacy_budget >= 0 and options.min_noise_multiplier >= 0) or (
             options.min_noise_multiplier and not options.privacy_budget):
@@ -129,33 +136,75 @@ def _check(options: KitOptions) -> None:
                        "backslashes or newlines")
 
 
-def memory_need(options: KitOptions) -> tuple[int, str]:
-    """MiB the client needs on a device to train ``options.model``, and the sum spelled out for a person.
+def memory_need(options: KitOptions, apps: tuple[KitApp, ...] | None = None) -> tuple[int, str]:
+    """MiB the client needs on a device to train ``options.model`` (with apps: the app that needs the most),
+    and the sum spelled out for a person. ``apps``: ``kit_apps(options.apps)`` when the caller has them.
 
     A device below it is OOM-killed seconds after the service starts, before the client logs a line,
     so install.sh checks it first."""
+    if options.apps:
+        apps = kit_apps(options.apps) if apps is None else apps
+        train, what = max(_app_training(app, options.batch_size) for app in apps)
+        if len(apps) > 1:
+            what += f" (the most of the kit's {len(apps)} apps)"
+    else:
+        train, what = _builtin_training(options)
+    need = CLIENT_STARTUP_MIB + train
+    return need, (f"{need} MiB: {CLIENT_STARTUP_MIB} to start (torch's import alone about 220) and {train} to "
+                  f"train {what} at batch size {options.batch_size}")
+
+
+def _builtin_training(options: KitOptions) -> tuple[int, str]:
+    """MiB to train fedge's own network ``options.model`` (default cnn, on 1x28x28 images), and what it is."""
     from edge_client.memory_guard import estimate_task_bytes
     from edge_client.models import ModelSpecError
     from edge_client.registry import build_aside
 
-    spec = {"name": options.model, "num_classes": 10, "in_channels": options.in_channels,
-            "image_size": options.image_size}
+    name, size, channels = options.model or "cnn", options.image_size or 28, options.in_channels or 1
+    spec = {"name": name, "num_classes": 10, "in_channels": channels, "image_size": size}
     try:
         model = build_aside(spec)
     except (ModelSpecError, KeyError, ValueError) as exc:
-        raise KitError(f"--model {options.model!r}: {exc}") from None
-    train = -(-estimate_task_bytes(model, spec, options.batch_size) // 2**20)
-    need = CLIENT_STARTUP_MIB + train
-    return need, (f"{need} MiB: {CLIENT_STARTUP_MIB} to start (torch's import alone about 220) and {train} to "
-                  f"train {options.model} on {options.in_channels}x{options.image_size}x{options.image_size} "
-                  f"images at batch size {options.batch_size}")
+        raise KitError(f"--model {name!r}: {exc}") from None
+    return _mib(estimate_task_bytes(model, spec, options.batch_size)), f"{name} on {channels}x{size}x{size} images"
 
 
-def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "") -> str:
+def _app_training(kit_app: KitApp, batch_size: int) -> tuple[int, str]:
+    """MiB to train an app's model (its factory's default options) on its example input, and what it is."""
+    from edge_client.app import APP_KEY, example_input
+    from edge_client.memory_guard import estimate_task_bytes
+    from edge_client.registry import build_aside
+
+    spec = {APP_KEY: kit_app.identity.to_spec()}
+    try:
+        shape = example_input(kit_app.app, {}).shape
+        train = estimate_task_bytes(build_aside(spec), spec, batch_size)
+    except Exception as exc:   # noqa: BLE001 -- the app's own factory may raise anything: one line, not a traceback
+        raise KitError(f"--app {kit_app.wheel.path.name}: app {kit_app.name}'s model does not build and run on its "
+                       f"example input with its default options ({type(exc).__name__}: {exc}), which the kit sizes "
+                       "the devices' memory with") from None
+    return _mib(train), (f"app {kit_app.name} {kit_app.identity.version} on inputs of shape "
+                         f"{'x'.join(map(str, shape))}")
+
+
+def _mib(size: int) -> int:
+    return -(-size // 2**20)
+
+
+def service_data(options: KitOptions) -> str:
+    """The service's ``--data``: ``options.data_spec``, else where the kit puts the data (an npz of fedge's own
+    kinds; with apps, the path the apps' loaders read)."""
+    return options.data_spec or (DATA_PATH if options.apps else f"npz:{DATA_PATH}")
+
+
+def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "",
+            apps: tuple[KitApp, ...] | None = None) -> str:
     """``kit.env``: what install.sh installs, read by bash (so values are plain words, quoted).
 
-    ``data_url`` and ``data_sha256``: this device's data to fetch at install (its own URL and digest)."""
-    need, why = memory_need(options)
+    ``data_url`` and ``data_sha256``: this device's data to fetch at install (its own URL and digest);
+    ``apps``: ``kit_apps(options.apps)`` when the caller has them."""
+    apps = kit_apps(options.apps) if apps is None and options.apps else apps or ()
+    need, why = memory_need(options, apps)
     lines = ["# What install.sh installs; written by fedge-coordinator kit. No secrets here.",
              f'FEDGE_KIT_TARGET="{options.target}"',
              f'FEDGE_WHEEL="{options.wheel.name}"',
@@ -167,6 +216,10 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "") -> s
              f'FEDGE_NEED_WHY="{why}"',
              "# what the client logs once the broker passed its presence back: install.sh waits for it",
              f'FEDGE_ONLINE_LINE="{ONLINE_LINE}"']
+    if apps:
+        lines += ["# the apps installed beside fedge: their wheels, checked against apps/SHA256SUMS, and apps/apps.txt,",
+                  "# each app as fedge-client apps must list it once installed (name, version, digest)",
+                  f'FEDGE_APPS="{" ".join(app.name for app in apps)}"']
     if options.target == "jetson":
         # installed, a torch wheel takes about four times its size (the x86-64 CPU one: 192 MB to 790 MB)
         wheel_mb = -(-options.torch_wheel.stat().st_size // 10**6)
@@ -192,14 +245,23 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "") -> s
 LOW_MEMORY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
-def client_env(options: KitOptions) -> str:
-    """``/etc/fedge/client.env``: the service's settings the bundle does not hold."""
+def client_env(options: KitOptions, apps: tuple[KitApp, ...] | None = None) -> str:
+    """``/etc/fedge/client.env``: the service's settings the bundle does not hold. ``apps``: as for kit_env;
+    only their names are read here."""
+    apps = kit_apps(options.apps) if apps is None and options.apps else apps or ()
     threads = 1 if options.low_memory and options.torch_threads == 0 else options.torch_threads
     lines = ["# fedge-client service settings, installed as /etc/fedge/client.env by the flash kit.",
-             "# This device's data, passed as --data (npz:PATH, fashion-mnist:DIR or digits).",
-             f"FEDGE_DATA={options.data_spec}",
+             "# This device's data, passed as --data (npz:PATH, fashion-mnist:DIR or digits; with an app,",
+             "# the location its loader reads).",
+             f"FEDGE_DATA={service_data(options)}",
              "# torch CPU threads (0: one per core); 1 on a board short of memory.",
              f"FEDGE_TORCH_THREADS={threads}"]
+    if len(apps) == 1:
+        lines += ["# the app the service runs (fedge-client run --app), installed by the kit", f"FEDGE_APP={apps[0].name}"]
+    elif apps:
+        lines += [f"# this kit installs the apps {', '.join(a.name for a in apps)}: say which this device runs (the "
+                  "service's fedge-client", "# run --app); install.sh refuses to go on until FEDGE_APP is set",
+                  f"#FEDGE_APP={apps[0].name}"]
     if options.low_memory:
         lines += ["# a board short of memory: glibc gives freed memory back (smaller peak, slower training)",
                   *(f"{k}={v}" for k, v in LOW_MEMORY_MALLOC.items())]
@@ -215,7 +277,8 @@ def write_kits(deploy_dir: Path, options: KitOptions, devices: list[str] | None 
     _check(options)
     bundles = _bundles(Path(deploy_dir), devices)
     data = _device_data(options, list(bundles))
-    memory_need(options)   # an unknown model is refused before anything is written
+    apps = kit_apps(options.apps)
+    memory_need(options, apps)   # an unknown model is refused before anything is written
     kits = Path(deploy_dir) / "kits"
     kits.mkdir(mode=0o700, exist_ok=True)
     written = {}
@@ -227,19 +290,34 @@ def write_kits(deploy_dir: Path, options: KitOptions, devices: list[str] | None 
             text = resources.files("coordinator.ops").joinpath("kit").joinpath(name).read_text(encoding="utf-8")
             write_file(kit / name, text, 0o755 if name.endswith(".sh") else 0o644)
         url, digest = data[device] if isinstance(data[device], tuple) else ("", "")
-        write_file(kit / "kit.env", kit_env(options, url, digest), 0o644)
-        write_file(kit / "client.env", client_env(options), 0o644)
+        write_file(kit / "kit.env", kit_env(options, url, digest, apps), 0o644)
+        write_file(kit / "client.env", client_env(options, apps), 0o644)
         write_file(kit / "bundle.toml", bundle.read_text(encoding="utf-8"), 0o600)
         for old in kit.glob("fedge-*.whl"):
             old.unlink()
         shutil.copy2(options.wheel, kit / options.wheel.name)
         if options.torch_wheel is not None:
             shutil.copy2(options.torch_wheel, kit / options.torch_wheel.name)
+        _write_apps(kit / "apps", apps)
         (kit / "data.npz").unlink(missing_ok=True)   # a kit written again with other data keeps none of the old
         if isinstance(data[device], Path):
             shutil.copy2(data[device], kit / "data.npz")
         written[device] = kit
     return written
+
+
+def _write_apps(folder: Path, apps: tuple[KitApp, ...]) -> None:
+    """``folder``: the app wheels, their manifest ``SHA256SUMS`` (as sha256sum prints it, which install.sh
+    checks them with) and ``apps.txt`` (each app as ``fedge-client apps`` lists it); none of an earlier kit's."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if not apps:
+        return
+    folder.mkdir(mode=0o755)
+    wheels = {app.wheel.path.name: app.wheel for app in apps}
+    for name, wheel in wheels.items():
+        shutil.copy2(wheel.path, folder / name)
+    write_file(folder / "SHA256SUMS", "".join(f"{w.sha256}  {n}\n" for n, w in wheels.items()), 0o644)
+    write_file(folder / "apps.txt", "".join(f"{app.identity.line()}\n" for app in apps), 0o644)
 
 
 def _device_data(options: KitOptions, devices: list[str]) -> dict[str, Path | tuple[str, str] | None]:

@@ -6,13 +6,16 @@
 # Checks the device first (64-bit, Python 3.10+, enough memory for the client, enough free disk), then
 # creates the system user "fedge" and the venv /opt/fedge/.venv, installs torch (a Pi: the pinned
 # CPU-only build from PyTorch's index; a Jetson: NVIDIA's wheel placed in the kit) and fedge's client
-# extra from the wheel in the kit, installs this device's bundle as /etc/fedge/bundle.toml (0600,
-# root) and removes the kit's copy, its data (in the kit, or fetched and checked by SHA-256),
-# /etc/fedge/client.env and the systemd unit, enables the unit and, when systemd runs, starts it and
-# waits until the client says the broker passed its presence back (it is online for the coordinator).
+# extra from the wheel in the kit, and the kit's apps (apps/: wheels checked against apps/SHA256SUMS,
+# installed with their dependencies, then listed by fedge-client apps as apps/apps.txt says), installs
+# this device's bundle as /etc/fedge/bundle.toml (0600, root) and removes the kit's copy, its data (in
+# the kit, or fetched and checked by SHA-256), /etc/fedge/client.env and the systemd unit, enables the
+# unit and, when systemd runs, starts it and waits until the client says the broker passed its
+# presence back (it is online for the coordinator).
 #
-# Re-run it at will: every step checks what is there first, so a second run changes nothing, and a
-# kit with a newer fedge wheel upgrades fedge alone (torch stays). It never prints the bundle.
+# Re-run it at will: every step checks what is there first, so a second run changes nothing; a kit
+# with a newer fedge wheel upgrades fedge alone (torch stays), one with other app wheels the apps.
+# It never prints the bundle.
 # Exit status: 0 installed (and online, when it could check), 1 an error, 2 a bad option,
 # 3 installed and running but not seen online within --wait-online seconds.
 #
@@ -178,6 +181,52 @@ install_fedge() {
     "$VENV/bin/fedge-client" run --help >/dev/null || fail "fedge-client does not start; see the error above"
 }
 
+# The fleet owner's apps (fedge-coordinator kit --app): the wheels in the kit's apps/, checked against its
+# manifest, installed into the venv beside fedge with their own dependencies, from the package index and
+# the index torch came from (so a torch-family dependency is its CPU build), torch held at the installed
+# version (no dependency may pull another torch). Other wheels than the last install's (by SHA-256) are
+# installed anew. Then fedge-client imports every installed app to list it, and each of the kit's must be
+# listed with the identity apps/apps.txt gives, the coordinator's: a device with another would refuse tasks.
+install_apps() {
+    local apps="$KIT/apps" stamp="$PREFIX/.fedge-apps.sha256" sum torch name listed line digest wheels=() index=()
+    [ -f "$apps/SHA256SUMS" ] || return 0
+    (cd "$apps" && sha256sum --quiet -c SHA256SUMS) \
+        || fail "the app wheels in $apps do not match the kit's manifest ($apps/SHA256SUMS): copy the kit again"
+    while read -r _ name; do wheels+=("$apps/$name"); done < "$apps/SHA256SUMS"
+    sum=$(sha256sum "$apps/SHA256SUMS" | cut -d' ' -f1)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ]; then
+        say "installing the apps ${FEDGE_APPS:-} from ${wheels[*]##*/} and their dependencies"
+        torch=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))') \
+            || fail "no torch in $VENV to install the apps beside"
+        [ -z "${TORCH_INDEX:-}" ] || index=(--extra-index-url "$TORCH_INDEX")
+        pip_install --force-reinstall --no-deps "${wheels[@]}"
+        # shellcheck disable=SC2086  # TORCH_PIP_ARGS is a list of words
+        pip_install "${index[@]}" ${TORCH_PIP_ARGS:-} "${wheels[@]}" "torch==$torch" \
+            || fail "pip could not install the apps' dependencies; see pip's message above (no network? a dependency that needs another torch than $torch?)"
+        echo "$sum" > "$stamp"
+    fi
+    listed=$("$VENV/bin/fedge-client" apps) || fail "an installed app does not load; see the error above"
+    while IFS= read -r line; do
+        digest=${line##* }
+        if ! grep -qxF "$line" <<< "$listed"; then
+            fail "fedge-client apps does not list app ${line% *} with digest $digest, the coordinator's, as the kit expects; it lists $(awk '{ printf "%s%s %s (digest %.12s)", (NR > 1 ? ", " : ""), $1, $2, $3 }' <<< "$listed")"
+        fi
+        say "app ${line% *} (digest ${digest:0:12}) installed"
+    done < "$apps/apps.txt"
+}
+
+# The app the service runs (client.env's FEDGE_APP): a kit with several apps must be told which.
+check_app_choice() {
+    local app
+    [ -n "${FEDGE_APPS:-}" ] || return 0
+    app=$(sed -n 's/^FEDGE_APP=//p' "$KIT/client.env")
+    [ -n "$app" ] || fail "this kit installs the apps $FEDGE_APPS: say which this device runs with FEDGE_APP=NAME in $KIT/client.env (the service's fedge-client run --app), then run install.sh again"
+    case " $FEDGE_APPS vision " in
+        *" $app "*) ;;
+        *) fail "FEDGE_APP=$app in $KIT/client.env is none of this kit's apps ($FEDGE_APPS) nor vision" ;;
+    esac
+}
+
 # Download URL to FILE with whatever the image has (Pi OS Lite has curl and wget; python3 always).
 fetch() {
     local url=$1 file=$2
@@ -217,12 +266,16 @@ install_data() {
         mv -f "$part" "$STATE/data.npz"
         say "data: $(du -h "$STATE/data.npz" | cut -f1) checked by SHA-256"
     fi
-    # the service's --data: an npz path it names must be on this device
-    local spec
+    # the service's --data: a file it names (npz:PATH, or an app's absolute path) must be on this device
+    local spec path=""
     spec=$(sed -n 's/^FEDGE_DATA=//p' "$KIT/client.env")
     case "$spec" in
-        npz:*) [ -f "${spec#npz:}" ] || warn "the service's data ${spec#npz:} is not on this device yet; put it there (or make the kit with --data-file, --data-dir or --data-url) before the first round" ;;
+        npz:*) path=${spec#npz:} ;;
+        /*) path=$spec ;;
     esac
+    if [ -n "$path" ] && [ ! -e "$path" ]; then
+        warn "the service's data $path is not on this device yet; put it there (or make the kit with --data-file, --data-dir or --data-url) before the first round"
+    fi
 }
 
 # The client's lines since the service's last start (the journal; a test gives its own).
@@ -265,7 +318,7 @@ main() {
             --no-start) START=0; shift ;;
             --wait-online) WAIT_ONLINE="${2:?--wait-online needs seconds}"; shift 2 ;;
             --ignore-memory) IGNORE_MEMORY=1; shift ;;
-            -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+            -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"; exit 0 ;;
             *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
         esac
     done
@@ -290,6 +343,7 @@ main() {
 
     # 0. will it fit: memory for the client, disk for what this run installs
     check_memory
+    check_app_choice
     local need=$(( ${FEDGE_MB:-200} + 100 ))
     if [ -z "$([ -x "$VENV/bin/python" ] && have_torch)" ]; then
         need=$(( need + ${TORCH_DOWNLOAD_MB:-0} + ${TORCH_INSTALLED_MB:-0} ))
@@ -311,9 +365,13 @@ main() {
     install_torch
     done_step torch
 
-    # 4. fedge
+    # 4. fedge, and the apps the kit holds
     install_fedge
     done_step fedge
+    if [ -d "$KIT/apps" ]; then
+        install_apps
+        done_step apps
+    fi
 
     # 5. the bundle (it holds the device's password): root-only, and gone from the kit once installed
     install -d -m 0700 -o root -g root "$ETC"
@@ -372,7 +430,7 @@ main() {
 
     local versions
     versions=$("$VENV/bin/python" -c 'import importlib.metadata as m, torch; print("fedge", m.version("fedge"), "torch", torch.__version__)')
-    say "ok: $versions, device ${client_id:-?}, service $state, in $(( $(date +%s) - T0 )) s"
+    say "ok: $versions${FEDGE_APPS:+, apps $FEDGE_APPS}, device ${client_id:-?}, service $state, in $(( $(date +%s) - T0 )) s"
     return "$code"
 }
 
