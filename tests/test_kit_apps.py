@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save as save_tensors
 
 from coordinator.ops.flash_kit import KitError, KitOptions, memory_need, write_kits
 from coordinator.ops.provision import provision
@@ -166,8 +168,8 @@ def test_what_is_not_an_app_wheel_is_refused_with_what_is_wrong(deploy, fedge_wh
     cases = [((tmp_path / "gone-1.0-py3-none-any.whl",), "no such file"),
              ((notes,), "notes.txt is not a wheel file"),
              ((fake,), "fake-1.0-py3-none-any.whl is not a readable wheel"),
-             ((plain,), r"plainlib-2.0-py3-none-any.whl \(plainlib 2.0\) registers no app: its metadata has no entry "
-                        r"point in the fedge.apps group"),
+             ((plain,), (r"plainlib-2.0-py3-none-any.whl \(plainlib 2.0\) registers no app: its metadata has no "
+                         r"entry point in the fedge.apps group")),
              ((builtin,), "other than fedge's own vision"),
              ((probe, probe), "both hold kitprobe")]
     fresh = tmp_path / "deploy"
@@ -183,9 +185,46 @@ def test_what_is_not_an_app_wheel_is_refused_with_what_is_wrong(deploy, fedge_wh
 
 def test_an_app_that_does_not_load_here_is_refused_naming_the_install(deploy, fedge_wheel, tmp_path):
     absent = _wheel(tmp_path, "absent", "1.0", {"absent_app/__init__.py": b""}, {"absent": "absent_app_nowhere:app"})
-    with pytest.raises(KitError, match=r"app absent \(absent_app_nowhere:app\) does not load on this machine .*"
-                                       r"install it here too \(pip install "):
+    with pytest.raises(KitError, match=r"app absent \(absent_app_nowhere:app\) does not load on this machine, "
+                                       r"which must hold it .*\(pip install .*absent-1.0-py3-none-any.whl\): app "
+                                       r"'absent_app_nowhere:app' does not import"):
         write_kits(deploy, KitOptions(target="pi", wheel=fedge_wheel, apps=(absent,)), ["pi-01"])
+
+
+# -- starting weights -------------------------------------------------------------------------------------------
+
+WEIGHTED = PROBE.replace("small, wide = make(2), make(4096)", """
+app = App(name="kitweights", version="1.0", model=lambda options: nn.Linear(6, 2), example_input=ExampleInput((6,)),
+          device_data=load, eval_data=load, loss=nn.functional.mse_loss, weights="start.safetensors",
+          metrics={"mse": Metric(lambda o, t: float(((o - t) ** 2).mean()), False)}, headline="mse")
+""")
+
+
+def test_an_apps_starting_weights_must_be_in_its_wheel_as_installed_here(deploy, fedge_wheel, tmp_path, monkeypatch):
+    weights = save_tensors({"weight": torch.ones(2, 6), "bias": torch.zeros(2)})
+    package = tmp_path / "src" / "kitweights_app"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(WEIGHTED)
+    (package / "start.safetensors").write_bytes(weights)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    importlib.invalidate_caches()
+    sources = {"kitweights_app/__init__.py": WEIGHTED.encode()}
+    entry = {"kitweights": "kitweights_app:app"}
+    shipped = _wheel(tmp_path, "kitweights", "1.0", {**sources, "kitweights_app/start.safetensors": weights}, entry)
+    kit = write_kits(deploy, KitOptions(target="pi", wheel=fedge_wheel, apps=(shipped,)), ["pi-01"])["pi-01"]
+    line = (kit / "apps" / "apps.txt").read_text()
+    assert line == app_identity(load_app("kitweights_app:app")).line() + "\n"
+    assert line.endswith(f" weights={hashlib.sha256(weights).hexdigest()}\n")
+    (tmp_path / "without").mkdir()
+    without = _wheel(tmp_path / "without", "kitweights", "1.0", sources, entry)
+    with pytest.raises(KitError, match=r"its weights file is not in the wheel \(as kitweights_app/start.safetensors\); "
+                                       "ship it as package data"):
+        write_kits(deploy, KitOptions(target="pi", wheel=fedge_wheel, apps=(without,)), ["pi-01"])
+    (tmp_path / "other").mkdir()
+    other = _wheel(tmp_path / "other", "kitweights", "1.0", {**sources, "kitweights_app/start.safetensors": b"x" + weights},
+                   entry)
+    with pytest.raises(KitError, match="the wheel's weights file kitweights_app/start.safetensors has sha256"):
+        write_kits(deploy, KitOptions(target="pi", wheel=fedge_wheel, apps=(other,)), ["pi-01"])
 
 
 # -- several apps -------------------------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def _device_venv(prefix: Path) -> Path:
 
 def test_the_kits_app_wheel_is_installed_beside_fedge_and_listed_as_the_coordinator_has_it(
         deploy, fedge_wheel, diabetes_wheel, served, tmp_path, monkeypatch):
-    _, url, log = served   # an empty index as both indexes: the app's dependencies are installed, nothing is fetched
+    _, url, _ = served   # an empty index as both indexes: the app's dependencies are installed, nothing is fetched
     monkeypatch.syspath_prepend(str(EXAMPLE))   # the coordinator's side of the app, which the kit checks it against
     importlib.invalidate_caches()
     kit = _kit(deploy, fedge_wheel, apps=(diabetes_wheel,))

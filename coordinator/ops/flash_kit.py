@@ -124,7 +124,7 @@ def _check(options: KitOptions) -> None:
     if options.apps and (options.model, options.image_size, options.in_channels) != (None, None, None):
         raise KitError("--model, --image-size and --channels size fedge's own networks; with --app the apps' "
                        "example inputs size the devices' memory check: leave them out")
-    if not (options.batch_size > 0 and (options.image_size or 1) > 0 and (options.in_channels or 1) > 0):
+    if not (options.batch_size > 0 and all(n is None or n > 0 for n in (options.image_size, options.in_channels))):
         raise KitError("--batch-size, --image-size and --channels must be positive")
     if not (options.privacy_budget >= 0 and options.min_noise_multiplier >= 0) or (
             options.min_noise_multiplier and not options.privacy_budget):
@@ -142,8 +142,8 @@ def memory_need(options: KitOptions, apps: tuple[KitApp, ...] | None = None) -> 
 
     A device below it is OOM-killed seconds after the service starts, before the client logs a line,
     so install.sh checks it first."""
-    if options.apps:
-        apps = kit_apps(options.apps) if apps is None else apps
+    apps = _apps(options, apps)
+    if apps:
         train, what = max(_app_training(app, options.batch_size) for app in apps)
         if len(apps) > 1:
             what += f" (the most of the kit's {len(apps)} apps)"
@@ -191,6 +191,11 @@ def _mib(size: int) -> int:
     return -(-size // 2**20)
 
 
+def _apps(options: KitOptions, apps: tuple[KitApp, ...] | None) -> tuple[KitApp, ...]:
+    """The kit's apps: ``apps`` when the caller read them already, else ``options.apps`` read now."""
+    return kit_apps(options.apps) if apps is None else apps
+
+
 def service_data(options: KitOptions) -> str:
     """The service's ``--data``: ``options.data_spec``, else where the kit puts the data (an npz of fedge's own
     kinds; with apps, the path the apps' loaders read)."""
@@ -203,7 +208,7 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "",
 
     ``data_url`` and ``data_sha256``: this device's data to fetch at install (its own URL and digest);
     ``apps``: ``kit_apps(options.apps)`` when the caller has them."""
-    apps = kit_apps(options.apps) if apps is None and options.apps else apps or ()
+    apps = _apps(options, apps)
     need, why = memory_need(options, apps)
     lines = ["# What install.sh installs; written by fedge-coordinator kit. No secrets here.",
              f'FEDGE_KIT_TARGET="{options.target}"',
@@ -217,8 +222,8 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "",
              "# what the client logs once the broker passed its presence back: install.sh waits for it",
              f'FEDGE_ONLINE_LINE="{ONLINE_LINE}"']
     if apps:
-        lines += ["# the apps installed beside fedge: their wheels, checked against apps/SHA256SUMS, and apps/apps.txt,",
-                  "# each app as fedge-client apps must list it once installed (name, version, digest)",
+        lines += ["# the apps installed beside fedge (apps/: their wheels, checked against SHA256SUMS, and apps.txt,",
+                  "# each app as fedge-client apps must list it once installed: name, version, digest)",
                   f'FEDGE_APPS="{" ".join(app.name for app in apps)}"']
     if options.target == "jetson":
         # installed, a torch wheel takes about four times its size (the x86-64 CPU one: 192 MB to 790 MB)
@@ -248,7 +253,7 @@ LOW_MEMORY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_"
 def client_env(options: KitOptions, apps: tuple[KitApp, ...] | None = None) -> str:
     """``/etc/fedge/client.env``: the service's settings the bundle does not hold. ``apps``: as for kit_env;
     only their names are read here."""
-    apps = kit_apps(options.apps) if apps is None and options.apps else apps or ()
+    apps = _apps(options, apps)
     threads = 1 if options.low_memory and options.torch_threads == 0 else options.torch_threads
     lines = ["# fedge-client service settings, installed as /etc/fedge/client.env by the flash kit.",
              "# This device's data, passed as --data (npz:PATH, fashion-mnist:DIR or digits; with an app,",
@@ -257,11 +262,12 @@ def client_env(options: KitOptions, apps: tuple[KitApp, ...] | None = None) -> s
              "# torch CPU threads (0: one per core); 1 on a board short of memory.",
              f"FEDGE_TORCH_THREADS={threads}"]
     if len(apps) == 1:
-        lines += ["# the app the service runs (fedge-client run --app), installed by the kit", f"FEDGE_APP={apps[0].name}"]
+        lines += ["# the app the service runs (fedge-client run --app), installed by the kit",
+                  f"FEDGE_APP={apps[0].name}"]
     elif apps:
-        lines += [f"# this kit installs the apps {', '.join(a.name for a in apps)}: say which this device runs (the "
-                  "service's fedge-client", "# run --app); install.sh refuses to go on until FEDGE_APP is set",
-                  f"#FEDGE_APP={apps[0].name}"]
+        names = ", ".join(app.name for app in apps)
+        lines += [f"# this kit installs the apps {names}: say which this device runs (fedge-client run --app);",
+                  "# install.sh refuses to go on until FEDGE_APP is set", f"#FEDGE_APP={apps[0].name}"]
     if options.low_memory:
         lines += ["# a board short of memory: glibc gives freed memory back (smaller peak, slower training)",
                   *(f"{k}={v}" for k, v in LOW_MEMORY_MALLOC.items())]

@@ -20,11 +20,19 @@ import importlib.metadata
 import re
 import zipfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from coordinator.ops.provision import ProvisionError
-from edge_client.app import (BUILT_IN_APPS, ENTRY_POINT_GROUP, App, AppIdentity, app_identity, app_package,
-                             files_digest, load_app)
+from edge_client.app import (
+    BUILT_IN_APPS,
+    ENTRY_POINT_GROUP,
+    App,
+    AppIdentity,
+    app_identity,
+    app_package,
+    files_digest,
+    load_app,
+)
 
 __all__ = ["KitError", "KitApp", "AppWheel", "read_app_wheel", "kit_apps", "BUILD_WHEEL"]
 
@@ -79,7 +87,8 @@ def read_app_wheel(path: Path) -> AppWheel:
                 entries = {e.name: e.value for e in meta.entry_points.select(group=ENTRY_POINT_GROUP)}
                 python = {n: whl.read(n) for n in names if n.endswith(".py") and "__pycache__" not in n}
     except (zipfile.BadZipFile, OSError, ValueError, KeyError) as exc:
-        raise KitError(f"--app {path.name} is not a readable wheel ({exc}); build it again with {BUILD_WHEEL}") from None
+        raise KitError(f"--app {path.name} is not a readable wheel ({exc}); build it again with "
+                       f"{BUILD_WHEEL}") from None
     if len(info) != 1:
         raise KitError(f"--app {path.name} holds {len(info) or 'no'} .dist-info/METADATA, not one: not a wheel pip "
                        f"can install; build it with {BUILD_WHEEL}")
@@ -111,17 +120,16 @@ def _kit_app(wheel: AppWheel, name: str, path: str) -> KitApp:
     here = f"--app {wheel.path.name}: app {name} ({path})"
     try:
         app = load_app(path)
+        identity = app_identity(app)
     except Exception as exc:   # noqa: BLE001 -- the app's own import may raise anything: one line, not a traceback
-        raise KitError(f"{here} does not load on this machine ({exc}); install it here too (pip install "
-                       f"{wheel.path}): the coordinator runs the same app, and the kit sizes the devices' memory "
-                       "from it") from None
+        raise KitError(f"{here} does not load on this machine, which must hold it as the coordinator runs it and "
+                       f"the kit sizes the devices' memory with it (pip install {wheel.path}): {exc}") from None
     if app.name != name:
         raise KitError(f"{here} calls itself {app.name!r}: devices find an app by its own name, so register it as "
                        f"{app.name} = \"{path}\"")
     if not _VERSION.match(app.version):
         raise KitError(f"{here}: its version {app.version!r} is not in plain words (letters, digits, '.', '+', '-', "
                        "'_', '!'), which a kit writes into install.sh's files; give it a version such as 1.0.2")
-    identity = app_identity(app)
     package = app_package(app)
     inside = _package_files(wheel, package)
     digest = files_digest(inside) if inside else identity.digest   # an app declared outside its wheel: not compared
@@ -130,7 +138,25 @@ def _kit_app(wheel: AppWheel, name: str, path: str) -> KitApp:
                        f"wheel's (digest {digest[:12]}), and devices with the wheel's would refuse this "
                        f"coordinator's tasks; install the wheel here (pip install --force-reinstall {wheel.path}) or "
                        "build it from the app as installed")
+    if inside and identity.weights and not Path(app.weights).is_absolute():
+        _check_weights(wheel, f"{package}/{PurePosixPath(app.weights).as_posix()}", identity.weights, here)
     return KitApp(name, app, identity, wheel)
+
+
+def _check_weights(wheel: AppWheel, member: str, wanted: str, here: str) -> None:
+    """The app's starting weights (App.weights, package data) are in the wheel, the file installed here."""
+    try:
+        with zipfile.ZipFile(wheel.path) as whl:
+            found = hashlib.sha256(whl.read(member)).hexdigest()
+    except KeyError:
+        raise KitError(f"{here}: its weights file is not in the wheel (as {member}); ship it as package data (e.g. "
+                       "[tool.setuptools.package-data] in its pyproject.toml) and build the wheel again: devices "
+                       "without it cannot load the app") from None
+    if found != wanted:
+        raise KitError(f"{here}: the wheel's weights file {member} has sha256 {found[:12]}, the one installed here "
+                       f"{wanted[:12]}, and devices with the wheel's would refuse this coordinator's tasks; install "
+                       f"the wheel here (pip install --force-reinstall {wheel.path}) or build it from the app as "
+                       "installed")
 
 
 def _package_files(wheel: AppWheel, package: str) -> list[tuple[str, bytes]]:

@@ -15,10 +15,11 @@ def add_command(sub, name: str = "kit") -> None:  # sub: the parser's subparsers
         description="Write DEPLOY/kits/ID/ for each device of a provisioning directory: install.sh, which "
                     "checks the device's memory and disk, creates the venv, installs torch (a Pi: the CPU-only "
                     "build) and fedge's client extra, places the device's bundle, data and systemd unit, starts "
-                    "it and waits until the device is online on the broker; kit.env and client.env (no secrets); the fedge wheel; "
-                    "the app wheels (--app), which install.sh installs beside fedge; and the device's bundle (0600, deleted by install.sh once installed). Copy a kit onto its "
-                    "device and run sudo bash KIT/install.sh; it is safe to run again, and a kit with a newer "
-                    "wheel upgrades fedge. docs/deploy.md#flash-kits walks through it.")
+                    "it and waits until the device is online on the broker; kit.env and client.env (no secrets); "
+                    "the fedge wheel; the app wheels (--app), which install.sh installs beside fedge; and the "
+                    "device's bundle (0600, deleted by install.sh once installed). Copy a kit onto its device and "
+                    "run sudo bash KIT/install.sh; it is safe to run again, and a kit with a newer wheel upgrades "
+                    "fedge. docs/deploy.md#flash-kits walks through it.")
     kit.add_argument("--deploy", type=Path, required=True, metavar="DIR",
                      help="the --out directory of fedge-coordinator provision")
     kit.add_argument("--target", choices=("pi", "jetson"), required=True,
@@ -90,8 +91,9 @@ def _kit(args: argparse.Namespace) -> int:
                          torch_pip_args=args.torch_pip_args, torch_wheel=args.torch_wheel,
                          torch_threads=args.torch_threads, low_memory=args.low_memory, data=args.data_file,
                          data_dir=args.data_dir, data_url=args.data_url, data_sha256=args.data_sha256,
-                         data_spec=data_path or args.data_spec, apps=tuple(args.apps), model=args.model, batch_size=args.batch_size, image_size=args.image_size,
-                         in_channels=args.channels, privacy_budget=args.privacy_budget,
+                         data_spec=data_path or args.data_spec, apps=tuple(args.apps), model=args.model,
+                         batch_size=args.batch_size, image_size=args.image_size, in_channels=args.channels,
+                         privacy_budget=args.privacy_budget,
                          min_noise_multiplier=args.min_noise_multiplier)
     try:
         kits = write_kits(args.deploy, options, args.device or None)
@@ -104,8 +106,8 @@ def _kit(args: argparse.Namespace) -> int:
     print(f"each device needs {memory_need(options, apps)[1]}; install.sh refuses one with less")
     if len(apps) == 1:
         app = apps[0]
-        print(f"the devices get app {app.name} {app.identity.version} (digest {app.identity.digest[:12]}) and run it: "
-              f"fedge-client run --app {app.name} (FEDGE_APP in client.env)")
+        print(f"the devices get app {app.name} {app.identity.version} (digest {app.identity.digest[:12]}) and run "
+              f"it: fedge-client run --app {app.name} (FEDGE_APP in client.env)")
     elif apps:
         print(f"the devices get apps {', '.join(f'{a.name} {a.identity.version}' for a in apps)}; each must be told "
               "which it runs: set FEDGE_APP=NAME in its kit's client.env (the service's fedge-client run --app NAME) "

@@ -188,7 +188,8 @@ install_fedge() {
 # installed anew. Then fedge-client imports every installed app to list it, and each of the kit's must be
 # listed with the identity apps/apps.txt gives, the coordinator's: a device with another would refuse tasks.
 install_apps() {
-    local apps="$KIT/apps" stamp="$PREFIX/.fedge-apps.sha256" sum torch name listed line digest wheels=() index=()
+    local apps="$KIT/apps" stamp="$PREFIX/.fedge-apps.sha256" sum torch name version digest weights listed line
+    local wheels=() index=()
     [ -f "$apps/SHA256SUMS" ] || return 0
     (cd "$apps" && sha256sum --quiet -c SHA256SUMS) \
         || fail "the app wheels in $apps do not match the kit's manifest ($apps/SHA256SUMS): copy the kit again"
@@ -207,11 +208,11 @@ install_apps() {
     fi
     listed=$("$VENV/bin/fedge-client" apps) || fail "an installed app does not load; see the error above"
     while IFS= read -r line; do
-        digest=${line##* }
+        read -r name version digest weights <<< "$line"
         if ! grep -qxF "$line" <<< "$listed"; then
-            fail "fedge-client apps does not list app ${line% *} with digest $digest, the coordinator's, as the kit expects; it lists $(awk '{ printf "%s%s %s (digest %.12s)", (NR > 1 ? ", " : ""), $1, $2, $3 }' <<< "$listed")"
+            fail "fedge-client apps does not list app $name $version with digest $digest${weights:+ and $weights}, the coordinator's, as the kit expects; it lists $(awk '{ printf "%s%s %s (digest %.12s)", (NR > 1 ? ", " : ""), $1, $2, $3 }' <<< "$listed")"
         fi
-        say "app ${line% *} (digest ${digest:0:12}) installed"
+        say "app $name $version (digest ${digest:0:12}) installed"
     done < "$apps/apps.txt"
 }
 
