@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("apps", help="list the apps installed here: name, version and digest",
                    description="List every app installed on this device (fedge's own and those registered in the "
                                "fedge.apps entry-point group), one line each: its name, version and the digest of "
-                               "its files, which a task names it by. Each is imported to be listed; one that does "
-                               "not import is named on stderr and the exit status is 1.")
+                               "its files (then weights=SHA256 for an app with starting weights), which a task "
+                               "names it by. Each is imported to be listed; one that does not load is named on "
+                               "stderr and the exit status is 1.")
     return parser
 
 
@@ -373,7 +374,7 @@ def _say_stopping(stop: _Stop) -> None:
 
 
 def _apps() -> int:
-    """``fedge-client apps``: one ``NAME VERSION DIGEST`` line per installed app that loads; 1 when one does not."""
+    """``fedge-client apps``: one line per installed app that loads (AppIdentity.line); 1 when one does not."""
     from edge_client.app import AppError, app_identity, installed_apps, load_app
 
     try:

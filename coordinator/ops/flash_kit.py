@@ -28,8 +28,7 @@ from coordinator.ops.provision import write_file
 from edge_client.device_protocol import ONLINE_LINE
 from edge_client.bundle import BundleError, read_bundle
 
-__all__ = ["KitError", "KitOptions", "TARGETS", "CPU_INDEX", "write_kits", "kit_env", "client_env", "memory_need",
-           "service_data", "DATA_PATH"]
+__all__ = ["KitError", "KitOptions", "TARGETS", "CPU_INDEX", "write_kits", "kit_env", "client_env", "memory_need"]
 
 TARGETS = ("pi", "jetson")
 # Where the kit's data goes on the device (install.sh installs it there, whatever its format).
