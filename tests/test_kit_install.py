@@ -179,7 +179,8 @@ def test_the_kits_app_wheel_is_installed_beside_fedge_and_listed_as_the_coordina
     importlib.invalidate_caches()
     kit = _kit(deploy, fedge_wheel, apps=(diabetes_wheel,))
     venv = _device_venv(tmp_path / "opt")
-    where = {"PREFIX": str(tmp_path / "opt"), "VENV": str(venv), "TORCH_INDEX": url, "TORCH_PIP_ARGS": f"--index-url {url}"}
+    where = {"PREFIX": str(tmp_path / "opt"), "VENV": str(venv), "TORCH_INDEX": url,
+             "TORCH_PIP_ARGS": f"--index-url {url}"}
     done = _steps(kit, "install_apps", **where)
     assert done.returncode == 0, done.stdout + done.stderr
     expected = (kit / "apps" / "apps.txt").read_text().strip()   # diabetes 1.0.0 DIGEST, the coordinator's
@@ -187,8 +188,8 @@ def test_the_kits_app_wheel_is_installed_beside_fedge_and_listed_as_the_coordina
     assert f"app diabetes 1.0.0 (digest {expected.split()[2][:12]}) installed" in done.stdout
     assert (venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" /
             "diabetes_app" / "__init__.py").is_file()   # in the device's venv, not on a path of this test's
-    listed = subprocess.run([str(venv / "bin" / "fedge-client"), "apps"], capture_output=True, text=True, timeout=120,
-                            env=_ENV)
+    listed = subprocess.run([str(venv / "bin" / "fedge-client"), "apps"], capture_output=True, text=True,
+                            timeout=120, env=_ENV)
     assert listed.returncode == 0 and expected in listed.stdout.splitlines(), listed.stderr
     again = _steps(kit, "install_apps", **where)
     assert again.returncode == 0 and "installing" not in again.stdout   # the same wheels: nothing reinstalled
