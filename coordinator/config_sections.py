@@ -28,9 +28,9 @@ WEIGHTINGS = ("fedbuff", "normalized")   # async.weighting: how a buffer combine
 
 @dataclass(frozen=True)
 class RunSection:
-    strategy: str = "fedavg"
-    rounds: int = 5
-    seed: int = 0
+    strategy: str = "fedavg"        # the learning method (docs/methods.md); fedge-coordinator --help lists them
+    rounds: int = 5                 # federated rounds (model versions in run.mode = "async")
+    seed: int = 0                   # model initialization, client selection, partitions and local shuffling
     out: str = ""                   # empty: runs/<run id>
     diagnostics: bool = False       # record per-layer weight divergence of each round's client models
     mode: str = "sync"              # sync | async (buffered asynchronous aggregation, docs/async.md)
@@ -108,8 +108,8 @@ class TransportSection:
     kind: str = "mqtt"              # mqtt | inproc
     broker: str = ""                # mqtt://HOST:PORT or mqtts://HOST:PORT (TLS); empty: the embedded broker
     protocol: str = "auto"          # 5 | 3.1.1 | auto
-    prefix: str = "fedge"
-    username: str = ""
+    prefix: str = "fedge"           # the first level of every topic: fleets on one broker use different ones
+    username: str = ""              # the broker login, when it asks for one (its password from password_env)
     password_env: str = "FEDGE_MQTT_PASSWORD"   # the password is read from this variable, never stored
     max_message_bytes: int = 256 * 1024          # largest publish; longer messages go in chunks (broker limit)
     max_decoded_bytes: int = 64 * 1024 * 1024    # largest whole message accepted (reassembled, decompressed)
@@ -274,7 +274,7 @@ class SecAggSection:
     """``[secagg]``: secure aggregation (SecAgg+) of each training round (coordinator/runtime/secure_round.py,
     docs/privacy.md): the coordinator learns the sum of the round's updates and who dropped, not one update."""
 
-    enabled: bool = False
+    enabled: bool = False           # every training round aggregated securely
     degree: int = 0                 # neighbours per device; 0: about 2 log2 n (graph.suggested_degree)
     threshold: int = 0              # shares that recover a device's secrets; 0: degree // 2 + 1 (at least 2)
     clip: float = 1.0               # each weighted update entry is clipped to [-clip, clip]; privacy.clip_norm under DP
@@ -287,7 +287,7 @@ class MetricsSection:
     """``[metrics]``: a Prometheus endpoint for the run, up while it runs (coordinator/telemetry.py,
     docs/monitoring.md). Off unless asked for, and bound to this machine unless ``host`` says otherwise."""
 
-    enabled: bool = False
+    enabled: bool = False           # serve /metrics while the run runs (also --metrics-port)
     port: int = 9464                # 0: a free port, said at start and written to coordinator.log
     host: str = "127.0.0.1"         # the address to bind: "0.0.0.0" for a Prometheus on another machine
 

@@ -25,7 +25,7 @@ class FedAvgMSection:
     With lr 1 and momentum 0 it is FedAvg's step."""
 
     lr: float = 1.0         # the server learning rate
-    momentum: float = 0.9
+    momentum: float = 0.9   # the server momentum (beta)
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [(self.lr > 0, f"fedavgm.lr (the server learning rate) must be > 0, got {self.lr}"),

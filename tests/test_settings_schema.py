@@ -1,0 +1,41 @@
+"""Every setting is declared once, with what it does: ``fedge-coordinator settings`` and docs/settings.md are
+read from the sections' declarations, and the README's table names no key the code does not have."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from coordinator.settings_schema import markdown, settings
+from coordinator.ui.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_setting_says_what_it_does():
+    missing = [s.name for s in settings() if not s.help]
+    assert not missing, f"add a comment on these keys' lines in their section dataclass: {missing}"
+
+
+def test_the_settings_page_is_generated_from_the_declarations():
+    assert (ROOT / "docs" / "settings.md").read_text() == markdown(), \
+        "docs/settings.md is stale: fedge-coordinator settings --markdown > docs/settings.md"
+
+
+def test_the_readme_table_names_only_keys_the_code_has():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Configuration reference")
+    table = readme[start:readme.index("\n## ", start + 5)]
+    named = set(re.findall(r"^\| `([a-z_0-9]+\.[a-z_0-9]+)`", table, flags=re.M))
+    known = {s.name for s in settings()}
+    assert not {k for k in named - known if not k.startswith("model.")}, "the README names keys no section has"
+
+
+def test_the_command_lists_a_section_and_refuses_an_unknown_one(capsys):
+    assert main(["settings", "server", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows == [{"key": "server.optimizer", "type": "str", "default": "", "owner": "core",
+                     "help": rows[0]["help"]}] and "fedyogi" in rows[0]["help"]
+    assert main(["settings", "nope"]) == 2
+    assert "no section nope; sections: aggregate" in capsys.readouterr().err
