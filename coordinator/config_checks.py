@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SELECTIONS,
                                          SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
-from coordinator.methods import requirements
+from coordinator.methods import folds_updates, method, requirements, resolve, strategies_that
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
 from edge_client.registry import METHODS, model_hooks, optimizers
 from edge_client.device import DeviceError, resolve_device
@@ -188,8 +188,8 @@ def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:
          f"workers.group must be a name without / + #, got {w.group!r}"),
         (config.transport.kind == "mqtt" and bool(config.transport.broker),
          f"{need} a broker they can reach too: set transport.broker (mqtt://HOST:PORT)"),
-        (config.run.strategy in ("fedavg", "fedprox"),
-         f"{need} a strategy whose every result folds into one weighted sum: fedavg or fedprox, "
+        (folds_updates(resolve(method(config.run.strategy).strategy)),
+         f"{need} a strategy whose every result folds into one weighted sum ({strategies_that(folds_updates)}), "
          f"not {config.run.strategy!r}"),
         (config.aggregate.rule == "mean" and config.aggregate.norm_bound == 0,
          f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need every result at once)"),

@@ -9,13 +9,13 @@ Its strategy is built by :mod:`coordinator.strategy_setup`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from coordinator.errors import ConfigError
 from edge_client.registry import METHODS, Method, resolve, strategies
 
-__all__ = ["method", "resolve", "method_sections", "requirements"]
+__all__ = ["strategies_that", "folds_updates", "method", "resolve", "method_sections", "requirements"]
 
 
 def method(name: str) -> Method:
@@ -59,3 +59,17 @@ def requirements(strategy: str, model: Mapping[str, Any], explicit: frozenset[st
                               "another strategy")
     defaults = {k: v for k, v in entry.defaults.items() if k not in explicit}
     return dict(entry.model_options), defaults
+
+
+def strategies_that(can: Callable[[type], bool]) -> str:
+    """The registered strategies whose class ``can``, comma-separated: what a refusal offers instead, read from
+    each strategy's own declarations so that no message lists methods by hand."""
+    return ", ".join(name for name in strategies() if can(resolve(method(name).strategy)))
+
+
+def folds_updates(cls: type) -> bool:
+    """Every result is one update of the model it was sent, folded into one weighted sum: a FedAvg whose class
+    declares no reason against it (``sync_only``, ``central_dp``)."""
+    from coordinator.strategies.fedavg import FedAvg
+
+    return issubclass(cls, FedAvg) and not cls.sync_only and not cls.central_dp

@@ -9,31 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 from coordinator.aggregation import Aggregator
 from coordinator.config import RunConfig
 from coordinator.errors import ConfigError
-from coordinator.methods import method, resolve
+from coordinator.methods import folds_updates, method, resolve, strategies_that
 from coordinator.strategies.server import PlainStep, ServerOptimizer
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.fedavg import FedAvg
 from coordinator.strategies.base import PersonalizedEval, Strategy
-from edge_client.registry import strategies
 
-__all__ = ["make_strategy", "strategies_that"]
-
-
-def strategies_that(can: Callable[[type[Strategy]], bool]) -> str:
-    """The registered strategies whose class ``can``, comma-separated: what a refusal offers instead, read from
-    each strategy's own declarations so that no message lists methods by hand."""
-    return ", ".join(name for name in strategies() if can(resolve(method(name).strategy)))
-
-
-def _folds_updates(cls: type[Strategy]) -> bool:
-    """Every result is one update of the model it was sent, folded into one sum: the class declares no reason
-    against it."""
-    return issubclass(cls, FedAvg) and not cls.sync_only and not cls.central_dp
+__all__ = ["make_strategy"]
 
 
 def make_strategy(config: RunConfig) -> Strategy:
@@ -64,14 +50,14 @@ def make_strategy(config: RunConfig) -> Strategy:
             raise ConfigError(f"privacy.mode = {config.privacy.mode!r} cannot run run.strategy = "
                               f"{config.run.strategy!r}: {strategy.central_dp or 'it combines results its own way'}; "
                               "use privacy.mode = 'off' or a strategy whose every result is one clipped update per "
-                              f"device ({strategies_that(_folds_updates)}; docs/privacy.md)")
+                              f"device ({strategies_that(folds_updates)}; docs/privacy.md)")
         strategy.privacy = privacy
     if config.secagg.enabled and (strategy.central_dp or not isinstance(strategy, FedAvg)
                                   or not strategy.streams("train")):
         raise ConfigError(f"secagg.enabled = true cannot run run.strategy = {config.run.strategy!r}: "
                           f"{strategy.central_dp or 'it combines results its own way'}; the coordinator sees only "
                           "the sum of the round's updates, so use secagg.enabled = false or a strategy that folds one "
-                          f"update per device into one sum ({strategies_that(_folds_updates)}; docs/privacy.md)")
+                          f"update per device into one sum ({strategies_that(folds_updates)}; docs/privacy.md)")
     if config.schedule.scheduled:
         strategy.lr_factor = functools.partial(config.schedule.factor, rounds=config.run.rounds)
     if strategy.robust:
