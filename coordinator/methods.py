@@ -15,7 +15,7 @@ from typing import Any
 from coordinator.errors import ConfigError
 from edge_client.registry import METHODS, Method, resolve, strategies
 
-__all__ = ["strategies_that", "folds_updates", "method", "resolve", "method_sections", "requirements"]
+__all__ = ["strategies_that", "one_update_per_device", "folds_updates", "compatibility_table", "method", "resolve", "method_sections", "requirements"]
 
 
 def method(name: str) -> Method:
@@ -67,9 +67,34 @@ def strategies_that(can: Callable[[type], bool]) -> str:
     return ", ".join(name for name in strategies() if can(resolve(method(name).strategy)))
 
 
-def folds_updates(cls: type) -> bool:
-    """Every result is one update of the model it was sent, folded into one weighted sum: a FedAvg whose class
-    declares no reason against it (``sync_only``, ``central_dp``)."""
+def one_update_per_device(cls: type) -> bool:
+    """Every training result is one update of the model it was sent, which a device can clip and noise and a
+    secure sum can add up: a FedAvg whose class declares no reason against it (``central_dp``)."""
     from coordinator.strategies.fedavg import FedAvg
 
-    return issubclass(cls, FedAvg) and not cls.sync_only and not cls.central_dp
+    return issubclass(cls, FedAvg) and not cls.central_dp
+
+
+def folds_updates(cls: type) -> bool:
+    """Besides, every phase folds its results into one weighted sum whenever they come (no ``sync_only``)."""
+    return one_update_per_device(cls) and not cls.sync_only
+
+
+def compatibility_table() -> str:
+    """Which stage and mode each registered strategy takes, as a Markdown table, from the classes' declarations
+    (the same ones the checks at start read)."""
+    from coordinator.strategies.fedavg import FedAvg
+
+    columns = [("`[server] optimizer`", lambda cls: issubclass(cls, FedAvg)),
+               ("`run.mode = \"async\"`", lambda cls: issubclass(cls, FedAvg) and not cls.sync_only),
+               ("central and local DP, SecAgg", one_update_per_device),
+               ("aggregation workers", folds_updates),
+               ("`aggregate.rule`, `norm_bound`", lambda cls: bool(cls.robust)),
+               ("apps", lambda cls: False)]
+    lines = ["| strategy | " + " | ".join(title for title, _ in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for name in strategies():
+        cls, entry = resolve(method(name).strategy), method(name)
+        marks = ["yes" if (entry.takes_apps if title == "apps" else can(cls)) else "-" for title, can in columns]
+        lines.append(f"| `{name}` | " + " | ".join(marks) + " |")
+    return "\n".join(lines) + "\n"

@@ -13,7 +13,7 @@ import functools
 from coordinator.aggregation import Aggregator
 from coordinator.config import RunConfig
 from coordinator.errors import ConfigError
-from coordinator.methods import folds_updates, method, resolve, strategies_that
+from coordinator.methods import method, one_update_per_device, resolve, strategies_that
 from coordinator.strategies.server import PlainStep, ServerOptimizer
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.fedavg import FedAvg
@@ -50,14 +50,14 @@ def make_strategy(config: RunConfig) -> Strategy:
             raise ConfigError(f"privacy.mode = {config.privacy.mode!r} cannot run run.strategy = "
                               f"{config.run.strategy!r}: {strategy.central_dp or 'it combines results its own way'}; "
                               "use privacy.mode = 'off' or a strategy whose every result is one clipped update per "
-                              f"device ({strategies_that(folds_updates)}; docs/privacy.md)")
+                              f"device ({strategies_that(one_update_per_device)}; docs/privacy.md)")
         strategy.privacy = privacy
     if config.secagg.enabled and (strategy.central_dp or not isinstance(strategy, FedAvg)
                                   or not strategy.streams("train")):
         raise ConfigError(f"secagg.enabled = true cannot run run.strategy = {config.run.strategy!r}: "
                           f"{strategy.central_dp or 'it combines results its own way'}; the coordinator sees only "
                           "the sum of the round's updates, so use secagg.enabled = false or a strategy that folds one "
-                          f"update per device into one sum ({strategies_that(folds_updates)}; docs/privacy.md)")
+                          f"update per device into one sum ({strategies_that(one_update_per_device)}; docs/privacy.md)")
     if config.schedule.scheduled:
         strategy.lr_factor = functools.partial(config.schedule.factor, rounds=config.run.rounds)
     if strategy.robust:
