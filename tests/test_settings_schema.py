@@ -39,3 +39,12 @@ def test_the_command_lists_a_section_and_refuses_an_unknown_one(capsys):
                      "help": rows[0]["help"]}] and "fedyogi" in rows[0]["help"]
     assert main(["settings", "nope"]) == 2
     assert "no section nope; sections: aggregate" in capsys.readouterr().err
+
+
+def test_the_compatibility_table_in_the_docs_is_the_declarations():
+    from coordinator.methods import compatibility_table
+
+    page = (ROOT / "docs" / "methods.md").read_text()
+    start = page.index("<!-- compatibility table: generated -->\n")
+    copy = page[start:page.index("<!-- end of the compatibility table -->")].split("\n", 1)[1]
+    assert copy == compatibility_table(), "docs/methods.md's table is stale: paste compatibility_table()'s output"
