@@ -1,4 +1,4 @@
-"""Every setting is declared once, with what it does: ``fedge-coordinator settings`` and docs/settings.md are
+"""Every setting is declared once, with what it does: ``fedge-coordinator config keys`` and docs/settings.md are
 read from the sections' declarations, and the README's table names no key the code does not have."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_every_setting_says_what_it_does():
 
 def test_the_settings_page_is_generated_from_the_declarations():
     assert (ROOT / "docs" / "settings.md").read_text() == markdown(), \
-        "docs/settings.md is stale: fedge-coordinator settings --markdown > docs/settings.md"
+        "docs/settings.md is stale: fedge-coordinator config keys --markdown > docs/settings.md"
 
 
 def test_the_readme_table_names_only_keys_the_code_has():
@@ -33,11 +33,11 @@ def test_the_readme_table_names_only_keys_the_code_has():
 
 
 def test_the_command_lists_a_section_and_refuses_an_unknown_one(capsys):
-    assert main(["settings", "server", "--json"]) == 0
+    assert main(["config", "keys", "server", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows == [{"key": "server.optimizer", "type": "str", "default": "", "owner": "core",
                      "help": rows[0]["help"]}] and "fedyogi" in rows[0]["help"]
-    assert main(["settings", "nope"]) == 2
+    assert main(["config", "keys", "nope"]) == 2
     assert "no section nope; sections: aggregate" in capsys.readouterr().err
 
 
@@ -48,3 +48,21 @@ def test_the_compatibility_table_in_the_docs_is_the_declarations():
     start = page.index("<!-- compatibility table: generated -->\n")
     copy = page[start:page.index("<!-- end of the compatibility table -->")].split("\n", 1)[1]
     assert copy == compatibility_table(), "docs/methods.md's table is stale: paste compatibility_table()'s output"
+
+
+def test_the_schema_takes_a_good_file_and_names_every_key(capsys):
+    assert main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["properties"]["server"]["properties"]["optimizer"]["type"] == "string"
+    assert schema["properties"]["clients"]["additionalProperties"] is False
+    assert sum(len(s.get("properties", {})) for s in schema["properties"].values()) == len(settings())
+
+
+def test_show_says_where_each_value_came_from(tmp_path, capsys):
+    (tmp_path / "run.toml").write_text('[run]\nstrategy = "spherefed"\nrounds = 7\n')
+    assert main(["config", "show", str(tmp_path / "run.toml"), "--set", "train.lr=0.01", "--changed"]) == 0
+    shown = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()}
+    assert shown["run.strategy"] == "file" and shown["run.rounds"] == "file" and shown["train.lr"] == "flag"
+    assert "clients.expected" not in shown   # at its default
+    assert main(["config", "show", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from typing import Any
 
 from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check_partition_spec, positive
 from edge_client.registry import commands, model_options, resolve, strategies
-from coordinator.ui import kit_cli, new_cli, privacy_cli, settings_cli, status_cli
+from coordinator.ui import config_cli, kit_cli, new_cli, privacy_cli, status_cli
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     kit_cli.add_command(sub)
     new_cli.add_command(sub)
     privacy_cli.add_command(sub)
-    settings_cli.add_command(sub)
+    config_cli.add_command(sub)
     status_cli.add_command(sub)
     _add_worker(sub)
     return parser
