@@ -40,7 +40,7 @@ class RunSection:
 class ServerSection:
     """``[server]``: the stages of the coordinator's step that compose with any strategy combining model deltas."""
 
-    optimizer: str = ""             # "" : the strategy's own; fedavg | fedadam | fedyogi | fedadagrad | fedavgm
+    optimizer: str = ""             # "": the strategy's own; "fedavg" (plain step) or a method's optimizer (docs/server-optimizers.md)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ ALLOWED = {"edge_client/registry.py"}   # the one place that names every method
 
 # A method's name: not glued to a letter on its left (a camelCase start is a boundary) nor to a
 # lower-case letter on its right (``FFCStats``, ``Fed2Plan``: a capital starts the next part).
-NAMES = ("spherefed", "sphere", "fedma", "fed2", "dfl", "pans", "pan", "ffc")
+NAMES = ("spherefed", "sphere", "fedma", "fed2", "dfl", "pans", "pan", "ffc", "fedadam", "fedyogi", "fedadagrad",
+         "fedavgm")
 PATTERN = re.compile(rf"(?:(?<![A-Za-z])|(?<=[a-z])(?=[A-Z]))(?i:{'|'.join(NAMES)})(?![a-z])")
 
 # Files whose comments or docstrings may still name a method while they are being reworded, each with

@@ -36,7 +36,7 @@ def test_the_command_lists_a_section_and_refuses_an_unknown_one(capsys):
     assert main(["config", "keys", "server", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows == [{"key": "server.optimizer", "type": "str", "default": "", "owner": "core",
-                     "help": rows[0]["help"]}] and "fedyogi" in rows[0]["help"]
+                     "help": rows[0]["help"]}] and "server-optimizers.md" in rows[0]["help"]
     assert main(["config", "keys", "nope"]) == 2
     assert "no section nope; sections: aggregate" in capsys.readouterr().err
 

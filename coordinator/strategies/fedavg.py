@@ -156,8 +156,8 @@ class FedAvg(Strategy):
 
 
 class OptimizerShorthand(FedAvg):
-    """FedAvg with a named server optimizer: the strategies named after one (``run.strategy = "fedadam"``),
-    the same as ``run.strategy = "fedavg"`` with ``server.optimizer = "fedadam"``."""
+    """FedAvg with a named server optimizer: the strategies named after one (``run.strategy = NAME``), the
+    same as ``run.strategy = "fedavg"`` with ``server.optimizer = NAME``."""
 
     step: ClassVar[type[ServerOptimizer]]
 

@@ -2,8 +2,8 @@
 
 An optimizer is a stage of its own (:class:`ServerOptimizer`), not a strategy: any strategy that
 combines model deltas into one update and ends its round with ``server_step`` takes any optimizer
-(``[server] optimizer``), so FedProx with FedYogi, or a method's own training with server momentum,
-are a setting, not a class. The strategies named after an optimizer (``fedadam``, ...) are FedAvg
+(``[server] optimizer``), so FedProx with an adaptive step, or a method's own training with server
+momentum, are a setting, not a class. The strategies named after an optimizer are FedAvg
 with that optimizer.
 
 FedAvg adds the clients' mean update to the model: a server step of learning rate 1. The
@@ -44,7 +44,7 @@ class AdaptiveSection:
 
     lr: float = 0.01        # the server learning rate (eta)
     beta1: float = 0.9      # first-moment decay (0: no momentum)
-    beta2: float = 0.99     # second-moment decay (FedAdam, FedYogi)
+    beta2: float = 0.99     # second-moment decay (of the steps that keep an average of the squared update)
     tau: float = 1e-3       # adaptivity: added to the root of the second moment
     section: ClassVar[str] = "adaptive"
 
