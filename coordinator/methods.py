@@ -69,10 +69,8 @@ def strategies_that(can: Callable[[type], bool]) -> str:
 
 def one_update_per_device(cls: type) -> bool:
     """Every training result is one update of the model it was sent, which a device can clip and noise and a
-    secure sum can add up: a FedAvg whose class declares no reason against it (``central_dp``)."""
-    from coordinator.strategies.fedavg import FedAvg
-
-    return issubclass(cls, FedAvg) and not cls.central_dp
+    secure sum can add up: a strategy that aggregates deltas and declares no reason against it (``central_dp``)."""
+    return bool(cls.aggregates_deltas) and not cls.central_dp
 
 
 def folds_updates(cls: type) -> bool:
@@ -83,10 +81,8 @@ def folds_updates(cls: type) -> bool:
 def compatibility_table() -> str:
     """Which stage and mode each registered strategy takes, as a Markdown table, from the classes' declarations
     (the same ones the checks at start read)."""
-    from coordinator.strategies.fedavg import FedAvg
-
-    columns = [("`[server] optimizer`", lambda cls: issubclass(cls, FedAvg)),
-               ("`run.mode = \"async\"`", lambda cls: issubclass(cls, FedAvg) and not cls.sync_only),
+    columns = [("`[server] optimizer`", lambda cls: bool(cls.aggregates_deltas)),
+               ("`run.mode = \"async\"`", lambda cls: bool(cls.aggregates_deltas) and not cls.sync_only),
                ("central and local DP, SecAgg", one_update_per_device),
                ("aggregation workers", folds_updates),
                ("`aggregate.rule`, `norm_bound`", lambda cls: bool(cls.robust)),

@@ -32,16 +32,16 @@ def make_strategy(config: RunConfig) -> Strategy:
                           f"updates ({strategies_that(lambda cls: bool(cls.robust))}); {config.run.strategy!r} as "
                           "configured combines results its own way: leave them at mean and 0")
     if config.server.optimizer and config.server.optimizer != config.run.strategy:
-        if not isinstance(strategy, FedAvg):
+        if not strategy.aggregates_deltas:
             raise ConfigError(f"server.optimizer = {config.server.optimizer!r} cannot step run.strategy = "
                               f"{config.run.strategy!r}: it does not combine its results into one model update; "
                               "leave server.optimizer empty or use a strategy that does "
-                              f"({strategies_that(lambda cls: issubclass(cls, FedAvg))})")
+                              f"({strategies_that(lambda cls: bool(cls.aggregates_deltas))})")
         strategy.optimizer = _optimizer(config)
     if config.run.mode == "async" and strategy.sync_only:
         raise ConfigError(f"run.mode = 'async' cannot run run.strategy = {config.run.strategy!r}: "
                           f"{strategy.sync_only}; use run.mode = 'sync' or a strategy that folds every result into "
-                          f"one update ({strategies_that(lambda cls: issubclass(cls, FedAvg) and not cls.sync_only)})")
+                          f"one update ({strategies_that(lambda cls: bool(cls.aggregates_deltas) and not cls.sync_only)})")
     privacy = CentralPrivacy.from_config(config) or LocalPrivacy.from_config(config)
     if privacy is not None:
         # Local DP needs the same of a strategy: one update per device of the model it was sent, which the device

@@ -216,6 +216,9 @@ class Strategy:
     # Whether the strategy averages what clients send as updates of what it sent, so that
     # aggregate.rule and aggregate.norm_bound apply (coordinator/aggregation.py).
     robust = False
+    # Whether a training round ends in one combined update of the model that ``server_step`` applies, so that
+    # any server optimizer ([server] optimizer, coordinator/strategies/server.py) can take that step.
+    aggregates_deltas = False
     # Why the strategy cannot run with run.mode = "async" (docs/async.md), "" when it can: buffered
     # asynchronous versions need every result to fold into one weighted update of the model that the
     # strategy's ``server_step`` applies, whenever it comes.
