@@ -355,6 +355,31 @@ def test_uploads_carry_only_the_invariant_branch(tmp_path, digits, announce_runn
     assert (tmp_path / "dev1" / STATE_FILE).is_file()
 
 
+def test_the_invariant_extractors_mean_update_takes_the_configured_server_step(tmp_path):
+    """DFL with ``[server] optimizer``: the weighted mean of the invariant updates is the pseudo-gradient, stepped
+    exactly as the optimizer steps any strategy's update; with none, the plain step is DFL's own average."""
+    from coordinator.strategies.base import ClientResult, WeightedSum
+    from methods.fedyogi.strategy import FedYogiSection, FedYogiStep
+
+    yogi = make_strategy(dfl_config(tmp_path / "y", server__optimizer="fedyogi", fedyogi__lr=0.1))
+    plain = make_strategy(dfl_config(tmp_path / "p"))
+    spec = yogi.model_spec({"name": "cnn", "num_classes": 10, "in_channels": 3, "image_size": 8})
+    model = build_model(spec)
+    state = yogi.initialize(spec, {k: v for k, v in model.state_dict().items() if k in federated_names(model)})
+    g = torch.Generator().manual_seed(0)
+    results = [ClientResult(f"dev{i}", 10 * (i + 1), {}, deltas={k: torch.randn(v.shape, generator=g) * 0.01
+                                                                 for k, v in state.params.items()})
+               for i in range(3)]
+    mean = WeightedSum.reduce(WeightedSum.of(r.deltas, r.num_samples) for r in results).mean(torch.float64)
+    stepped = yogi.aggregate_train(1, state, results)
+    expected = FedYogiStep(FedYogiSection(lr=0.1)).step(1, state, mean)
+    assert stepped.params.keys() == state.params.keys() and stepped.buffers.keys() == expected.buffers.keys()
+    assert all(torch.equal(stepped.params[k], expected.params[k]) for k in state.params)
+    averaged = plain.aggregate_train(1, state, results)
+    assert not averaged.buffers
+    assert all(torch.equal(averaged.params[k], (state.params[k].double() + mean[k]).float()) for k in state.params)
+
+
 def test_dfl_config_errors_say_what_to_set(tmp_path):
     with pytest.raises(ConfigError, match="local_test_fraction"):
         make_strategy(dfl_config(tmp_path / "a", data__local_test_fraction=0.0))

@@ -138,7 +138,7 @@ def _config(**sets):
     return load_config(None, [(*k.split("__", 1), v) for k, v in sets.items()])
 
 
-@pytest.mark.parametrize("strategy", ["fedprox", "spherefed", "fedavg_ffc", "fed2"])
+@pytest.mark.parametrize("strategy", ["fedprox", "spherefed", "fedavg_ffc", "fed2", "dfl"])
 def test_any_strategy_that_combines_deltas_takes_any_server_optimizer(strategy):
     built = make_strategy(_config(run__strategy=strategy, server__optimizer="fedyogi", fedyogi__lr=0.1))
     assert type(built.optimizer).name == "fedyogi" and type(built).name == strategy
@@ -161,8 +161,8 @@ def test_a_named_optimizer_is_its_shorthand_strategy_to_the_bit():
 
 
 @pytest.mark.parametrize("sets, message", [
-    ({"run__strategy": "dfl", "server__optimizer": "fedyogi"},
-     r"server.optimizer = 'fedyogi' cannot step run.strategy = 'dfl': .* \(fedavg, fedprox, spherefed"),
+    ({"run__strategy": "fedma", "run__rounds": 8, "server__optimizer": "fedyogi"},
+     r"server.optimizer = 'fedyogi' cannot step run.strategy = 'fedma': .* \(fedavg, fedprox, spherefed"),
     ({"run__strategy": "fedadam", "server__optimizer": "fedyogi"}, "is FedAvg with its own server optimizer"),
     ({"server__optimizer": "adamw"}, "server.optimizer must be one of fedavg, fedadam, fedyogi"),
 ])

@@ -20,6 +20,7 @@ from torch import nn
 
 from edge_client.app import Samples, evaluate_metrics, spec_app
 from edge_client.objectives import evaluate as evaluate_model
+from coordinator.strategies.server import PlainStep, ServerOptimizer
 from storage.state import ServerState
 from storage.errors import FedgeError
 
@@ -219,6 +220,9 @@ class Strategy:
     # Whether a training round ends in one combined update of the model that ``server_step`` applies, so that
     # any server optimizer ([server] optimizer, coordinator/strategies/server.py) can take that step.
     aggregates_deltas = False
+    # [server] optimizer: the step a round's combined update takes (set by coordinator/strategy_setup.py); only a
+    # strategy that ``aggregates_deltas`` calls :meth:`server_step`.
+    optimizer: ServerOptimizer = PlainStep()
     # Why the strategy cannot run with run.mode = "async" (docs/async.md), "" when it can: buffered
     # asynchronous versions need every result to fold into one weighted update of the model that the
     # strategy's ``server_step`` applies, whenever it comes.
@@ -226,6 +230,11 @@ class Strategy:
     # Why the strategy cannot run with privacy.mode = "central" (docs/privacy.md), "" when it can: central
     # DP needs every result to be one clipped update folded into one sum that gets noise once.
     central_dp = "it does not fold one update per device into a single sum"
+
+    def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
+        """The state after the round's combined update (float64, by tensor name): the server optimizer's
+        step (:mod:`coordinator.strategies.server`; FedAvg's adds it)."""
+        return self.optimizer.step(round, state, update)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The network every party builds, from the configured one (``[model]`` plus the data's

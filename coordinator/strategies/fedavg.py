@@ -16,7 +16,7 @@ import torch
 from coordinator.aggregation import Aggregator
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan, WeightedSum
-from coordinator.strategies.server import PlainStep, ServerOptimizer
+from coordinator.strategies.server import ServerOptimizer
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -45,8 +45,6 @@ class FedAvg(Strategy):
     aggregator = Aggregator()
     # [privacy] mode = "central" or "local" (coordinator/strategy_setup.py)
     privacy: CentralPrivacy | LocalPrivacy | None = None
-    # [server] optimizer: the step a round's combined update takes (coordinator/strategy_setup.py)
-    optimizer: ServerOptimizer = PlainStep()
 
     def __init__(self, train: dict[str, Any]) -> None:
         self.train = dict(train)
@@ -149,11 +147,6 @@ class FedAvg(Strategy):
         else:
             update = self.aggregator.combine([(r.deltas, r.num_samples) for r in results])
         return self.server_step(round, state, update)
-
-    def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
-        """The state after the round's combined update (float64, by tensor name): the server optimizer's
-        step (:mod:`coordinator.strategies.server`; FedAvg's adds it)."""
-        return self.optimizer.step(round, state, update)
 
 
 class OptimizerShorthand(FedAvg):

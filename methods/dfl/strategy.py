@@ -71,6 +71,7 @@ class DflSection:
 
 class DFL(Strategy):
     name = "dfl"
+    aggregates_deltas = True   # the invariant extractor's mean update takes the server's step (any optimizer)
     sync_only = "its rounds alternate local and global stages and end in every client's personalized evaluation"
 
     def __init__(self, train: dict[str, Any], settings: DflSection, *, seed: int, every: int = 1,
@@ -145,13 +146,13 @@ class DFL(Strategy):
         return self.aggregate_train(round, state, results), _train_metrics(results)
 
     def aggregate_train(self, round: int, state: ServerState, results: list[ClientResult]) -> ServerState:
-        """Sample-weighted mean of the invariant extractors; with diversity, bank each specific one."""
+        """The server's step (:meth:`server_step`, ``[server] optimizer``) on the sample-weighted mean update of
+        the invariant extractors; with diversity, bank each specific one."""
         names = part_names(state.params, INVARIANT)
         total = WeightedSum.reduce(WeightedSum.of({k: r.deltas[k] for k in names}, r.num_samples) for r in results)
-        invariant = {k: (state.params[k].to(torch.float64) + u).to(torch.float32)
-                     for k, u in total.mean(torch.float64).items()}
+        stepped = self.server_step(round, state, total.mean(torch.float64))
         banked = {f"{BANK}/{r.client_id}/{k}": r.tensors[k] for r in results for k in self._specific(state)}
-        return dataclasses.replace(state, round=round, params={**state.params, **invariant, **banked})
+        return dataclasses.replace(stepped, params={**stepped.params, **banked})
 
     def configure_evaluate(self, round: int, state: ServerState, clients: list[str]) -> list[TaskPlan]:
         """The global invariant extractor to every client, tested with its own branches; with
