@@ -14,7 +14,7 @@ TORCH_VERSION ?= 2.13.0
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
-.PHONY: demo test test-fast install system-deps bench clean check-wheels
+.PHONY: demo test test-fast tutorials install system-deps bench clean check-wheels
 
 $(BIN)/.fedge-installed: pyproject.toml
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { [ "$$(id -u)" = 0 ] && \
@@ -52,6 +52,11 @@ test: install system-deps
 # Fashion-MNIST files.
 test-fast: install
 	$(PYTEST) -m "not integration"
+
+# The tutorials' commands, with the steps they mark long (root, real devices or many minutes), which `make test`
+# leaves out: tests/test_tutorials.py runs each page's console blocks and compares what they print.
+tutorials: install system-deps
+	FEDGE_TUTORIALS=long $(BIN)/python -m pytest -v tests/test_tutorials.py
 
 bench: install
 	$(BIN)/python bench/fedavg_fashion.py
