@@ -103,7 +103,7 @@ def markdown() -> str:
              "section dataclasses instead (a test checks this file is current) -->", "",
              "Every key a run's configuration accepts (`[section]` in a TOML file, or `--set section.key=value`),",
              "read from the sections' declarations. `[model]` takes the network's options, which are not fixed",
-             "keys (the README's [Configuration reference](../README.md#configuration-reference))."]
+             "keys: `edge_client/models.py` reads those of fedge's own networks, an [app](apps.md) its own."]
     section = None
     for s in settings():
         if s.section != section:
