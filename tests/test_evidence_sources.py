@@ -30,16 +30,16 @@ QUOTED_SPREAD = re.compile(r"([−+-]?)(\d+\.?\d*) ± (\d+\.?\d*)")
 QUOTED_PER_SEED = re.compile(
     r"(?<![\[\d.])[−+-]\d+\.\d+(?:(?: / |, )(?:\*\*)?[−+-]\d+\.\d+(?:\*\*)?){2}(?![\d.])")
 SIGNED = re.compile(r"[−+-]\d+\.\d+")
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # Figures worked out from run files that no report aggregates, each with where it comes from. Every one must
 # still be quoted, so an entry goes when its figure does.
 NOT_IN_A_REPORT = {
-    "+1.59 ± 0.52": "dfl.md, refresh over DFL between exact twins: dfl_postfix/ seeds 0, 1 and dfl/ seed 2",
-    "+1.12 ± 0.17": "dfl.md, the same on rotate5",
-    "78.10 ± 0.26": "dfl.md, DFL on color5 with every run seeded exactly: dfl_postfix/ seeds 0, 1, dfl/ seed 2",
-    "70.49 ± 0.64": "dfl.md, the same on rotate5",
-    "+2.31, +1.33, +1.13": "dfl.md, the refresh's gain per seed between those exact twins on color5",
-    "+1.03, +1.36, +0.97": "dfl.md, the same on rotate5",
+    "+1.59 ± 0.52": "evidence/dfl.md, refresh over DFL between exact twins: dfl_postfix/ seeds 0, 1 and dfl/ seed 2",
+    "+1.12 ± 0.17": "evidence/dfl.md, the same on rotate5",
+    "78.10 ± 0.26": "evidence/dfl.md, DFL on color5 with every run seeded exactly: dfl_postfix/ seeds 0, 1, dfl/ seed 2",
+    "70.49 ± 0.64": "evidence/dfl.md, the same on rotate5",
+    "+2.31, +1.33, +1.13": "evidence/dfl.md, the refresh's gain per seed between those exact twins on color5",
+    "+1.03, +1.36, +0.97": "evidence/dfl.md, the same on rotate5",
 }
 
 
