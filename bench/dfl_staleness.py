@@ -4,7 +4,7 @@ Why: under the benchmark protocol 100 clients exist and 10 train per round, so a
 specific extractor and predictor last learned about 10 rounds before an evaluation, against the
 invariant extractor of that round. ``dfl_evaluate`` pairs them with the *current* global invariant
 extractor, whose features have moved on since. If that mismatch is what keeps DFL below FedAvg
-(docs/dfl.md, "Under the protocol: the first runs"), a device's accuracy falls with the rounds since it last trained,
+(docs/evidence/dfl.md, "Stale devices"), a device's accuracy falls with the rounds since it last trained,
 and one pass of DFL's local stage against the current invariant extractor recovers it. If neither
 holds, the predictor is not the cause and the verdict has to look elsewhere.
 

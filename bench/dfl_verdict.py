@@ -2,7 +2,7 @@
 
 Why: the matrix report (``bench/run_matrix.py bench/matrices/dfl.toml --report``) gives each row's
 mean over seeds; the paper's claim is about the *difference* to FedAvg, and the held-out partition
-(``invert5``, docs/dfl.md "The held-out shift") was given a criterion before any of its runs:
+(``invert5``, docs/evidence/dfl.md "The held-out shift") was given a criterion before any of its runs:
 DFL's personalized accuracy on ``invert5`` at least as far above FedAvg's as on *each* of the other
 partitions, and its worst client no further below its mean than on each of them. This script
 computes both from the run files, pairing each seed's run with FedAvg's run of the same seed and

@@ -330,7 +330,7 @@ def refresh(model: TwoBranchModel, data: LocalData, h: TrainHyper, d: DflHyper, 
 
     Why: under partial participation a device's specific extractor and predictor last learned
     when it was last selected, against that round's invariant extractor; paired with a newer one
-    they read features that have moved on (docs/dfl.md, "Stale devices"). Seeded as a training
+    they read features that have moved on (docs/evidence/dfl.md, "Stale devices"). Seeded as a training
     task of this context would be."""
     model.train()
     return local_stage(model, data, h, dataclasses.replace(d, local_epochs=epochs), task_generator(ctx.seed),
