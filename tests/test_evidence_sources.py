@@ -30,7 +30,7 @@ QUOTED_SPREAD = re.compile(r"([−+-]?)(\d+\.?\d*) ± (\d+\.?\d*)")
 QUOTED_PER_SEED = re.compile(
     r"(?<![\[\d.])[−+-]\d+\.\d+(?:(?: / |, )(?:\*\*)?[−+-]\d+\.\d+(?:\*\*)?){2}(?![\d.])")
 SIGNED = re.compile(r"[−+-]\d+\.\d+")
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # Figures worked out from run files that no report aggregates, each with where it comes from. Every one must
 # still be quoted, so an entry goes when its figure does.
 NOT_IN_A_REPORT = {
