@@ -2,8 +2,8 @@
 
 A section is a frozen dataclass (:mod:`coordinator.config_sections`, and each method's own); a key's
 explanation is the comment on its line (and comment lines right under it). Reading them from the source
-keeps one declaration per key: ``fedge-coordinator config keys`` prints this, and a test holds the README's
-settings table to it, so neither can drift from the code.
+keeps one declaration per key: ``fedge-coordinator config keys`` prints this and docs/settings.md is generated
+from it, so neither can drift from the code.
 """
 
 from __future__ import annotations
@@ -103,14 +103,16 @@ def markdown() -> str:
              "section dataclasses instead (a test checks this file is current) -->", "",
              "Every key a run's configuration accepts (`[section]` in a TOML file, or `--set section.key=value`),",
              "read from the sections' declarations. `[model]` takes the network's options, which are not fixed",
-             "keys: `edge_client/models.py` reads those of fedge's own networks, an [app](apps.md) its own."]
+             "keys ([model options](configuration.md#model-options)); the flags that set keys and how a run's",
+             "configuration is built: [configuration.md](configuration.md)."]
     section = None
     for s in settings():
         if s.section != section:
             section = s.section
             owner = "" if s.owner == "core" else f" (method `{s.owner}`)"
-            lines += ["", f"## `[{section}]`{owner}", "", "| key | default | what it does |", "|---|---|---|"]
+            lines += ["", f"## `[{section}]`{owner}", "", "| key | type | default | what it does |",
+                      "|---|---|---|---|"]
         default = json.dumps(s.default).replace("|", "\\|")
         text = s.help.replace("|", chr(92) + "|").replace("<", "&lt;")
-        lines.append(f"| `{s.name}` | `{default}` | {text} |")
+        lines.append(f"| `{s.name}` | {s.type} | `{default}` | {text} |")
     return "\n".join(lines) + "\n"

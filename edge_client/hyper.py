@@ -25,10 +25,11 @@ class ObjectiveError(FedgeError, ValueError):
 class LocalTraining:
     epochs: int = 1              # local epochs over the device's data per task
     batch_size: int = 32         # samples per local step
-    lr: float = 0.05             # the local SGD learning rate (schedule.lr changes it round by round)
+    lr: float = 0.05             # the local SGD learning rate (schedule.lr changes it round by round); a fresh
+                                 # optimizer every task
     momentum: float = 0.9        # local SGD momentum, reset every task
     weight_decay: float = 0.0    # local SGD weight decay
-    max_grad_norm: float = 0.0   # 0 disables clipping
+    max_grad_norm: float = 0.0   # gradient-norm clipping; 0 disables clipping
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Every setting is declared once, with what it does: ``fedge-coordinator config keys`` and docs/settings.md are
-read from the sections' declarations, and the README's table names no key the code does not have."""
+read from the sections' declarations, and docs/configuration.md names no key or flag the code does not have."""
 
 from __future__ import annotations
 
@@ -23,13 +23,16 @@ def test_the_settings_page_is_generated_from_the_declarations():
         "docs/settings.md is stale: fedge-coordinator config keys --markdown > docs/settings.md"
 
 
-def test_the_readme_table_names_only_keys_the_code_has():
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("## Configuration reference")
-    table = readme[start:readme.index("\n## ", start + 5)]
-    named = set(re.findall(r"^\| `([a-z_0-9]+\.[a-z_0-9]+)`", table, flags=re.M))
+def test_the_configuration_page_names_only_keys_and_flags_the_code_has():
+    from coordinator.ui.cli import _FLAGS
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    named = set(re.findall(r"^\| `([a-z_0-9]+\.[a-z_0-9]+)`", page, flags=re.M))
     known = {s.name for s in settings()}
-    assert not {k for k in named - known if not k.startswith("model.")}, "the README names keys no section has"
+    assert not {k for k in named - known if not k.startswith("model.")}, "docs/configuration.md names keys no section has"
+    flags = dict(re.findall(r"^\| `(--[a-z-]+)` \| `([a-z_0-9]+\.[a-z_0-9]+)` \|$", page, flags=re.M))
+    assert flags == {flag: f"{section}.{key}" for flag, (section, key, _typ, _text) in _FLAGS.items()}, \
+        "docs/configuration.md's flags table differs from coordinator/ui/cli.py's _FLAGS"
 
 
 def test_the_command_lists_a_section_and_refuses_an_unknown_one(capsys):

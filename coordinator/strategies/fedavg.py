@@ -29,7 +29,8 @@ __all__ = ["FedAvg", "OptimizerShorthand", "FedProx", "FedProxSection"]
 class FedProxSection:
     """``[fedprox]``: the proximal term of FedProx (run.strategy = "fedprox")."""
 
-    mu: float = 0.01        # the proximal weight: (mu/2)||w - w_global||^2 added to each device's loss
+    mu: float = 0.01        # the proximal weight: (mu/2)||w - w_global||^2 added to each device's loss, with
+                            # run.strategy = "fedprox"
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [(self.mu >= 0, "fedprox.mu must be >= 0")]

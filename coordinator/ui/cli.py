@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run a federated training run. Flags override the --config file; "
                                      "--set SECTION.KEY=VALUE overrides any other key. The resolved config "
                                      "is written to OUT/config.toml.")
-    run.add_argument("--config", type=Path, help="TOML config file (its keys: docs/settings.md, or `fedge-coordinator config keys`)")
+    run.add_argument("--config", type=Path,
+                     help="TOML config file (docs/configuration.md; every key: docs/settings.md)")
     for flag, (section, key, typ, text) in _FLAGS.items():
         run.add_argument(flag, type=typ, default=None, help=f"{text} [{section}.{key}]")
     run.add_argument("--resume", action="store_true",

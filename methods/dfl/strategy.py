@@ -51,13 +51,16 @@ BANK = "bank"   # state names of relayed specific extractors: bank/CLIENT_ID/spe
 class DflSection:
     """``[dfl]``: disentangled FL (run.strategy = "dfl"); docs/dfl.md."""
 
-    local_epochs: int = 1           # local stage: specific extractor + predictor, invariant frozen
+    local_epochs: int = 1           # local stage: specific extractor + predictor, invariant frozen; DFL does not
+                                # use train.epochs
     global_epochs: int = 1          # global stage: invariant extractor, the rest frozen
     mi_min_weight: float = 1.0      # MI(invariant; specific), minimized
     mi_max_weight: float = 1.0      # MI(invariant; received global invariant), maximized
     specific_width: float = 1.0     # the specific extractor's width relative to the backbone
     mi_hidden: int = 128            # hidden width of the MI critics
     diversity: int = 0              # other clients' specific extractors relayed to each client (0: off, private)
+                                # each round; 0 keeps every specific extractor on its device (docs/dfl.md, "What
+                                # leaves the device")
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [

@@ -52,8 +52,14 @@ PAIRINGS = ("all", "holders")
 class Fed2Section:
     """``[fed2]``: Fed2's class-to-group allocation (run.strategy = "fed2"); docs/fed2.md."""
 
-    allocation: list[int] = field(default_factory=list)   # group of each class; empty: class c to group c mod G
-    pairing: str = "all"            # "all": each group over every client; "holders": over its classes' holders
+    allocation: list[int] = field(default_factory=list)   # group of each class; empty: class c to group c mod G,
+                                    # e.g. [0, 0, 1, 1, 2, 2, 3, 3, 4, 4] with 5 groups; G is model.fed2_groups;
+                                    # every group needs a class
+    pairing: str = "all"            # "all": each group over every client; "holders": over its classes' holders.
+                                # all: sample-weighted over every client of the round (the paper's pairing when the
+                                # allocation is fixed); holders: group g weighted by each client's samples of g's
+                                # classes, clients without them skipped (devices then report their label histograms;
+                                # diverges under label skew: docs/fed2.md)
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),

@@ -68,12 +68,13 @@ MATCHED = "fedma/"    # state names of the layers matched so far in the current 
 class FedmaSection:
     """``[fedma]``: FedMA's matching and retraining (run.strategy = "fedma"); docs/fedma.md."""
 
-    retrain_epochs: int = 1        # epochs of the layers above the matched ones in phases 2 .. L-1
+    retrain_epochs: int = 1        # epochs of the layers above the matched ones in phases 2 .. L-1; the classifier
+                                   # phase trains 3x as many at train.lr / 10, phase 1 trains train.epochs
     max_growth: float = 1.5        # a matched layer holds at most this multiple of its first width
     sweeps: int = 5                # rematching sweeps in random client order
     sigma: float = 1.0             # client neurons' noise (precision 1 / sigma)
     sigma0: float = 1.0            # prior spread of a global neuron
-    gamma: float = 7.0             # how readily new global neurons open
+    gamma: float = 7.0             # how readily new global neurons open (the matching: docs/fedma.md, "Matching")
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
         return [(self.retrain_epochs >= 1 and self.sweeps >= 0, "fedma.retrain_epochs >= 1, fedma.sweeps >= 0"),

@@ -81,11 +81,15 @@ class SphereFedSection:
 class FfcSection:
     """``[ffc]``: SphereFed's Fast Federated Calibration of the classifier (docs/spherefed.md)."""
 
-    enabled: bool = True            # calibrate after the last round
-    every: int = 0                  # ... and every this many rounds (0: only after the last)
-    ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one
+    enabled: bool = True            # calibrate SphereFed's classifier after the last round
+    every: int = 0                  # ... and every this many rounds (0: only after the last); training continues
+                                # against the fixed classifier
+    ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one,
+                                # logged
     dtype: str = "float64"          # statistics on the wire: float64 (exact) or float32 (half the bytes)
     personalize: bool = False       # clients also solve their own classifier (kept in their state dir), scored locally
+                                # on their held-out split (needs data.local_test_fraction > 0 with spawned clients);
+                                # fedge-export --client-state exports it
     # Under privacy.mode = "central": the L2 bound on one device's statistics, its packed G and B taken as one vector
     # (each unit feature adds at most sqrt(2), so a device's grows with its samples), and z_ffc: the noise on their
     # sum has std noise_multiplier x clip (docs/privacy.md, "FFC's sums under DP").
