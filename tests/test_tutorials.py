@@ -1,13 +1,15 @@
 """The tutorials' commands run as the pages show them, and print what the pages show (tests/tutorial_pages.py).
 
 Each page runs in a fresh directory beside links to the repository's files, with the project's commands on the
-PATH, as a reader who cloned the repository and ran ``make demo`` would. Blocks marked ``long`` run only with
+PATH, as a reader who cloned the repository and ran ``make demo`` would. What a command leaves running in the
+background (a broker, devices: ``&``) lives until the page's last command, then its process group is ended. Blocks marked ``long`` run only with
 ``FEDGE_TUTORIALS=long`` (``make tutorials``): they need root or many minutes.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,17 +45,44 @@ def test_a_tutorials_commands_print_what_it_shows(page: Path, tmp_path: Path) ->
     blocks = read_blocks(page)
     assert any(block.commands for block in blocks), f"{page.name} shows no console session"
     cwd, env = _workdir(tmp_path), _environment()
+    groups: list[int] = []
     ran = 0
-    for block in blocks:
-        if block.kind == "skip" or (block.kind == "long" and not LONG):
-            continue
-        for command in block.commands:
-            done = subprocess.run(["bash", "-o", "pipefail", "-c", command.text], cwd=cwd, env=env,
-                                  capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-            printed = done.stdout + done.stderr
-            where = f"{page.relative_to(ROOT)}:{command.line}: $ {command.text}"
-            assert done.returncode == 0, f"{where}\nexited {done.returncode}:\n{printed[-3000:]}"
-            problem = mismatch(command.shown, printed)
-            assert not problem, f"{where}\n{problem}; it printed:\n{printed[-3000:]}"
-            ran += 1
+    try:
+        for block in blocks:
+            if block.kind == "skip" or (block.kind == "long" and not LONG):
+                continue
+            for command in block.commands:
+                printed = _run(command.text, cwd, env, groups)
+                where = f"{page.relative_to(ROOT)}:{command.line}: $ {command.text}"
+                assert printed.returncode == 0, f"{where}\nexited {printed.returncode}:\n{printed.text[-3000:]}"
+                problem = mismatch(command.shown, printed.text, block.numbers_vary)
+                assert not problem, f"{where}\n{problem}; it printed:\n{printed.text[-3000:]}"
+                ran += 1
+    finally:
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
     assert ran or LONG or all(b.kind != "run" for b in blocks)
+
+
+class _Printed:
+    def __init__(self, returncode: int, text: str) -> None:
+        self.returncode, self.text = returncode, text
+
+
+def _run(command: str, cwd: Path, env: dict[str, str], groups: list[int]) -> _Printed:
+    """One command in a process group of its own, its output to a file: a background job keeps neither a pipe
+    open nor the group from being ended with the page."""
+    log = cwd / f".tutorial-{len(groups)}.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["bash", "-o", "pipefail", "-c", command], cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        groups.append(proc.pid)
+        try:
+            code = proc.wait(timeout=COMMAND_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = -9
+    return _Printed(code, log.read_text(errors="replace"))

@@ -5,13 +5,17 @@ prints. A command continues on the next line after a trailing backslash. What th
 what the command prints, line by line, with two allowances for what changes from run to run:
 
 * ``...`` inside a line matches any text (a time, a loss, a path);
-* a line that is only ``...`` matches any number of lines (a table's rows, a progress bar).
+* a line that is only ``...`` matches any number of lines (a table's rows, a progress bar);
+* in a block marked ``numbers vary``, every number the page shows matches any number (a table of
+  accuracies, byte counts and seconds from one run, shown as they were).
 
 A page marks a block with an HTML comment on the line before it:
 
 * ``<!-- tutorial: long -->``: it needs root, real hardware or many minutes; ``make tutorials`` runs it,
   the test suite does not;
-* ``<!-- tutorial: skip -->``: shown, never run (what a device's own shell prints, say).
+* ``<!-- tutorial: skip -->``: shown, never run (what a device's own shell prints, say);
+* ``<!-- tutorial: numbers vary -->``: run, its numbers matched loosely (above). Marks combine:
+  ``<!-- tutorial: long, numbers vary -->``.
 
 Blocks of one page run in order in one working directory, so a later command finds what an earlier wrote.
 """
@@ -25,12 +29,14 @@ from pathlib import Path
 __all__ = ["Command", "Block", "read_blocks", "mismatch"]
 
 _FENCE = re.compile(r"^```console\s*$")
-_MARK = re.compile(r"<!--\s*tutorial:\s*(long|skip)\s*-->")
+_MARK = re.compile(r"<!--\s*tutorial:\s*([a-z ,]+?)\s*-->")
+_MARKS = {"long", "skip", "numbers vary"}
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 
 @dataclass
 class Command:
-    text: str                       # what the shell runs (continuations joined)
+    text: str                       # what the shell runs (continuation lines included)
     shown: list[str] = field(default_factory=list)   # the output the page shows
     line: int = 0                   # where it is on the page (1-based), for the failure message
 
@@ -39,6 +45,7 @@ class Command:
 class Block:
     commands: list[Command]
     kind: str = "run"               # "run", "long" or "skip"
+    numbers_vary: bool = False
 
 
 def read_blocks(page: Path) -> list[Block]:
@@ -51,6 +58,9 @@ def read_blocks(page: Path) -> list[Block]:
             i += 1
             continue
         mark = _MARK.search(lines[i - 1]) if i else None
+        marks = {m.strip() for m in mark.group(1).split(",")} if mark else set()
+        if marks - _MARKS:
+            raise ValueError(f"{page}:{i}: unknown tutorial mark {sorted(marks - _MARKS)}; known: {sorted(_MARKS)}")
         commands: list[Command] = []
         i += 1
         while i < len(lines) and lines[i].strip() != "```":
@@ -59,22 +69,30 @@ def read_blocks(page: Path) -> list[Block]:
                 number, command = i + 1, text[2:]
                 while command.endswith("\\") and i + 1 < len(lines):
                     i += 1
-                    command = command[:-1] + "\n" + lines[i]
+                    command += "\n" + lines[i]   # the shell reads backslash-newline as one line
                 commands.append(Command(command, line=number))
             elif commands:
                 commands[-1].shown.append(text)
             i += 1
-        blocks.append(Block(commands, mark.group(1) if mark else "run"))
+        kind = "skip" if "skip" in marks else "long" if "long" in marks else "run"
+        blocks.append(Block(commands, kind, "numbers vary" in marks))
         i += 1
     return blocks
 
 
-def _line_pattern(shown: str) -> re.Pattern[str]:
-    parts = [re.escape(part) for part in shown.rstrip().split("...")]
+def _literal(text: str, numbers_vary: bool) -> str:
+    if not numbers_vary:
+        return re.escape(text)
+    pieces = _NUMBER.split(text)
+    return _NUMBER.pattern.join(re.escape(piece) for piece in pieces)
+
+
+def _line_pattern(shown: str, numbers_vary: bool = False) -> re.Pattern[str]:
+    parts = [_literal(part, numbers_vary) for part in shown.rstrip().split("...")]
     return re.compile(".*".join(parts) + r"\s*")
 
 
-def mismatch(shown: list[str], printed: str) -> str:
+def mismatch(shown: list[str], printed: str, numbers_vary: bool = False) -> str:
     """Where ``printed`` stops matching what the page shows ("" when it matches)."""
     out = [line.rstrip() for line in printed.splitlines()]
     while out and not out[-1]:
@@ -85,7 +103,7 @@ def mismatch(shown: list[str], printed: str) -> str:
             return o == len(out)
         if shown[s].strip() == "...":
             return any(match(s + 1, k) for k in range(o, len(out) + 1))
-        return o < len(out) and bool(_line_pattern(shown[s]).fullmatch(out[o])) and match(s + 1, o + 1)
+        return o < len(out) and bool(_line_pattern(shown[s], numbers_vary).fullmatch(out[o])) and match(s + 1, o + 1)
 
     if match(0, 0):
         return ""
@@ -94,7 +112,7 @@ def mismatch(shown: list[str], printed: str) -> str:
     for s, text in enumerate(shown):
         if text.strip() == "...":
             continue
-        pattern = _line_pattern(text)
+        pattern = _line_pattern(text, numbers_vary)
         found = next((k for k in range(o, len(out)) if pattern.fullmatch(out[k])), None)
         if found is None:
             return f"the page shows {text!r} (line {s + 1} of its output), which the command did not print there"

@@ -91,6 +91,10 @@ dependencies = ["fedge"]
 
 [tool.setuptools]
 packages = ["{name}_app"]
+
+# `python -m pytest {name}/tests` from the directory above finds the app before it is installed
+[tool.pytest.ini_options]
+pythonpath = ["."]
 """
 
 _TEST = '''"""The app loads, its data is usable, and a few steps of its own loss improve its headline metric."""
