@@ -7,8 +7,9 @@ started on its own on four times the digits train split (it holds more data, so 
 rounds are longer though each sample costs it no more), and is stopped after round 2 and
 started again a few seconds later, so the report has an offline span to show. After the
 run every device's state directory gets an ONNX Runtime benchmark of the exported model
-(``fedge-profile infer``). Then ``fedge-profile html`` writes the report and, where
-``chromium`` is installed, it is screenshot.
+(``fedge-profile infer``). Then ``fedge-profile html`` writes the report and headless
+Chromium screenshots it (``apt-get install chromium``). ``bench/screenshots.py report`` takes
+this picture for docs/profiling.md, beside the dashboard's.
 
 All four devices are processes on this one machine: the report's figures are this
 machine's, labelled with the class and site each process was given.
@@ -40,7 +41,7 @@ from profiling.runs import load
 
 PREFIX = "sizing"
 BIG_ENV = {"FEDGE_DEVICE_CLASS": "x86-4x-data", "FEDGE_SITE": "desk"}   # dev-big's class and site
-MAX_PNG_BYTES = 400 * 1024
+MAX_PNG_BYTES = 250 * 1024   # the docs' images stay small
 
 
 def _client(broker: str, out: Path, data: Path) -> subprocess.Popen:
@@ -75,7 +76,7 @@ def produce_run(work: Path, rounds: int) -> Path:
              x_test=digits.x_test, y_test=digits.y_test)
     out = work / "run"
     os.environ["FEDGE_SITE"] = "rack"   # the spawned clients inherit it; their class is their architecture
-    with LocalMosquitto() as broker:
+    with LocalMosquitto(workdir=work / "mosquitto") as broker:
         procs = [_client(broker.url, out, big)]
         bouncer = threading.Thread(target=_bounce, args=(broker.url, out, big, 2, 6.0, procs), daemon=True)
         bouncer.start()
@@ -133,6 +134,20 @@ def _shrink(png: Path) -> None:
     png.write_bytes(buffer.getvalue())
 
 
+def make_report(work: Path, png: Path, *, rounds: int = 5, run: Path | None = None) -> Path:
+    """Produce the run in ``work`` (or take ``run``), write its report to ``work/report.html`` and
+    screenshot it to ``png``; return ``png``. Chromium missing is an error here (the caller asked for a picture)."""
+    if run is None:
+        run = produce_run(work, rounds)
+        benchmark_inference(run)
+    html = work / "report.html"
+    html.write_text(render_html(load(run)), encoding="utf-8")
+    print(f"run {run}\nreport {html}")
+    if not screenshot(html, png):
+        raise RuntimeError("chromium is not installed (apt-get install chromium): no screenshot")
+    return png
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="work directory (default: a new temporary one)")
@@ -142,14 +157,8 @@ def main() -> int:
     args = parser.parse_args()
     work = args.out or Path(tempfile.mkdtemp(prefix="fedge-report-"))
     work.mkdir(parents=True, exist_ok=True)
-    run = args.run or produce_run(work, args.rounds)
-    if args.run is None:
-        benchmark_inference(run)
-    html = work / "report.html"
-    html.write_text(render_html(load(run)), encoding="utf-8")
-    print(f"run {run}\nreport {html}")
-    if screenshot(html, args.png):
-        print(f"screenshot {args.png} ({args.png.stat().st_size // 1024} KiB)")
+    png = make_report(work, args.png, rounds=args.rounds, run=args.run)
+    print(f"screenshot {png} ({png.stat().st_size // 1024} KiB)")
     return 0
 
 
