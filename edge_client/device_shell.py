@@ -41,7 +41,7 @@ from edge_client.wire.protocol import REFUSAL_APP, Message, ProtocolError, Resul
 from edge_client.wire.transport import Incoming, MessageTooLarge, TransportError
 from edge_client.wire.updates import ResidualStore, encode_clipped_upload
 
-__all__ = ["Clock", "DeviceShell", "PhaseClock", "TASK_ERRORS", "Trained", "Trainer", "Watch"]
+__all__ = ["Clock", "DeviceShell", "Finish", "PhaseClock", "TASK_ERRORS", "Trained", "Trainer", "Watch"]
 
 log = logging.getLogger("fedge.client")
 # One line per task, on connecting and at a run's end: what a person at the device sees without -v.
