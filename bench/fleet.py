@@ -3,37 +3,17 @@
 The coordinator is the real one (``coordinator.runtime.run.run_federated`` in a child process:
 FedAvg, ``cnn`` on Fashion-MNIST, 1.69 MB of float32 parameters) and the broker is a
 Mosquitto of its own, started fresh for every cell so that its memory is the cell's.
-The devices are stand-ins that do not train but play the protocol with the device's own
-code: each runs an ``edge_client.device_protocol.DeviceProtocol`` (presence, the run
-status, which tasks run, fetching the round's model broadcast over MQTT itself, sending
-the result every ``resend_every`` seconds until the coordinator acknowledges it) over its
-own MQTT connection and client id (MQTT 5, persistent session, last will, QoS 1). What
-is left here is the load-generation shell: a think time drawn from ``--think`` in place
-of training, then the real result encoding (the task's upload codec through
-``encode_upload``, differences from what was sent down, the envelope, chunks through
-``ChunkingTransport``), and the network loop below. Devices import torch because the
-wire code works on tensors, not to train.
-
-Why devices are cheap enough to run 250 or more per process:
-
-* **One selector per process, not a paho network thread per device.** ``loop_start``
-  gives every client a thread that wakes on its own select() at least once a second
-  and a socket pair to be woken by (3 file descriptors per client). Measured here with
-  250 idle connections in one process: 251 threads, 757 file descriptors, 1.15 % of a
-  core, +8.3 MB; one selector thread driving the same 250 clients through paho's
-  external-loop calls (``loop_read``, ``loop_write``, ``loop_misc``): 2 threads, 258
-  descriptors, 0.05 % of a core, +1.0 MB. With 250 threads all woken by a burst of
-  tasks they also fight over the GIL, while the selector only touches sockets that are
-  ready. Everything of a device process runs on that one thread (network, decoding,
-  timers, encoding), so paho is never called from two threads.
-* **Shared tensors.** A device's update is the tensors the task sent down plus a fixed
-  perturbation: a direction drawn once per process times a factor drawn once per
-  device, so a device holds a float, not a model. A model broadcast that one device of
-  the process has decoded is not decoded again by the others (the SHA-256 the task names
-  proves the bytes are the same); each device still receives and reassembles it.
-* **No error feedback** (``codec.error_feedback = false`` in the coordinator's
-  configuration, which the tasks pass on): its residuals are model-sized state per
-  device, and they do not change what goes on the wire.
+The devices are stand-ins that do not train but run the device's own code
+(``bench/fleet_devices.py``): each is an ``edge_client.device_shell.DeviceShell`` (the device
+protocol: presence, the run status, which tasks run, fetching the round's model broadcast over
+MQTT itself, sending the result every ``resend_every`` seconds until the coordinator acknowledges
+it; the result encoding: the task's upload codec, differences from what was sent down, the
+envelope, chunks through ``ChunkingTransport``) over its own ``MqttTransport`` and client id
+(MQTT 5, persistent session, last will, QoS 1), all connections of a device process driven by
+one ``edge_client.wire.shared_loop.SharedLoop`` thread. Only the trainer is the bench's: a think
+time drawn from ``--think`` in place of training, then the tensors sent down plus a fixed
+perturbation (``bench/fleet_devices.py`` says why a process holds hundreds of such devices
+cheaply). Devices import torch because the wire code works on tensors, not to train.
 
 Definitions (also written into the JSON):
 
@@ -87,23 +67,20 @@ CPU seconds per round are reported so that share is visible.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import os
 import platform
 import random
 import resource
-import selectors
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from bench_io import RESULTS, write_result
 from counting_link import CountingLink
@@ -111,7 +88,6 @@ from edge_client.wire.chunking import DEFAULT_PACKET_BYTES
 
 if TYPE_CHECKING:   # annotations only: a device process imports these when it starts
     from coordinator.ops.sites import Site
-    from edge_client.device_protocol import Actions, Publish, Task
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = RESULTS / "fleet.json"
@@ -227,575 +203,26 @@ def raise_open_files(needed: int) -> int:
 
 # ----------------------------------------------------------------------------- the device processes
 
-class NetLoop:
-    """One selector driving every paho client of the process through paho's external-loop calls."""
-
-    def __init__(self) -> None:
-        self.selector = selectors.DefaultSelector()
-        self.clients: list[Any] = []
-
-    def attach(self, client: Any) -> None:
-        client.on_socket_open = self._opened
-        client.on_socket_close = self._closed
-        client.on_socket_register_write = self._want_write
-        client.on_socket_unregister_write = self._written
-        self.clients.append(client)
-
-    def _opened(self, client: Any, userdata: Any, sock: Any) -> None:
-        self.selector.register(sock, selectors.EVENT_READ, client)
-
-    def _closed(self, client: Any, userdata: Any, sock: Any) -> None:
-        try:
-            self.selector.unregister(sock)
-        except (KeyError, ValueError):
-            pass
-
-    def _want_write(self, client: Any, userdata: Any, sock: Any) -> None:
-        try:
-            self.selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, client)
-        except (KeyError, ValueError):
-            pass
-
-    def _written(self, client: Any, userdata: Any, sock: Any) -> None:
-        try:
-            self.selector.modify(sock, selectors.EVENT_READ, client)
-        except (KeyError, ValueError):
-            pass
-
-    def poll(self, timeout: float) -> None:
-        for key, events in self.selector.select(max(0.0, timeout)):
-            client = key.data
-            if events & selectors.EVENT_READ:
-                client.loop_read()
-            if events & selectors.EVENT_WRITE and client.socket() is not None:
-                client.loop_write()
-
-    def misc(self) -> None:
-        """Keepalive pings and their timeouts, once a second for every client."""
-        for client in self.clients:
-            client.loop_misc()
-
-    def busy(self) -> bool:
-        """Something is still to be written (used to flush before leaving)."""
-        return any(c.want_write() for c in self.clients if c.socket() is not None)
-
-
-@dataclass
-class TaskRecord:
-    """What one device saw of one task (wall-clock times, time.time())."""
-
-    device: str
-    round: int
-    task_id: str
-    received: float                 # the task reached the device's loop
-    ready: float | None = None      # the model broadcast is there: thinking starts
-    think: float | None = None
-    answered: float | None = None   # the result was first published
-    encode_s: float | None = None
-    result_bytes: int = 0           # one send of the result, chunk headers included
-    chunks: int = 0
-    resends: int = 0
-    acked: float | None = None
-    ack: str | None = None          # ack | rejected
-    error: str | None = None
-
-
-class Fleet:
-    """The devices of one process and what they share: the network loop, timers, caches and counters."""
-
-    def __init__(self, brokers: list[str], ids: list[str], think: Think, seed: int, samples: int,
-                 max_message_bytes: int = DEFAULT_PACKET_BYTES, drop: float = 0.0) -> None:
-        """``brokers[i]``: the broker device ``ids[i]`` logs in to (the central one, or its site's)."""
-        import torch
-
-        from edge_client.device_protocol import BroadcastCache
-        from edge_client.wire.transport import parse_broker_url
-        from profiling.device import device_facts
-
-        torch.set_num_threads(1)
-        if len(brokers) != len(ids):
-            raise ValueError(f"{len(ids)} devices need as many broker URLs, got {len(brokers)}")
-        addresses = {url: parse_broker_url(url) for url in set(brokers)}
-        self.think = think
-        self.seed = seed
-        self.drop = drop   # secure rounds: chance that a device fails its mask task (a dropout after sharing)
-        self.loop = NetLoop()
-        self.timers: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = 0
-        self.facts = device_facts()
-        self.broadcasts = BroadcastCache()                               # digest -> wire tensors, codec: newest 2
-        self.decoded: dict[tuple[str, str], dict[str, Any]] = {}         # (digest, spec) -> float32 tensors
-        self.shapes: dict[str, dict[str, tuple[int, ...]]] = {}          # model spec (JSON) -> shapes
-        self.directions: dict[str, dict[str, Any]] = {}                  # model spec (JSON) -> perturbation
-        self.round = 0                                                   # the coordinator's round, for counting
-        self.traffic: dict[int, list[int]] = {}                          # round -> [msgs in, bytes in, out, out]
-        self.counts = {"connects": 0, "disconnects": 0, "lost_messages": 0, "undecodable": 0, "dropped_tasks": 0}
-        self.dirty: set[Device] = set()
-        self.link_class = _device_link_class()
-        self.max_message_bytes = max_message_bytes   # above a result's size with aggregation workers: unchunked
-        self.devices = [Device(self, cid, samples, addresses[url]) for cid, url in zip(ids, brokers)]
-        self.connecting_at: float | None = None  # wall time when the first device started to connect
-        self.connected_at: float | None = None   # wall time when every device had connected once
-
-    def schedule(self, delay: float, action: Callable[[], None]) -> None:
-        self.at(time.monotonic() + delay, action)
-
-    def at(self, when: float, action: Callable[[], None]) -> None:
-        """Run ``action`` at monotonic time ``when`` (the process's one thread runs it: no locks)."""
-        self._seq += 1
-        heapq.heappush(self.timers, (when, self._seq, action))
-
-    def count(self, direction: int, size: int) -> None:
-        slot = self.traffic.setdefault(self.round, [0, 0, 0, 0])
-        slot[2 * direction] += 1
-        slot[2 * direction + 1] += size
-
-    def model_shapes(self, spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-        from edge_client.models import state_shapes
-        from edge_client.registry import build_model
-
-        key = json.dumps(spec, sort_keys=True)
-        if key not in self.shapes:
-            self.shapes[key] = state_shapes(build_model(spec))
-        return self.shapes[key]
-
-    def direction(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """The process's perturbation direction for a model: small, seeded, computed once."""
-        import torch
-
-        key = json.dumps(spec, sort_keys=True)
-        if key not in self.directions:
-            generator = torch.Generator().manual_seed(self.seed)
-            self.directions[key] = {name: 1e-3 * torch.randn(shape, generator=generator)
-                                    for name, shape in sorted(self.model_shapes(spec).items())}
-        return self.directions[key]
-
-    def received(self, digest: str | None, spec: dict[str, Any]) -> dict[str, Any]:
-        """The float32 tensors of a broadcast, decoded once per process (while it is among the newest two)."""
-        from edge_client.wire.protocol import ProtocolError
-        from edge_client.wire.updates import decode_download
-
-        if digest is None:
-            return {}
-        key = (digest, json.dumps(spec, sort_keys=True))
-        if key not in self.decoded:
-            shared = self.broadcasts.get(digest)
-            if shared is None:
-                raise ProtocolError(f"the model broadcast {digest[:16]}... is no longer held")
-            self.decoded = {k: v for k, v in self.decoded.items() if k[0] in self.broadcasts}
-            self.decoded[key] = decode_download(*shared, self.model_shapes(spec))
-        return self.decoded[key]
-
-    def run(self, stop: Callable[[], bool]) -> None:
-        """Connect every device, at most :data:`CONNECT_WINDOW` waiting for their CONNACK at a time, and
-        serve until all have seen their run finish (or ``stop()``)."""
-        waiting, opening = deque(self.devices), []
-        self.connecting_at = time.time()
-        last_misc = 0.0
-        while not stop() and not all(d.finished for d in self.devices):
-            if waiting or opening:
-                opening = [d for d in opening if not d.link.connected]
-                while waiting and len(opening) < CONNECT_WINDOW:
-                    opening.append(waiting.popleft())
-                    opening[-1].connect()
-                if not waiting and not opening:
-                    self.connected_at = time.time()
-            now = time.monotonic()
-            wait = min(0.5, self.timers[0][0] - now) if self.timers else 0.5
-            self.loop.poll(wait)
-            while self.dirty:
-                device = self.dirty.pop()
-                device.drain()
-            now = time.monotonic()
-            while self.timers and self.timers[0][0] <= now:
-                _, _, action = heapq.heappop(self.timers)
-                action()
-            if now - last_misc >= 1.0:
-                last_misc = now
-                self.loop.misc()
-
-    def leave(self) -> None:
-        """Every device says it is offline and disconnects once that is written (at most 10 s)."""
-        for device in self.devices:
-            device.leave()
-        deadline = time.monotonic() + 10.0
-        while self.loop.busy() and time.monotonic() < deadline:
-            self.loop.poll(0.05)
-        for device in self.devices:
-            device.link.close()
-        deadline = time.monotonic() + 2.0
-        while any(c.socket() is not None for c in self.loop.clients) and time.monotonic() < deadline:
-            self.loop.poll(0.05)
-
-
-def _device_link_class() -> type:
-    """The Transport a stand-in device talks through (defined late: it subclasses fedge's Transport)."""
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    from edge_client.wire.transport import Incoming, Transport, TransportError, Will
-
-    class DeviceLink(Transport):
-        """One device's MQTT connection, driven by the process's :class:`NetLoop`.
-
-        Why not the product's ``MqttTransport``: it runs paho's network thread per connection
-        (``loop_start``), which at hundreds of devices per process costs a thread, a socket pair
-        and a wake-up a second each, and GIL contention in bursts (the module's docstring has the
-        figures); this link is driven by paho's external-loop calls from the process's one
-        selector instead. It only moves bytes: what a device does with them is the device
-        protocol's (:class:`Device`). Session settings are a device's (MQTT 5,
-        ``clean_start=False``, 7-day session expiry, keepalive 30 s, QoS 1, retained last will;
-        subscriptions and the online presence sent again on every connect). ``get`` never waits:
-        the process's loop calls it only when something arrived.
-        """
-
-        def __init__(self, fleet: Fleet, client_id: str, will: Will, on_arrival: Callable[[], None],
-                     address: tuple[str, int]) -> None:
-            self.fleet = fleet
-            self.address = address   # (host, port) of this device's broker
-            self.client_id = client_id
-            self.inbox: deque[Incoming] = deque()
-            self.filters: list[str] = []
-            self.birth: tuple[str, bytes] | None = None
-            self.connected = False
-            self.disconnects = 0
-            self.on_arrival = on_arrival
-            self.backoff = 1.0
-            client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
-            client.will_set(will.topic, will.payload, qos=1, retain=will.retain)
-            client.on_connect = self._on_connect
-            client.on_disconnect = self._on_disconnect
-            client.on_message = self._on_message
-            fleet.loop.attach(client)
-            self.client = client
-
-        def connect(self) -> None:
-            props = Properties(PacketTypes.CONNECT)
-            props.SessionExpiryInterval = 7 * 24 * 3600
-            try:
-                self.client.connect(*self.address, keepalive=30, clean_start=False,
-                                    properties=props)
-            except OSError:
-                self.fleet.schedule(self.backoff, self.connect)
-                self.backoff = min(30.0, self.backoff * 2)
-
-        def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
-            if getattr(reason, "is_failure", False):
-                return
-            self.connected, self.backoff = True, 1.0
-            self.fleet.counts["connects"] += 1
-            for topic_filter in self.filters:
-                client.subscribe(topic_filter, qos=1)
-            if self.birth is not None:
-                self.publish(*self.birth, retain=True)
-
-        def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
-            was, self.connected = self.connected, False
-            if was and getattr(reason, "value", 0) != 0:
-                self.fleet.counts["disconnects"] += 1
-                self.disconnects += 1
-                self.fleet.schedule(self.backoff, self._reconnect)
-
-        def _reconnect(self) -> None:
-            try:
-                self.client.reconnect()
-            except OSError:
-                self.backoff = min(30.0, self.backoff * 2)
-                self.fleet.schedule(self.backoff, self._reconnect)
-
-        def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-            payload = bytes(msg.payload)
-            self.fleet.count(0, len(payload))
-            self.inbox.append(Incoming(msg.topic, payload))
-            self.on_arrival()
-
-        def subscribe(self, topic_filter: str) -> None:
-            if topic_filter not in self.filters:
-                self.filters.append(topic_filter)
-            if self.connected:
-                self.client.subscribe(topic_filter, qos=1)
-
-        def unsubscribe(self, topic_filter: str) -> None:
-            if topic_filter in self.filters:
-                self.filters.remove(topic_filter)
-            if self.connected:
-                self.client.unsubscribe(topic_filter)
-
-        def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None:
-            info = self.client.publish(topic, payload, qos=1, retain=retain)
-            if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN, mqtt.MQTT_ERR_QUEUE_SIZE):
-                raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
-            self.fleet.count(1, len(payload))
-
-        def announce(self, topic: str, payload: bytes) -> None:
-            self.birth = (topic, payload)
-            if self.connected:
-                self.publish(topic, payload, retain=True)
-
-        def get(self, timeout: float) -> Incoming | None:
-            return self.inbox.popleft() if self.inbox else None
-
-        def close(self) -> None:
-            if self.client.socket() is not None:
-                self.client.disconnect()
-
-    return DeviceLink
-
-
-class _Held:
-    """The model broadcasts one stand-in device received itself, over its process's shared cache: each
-    device fetches a broadcast over MQTT as a device does, but the process decodes it only once."""
-
-    def __init__(self, shared: Any) -> None:
-        self.shared = shared
-        self.digests: deque[str] = deque(maxlen=2)
-
-    def __contains__(self, digest: object) -> bool:
-        return digest in self.digests
-
-    def receive(self, digest: str, read: Callable[[], Any]) -> int | None:
-        round = self.shared.receive(digest, read)
-        if round is not None:
-            self.digests.append(digest)
-        return round
-
-
-class Device:
-    """One stand-in device: the device's own protocol (``edge_client.device_protocol``) over one
-    :class:`NetLoop` connection, with a think time in place of training and a fixed perturbation of
-    what was sent down as its update."""
-
-    COUNTED = {"ignored": "undecodable", "lost": "lost_messages", "dropped": "dropped_tasks"}   # note -> counter
-
-    def __init__(self, fleet: Fleet, client_id: str, samples: int, address: tuple[str, int]) -> None:
-        from edge_client.device_protocol import DeviceProtocol, presence_payload
-        from edge_client.wire.chunking import ChunkingTransport
-        from edge_client.wire.protocol import DEFAULT_MAX_MESSAGE_BYTES, PresenceBody, Topics
-        from edge_client.wire.transport import Will
-        from edge_client.secure_device import SecureRounds
-        from edge_client.wire.updates import ResidualStore
-
-        self.fleet = fleet
-        self.id = client_id
-        self.topics = Topics(PREFIX)
-        self.samples = samples
-        rng = random.Random(f"{fleet.seed}/{client_id}")
-        self.scale = rng.uniform(0.5, 1.5)        # this device's fixed perturbation: scale x the process's direction
-        self.loss = rng.uniform(0.3, 0.9)
-        self.rng = random.Random(f"{fleet.seed}/{client_id}/think")
-        self.protocol = DeviceProtocol(client_id, self.topics, _Held(fleet.broadcasts),
-                                       max_decoded_bytes=DEFAULT_MAX_MESSAGE_BYTES, exit_after_run=True)
-        will = Will(self.topics.client(client_id, "presence"), presence_payload(client_id, PresenceBody("offline")))
-        self.link = fleet.link_class(fleet, client_id, will, lambda: fleet.dirty.add(self), address)
-        self.transport = ChunkingTransport(self.link, max_message_bytes=fleet.max_message_bytes,
-                                           max_decoded_bytes=DEFAULT_MAX_MESSAGE_BYTES)
-        self.residuals = ResidualStore(None)
-        self.secure = SecureRounds()   # a secure round's state between its stages, as on a real device
-        self.records: list[TaskRecord] = []
-        self.by_task: dict[str, TaskRecord] = {}
-        self.tick_at: float | None = None   # when the protocol is next due, as scheduled
-
-    @property
-    def finished(self) -> bool:
-        return self.protocol.finished
-
-    def connect(self) -> None:
-        from edge_client.wire.protocol import PresenceBody
-
-        self.apply(self.protocol.start())
-        online = PresenceBody("online", num_samples=self.samples, input_shape=(1, 28, 28), num_classes=10,
-                              device=self.fleet.facts)
-        self.apply(self.protocol.announce(online, time.monotonic()))
-        self.link.connect()
-
-    def leave(self) -> None:
-        if self.link.connected:
-            self.apply(self.protocol.leave())
-
-    # -- events -----------------------------------------------------------------
-    def drain(self) -> None:
-        self.protocol.note_disconnects(self.transport.disconnects)
-        while (item := self.transport.get(0.0)) is not None:
-            if item.error:
-                self.apply(self.protocol.lost(item.topic, item.error))
-            elif item.payload:
-                self.apply(self.protocol.handle(item.topic, item.payload, time.monotonic()))
-
-    def _tick(self, at: float) -> None:
-        if self.tick_at != at:   # an earlier tick took its place
-            return
-        self.tick_at = None
-        self.protocol.note_disconnects(self.transport.disconnects)
-        self.apply(self.protocol.tick(time.monotonic()))
-
-    def apply(self, actions: Actions) -> None:
-        """Carry out what the protocol says, keeping this device's records, then wake it when next due."""
-        for note in actions.notes:
-            if note.kind in self.COUNTED:
-                self.fleet.counts[self.COUNTED[note.kind]] += 1
-        if actions.run_status is not None:
-            _, round, state = actions.run_status
-            if state == "running" and self.fleet.round >= 0:
-                self.fleet.round = max(self.fleet.round, round)
-            elif state == "finished" and self.protocol.finished:
-                self.fleet.round = -1   # what follows (leaving) is counted apart from the rounds
-        for topic, parts in actions.subscribe:
-            self.transport.subscribe(topic, parts=parts)
-        for topic, parts in actions.unsubscribe:
-            self.transport.unsubscribe(topic, parts=parts)
-        for task in actions.accepted:
-            task.context = self.by_task[task.msg.task_id] = TaskRecord(self.id, task.msg.round, task.msg.task_id,
-                                                                       received=time.time())
-            self.records.append(task.context)
-        for status in actions.acks:
-            if (record := self.by_task.get(status.task_id or "")) is not None:
-                record.acked, record.ack = time.time(), status.state
-        for message in actions.publish:
-            self._publish(message)
-        for task in actions.run:
-            self.think(task)
-        due = self.protocol.due()
-        if due is not None and (self.tick_at is None or due < self.tick_at):
-            self.tick_at = due
-            self.fleet.at(due, lambda: self._tick(due))
-
-    def think(self, task: Task) -> None:
-        """Think in place of training; a task that cannot run (no body, no broadcast) is answered at once."""
-        record = task.context
-        if task.body is None or task.no_broadcast:
-            record.error = task.problem or task.no_broadcast
-            self.answer(task)
-            return
-        record.ready = time.time()
-        if task.body.secagg is not None and task.body.secagg.get("stage") != "advertise":
-            self.answer(task)   # a secure round's later stages are a step of arithmetic, not training
-            return
-        record.think = self.fleet.think.draw(self.rng)
-        self.fleet.schedule(record.think, lambda: self.answer(task))
-
-    # -- outgoing -----------------------------------------------------------------
-    def answer(self, task: Task) -> None:
-        """Encode the stored update with the task's upload codec and hand it to the protocol, as a trained
-        device would."""
-        from edge_client.wire.protocol import ResultBody, encode
-
-        record, msg = task.context, task.msg
-        started = time.perf_counter()
-        try:
-            payload = self._result(task)
-        except Exception as exc:   # like a device: a task that cannot run is answered with its error
-            record.error = record.error or f"{type(exc).__name__}: {exc}"
-            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
-                             body=ResultBody(error=record.error).to_body())
-        record.encode_s = time.perf_counter() - started
-        self.apply(self.protocol.answered(task, payload, time.monotonic()))
-
-    def _result(self, task: Task) -> bytes:
-        """What a trained device would send: the tensors sent down plus this device's fixed perturbation,
-        in the task's upload codec."""
-        import torch
-
-        from edge_client.wire.protocol import ProtocolError, ResultBody, encode
-        from edge_client.wire.updates import decode_download, encode_upload
-
-        record, msg, body = task.context, task.msg, task.body
-        if record.error is not None:
-            raise ProtocolError(record.error)
-        if body.secagg is not None and body.secagg.get("stage") != "advertise":
-            return self._secure_result(task, None)
-        received = dict(self.fleet.received(body.broadcast, body.model))
-        if msg.tensors:
-            received.update(decode_download(msg.tensors, body.codec, self.fleet.model_shapes(body.model)))
-        missing = sorted(set(body.up) - set(received))
-        if missing:
-            raise ProtocolError(f"this stand-in only answers with tensors it was sent; missing {missing[:3]}")
-        direction = self.fleet.direction(body.model)
-        update = {name: received[name] + self.scale * direction[name] for name in body.up}
-        if body.secagg is not None:
-            return self._secure_result(task, {"update": update, "received": received})
-        wire, delta = encode_upload(update, received, body.upload, self.residuals, msg.run_id,
-                                    generator=torch.Generator().manual_seed(body.seed))
-        profile = {"seconds": time.time() - record.received,
-                   "phases": {"fetch_model": (record.ready or record.received) - record.received,
-                              "train": record.think or 0.0}}
-        result = ResultBody(num_samples=self.samples, metrics={"train_loss": self.loss}, codec=body.upload.codec,
-                            delta=tuple(delta), profile=profile)
-        payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
-                         body=result.to_body(), tensors=wire, compression=body.upload.codec)
-        self.transport.check_size(payload)
-        return payload
-
-    def _secure_result(self, task: Task, trained: dict[str, Any] | None) -> bytes:
-        """A secure round's stage answered by the device's own code (``edge_client.secure_device``): the
-        advertise stage masks nothing yet and keeps the update; a device drawn to drop (``--secagg-drop``)
-        fails its mask task, as one whose masking failed after it shared its keys."""
-        from edge_client.secagg.stages import StageTask
-        from edge_client.secure_device import secure_vector
-        from edge_client.wire.protocol import ProtocolError, ResultBody, encode
-
-        msg, body = task.msg, task.body
-        stage, key = StageTask.from_body(body.secagg), (msg.run_id, msg.round)
-        if stage.stage == "advertise":
-            vector = secure_vector(stage, trained["update"], trained["received"], sorted(body.up), self.samples,
-                                   self.loss, body.upload.clip_norm)
-            reply = self.secure.advertise(key, stage, vector, self.samples)
-        elif stage.stage == "mask" and random.Random(f"{self.fleet.seed}/{self.id}/{msg.round}").random() < \
-                self.fleet.drop:
-            self.secure.discard()
-            raise ProtocolError("dropped out at the mask stage (--secagg-drop)")
-        else:
-            reply = self.secure.answer(key, stage)
-        secagg, tensors = reply.wire(stage.params.bits)
-        result = ResultBody(num_samples=self.samples, secagg=secagg)
-        payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id, sender=self.id,
-                         body=result.to_body(), tensors=tensors)
-        self.transport.check_size(payload)
-        return payload
-
-    def _publish(self, message: Publish) -> None:
-        from edge_client.wire.chunking import HEADER_BYTES
-        from edge_client.wire.transport import MessageTooLarge, TransportError
-
-        if message.announce:
-            self.transport.announce(message.topic, message.payload)
-            return
-        try:
-            sent = self.transport.publish(message.topic, message.payload, retain=message.retain)
-        except TransportError as exc:
-            if not message.result_of:
-                raise
-            self.apply(self.protocol.send_failed(message.result_of, str(exc),
-                                                 too_large=isinstance(exc, MessageTooLarge)))
-            return
-        record = self.by_task.get(message.result_of) if message.result_of else None
-        if record is not None:
-            if record.answered is None:
-                record.answered = time.time()
-            else:
-                record.resends += 1
-            size, limit = len(message.payload), self.transport.max_message_bytes
-            record.result_bytes = sent
-            record.chunks = 1 if size <= limit else -(-size // (limit - HEADER_BYTES))
-
-
 def devices_child(spec_path: Path) -> int:
     """A device process: serve the fleet slice in ``spec_path`` until the run finishes, then write records."""
+    from fleet_devices import Fleet, quiet
+
     spec = json.loads(spec_path.read_text())
+    quiet()
     raise_open_files(len(spec["ids"]) + 64)
     stopping = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("now", True))
     started = time.time()
     fleet = Fleet(spec["brokers"], spec["ids"], Think.parse(spec["think"]), spec["seed"], spec["samples"],
-                  spec.get("max_message_bytes", DEFAULT_PACKET_BYTES), spec.get("drop", 0.0))
+                  prefix=PREFIX, connect_window=CONNECT_WINDOW,
+                  max_message_bytes=spec.get("max_message_bytes", DEFAULT_PACKET_BYTES), drop=spec.get("drop", 0.0))
     try:
         fleet.run(lambda: stopping["now"])
     finally:
         fleet.leave()
         out = {"ids": len(spec["ids"]), "started": started, "connecting": fleet.connecting_at,
                "connected": fleet.connected_at, "ended": time.time(),
-               "finished": sum(d.finished for d in fleet.devices), "counts": fleet.counts,
+               "finished": sum(d.finished for d in fleet.devices), "counts": fleet.totals(),
                "traffic": {str(k): v for k, v in sorted(fleet.traffic.items())},
                "cpu_s": time.process_time(), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                "tasks": [asdict(r) for d in fleet.devices for r in d.records]}

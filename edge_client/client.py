@@ -4,9 +4,10 @@ The loop is transport-agnostic (MQTT on a device, in-process in simulations) and
 never trusts what it receives: every task is decoded and checked before use, and
 a bad one is answered with a rejection instead of an exception. Which tasks run,
 when, and how results go until acknowledged is the device protocol's to say
-(:mod:`edge_client.device_protocol`, which the fleet benchmark's stand-in devices
-share); this module moves its messages and does the work: training, encoding,
-the profile.
+(:mod:`edge_client.device_protocol`); carrying out what it says and encoding the
+results is the device shell's (:mod:`edge_client.device_shell`), both shared with the
+fleet benchmark's stand-in devices. This module is the device's trainer: it builds
+the model, trains it on the local data and keeps the profile.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import platform
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +28,21 @@ import torch
 from torch import nn
 
 from edge_client.device import GpuMeter
-from edge_client.device_protocol import Actions, BroadcastCache, DeviceProtocol, Publish, Task, presence_payload
+from edge_client.device_protocol import BroadcastCache, DeviceProtocol, Task, presence_payload
+from edge_client.device_shell import DeviceShell, Trained
 from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
-from edge_client.app import APP_KEY, AppError, AppMismatch, spec_app
-from edge_client.models import ModelSpecError, federated_names, state_shapes
+from edge_client.app import APP_KEY, spec_app
+from edge_client.models import federated_names, state_shapes
 from edge_client.objectives import (LocalData, Objective, ObjectiveError, TaskContext, check_finite_metrics,
                                     shuffle_seed, task_key, warm_up)
-from edge_client.privacy_budget import BudgetSettings, PrivacyBudget, PrivacyBudgetError
+from edge_client.privacy_budget import BudgetSettings, PrivacyBudget
 from edge_client.registry import OBJECTIVES, build_model, example_sample
 from edge_client.wire.chunking import DEFAULT_PACKET_BYTES, ChunkingTransport
-from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, REFUSAL_APP, Message, PresenceBody, ProtocolError,
-                                       ResultBody, TaskBody, Topics, encode)
-from edge_client.wire.transport import Incoming, MessageTooLarge, Transport, TransportError, Will
-from edge_client.wire.updates import ResidualStore, decode_download, encode_clipped_upload
+from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, PresenceBody, ProtocolError, ResultBody,
+                                       TaskBody, Topics)
+from edge_client.wire.transport import Transport, Will
+from edge_client.wire.updates import ResidualStore, decode_download
 from profiling.device import device_facts
 from profiling.history import append_history
 from profiling.profiler import Profiler
@@ -137,12 +139,12 @@ class EdgeClient:
                                        exit_after_run=settings.exit_after_run,
                                        presence_echo_timeout=settings.presence_echo_timeout)
         self._gpu = GpuMeter(self.device)
-        self._previous_send: dict[str, Any] = {}   # encode/publish times of the last result, for the next
         self._residuals = ResidualStore(settings.state_dir)
         self.memory = MemoryGuard()   # refuses a task that would run this device out of memory
-        self._secure: Any = None      # the secure round in progress (docs/privacy.md), made by the first stage
         self._budget = None if settings.privacy_budget is None else PrivacyBudget(settings.privacy_budget,
                                                                                    settings.state_dir)
+        self.shell = DeviceShell(self.protocol, self.transport, self, residuals=self._residuals,
+                                 budget=self._budget, gpu=self._gpu)
         self.tasks_run = 0
 
     @staticmethod
@@ -172,13 +174,13 @@ class EdgeClient:
 
     def start(self) -> None:
         """Subscribe to this client's topics and announce it online."""
-        self._apply(self.protocol.start())
+        self.shell.apply(self.protocol.start())
         warm_up()   # before announcing: the first task's time should be the task's own
         sample = self.data.x[:1]
         presence = PresenceBody("online", num_samples=len(self.data), input_shape=tuple(sample.shape[1:]),
                                 num_classes=int(self.data.y.max()) + 1 if len(self.data) else 0,
                                 device=device_facts())
-        self._apply(self.protocol.announce(presence, time.monotonic()))
+        self.shell.apply(self.protocol.announce(presence, time.monotonic()))
         activity.info("client %s online with %d samples, training on %s", self.settings.client_id, len(self.data),
                       self.device)
 
@@ -186,144 +188,35 @@ class EdgeClient:
         """Handle the next incoming message (waiting up to ``timeout`` s for one), then what is due
         (re-sends, give-ups, warnings); return whether a message came."""
         incoming = self.transport.get(timeout)
-        self.protocol.note_disconnects(self.transport.disconnects)
-        if incoming is not None and incoming.error:
-            self._apply(self.protocol.lost(incoming.topic, incoming.error))
-        elif incoming is not None and incoming.payload:
-            self._receive(incoming)
-        self._apply(self.protocol.tick(time.monotonic()))
+        if incoming is not None:
+            self.protocol.note_disconnects(self.transport.disconnects)
+            self.shell.take(incoming)
+        self.shell.tick(time.monotonic())
         return incoming is not None
 
     def leave(self) -> None:
         """Say this client is offline."""
-        self._apply(self.protocol.leave())
+        self.shell.apply(self.protocol.leave())
 
-    def _receive(self, incoming: Incoming) -> None:
-        """Hand a message to the protocol; a task gets its profile from here on (how long it waited on this
-        device before we took it up, its decoding)."""
-        taken_up, started = time.monotonic(), time.perf_counter()
-        actions = self.protocol.handle(incoming.topic, incoming.payload, taken_up)
-        for task in actions.arrived:
-            profiler = Profiler(started=started)
-            if incoming.received_at is not None:
-                profiler.add("receive", max(0.0, taken_up - incoming.received_at))
-            profiler.add("decode", time.perf_counter() - started)
-            task.context = profiler
-        self._apply(actions)
+    # -- the trainer the shell asks for (edge_client.device_shell.Trainer) --------
+    def clock(self, started: float) -> Profiler:
+        """A task's profile, from when its message was taken up."""
+        return Profiler(started=started)
 
-    def _apply(self, actions: Actions) -> None:
-        for note in actions.notes:
-            (activity if note.kind == "activity" else log).log(note.level, "%s", note.text)
-        for topic, parts in actions.subscribe:
-            self.transport.subscribe(topic, parts=parts)
-        for topic, parts in actions.unsubscribe:
-            self.transport.unsubscribe(topic, parts=parts)
-        for message in actions.publish:
-            self._publish(message)
-        for task in actions.run:
-            self._run(task)
+    def train(self, task: Task, finish: Callable[[Callable[[], Trained]], None]) -> None:
+        """Train now, on this thread: the client does one task at a time."""
+        finish(lambda: self._execute(task, task.context))
 
-    def _publish(self, message: Publish) -> None:
-        if message.announce:
-            self.transport.announce(message.topic, message.payload)
-            return
-        try:
-            self.transport.publish(message.topic, message.payload, retain=message.retain)
-        except TransportError as exc:   # a result's failure is the protocol's to handle; others end the client
-            if not message.result_of:
-                raise
-            self._apply(self.protocol.send_failed(message.result_of, str(exc),
-                                                  too_large=isinstance(exc, MessageTooLarge)))
-
-    # -- tasks ----------------------------------------------------------------
-    def _run(self, task: Task) -> None:
-        """Execute a task the protocol let through and hand its result back; nothing raised here takes
-        the client down: a failure is the result."""
-        msg = task.msg
-        profiler = task.context if isinstance(task.context, Profiler) else Profiler()
-        if task.fetch_seconds is not None:
-            profiler.add("fetch_model", task.fetch_seconds)
-        self._gpu.start()
-        try:
-            if task.body is None:
-                raise ProtocolError(task.problem)
-            if self._budget is not None:
-                refused = self._budget.refusal(msg.task_id, task.body.objective, task.body.upload.noise_multiplier)
-                if refused:
-                    raise PrivacyBudgetError(refused, final=True)
-            if task.body.secagg is None:
-                tensors, answer = self._execute(task, profiler)
-            else:
-                outcome = self._secure_task(task, profiler)
-                if outcome is None:   # a refused or malformed stage: answering could only reveal something
-                    return
-                tensors, answer = outcome
-        except (ObjectiveError, ModelSpecError, AppError, ProtocolError, PrivacyBudgetError) as exc:
-            log.warning("task %s failed: %s", msg.task_id, exc)
-            tensors, answer = {}, ResultBody(error=str(exc), withdrawn=getattr(exc, "final", False),
-                                             refusal=REFUSAL_APP if isinstance(exc, AppMismatch) else "")
-        except Exception as exc:  # a task must never take the device's client down
-            log.exception("task %s failed unexpectedly", msg.task_id)
-            tensors, answer = {}, ResultBody(error=f"{type(exc).__name__}: {exc}")
-        # Encoding and publishing come after the profile is sealed into the result, so
-        # their times travel with the next result, as `previous_send`.
-        answer = replace(answer, profile={**profiler.summary(), **self._gpu.summary(), **self._previous_send})
+    def sent(self, task: Task, answer: ResultBody, payload: bytes) -> None:
+        """Learn the task's memory, log its line and keep its profile."""
         if task.body is not None and answer.error is None:
             self.memory.measured(task.body.model, task.body.hyper, answer.profile.get("peak_rss_bytes"))
-        with profiler.phase("encode"):
-            payload = self._result_payload(msg, answer, tensors)
-        with profiler.phase("publish"):
-            self._apply(self.protocol.answered(task, payload, time.monotonic()))
-        sent = {"task_id": msg.task_id, **{k: profiler.phases[k] for k in ("encode", "publish")}}
-        self._previous_send = {"previous_send": sent}
         self.tasks_run += 1
-        activity.info(_task_line(msg, task.body, answer, len(payload)))
-        self._write_profile(task, {**answer.profile, "phases": profiler.phases})
+        activity.info(_task_line(task.msg, task.body, answer, len(payload)))
+        self._write_profile(task, {**answer.profile, "phases": task.context.phases})
 
-    def _result_payload(self, msg: Message, answer: ResultBody, tensors: dict[str, torch.Tensor]) -> bytes:
-        """The result message, compressed in its codec; an error result when it cannot be encoded or sent."""
-        try:
-            payload = encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
-                             sender=self.settings.client_id, body=answer.to_body(), tensors=tensors,
-                             compression=answer.codec)
-            self.transport.check_size(payload)
-            return payload
-        except (ProtocolError, MessageTooLarge) as exc:   # tell the coordinator now rather than let it time out
-            log.warning("task %s: %s", msg.task_id, exc)
-            failure = ResultBody(error=str(exc), profile=answer.profile)
-            return encode("result", run_id=msg.run_id, round=msg.round, task_id=msg.task_id,
-                          sender=self.settings.client_id, body=failure.to_body())
-
-    def _secure_task(self, task: Task, profiler: Profiler) -> tuple[dict[str, torch.Tensor], ResultBody] | None:
-        """A secure round's task: training (advertise) or one step of the round in progress; None when the
-        stage is refused (logged). Secure aggregation's modules (and the cryptography library) load only here:
-        a device that never sees a secure round never imports them."""
-        from edge_client.secagg.errors import SecAggError
-        from edge_client.secagg.stages import StageTask
-        from edge_client.secure_device import SecureRounds
-
-        msg = task.msg
-        if self._secure is None:
-            self._secure = SecureRounds()
-        try:
-            stage = StageTask.from_body(task.body.secagg)
-            if stage.stage == "advertise":
-                return self._execute(task, profiler, stage)
-            return self._secure_step(msg, stage)
-        except SecAggError as exc:
-            log.warning("dropped secure-aggregation task %s of round %d: %s", msg.task_id, msg.round, exc)
-            return None
-
-    def _secure_step(self, msg: Message, stage: Any) -> tuple[dict[str, torch.Tensor], ResultBody]:
-        """A secure round's share, mask or unmask task: no training, one step of the round in progress."""
-        reply = self._secure.answer((msg.run_id, msg.round), stage)
-        body, tensors = reply.wire(stage.params.bits)
-        return tensors, ResultBody(num_samples=max(1, self._secure.num_samples), secagg=body)
-
-    def _execute(self, wrapped: Task, profiler: Profiler,
-                 stage: Any = None) -> tuple[dict[str, torch.Tensor], ResultBody]:
-        """Run the task; return the wire tensors and the result's body (without its profile). With a secure
-        round's ``stage`` (advertise), the update is kept here and only the public keys go up."""
+    def _execute(self, wrapped: Task, profiler: Profiler) -> Trained:
+        """Run the task; return the tensors it asks for after training, for the shell to encode."""
         msg, task = wrapped.msg, wrapped.body
         assert task is not None   # a task whose body does not parse is answered before this
         known = {**OBJECTIVES, **self.settings.objectives}
@@ -355,34 +248,8 @@ class EdgeClient:
         else:
             state = model.state_dict()
             tensors, raw_only = {name: _on_cpu(state[name]) for name in up}, False
-        if stage is not None:
-            if raw_only:
-                raise ProtocolError(f"objective {task.objective!r} sends statistics, not an update: it cannot "
-                                    "run in a secure round")
-            with profiler.phase("codec"):
-                from edge_client import secure_device   # loaded by _secure_task already
-
-                vector = secure_device.secure_vector(stage, tensors, received, sorted(up), output.num_samples,
-                                       float(output.metrics.get("train_loss", 0.0)), task.upload.clip_norm)
-                reply = self._secure.advertise((msg.run_id, msg.round), stage, vector, output.num_samples)
-            # no metrics: the round's loss is in the sum; one device's would say something of its data
-            return {}, ResultBody(num_samples=output.num_samples, secagg=reply.wire(stage.params.bits)[0])
-        with profiler.phase("codec"):
-            wire, delta, clipped = encode_clipped_upload(tensors, received, task.upload, self._residuals, msg.run_id,
-                                                         raw_only=raw_only, task=task_key(ctx),
-                                                         generator=torch.Generator().manual_seed(ctx.seed))
-        if task.upload.noise_multiplier is not None:
-            # Local differential privacy: the noisy update is the only thing about the data that leaves the
-            # device; a training loss or the clipped bit would be releases the noise does not cover.
-            if self._budget is not None:   # on disk before it is sent
-                self._budget.record(msg.task_id, msg.run_id, msg.round, task.upload.noise_multiplier)
-            metrics = {}
-        else:
-            metrics = dict(output.metrics)
-            if task.upload.clip_norm is not None:   # the one bit adaptive clipping needs, never the norm itself
-                metrics["clipped"] = float(clipped)
-        return wire, ResultBody(num_samples=output.num_samples, metrics=metrics,
-                                codec=task.upload.codec, delta=tuple(delta))
+        return Trained(tensors, received, output.num_samples, dict(output.metrics), raw_only, seed=ctx.seed,
+                       key=task_key(ctx))
 
     def _received(self, wrapped: Task, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """The task's tensors plus its broadcast's, decoded to float32 and checked against the model."""

@@ -8,7 +8,8 @@ does not exist. So the rules live here once: presence and its echo, the coordina
 wait for a task's model broadcast, and sending a result until it is acknowledged. Each caller keeps
 only its I/O and its work: it feeds :class:`DeviceProtocol` events (:meth:`~DeviceProtocol.handle`,
 :meth:`~DeviceProtocol.tick`, :meth:`~DeviceProtocol.answered`) with the time, and carries out the
-:class:`Actions` it gets back (publish, subscribe, execute a task, log). No clock is read here and
+:class:`Actions` it gets back (publish, subscribe, execute a task, log), both through the one
+:class:`~edge_client.device_shell.DeviceShell`. No clock is read here and
 nothing blocks, so every rule is testable without a broker.
 
 Nothing received is trusted: a message that does not decode or parse becomes a :class:`Note` with

@@ -24,6 +24,7 @@ from coordinator.strategies.base import TaskPlan
 from coordinator.strategy_setup import make_strategy
 from edge_client.client import ClientSettings, EdgeClient
 from edge_client.data import load_dataset
+from edge_client.device_shell import DeviceShell
 from edge_client.objectives import LocalData
 from edge_client.secagg import (MaskedSum, MessageError, RefusedError, SecAggParams, advertise, collect_keys,
                                 masked_input, route_shares, share)
@@ -146,16 +147,17 @@ def device_advert(device: SecureRounds, p: SecAggParams):
 
 
 def test_a_malformed_stage_task_is_logged_and_dropped_by_the_client(caplog):
+    from edge_client.device_actions import Task
+    from edge_client.device_protocol import DeviceProtocol
+    from edge_client.device_shell import PhaseClock
+
     sent = []
     transport = SimpleNamespace(publish=lambda *a, **k: sent.append(a))
-    client = EdgeClient.__new__(EdgeClient)
-    client._secure, client.settings, client._budget = SecureRounds(), ClientSettings(client_id="dev1"), None
+    trainer = SimpleNamespace(clock=PhaseClock, train=lambda task, finish: pytest.fail("a stage task never trains"))
+    shell = DeviceShell(DeviceProtocol("dev1", Topics()), transport, trainer, secure=SecureRounds())
     msg = decode(encode("task", run_id="r", round=1, task_id="t1", sender="coordinator",
                         body={"objective": "secagg", "model": {}, "up": [], "secagg": {"stage": "mask"}}))
-    from edge_client.device_actions import Task
-    client._gpu = SimpleNamespace(start=lambda: None)
-    client.transport = transport
-    client._run(Task.read(msg))
+    shell.run(Task.read(msg))
     assert sent == []
     assert any("dropped secure-aggregation task t1" in r.getMessage() for r in caplog.records)
 
@@ -228,7 +230,7 @@ def _devices(url: str, prefix: str, count: int, drop_at: dict[str, str], client_
     """``count`` device clients on threads of this process; device ``cid`` in ``drop_at`` stops answering
     at that stage (it has gone away). Their vectors and the model they were sent are recorded."""
     seen: dict = {"vectors": {}, "received": None}
-    real_vector, real_step = secure_device.secure_vector, EdgeClient._secure_step
+    real_vector, real_step = secure_device.secure_vector, DeviceShell._secure_step
 
     def recording(stage, trained, received, names, *args):
         vector = real_vector(stage, trained, received, names, *args)
@@ -238,12 +240,12 @@ def _devices(url: str, prefix: str, count: int, drop_at: dict[str, str], client_
         return vector
 
     def dropping(self, msg, stage):
-        if drop_at.get(self.settings.client_id) == stage.stage:
+        if drop_at.get(self.client_id) == stage.stage:
             raise RefusedError(f"this device has gone away before its {stage.stage} answer")
         return real_step(self, msg, stage)
 
     monkeypatch.setattr(secure_device, "secure_vector", recording)
-    monkeypatch.setattr(EdgeClient, "_secure_step", dropping)
+    monkeypatch.setattr(DeviceShell, "_secure_step", dropping)
     digits = load_dataset("digits")
     for i in range(count):
         cid = f"dev{i}"

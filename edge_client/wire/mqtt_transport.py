@@ -10,6 +10,7 @@ import logging
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -21,6 +22,7 @@ from edge_client.wire.broker_settings import PROTOCOLS, BrokerSettings
 from edge_client.wire.connect_failures import (LOGIN_REFUSED, LoginRefused, NoConnack, login_refused,
                                                scheme_mismatch, tls_failure)
 from edge_client.wire.inbox import DEFAULT_MAX_BYTES, Inbox
+from edge_client.wire.shared_loop import SharedLoop
 from edge_client.wire.transport_base import Incoming, Transport, Will
 from edge_client.wire.transport_errors import MessageTooLarge, TlsError, TransportError
 
@@ -29,6 +31,7 @@ __all__ = ["MqttTransport"]
 log = logging.getLogger("fedge.transport")
 
 SUBACK_TIMEOUT = 10.0   # seconds subscribe() waits for the broker's acknowledgement
+RECONNECT_DELAYS = (1.0, 30.0)   # first and longest wait before reconnecting, doubling in between
 
 
 class MqttTransport(Transport):
@@ -45,13 +48,29 @@ class MqttTransport(Transport):
     message), so a busy receiver slows the broker's delivery instead of dropping messages the
     sender must re-send (:class:`~edge_client.wire.inbox.Inbox` says how brokers that release
     more are held back). Off for devices, whose loop may not read while it trains.
+
+    ``loop`` (many connections in one process, as the fleet benchmark's devices): a
+    :class:`~edge_client.wire.shared_loop.SharedLoop` drives this connection from its thread instead
+    of a paho network thread of its own. Everything then happens on that thread, so nothing waits:
+    :meth:`connect` starts connecting and returns (:attr:`connected` says when the broker accepted),
+    a connection that fails or is lost is tried again after 1 s, doubling up to 30 s, ``subscribe``
+    does not wait for its SUBACK, :meth:`close` does not wait for what is in flight (the loop's
+    ``flush`` does), and ``on_message`` is called once a message is queued, for the loop's owner to
+    read it. ``protocol = "auto"`` is MQTT 5 there (no fallback). ``counter(direction, size)`` counts
+    each message's payload bytes, 0 for one received and 1 for one published.
     """
 
     def __init__(self, settings: BrokerSettings, client_id: str, *, will: Will | None = None,
-                 queue_size: int = 10_000, flow_control: bool = False) -> None:
+                 queue_size: int = 10_000, flow_control: bool = False, loop: SharedLoop | None = None,
+                 on_message: Callable[[], None] | None = None,
+                 counter: Callable[[int, int], None] | None = None) -> None:
         if settings.protocol not in PROTOCOLS:
             raise TransportError(f"MQTT protocol must be one of {PROTOCOLS}, got {settings.protocol!r}")
         self.settings = settings
+        self._loop = loop
+        self._on_arrival = on_message
+        self._counter = counter
+        self._backoff = RECONNECT_DELAYS[0]
         self.client_id = client_id
         self.will = will
         self.protocol: str | None = None
@@ -86,7 +105,10 @@ class MqttTransport(Transport):
 
     # -- connection -------------------------------------------------------------
     def connect(self) -> "MqttTransport":
-        """Connect, trying MQTT 5 then 3.1.1 when the protocol is ``auto``."""
+        """Connect, trying MQTT 5 then 3.1.1 when the protocol is ``auto``; on a shared loop, start connecting."""
+        if self._loop is not None:
+            self._start_on_loop()
+            return self
         candidates = ["5", "3.1.1"] if self.settings.protocol == "auto" else [self.settings.protocol]
         self._ssl_context = self.settings.ssl_context()   # TlsError now for a missing or bad file
         reasons: list[str] = []
@@ -114,7 +136,8 @@ class MqttTransport(Transport):
         raise TransportError(f"could not connect to {self.settings.url} as {self.client_id!r} ("
                              + "; ".join(reasons) + "). Is the broker running and are the credentials right?")
 
-    def _connect_with(self, protocol: str, timeout: float) -> None:
+    def _new_client(self, protocol: str) -> tuple[mqtt.Client, Properties | None]:
+        """A paho client with this transport's session settings and callbacks, and its CONNECT properties."""
         v5 = protocol == "5"
         client = mqtt.Client(
             callback_api_version=CallbackAPIVersion.VERSION2,
@@ -141,6 +164,11 @@ class MqttTransport(Transport):
             props.SessionExpiryInterval = self.settings.session_expiry
             if self.flow_control:
                 props.ReceiveMaximum = self.receive_maximum
+        return client, props
+
+    def _connect_with(self, protocol: str, timeout: float) -> None:
+        v5 = protocol == "5"
+        client, props = self._new_client(protocol)
         host, port = self.settings.host_port()
         self._connected.clear()
         self._refused = None
@@ -172,12 +200,51 @@ class MqttTransport(Transport):
         self.protocol = protocol
         log.debug("connected to %s as %s with MQTT %s", self.settings.url, self.client_id, protocol)
 
+    def _start_on_loop(self) -> None:
+        """Hand a new client to the shared loop and dial; the CONNACK comes through the loop."""
+        assert self._loop is not None
+        protocol = "3.1.1" if self.settings.protocol == "3.1.1" else "5"
+        self._ssl_context = self.settings.ssl_context()   # TlsError now for a missing or bad file
+        client, props = self._new_client(protocol)
+        self._client, self.protocol = client, protocol
+        self._loop.attach(client)
+        self._dial(client, props)
+
+    def _dial(self, client: mqtt.Client, props: Properties | None) -> None:
+        if client is not self._client:   # closed meanwhile
+            return
+        host, port = self.settings.host_port()
+        try:
+            client.connect(host, port, keepalive=self.settings.keepalive,
+                           clean_start=False if props is not None else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+                           properties=props)
+        except OSError as exc:   # ssl.SSLError included
+            log.debug("%s: %s:%d unreachable (%s); trying again in %.0f s", self.client_id, host, port, exc,
+                      self._backoff)
+            self._retry(lambda: self._dial(client, props))
+
+    def _redial(self, client: mqtt.Client) -> None:
+        if client is not self._client:
+            return
+        try:
+            client.reconnect()
+        except OSError:
+            self._retry(lambda: self._redial(client))
+
+    def _retry(self, action: Callable[[], None]) -> None:
+        assert self._loop is not None
+        self._loop.call_later(self._backoff, action)
+        self._backoff = min(RECONNECT_DELAYS[1], self._backoff * 2)
+
     def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, reason: object,
                     properties: object) -> None:
         if getattr(reason, "is_failure", False):
             self._refused = f"broker refused the connection: {reason}"
             self._refused_login = LOGIN_REFUSED.get(getattr(reason, "value", 0))
+            if self._loop is not None:   # nobody waits for the CONNACK to say so
+                log.warning("%s: %s", self.client_id, self._refused_login or self._refused)
             return
+        self._backoff = RECONNECT_DELAYS[0]
         self._broker_max = getattr(properties, "MaximumPacketSize", None)
         self._connected_at = time.monotonic()
         self._session += 1
@@ -195,12 +262,14 @@ class MqttTransport(Transport):
                        properties: object) -> None:
         if not self._connected.is_set() and not self._refused:
             self._refused = f"connection closed before CONNACK ({reason})"
-        elif self._connected.is_set():
+        elif self._connected.is_set() and client is self._client:   # lost, not closed by us
             self.disconnects += 1
         self._connected.clear()
         if getattr(reason, "value", 0) != 0:
             self._check_oversize(client)
             log.info("disconnected from broker (%s); reconnecting with backoff", reason)
+        if self._loop is not None and client is self._client:   # not closed by us: paho's thread would reconnect
+            self._retry(lambda: self._redial(client))
 
     def _drop_oversize(self, client: mqtt.Client) -> None:
         """Take the in-flight messages over the learned limit out of paho's queue before it resends them.
@@ -253,7 +322,7 @@ class MqttTransport(Transport):
 
         Never on paho's own thread (it is the one that reads the SUBACK); a SUBACK that does not come in
         ``timeout`` (a broker gone) is left to the reconnect, which subscribes again."""
-        if mid is None or threading.current_thread() is getattr(client, "_thread", None):
+        if mid is None or self._loop is not None or threading.current_thread() is getattr(client, "_thread", None):
             return
         with self._subacked:
             if not self._subacked.wait_for(lambda: mid not in self._subscribing, timeout):
@@ -293,7 +362,12 @@ class MqttTransport(Transport):
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         ack = functools.partial(self._ack, msg.mid, self._session) if self.flow_control and msg.qos else None
-        self._inbox.put(Incoming(msg.topic, bytes(msg.payload)), ack)
+        payload = bytes(msg.payload)
+        if self._counter is not None:
+            self._counter(0, len(payload))
+        self._inbox.put(Incoming(msg.topic, payload), ack)
+        if self._on_arrival is not None:
+            self._on_arrival()
 
     def _ack(self, mid: int, session: int) -> None:
         """Acknowledge a taken message, on the connection it came on: after a reconnect the broker
@@ -317,7 +391,7 @@ class MqttTransport(Transport):
         client = self._client
         if client is not None and self._connected.is_set():
             self._await_suback(client, self._subscribe_with(client, topic_filter), timeout)
-        elif client is not None:
+        elif client is not None and self._loop is None:
             self._subscribe_with(client, topic_filter)
 
     def unsubscribe(self, topic_filter: str) -> None:
@@ -360,10 +434,13 @@ class MqttTransport(Transport):
                 self._denied(topic, "write", self._refused_early.pop(info.mid))
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN, mqtt.MQTT_ERR_QUEUE_SIZE):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        if self._counter is not None:
+            self._counter(1, len(payload))
 
     def announce(self, topic: str, payload: bytes) -> None:
         self._birth = (topic, payload)
-        self.publish(topic, payload, retain=True)
+        if self._loop is None or self._connected.is_set():   # else it goes on connecting
+            self.publish(topic, payload, retain=True)
 
     def get(self, timeout: float) -> Incoming | None:
         return self._inbox.get(timeout)
@@ -371,6 +448,11 @@ class MqttTransport(Transport):
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def connects(self) -> int:
+        """Connections the broker accepted since connect(), reconnects included."""
+        return self._session
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Disconnect cleanly (no last will); the broker keeps our session.
@@ -381,19 +463,23 @@ class MqttTransport(Transport):
         that status would never leave.
         """
         deadline = time.monotonic() + flush_timeout
-        while self._publishing and self._connected.is_set() and time.monotonic() < deadline:
+        while self._loop is None and self._publishing and self._connected.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)
         client, self._client = self._client, None
         if client is not None:
             client.disconnect()
-            client.loop_stop()
+            if self._loop is None:
+                client.loop_stop()
 
     def drop(self) -> None:
         """Vanish without DISCONNECT, as a crashed device would (the will fires)."""
         client, self._client = self._client, None
         if client is not None:
-            client.loop_stop()
+            if self._loop is None:
+                client.loop_stop()
             sock = client.socket()
             if sock is not None:
+                if self._loop is not None:
+                    self._loop.forget(sock)
                 sock.close()
 

@@ -8,7 +8,8 @@ same code whichever is used. They never look inside a payload. Each job has its 
 - :mod:`edge_client.wire.inbox`: the bounded, fair receive queue;
 - :mod:`edge_client.wire.broker_settings`: the broker URL, login and TLS settings;
 - :mod:`edge_client.wire.mqtt_transport`: MQTT over paho, with :mod:`edge_client.wire.connect_failures`
-  saying what to fix when a connection fails;
+  saying what to fix when a connection fails, and :mod:`edge_client.wire.shared_loop` driving many
+  connections of one process from one thread;
 - :mod:`edge_client.wire.inproc_transport`: the in-memory broker for simulations and tests;
 - :mod:`edge_client.wire.transport_errors`: the errors all of them raise.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 from edge_client.wire.broker_settings import BrokerAddress, BrokerSettings, parse_broker_address, parse_broker_url
 from edge_client.wire.inproc_transport import InprocHub, InprocTransport
 from edge_client.wire.mqtt_transport import MqttTransport
+from edge_client.wire.shared_loop import SharedLoop
 from edge_client.wire.transport_base import Incoming, Transport, Will
 from edge_client.wire.transport_errors import BrokerUrlError, MessageTooLarge, TlsError, TransportError
 
@@ -34,6 +36,7 @@ __all__ = [
     "Incoming",
     "Transport",
     "MqttTransport",
+    "SharedLoop",
     "InprocHub",
     "InprocTransport",
 ]
