@@ -11,17 +11,17 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SELECTIONS,
+from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, RULES, SELECTIONS,
                                          SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import folds_updates, method, requirements, resolve, strategies_that
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
 from edge_client.registry import METHODS, model_hooks, optimizers
-from edge_client.device import DeviceError, resolve_device
+from edge_client.device_names import DeviceError, check_device
 from edge_client.privacy_account import ACCOUNTANTS
 from edge_client.wire.broker_settings import parse_broker_address
 from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES
-from edge_client.wire.codec import CodecError, parse_codec
+from edge_client.wire.codec_spec import CodecError, parse_codec
 from edge_client.wire.transport_errors import BrokerUrlError
 
 if TYPE_CHECKING:
@@ -57,8 +57,7 @@ def check_config(config: RunConfig) -> None:
          f"data.local_test_fraction must be in [0, 1), got {config.data.local_test_fraction}"),
         (ev.every >= 1, f"eval.every must be >= 1, got {ev.every}"),
         (ev.finetune_epochs >= 0, f"eval.finetune_epochs must be >= 0, got {ev.finetune_epochs}"),
-        (agg.rule in ("mean", "median", "trimmed_mean", "clipped_mean"),
-         f"aggregate.rule is one of mean, median, trimmed_mean, clipped_mean, got {agg.rule!r}"),
+        (agg.rule in RULES, f"aggregate.rule is one of {', '.join(RULES)}, got {agg.rule!r}"),
         (0 <= agg.trim < 0.5, f"aggregate.trim must be in [0, 0.5), got {agg.trim}"),
         (agg.norm_bound >= 0, f"aggregate.norm_bound must be >= 0 (0 turns the bound off), got {agg.norm_bound}"),
         *_order_checks(config),
@@ -109,7 +108,7 @@ def check_config(config: RunConfig) -> None:
     _check_codecs(config.codec)
     _check_app(config)
     try:
-        resolve_device(ev.device)
+        check_device(ev.device)
     except DeviceError as exc:
         raise ConfigError(f"eval.device: {exc}") from None
     if config.selected_per_round < config.required_results:
