@@ -17,7 +17,7 @@ from coordinator.errors import ConfigError
 from coordinator.methods import folds_updates, method, requirements, resolve, strategies_that
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
 from edge_client.registry import METHODS, model_hooks, optimizers
-from edge_client.device_names import DeviceError, check_device
+from edge_client.device_names import LOOKED_FOR, DeviceError, device_kind
 from edge_client.privacy_account import ACCOUNTANTS
 from edge_client.wire.broker_settings import parse_broker_address
 from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES
@@ -108,7 +108,10 @@ def check_config(config: RunConfig) -> None:
     _check_codecs(config.codec)
     _check_app(config)
     try:
-        check_device(ev.device)
+        if device_kind(ev.device) in LOOKED_FOR:
+            from edge_client.device import resolve_device   # torch, only to look for the device asked for
+
+            resolve_device(ev.device)
     except DeviceError as exc:
         raise ConfigError(f"eval.device: {exc}") from None
     if config.selected_per_round < config.required_results:

@@ -1,16 +1,17 @@
 """The device names ``--device`` and ``eval.device`` take, checked without torch.
 
 Apart from :mod:`edge_client.device`, which imports torch, so that a configuration is checked before
-torch loads; torch is imported here only for a device it must look for (``cuda``, ``mps``).
+torch loads; only a device torch must look for (``cuda``, ``mps``) needs torch to check.
 """
 
 from __future__ import annotations
 
 from storage.errors import FedgeError
 
-__all__ = ["DEVICES", "DeviceError", "device_kind", "check_device"]
+__all__ = ["DEVICES", "DeviceError", "device_kind", "LOOKED_FOR"]
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
+LOOKED_FOR = ("cuda", "mps")   # kinds torch must find (edge_client.device.resolve_device); auto falls back to the CPU
 
 
 class DeviceError(FedgeError, ValueError):
@@ -24,12 +25,3 @@ def device_kind(name: str) -> str:
         raise DeviceError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
     return kind
 
-
-def check_device(name: str) -> None:
-    """DeviceError unless this process can use device ``name``: ``auto`` and ``cpu`` always can, the others
-    are looked for through torch (:func:`edge_client.device.resolve_device`)."""
-    if device_kind(name) in ("auto", "cpu"):
-        return
-    from edge_client.device import resolve_device
-
-    resolve_device(name)

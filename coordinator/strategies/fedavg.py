@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -17,22 +16,13 @@ from coordinator.aggregation import Aggregator
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan, WeightedSum
 from coordinator.strategies.server import PlainStep, ServerOptimizer
+from coordinator.strategies.settings import FedProxSection
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
 __all__ = ["FedAvg", "OptimizerShorthand", "FedProx", "FedProxSection"]
-
-
-@dataclass(frozen=True)
-class FedProxSection:
-    """``[fedprox]``: the proximal term of FedProx (run.strategy = "fedprox")."""
-
-    mu: float = 0.01        # the proximal weight: (mu/2)||w - w_global||^2 added to each device's loss
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(self.mu >= 0, "fedprox.mu must be >= 0")]
 
 
 class FedAvg(Strategy):

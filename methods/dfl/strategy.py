@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import json
 import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +36,7 @@ from coordinator.strategies.base import ClientResult, PersonalizedEval, Strategy
 from edge_client.models import federated_names
 from edge_client.registry import build_aside
 from methods.dfl.model import INVARIANT, SPECIFIC, part_names
+from methods.dfl.settings import DflSection
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -45,28 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["DFL", "DflSection", "BANK"]
 
 BANK = "bank"   # state names of relayed specific extractors: bank/CLIENT_ID/specific.*
-
-
-@dataclass(frozen=True)
-class DflSection:
-    """``[dfl]``: disentangled FL (run.strategy = "dfl"); docs/dfl.md."""
-
-    local_epochs: int = 1           # local stage: specific extractor + predictor, invariant frozen
-    global_epochs: int = 1          # global stage: invariant extractor, the rest frozen
-    mi_min_weight: float = 1.0      # MI(invariant; specific), minimized
-    mi_max_weight: float = 1.0      # MI(invariant; received global invariant), maximized
-    specific_width: float = 1.0     # the specific extractor's width relative to the backbone
-    mi_hidden: int = 128            # hidden width of the MI critics
-    diversity: int = 0              # other clients' specific extractors relayed to each client (0: off, private)
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [
-            (min(self.local_epochs, self.global_epochs, self.diversity) >= 0
-             and self.local_epochs + self.global_epochs >= 1,
-             "dfl.local_epochs and dfl.global_epochs must be >= 0 (not both 0), dfl.diversity >= 0"),
-            (min(self.mi_min_weight, self.mi_max_weight) >= 0 and self.specific_width > 0 and self.mi_hidden >= 1,
-             "dfl MI weights must be >= 0, dfl.specific_width > 0, dfl.mi_hidden >= 1"),
-        ]
 
 
 class DFL(Strategy):

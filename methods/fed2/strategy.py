@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,27 +37,13 @@ from coordinator.strategies.fedavg import FedAvg
 from edge_client.registry import build_aside
 from methods.common import counts_of, histogram_problem
 from methods.fed2.model import row_groups
+from methods.fed2.settings import PAIRINGS, Fed2Section
 from storage.state import ServerState
 
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
 __all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS"]
-
-PAIRINGS = ("all", "holders")
-
-
-@dataclass(frozen=True)
-class Fed2Section:
-    """``[fed2]``: Fed2's class-to-group allocation (run.strategy = "fed2"); docs/fed2.md."""
-
-    allocation: list[int] = field(default_factory=list)   # group of each class; empty: class c to group c mod G
-    pairing: str = "all"            # "all": each group over every client; "holders": over its classes' holders
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),
-                 "fed2.allocation lists a group index (>= 0) for every class, e.g. [0, 0, 1, 1, 2, ...]"),
-                (self.pairing in PAIRINGS, f"fed2.pairing is one of {', '.join(PAIRINGS)}")]
 
 
 class Fed2(FedAvg):

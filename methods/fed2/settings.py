@@ -1,0 +1,26 @@
+"""The ``[fed2]`` config section, apart from the strategy (which imports torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coordinator.config import RunConfig
+
+PAIRINGS = ("all", "holders")
+
+__all__ = ["Fed2Section", "PAIRINGS"]
+
+
+@dataclass(frozen=True)
+class Fed2Section:
+    """``[fed2]``: Fed2's class-to-group allocation (run.strategy = "fed2"); docs/fed2.md."""
+
+    allocation: list[int] = field(default_factory=list)   # group of each class; empty: class c to group c mod G
+    pairing: str = "all"            # "all": each group over every client; "holders": over its classes' holders
+
+    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        return [(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),
+                 "fed2.allocation lists a group index (>= 0) for every class, e.g. [0, 0, 1, 1, 2, ...]"),
+                (self.pairing in PAIRINGS, f"fed2.pairing is one of {', '.join(PAIRINGS)}")]
