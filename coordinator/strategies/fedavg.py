@@ -28,10 +28,6 @@ __all__ = ["FedAvg", "OptimizerShorthand", "FedProx", "FedProxSection"]
 class FedAvg(Strategy):
     name = "fedavg"
     objective = "train"     # the device objective its training tasks run
-    robust = True           # takes aggregate.rule and aggregate.norm_bound
-    aggregates_deltas = True  # its round ends in server_step: it takes any server optimizer
-    sync_only = ""          # runs in run.mode = "async": every result is one update for server_step
-    central_dp = ""         # runs with privacy.mode = "central" or "local": every result is one update
     aggregator = Aggregator()
     # [privacy] mode = "central" or "local" (coordinator/strategy_setup.py)
     privacy: CentralPrivacy | LocalPrivacy | None = None

@@ -49,7 +49,6 @@ BANK = "bank"   # state names of relayed specific extractors: bank/CLIENT_ID/spe
 
 class DFL(Strategy):
     name = "dfl"
-    sync_only = "its rounds alternate local and global stages and end in every client's personalized evaluation"
 
     def __init__(self, train: dict[str, Any], settings: DflSection, *, seed: int, every: int = 1,
                  refresh_epochs: int = 0) -> None:

@@ -48,8 +48,6 @@ __all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS"]
 
 class Fed2(FedAvg):
     name = "fed2"
-    sync_only = "its paired averaging weighs each group's rows by the clients of one round (fed2.pairing)"
-    central_dp = "its paired averaging weighs each group's rows by each device's class counts"
 
     def __init__(self, train: dict[str, Any], allocation: list[int] | None = None, pairing: str = "all") -> None:
         super().__init__(train)
@@ -58,7 +56,7 @@ class Fed2(FedAvg):
         self.allocation = list(allocation or [])
         self.pairing = pairing
         self.objective = "fed2_train" if pairing == "holders" else "train"   # only holders need the histograms
-        self.robust = pairing == "all"   # holders weighs rows its own way
+        self.capabilities = self.capabilities.under({"fed2.pairing": pairing}.get)   # holders: its own weights
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "Fed2":

@@ -66,7 +66,6 @@ MATCHED = "fedma/"    # state names of the layers matched so far in the current 
 
 class FedMA(Strategy):
     name = "fedma"
-    sync_only = "matching a layer's neurons needs every client's layer at once"
 
     def __init__(self, train: dict[str, Any], settings: FedmaSection, *, seed: int, per_pass: int = 0) -> None:
         self.train = dict(train)

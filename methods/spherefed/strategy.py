@@ -212,7 +212,6 @@ class FfcPhase:
 
 class SphereFed(FfcPhase, FedProx):
     name = "spherefed"
-    sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, mu: float = 0.0, sphere_seed: int = 0,
                  ffc: FfcSection = FfcSection(), broadcast: bool = True, rounds: int = 0) -> None:
@@ -220,9 +219,9 @@ class SphereFed(FfcPhase, FedProx):
         self.rounds = rounds
         self.sphere_seed = sphere_seed
         self.ffc = ffc
-        # Central DP covers the FFC pass (its own bound and noise); personal classifiers' accuracies it does not.
-        self.central_dp = "ffc.personalize reports every device's own classifier's accuracy without noise (set " \
-                          "ffc.personalize = false)" if ffc.enabled and ffc.personalize else ""
+        # Central DP covers the FFC pass; personal classifiers' accuracies it does not (the registry's condition).
+        self.capabilities = self.capabilities.under({f"ffc.{f.name}": getattr(ffc, f.name)
+                                                     for f in dataclasses.fields(ffc)}.get)
         self.broadcast = broadcast      # the download goes once per round as a broadcast, not per task
         self._fixed: torch.Tensor | None = None
 
@@ -332,7 +331,6 @@ class FedAvgFfc(FfcPhase, FedAvg):
     """
 
     name = FEDAVG_FFC
-    sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, ffc: FfcSection = FfcSection(), sphere_seed: int = 0,
                  rounds: int = 0) -> None:
