@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from coordinator.config import RunConfig
 
-__all__ = ["DflSection"]
+__all__ = ["DflSection", "NAME", "backbone_problem"]
+
+NAME = "dfl"   # its run.strategy and the two-branch model's model.name
 
 
 @dataclass(frozen=True)
@@ -24,10 +26,23 @@ class DflSection:
     diversity: int = 0              # other clients' specific extractors relayed to each client (0: off, private)
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
+        ours = config.run.strategy == NAME
         return [
+            (not ours or config.clients.spawn == 0 or config.data.local_test_fraction > 0,
+             "dfl reports personalized accuracy on each client's held-out split: data.local_test_fraction must be "
+             "> 0 (leave it unset for dfl's default, 0.2)"),
+            (not ours or not backbone_problem(config.model.get("name", "")), backbone_problem(NAME)),
             (min(self.local_epochs, self.global_epochs, self.diversity) >= 0
              and self.local_epochs + self.global_epochs >= 1,
              "dfl.local_epochs and dfl.global_epochs must be >= 0 (not both 0), dfl.diversity >= 0"),
             (min(self.mi_min_weight, self.mi_max_weight) >= 0 and self.specific_width > 0 and self.mi_hidden >= 1,
              "dfl MI weights must be >= 0, dfl.specific_width > 0, dfl.mi_hidden >= 1"),
         ]
+
+
+def backbone_problem(model_name: str) -> str:
+    """What is wrong with ``model.name`` under DFL ("" when nothing): it names the backbone to wrap."""
+    if model_name != NAME:
+        return ""
+    return (f"with run.strategy = {NAME}, set model.name to the backbone (cnn, mlp, vgg9); the strategy builds the "
+            "two-branch model around it from the [dfl] settings")

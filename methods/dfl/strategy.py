@@ -36,7 +36,7 @@ from coordinator.strategies.base import ClientResult, PersonalizedEval, Strategy
 from edge_client.models import federated_names
 from edge_client.registry import build_aside
 from methods.dfl.model import INVARIANT, SPECIFIC, part_names
-from methods.dfl.settings import DflSection
+from methods.dfl.settings import DflSection, backbone_problem
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -60,17 +60,13 @@ class DFL(Strategy):
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "DFL":
-        if config.clients.spawn > 0 and config.data.local_test_fraction <= 0:
-            raise ConfigError("dfl reports personalized accuracy on each client's held-out split: "
-                              "data.local_test_fraction must be > 0 (leave it unset for dfl's default, 0.2)")
         return cls(dataclasses.asdict(config.train), config.dfl, seed=config.run.seed, every=config.eval.every,
                    refresh_epochs=config.eval.finetune_epochs)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The two-branch model around the configured backbone (``model.name``)."""
-        if spec["name"] == "dfl":
-            raise ConfigError("with run.strategy = dfl, set model.name to the backbone (cnn, mlp, vgg9); "
-                              "the strategy builds the two-branch model around it from the [dfl] settings")
+        if backbone_problem(spec["name"]):
+            raise ConfigError(backbone_problem(spec["name"]))
         s = self.settings
         wrapped = {**spec, "name": "dfl", "backbone": spec["name"], "specific_width": s.specific_width,
                    "mi_hidden": s.mi_hidden, **({"peers": s.diversity} if s.diversity else {})}

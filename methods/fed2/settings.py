@@ -21,6 +21,18 @@ class Fed2Section:
     pairing: str = "all"            # "all": each group over every client; "holders": over its classes' holders
 
     def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),
+        return [*self._model_checks(config),
+                (all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),
                  "fed2.allocation lists a group index (>= 0) for every class, e.g. [0, 0, 1, 1, 2, ...]"),
                 (self.pairing in PAIRINGS, f"fed2.pairing is one of {', '.join(PAIRINGS)}")]
+
+    @staticmethod
+    def _model_checks(config: RunConfig) -> list[tuple[bool, str]]:
+        """The model Fed2 trains: its grouped classifier, not a fixed head."""
+        if config.run.strategy != "fed2":
+            return []
+        head, groups = config.model.get("head", "linear"), config.model.get("fed2_groups", 0)
+        return [(head == "linear", f"fed2 decouples the classifier into class groups; model.head = {head!r} "
+                                   "replaces it with a fixed one: remove model.head (or use run.strategy = spherefed)"),
+                (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1,
+                 f"fed2 needs the Fed2 structure: model.fed2_groups >= 1 (leave it unset for 10), got {groups!r}")]

@@ -60,14 +60,6 @@ class Fed2(FedAvg):
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "Fed2":
-        model = config.model
-        if model.get("head", "linear") != "linear":
-            raise ConfigError(f"fed2 decouples the classifier into class groups; model.head = {model['head']!r} "
-                              "replaces it with a fixed one: remove model.head (or use run.strategy = spherefed)")
-        groups = model.get("fed2_groups", 0)
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ConfigError(f"fed2 needs the Fed2 structure: model.fed2_groups >= 1 (leave it unset for 10), "
-                              f"got {groups!r}")
         return cls(dataclasses.asdict(config.train), config.fed2.allocation, config.fed2.pairing)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
