@@ -140,3 +140,10 @@ def test_a_condition_of_a_declaration_follows_the_settings():
     assert not can("fed2", ("fed2", "pairing", "holders")).robust
     assert can("spherefed").one_update_per_device
     assert "ffc.personalize" in can("spherefed", ("ffc", "personalize", True)).central_dp
+
+
+def test_the_ffc_precisions_the_configuration_takes_are_the_ones_devices_send():
+    from methods.spherefed.device import WIRE_DTYPES
+    from methods.spherefed.settings import STAT_DTYPES
+
+    assert set(STAT_DTYPES) == set(WIRE_DTYPES)
