@@ -32,14 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from coordinator.config_sections import DEFAULT_TRIM, RULES
 from coordinator.strategies.base import AggregationError, WeightedSum
 
 __all__ = ["RULES", "DEFAULT_TRIM", "Aggregator", "Tolerance", "tolerance", "trimmed_count", "update_norms",
            "norm_bound_keep"]
-
-RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
-# Drops 2 of a round's 10 values at each end: the 2 hostile clients of 10 that docs/robustness.md measures.
-DEFAULT_TRIM = 0.2
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,8 @@ def load_config(path: Path | None = None, overrides: list[tuple[str, str, Any]] 
             raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} cannot be read: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     given = frozenset(f"{name}.{key}" for name, values in raw.items() if isinstance(values, dict) for key in values)

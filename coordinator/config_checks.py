@@ -11,17 +11,17 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, SELECTIONS,
+from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, RULES, SELECTIONS,
                                          SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
-from coordinator.methods import folds_updates, method, requirements, resolve, strategies_that
+from coordinator.methods import capabilities, requirements, strategies_that
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
 from edge_client.registry import METHODS, model_hooks, optimizers
-from edge_client.device import DeviceError, resolve_device
+from edge_client.device_names import LOOKED_FOR, DeviceError, device_kind
 from edge_client.privacy_account import ACCOUNTANTS
 from edge_client.wire.broker_settings import parse_broker_address
 from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES
-from edge_client.wire.codec import CodecError, parse_codec
+from edge_client.wire.codec_spec import CodecError, parse_codec
 from edge_client.wire.transport_errors import BrokerUrlError
 
 if TYPE_CHECKING:
@@ -57,8 +57,7 @@ def check_config(config: RunConfig) -> None:
          f"data.local_test_fraction must be in [0, 1), got {config.data.local_test_fraction}"),
         (ev.every >= 1, f"eval.every must be >= 1, got {ev.every}"),
         (ev.finetune_epochs >= 0, f"eval.finetune_epochs must be >= 0, got {ev.finetune_epochs}"),
-        (agg.rule in ("mean", "median", "trimmed_mean", "clipped_mean"),
-         f"aggregate.rule is one of mean, median, trimmed_mean, clipped_mean, got {agg.rule!r}"),
+        (agg.rule in RULES, f"aggregate.rule is one of {', '.join(RULES)}, got {agg.rule!r}"),
         (0 <= agg.trim < 0.5, f"aggregate.trim must be in [0, 0.5), got {agg.trim}"),
         (agg.norm_bound >= 0, f"aggregate.norm_bound must be >= 0 (0 turns the bound off), got {agg.norm_bound}"),
         *_order_checks(config),
@@ -109,12 +108,49 @@ def check_config(config: RunConfig) -> None:
     _check_codecs(config.codec)
     _check_app(config)
     try:
-        resolve_device(ev.device)
+        if device_kind(ev.device) in LOOKED_FOR:
+            from edge_client.device import resolve_device   # torch, only to look for the device asked for
+
+            resolve_device(ev.device)
     except DeviceError as exc:
         raise ConfigError(f"eval.device: {exc}") from None
     if config.selected_per_round < config.required_results:
         raise ConfigError(f"clients.min_results={c.min_results} exceeds the {config.selected_per_round} "
                           f"clients selected per round")
+    for ok, message in _capability_checks(config):
+        if not ok:
+            raise ConfigError(message)
+
+
+def _capability_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """What the strategy, as configured, can run with (its registry entry's declaration, edge_client/registry.py):
+    a stage or mode it cannot take is refused naming the key to change and the strategies that take it."""
+    can, a, strategy = capabilities(config), config.aggregate, config.run.strategy
+    optimizer, privacy = config.server.optimizer, config.privacy.mode
+    own_way = can.central_dp or "it combines results its own way"
+    return [
+        ((a.rule == "mean" and a.norm_bound == 0) or can.robust,
+         f"aggregate.rule = {a.rule!r} and aggregate.norm_bound apply to strategies that average updates "
+         f"({strategies_that(lambda c: c.robust)}); {strategy!r} as configured combines results its own way: "
+         "leave them at mean and 0"),
+        (optimizer in ("", strategy) or can.aggregates_deltas,
+         f"server.optimizer = {optimizer!r} cannot step run.strategy = {strategy!r}: it does not combine its results "
+         "into one model update; leave server.optimizer empty or use a strategy that does "
+         f"({strategies_that(lambda c: c.aggregates_deltas)})"),
+        (config.run.mode != "async" or not can.sync_only,
+         f"run.mode = 'async' cannot run run.strategy = {strategy!r}: {can.sync_only}; use run.mode = 'sync' or a "
+         f"strategy that folds every result into one update ({strategies_that(lambda c: c.runs_async)})"),
+        # Local DP needs the same of a strategy: one update per device of the model it was sent, which the device
+        # can clip and add noise to; layers matched raw or per-device statistics would leave it without noise.
+        (privacy not in ("central", "local") or can.one_update_per_device,
+         f"privacy.mode = {privacy!r} cannot run run.strategy = {strategy!r}: {own_way}; use privacy.mode = 'off' or "
+         "a strategy whose every result is one clipped update per device "
+         f"({strategies_that(lambda c: c.one_update_per_device)}; docs/privacy.md)"),
+        (not config.secagg.enabled or can.one_update_per_device,
+         f"secagg.enabled = true cannot run run.strategy = {strategy!r}: {own_way}; the coordinator sees only the "
+         "sum of the round's updates, so use secagg.enabled = false or a strategy that folds one update per device "
+         f"into one sum ({strategies_that(lambda c: c.one_update_per_device)}; docs/privacy.md)"),
+    ]
 
 
 def _check_app(config: RunConfig) -> None:
@@ -188,8 +224,9 @@ def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:
          f"workers.group must be a name without / + #, got {w.group!r}"),
         (config.transport.kind == "mqtt" and bool(config.transport.broker),
          f"{need} a broker they can reach too: set transport.broker (mqtt://HOST:PORT)"),
-        (folds_updates(resolve(method(config.run.strategy).strategy)),
-         f"{need} a strategy whose every result folds into one weighted sum ({strategies_that(folds_updates)}), "
+        (capabilities(config).folds_updates,
+         f"{need} a strategy whose every result folds into one weighted sum "
+         f"({strategies_that(lambda c: c.folds_updates)}), "
          f"not {config.run.strategy!r}"),
         (config.aggregate.rule == "mean" and config.aggregate.norm_bound == 0,
          f"{need} aggregate.rule = 'mean' and aggregate.norm_bound = 0 (the others need every result at once)"),

@@ -11,19 +11,22 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from coordinator.aggregation import DEFAULT_TRIM
 from edge_client.hyper import LocalTraining
 from edge_client.privacy_account import DEFAULT_ACCOUNTANT
 
 __all__ = ["AppSection", "ServerSection", "RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
            "AsyncSection", "MODES", "WEIGHTINGS", "SelectionSection", "PrivacySection", "PRIVACY_MODES",
-           "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES"]
+           "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES", "RULES",
+           "DEFAULT_TRIM"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 SELECTIONS = ("random", "deadline", "profile")   # clients.selection (coordinator/runtime/selection.py)
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 WEIGHTINGS = ("fedbuff", "normalized")   # async.weighting: how a buffer combines its results (async_buffer.py)
+RULES = ("mean", "median", "trimmed_mean", "clipped_mean")   # aggregate.rule (coordinator/aggregation.py)
+# Drops 2 of a round's 10 values at each end: the 2 hostile clients of 10 that docs/robustness.md measures.
+DEFAULT_TRIM = 0.2
 
 
 @dataclass(frozen=True)

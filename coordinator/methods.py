@@ -2,7 +2,8 @@
 
 The registry names each method's strategy and config sections by import path, so
 the device package never imports coordinator code; here those paths are resolved,
-and the method's required model options and defaults are applied to a configuration.
+the method's required model options and defaults are applied to a configuration, and its
+declared capabilities are read under it.
 Its strategy is built by :mod:`coordinator.strategy_setup`.
 """
 
@@ -10,12 +11,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from coordinator.errors import ConfigError
-from edge_client.registry import METHODS, Method, resolve, strategies
+from edge_client.registry import METHODS, Capabilities, Method, resolve, strategies
 
-__all__ = ["strategies_that", "one_update_per_device", "folds_updates", "compatibility_table", "method", "resolve", "method_sections", "requirements"]
+if TYPE_CHECKING:
+    from coordinator.run_config import RunConfig
+
+__all__ = ["capabilities", "strategies_that", "compatibility_table", "method", "resolve", "method_sections",
+           "requirements"]
 
 
 def method(name: str) -> Method:
@@ -61,36 +67,46 @@ def requirements(strategy: str, model: Mapping[str, Any], explicit: frozenset[st
     return dict(entry.model_options), defaults
 
 
-def strategies_that(can: Callable[[type], bool]) -> str:
-    """The registered strategies whose class ``can``, comma-separated: what a refusal offers instead, read from
-    each strategy's own declarations so that no message lists methods by hand."""
-    return ", ".join(name for name in strategies() if can(resolve(method(name).strategy)))
+def capabilities(config: RunConfig) -> Capabilities:
+    """What the configured strategy can run with: its entry's declaration under the configuration's settings."""
+    return method(config.run.strategy).capabilities.under(config.setting)
 
 
-def one_update_per_device(cls: type) -> bool:
-    """Every training result is one update of the model it was sent, which a device can clip and noise and a
-    secure sum can add up: a strategy that aggregates deltas and declares no reason against it (``central_dp``)."""
-    return bool(cls.aggregates_deltas) and not cls.central_dp
+def strategies_that(can: Callable[[Capabilities], bool]) -> str:
+    """The registered strategies whose declared capabilities ``can``, comma-separated: what a refusal offers
+    instead, read from the registry so that no message lists methods by hand."""
+    return ", ".join(name for name in strategies() if can(method(name).capabilities))
 
 
-def folds_updates(cls: type) -> bool:
-    """Besides, every phase folds its results into one weighted sum whenever they come (no ``sync_only``)."""
-    return one_update_per_device(cls) and not cls.sync_only
+_COLUMNS: list[tuple[str, Callable[[Capabilities], bool]]] = [
+    ("`[server] optimizer`", lambda c: c.aggregates_deltas),
+    ("`run.mode = \"async\"`", lambda c: c.runs_async),
+    ("central and local DP, SecAgg", lambda c: c.one_update_per_device),
+    ("aggregation workers", lambda c: c.folds_updates),
+    ("`aggregate.rule`, `norm_bound`", lambda c: c.robust),
+]
+
+
+def _setting(key: str, value: Any) -> str:
+    text = ("true" if value else "false") if isinstance(value, bool) else repr(value)
+    return f"`{key} = {text}`"
+
+
+def _cell(declared: Capabilities, can: Callable[[Capabilities], bool]) -> str:
+    """"yes" or "-", and the settings under which a condition of the declaration turns it over."""
+    mark = "yes" if can(declared) else "-"
+    turned = [" and ".join(_setting(k, v) for k, v in condition.when.items()) for condition in declared.conditions
+              if can(replace(declared, **condition.changes)) != can(declared)]
+    return mark + "".join(f", {'not' if can(declared) else 'yes'} with {when}" for when in turned)
 
 
 def compatibility_table() -> str:
-    """Which stage and mode each registered strategy takes, as a Markdown table, from the classes' declarations
-    (the same ones the checks at start read)."""
-    columns = [("`[server] optimizer`", lambda cls: bool(cls.aggregates_deltas)),
-               ("`run.mode = \"async\"`", lambda cls: bool(cls.aggregates_deltas) and not cls.sync_only),
-               ("central and local DP, SecAgg", one_update_per_device),
-               ("aggregation workers", folds_updates),
-               ("`aggregate.rule`, `norm_bound`", lambda cls: bool(cls.robust)),
-               ("apps", lambda cls: False)]
-    lines = ["| strategy | " + " | ".join(title for title, _ in columns) + " |",
-             "|---|" + "---|" * len(columns)]
+    """Which stage and mode each registered strategy takes, as a Markdown table, from the registry's declarations
+    (the same ones the checks of a configuration read)."""
+    titles = [title for title, _ in _COLUMNS] + ["apps"]
+    lines = ["| strategy | " + " | ".join(titles) + " |", "|---|" + "---|" * len(titles)]
     for name in strategies():
-        cls, entry = resolve(method(name).strategy), method(name)
-        marks = ["yes" if (entry.takes_apps if title == "apps" else can(cls)) else "-" for title, can in columns]
+        entry = method(name)
+        marks = [_cell(entry.capabilities, can) for _, can in _COLUMNS] + ["yes" if entry.takes_apps else "-"]
         lines.append(f"| `{name}` | " + " | ".join(marks) + " |")
     return "\n".join(lines) + "\n"

@@ -58,6 +58,13 @@ class RunConfig:
             return methods[name]
         raise AttributeError(f"{type(self).__name__} has no section {name!r}")
 
+    def setting(self, key: str) -> Any:
+        """The value of ``"section.key"`` (``"privacy.mode"``, ``"model.head"``: None when unset), for
+        declarations that name a setting (edge_client.registry.Condition)."""
+        section, _, name = key.partition(".")
+        holder = getattr(self, section)
+        return holder.get(name) if isinstance(holder, Mapping) else getattr(holder, name)
+
     @property
     def selected_per_round(self) -> int:
         return self.clients.per_round or self.clients.expected

@@ -12,16 +12,11 @@ from pathlib import Path
 
 import torch
 
-from storage.errors import FedgeError
+from edge_client.device_names import DEVICES, DeviceError, device_kind
 
 __all__ = ["DEVICES", "DeviceError", "resolve_device", "GpuMeter", "gpu_temperature"]
 
-DEVICES = ("auto", "cpu", "cuda", "mps")
 _THERMAL = Path("/sys/devices/virtual/thermal")
-
-
-class DeviceError(FedgeError, ValueError):
-    """The requested device is not usable by this torch; the message says what to install or pick."""
 
 
 def _mps_available() -> bool:
@@ -35,9 +30,7 @@ def resolve_device(name: str) -> torch.device:
     ``auto`` takes CUDA when ``torch.cuda.is_available()``, else the CPU (Apple's MPS is
     not an edge device, so it is used only when asked for).
     """
-    kind, _, index = name.partition(":")
-    if kind not in DEVICES or (index and (kind != "cuda" or not index.isdigit())):
-        raise DeviceError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
+    kind, index = device_kind(name), name.partition(":")[2]
     if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda":

@@ -3,8 +3,8 @@
 An entry names the whole method by import paths (``"module:attribute"``, as Python entry
 points do): the coordinator's strategy and its config sections, the device objectives its
 tasks ask for, the model hook that changes the networks every party builds, the export hook,
-the commands it adds to ``fedge-coordinator``, the model options it needs and the defaults it
-brings. A method may be a model hook alone, which any
+the commands it adds to ``fedge-coordinator``, the model options it needs, the defaults it
+brings and what its strategy can run with (:class:`Capabilities`). A method may be a model hook alone, which any
 strategy trains with. Nothing registers itself by being imported, and naming a part imports
 nothing: this module imports no torch, so a command line lists the methods at once, and a
 device, which installs no coordinator, never resolves a strategy. A part is imported the first
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,8 +28,72 @@ if TYPE_CHECKING:
     from edge_client.models import ModelHook
     from edge_client.objectives import Objective
 
-__all__ = ["Method", "METHODS", "OBJECTIVES", "resolve", "strategies", "optimizers", "commands", "model_options", "model_hooks",
+__all__ = ["Method", "Capabilities", "Condition", "AVERAGES", "METHODS",
+           "OBJECTIVES", "resolve", "strategies", "optimizers", "commands", "model_options", "model_hooks",
            "build_model", "build_builtin", "build_aside", "example_sample", "model_size", "describe_size"]
+
+
+@dataclass(frozen=True)
+class Condition:
+    """Capabilities that differ under some settings: ``changes`` (field -> value) hold while every ``when``
+    setting (``"section.key"`` -> value) has its value."""
+
+    when: Mapping[str, Any]
+    changes: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method's strategy can run with, declared once, in its entry: the checks of a configuration, the
+    refusals' lists of the strategies that can, the compatibility table (docs/methods.md) and the strategy
+    classes (``Strategy.capabilities``) all read it, before any torch is imported. The defaults are a
+    strategy's that combines results its own way."""
+
+    # A training round ends in one combined update of the model that ``server_step`` applies, so that any
+    # server optimizer ([server] optimizer, coordinator/strategies/server.py) can take that step.
+    aggregates_deltas: bool = False
+    # It averages what clients send as updates of what it sent, so that aggregate.rule and aggregate.norm_bound
+    # apply (coordinator/aggregation.py).
+    robust: bool = False
+    # Why it cannot run with run.mode = "async" (docs/async.md), "" when it can: buffered asynchronous versions
+    # need every result to fold into one weighted update of the model that ``server_step`` applies, whenever it comes.
+    sync_only: str = "its aggregation needs every client's result of a phase at once"
+    # Why it cannot run with privacy.mode = "central" or "local" or secagg.enabled = true (docs/privacy.md), ""
+    # when it can: each needs every result to be one clipped update of the model sent, folded into one sum.
+    central_dp: str = "it does not fold one update per device into a single sum"
+    # Settings under which it can do otherwise (``Fed2``'s pairing, a personal classifier's accuracy).
+    conditions: tuple[Condition, ...] = ()
+
+    def under(self, setting: Callable[[str], Any]) -> Capabilities:
+        """These capabilities under the settings ``setting`` reads (``"section.key"`` -> value): each condition
+        whose settings hold applied, in order."""
+        held = self
+        for condition in self.conditions:
+            if all(setting(key) == value for key, value in condition.when.items()):
+                held = replace(held, **condition.changes)
+        return held
+
+    @property
+    def runs_async(self) -> bool:
+        """Every result folds into one update of the model for ``server_step``, whenever it comes: run.mode =
+        "async" runs with it."""
+        return self.aggregates_deltas and not self.sync_only
+
+    @property
+    def one_update_per_device(self) -> bool:
+        """Every training result is one update of the model it was sent, which a device can clip and noise and a
+        secure sum can add up: central and local DP and SecAgg run with it."""
+        return self.aggregates_deltas and not self.central_dp
+
+    @property
+    def folds_updates(self) -> bool:
+        """Besides, every phase folds its results into one weighted sum whenever they come: aggregation workers
+        run with it."""
+        return self.one_update_per_device and not self.sync_only
+
+
+# FedAvg's: one sample-weighted sum of the clients' updates, whenever they come, stepped by ``server_step``.
+AVERAGES = Capabilities(aggregates_deltas=True, robust=True, sync_only="", central_dp="")
 
 
 @dataclass(frozen=True)
@@ -53,46 +117,65 @@ class Method:
     # "module:Class" of a server optimizer (coordinator.strategies.server.ServerOptimizer): ``[server] optimizer``
     # names it for any strategy that combines model deltas; its strategy is FedAvg with it.
     optimizer: str = ""
+    # What its strategy can run with: modes, privacy, server optimizers, robust rules (a model hook alone: unused).
+    capabilities: Capabilities = Capabilities()
 
 
 _STRATEGIES = "coordinator.strategies"
+_FFC_PHASE = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("fedavg", f"{_STRATEGIES}.fedavg:FedAvg", takes_apps=True),
+    Method("fedavg", f"{_STRATEGIES}.fedavg:FedAvg", takes_apps=True, capabilities=AVERAGES),
     Method("fedprox", f"{_STRATEGIES}.fedavg:FedProx",
-           sections={"fedprox": f"{_STRATEGIES}.fedavg:FedProxSection"}, takes_apps=True),
+           sections={"fedprox": f"{_STRATEGIES}.settings:FedProxSection"}, takes_apps=True, capabilities=AVERAGES),
     Method("spherefed", "methods.spherefed.strategy:SphereFed", objectives="methods.spherefed.device:OBJECTIVES",
            model="methods.spherefed.model:HOOK", export="methods.spherefed.export:HOOK",
-           sections={"spherefed": "methods.spherefed.strategy:SphereFedSection",
-                     "ffc": "methods.spherefed.strategy:FfcSection"},
-           model_options={"head": "sphere"}),
+           sections={"spherefed": "methods.spherefed.settings:SphereFedSection",
+                     "ffc": "methods.spherefed.settings:FfcSection"},
+           model_options={"head": "sphere"},
+           # Central DP covers the FFC pass (its own bound and noise); personal classifiers' accuracies it does not.
+           capabilities=replace(AVERAGES, sync_only=_FFC_PHASE, conditions=(Condition(
+               {"ffc.enabled": True, "ffc.personalize": True},
+               {"central_dp": "ffc.personalize reports every device's own classifier's accuracy without noise "
+                              "(set ffc.personalize = false)"}),))),
     # FedAvg + FFC: FedAvg's training, then SphereFed's calibration (the control for SphereFed + FFC)
     Method("fedavg_ffc", "methods.spherefed.strategy:FedAvgFfc", objectives="methods.spherefed.device:OBJECTIVES",
-           sections={"ffc": "methods.spherefed.strategy:FfcSection"}),
+           sections={"ffc": "methods.spherefed.settings:FfcSection"},
+           capabilities=replace(AVERAGES, sync_only=_FFC_PHASE)),
     Method("dfl", "methods.dfl.strategy:DFL", objectives="methods.dfl.device:OBJECTIVES",
            model="methods.dfl.model:HOOK", export="methods.dfl.export:HOOK",
-           sections={"dfl": "methods.dfl.strategy:DflSection"},
-           defaults={"data.local_test_fraction": 0.2}),
+           sections={"dfl": "methods.dfl.settings:DflSection"},
+           defaults={"data.local_test_fraction": 0.2},
+           # the invariant extractor's mean update takes the server's step (any [server] optimizer)
+           capabilities=Capabilities(aggregates_deltas=True,
+                                     sync_only="its rounds alternate local and global stages and end in every "
+                                               "client's personalized evaluation")),
     Method("fed2", "methods.fed2.strategy:Fed2", objectives="methods.fed2.device:OBJECTIVES",
            model="methods.fed2.model:HOOK", commands={"fed2-depth": "methods.fed2.cli:add_command"},
-           sections={"fed2": "methods.fed2.strategy:Fed2Section"},
-           defaults={"model.fed2_groups": 10}),
+           sections={"fed2": "methods.fed2.settings:Fed2Section"},
+           defaults={"model.fed2_groups": 10},
+           capabilities=replace(
+               AVERAGES, sync_only="its paired averaging weighs each group's rows by the clients of one round "
+                                   "(fed2.pairing)",
+               central_dp="its paired averaging weighs each group's rows by each device's class counts",
+               conditions=(Condition({"fed2.pairing": "holders"}, {"robust": False}),))),   # its rows, its weights
     Method("fedma", "methods.fedma.strategy:FedMA", objectives="methods.fedma.device:OBJECTIVES",
-           sections={"fedma": "methods.fedma.strategy:FedmaSection"},
-           model_options={"norm": "none"}),
+           sections={"fedma": "methods.fedma.settings:FedmaSection"},
+           model_options={"norm": "none"},
+           capabilities=Capabilities(sync_only="matching a layer's neurons needs every client's layer at once")),
     Method("pans", model="methods.pans.model:HOOK", export="methods.pans.export:HOOK"),
     Method("fedadam", "methods.fedadam.strategy:FedAdam",
-           sections={"fedadam": "methods.fedadam.strategy:FedAdamSection"}, takes_apps=True,
-           optimizer="methods.fedadam.strategy:FedAdamStep"),
+           sections={"fedadam": "methods.fedadam.settings:FedAdamSection"}, takes_apps=True,
+           optimizer="methods.fedadam.strategy:FedAdamStep", capabilities=AVERAGES),
     Method("fedyogi", "methods.fedyogi.strategy:FedYogi",
-           sections={"fedyogi": "methods.fedyogi.strategy:FedYogiSection"}, takes_apps=True,
-           optimizer="methods.fedyogi.strategy:FedYogiStep"),
+           sections={"fedyogi": "methods.fedyogi.settings:FedYogiSection"}, takes_apps=True,
+           optimizer="methods.fedyogi.strategy:FedYogiStep", capabilities=AVERAGES),
     Method("fedadagrad", "methods.fedadagrad.strategy:FedAdagrad",
-           sections={"fedadagrad": "methods.fedadagrad.strategy:FedAdagradSection"}, takes_apps=True,
-           optimizer="methods.fedadagrad.strategy:FedAdagradStep"),
+           sections={"fedadagrad": "methods.fedadagrad.settings:FedAdagradSection"}, takes_apps=True,
+           optimizer="methods.fedadagrad.strategy:FedAdagradStep", capabilities=AVERAGES),
     Method("fedavgm", "methods.fedavgm.strategy:FedAvgM",
-           sections={"fedavgm": "methods.fedavgm.strategy:FedAvgMSection"}, takes_apps=True,
-           optimizer="methods.fedavgm.strategy:FedAvgMStep"),
+           sections={"fedavgm": "methods.fedavgm.settings:FedAvgMSection"}, takes_apps=True,
+           optimizer="methods.fedavgm.strategy:FedAvgMStep", capabilities=AVERAGES),
 )}
 
 

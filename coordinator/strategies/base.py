@@ -21,6 +21,7 @@ from torch import nn
 from edge_client.app import Samples, evaluate_metrics, spec_app
 from edge_client.objectives import evaluate as evaluate_model
 from coordinator.strategies.server import PlainStep, ServerOptimizer
+from edge_client.registry import METHODS, Capabilities
 from storage.state import ServerState
 from storage.errors import FedgeError
 
@@ -214,22 +215,39 @@ class Strategy:
     personalized: PersonalizedEval | None = None
     # round -> the factor on every training task's lr ([schedule], set by make_strategy); None: 1 in every round
     lr_factor: Callable[[int], float] | None = None
-    # Whether the strategy averages what clients send as updates of what it sent, so that
-    # aggregate.rule and aggregate.norm_bound apply (coordinator/aggregation.py).
-    robust = False
-    # Whether a training round ends in one combined update of the model that ``server_step`` applies, so that
-    # any server optimizer ([server] optimizer, coordinator/strategies/server.py) can take that step.
-    aggregates_deltas = False
+    # What it can run with: its registry entry's declaration (edge_client.registry.Capabilities), the one source
+    # the configuration's checks read too; a subclass that names a registered method takes that method's, and
+    # coordinator.strategy_setup sets an instance's under the configured settings.
+    capabilities: Capabilities = Capabilities()
     # [server] optimizer: the step a round's combined update takes (set by coordinator/strategy_setup.py); only a
     # strategy that ``aggregates_deltas`` calls :meth:`server_step`.
     optimizer: ServerOptimizer = PlainStep()
-    # Why the strategy cannot run with run.mode = "async" (docs/async.md), "" when it can: buffered
-    # asynchronous versions need every result to fold into one weighted update of the model that the
-    # strategy's ``server_step`` applies, whenever it comes.
-    sync_only = "its aggregation needs every client's result of a phase at once"
-    # Why the strategy cannot run with privacy.mode = "central" (docs/privacy.md), "" when it can: central
-    # DP needs every result to be one clipped update folded into one sum that gets noise once.
-    central_dp = "it does not fold one update per device into a single sum"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        entry = METHODS.get(cls.__dict__.get("name", ""))
+        if entry is not None and entry.strategy:
+            cls.capabilities = entry.capabilities
+
+    @property
+    def robust(self) -> bool:
+        """It averages what clients send as updates of what it sent: aggregate.rule and norm_bound apply."""
+        return self.capabilities.robust
+
+    @property
+    def aggregates_deltas(self) -> bool:
+        """A training round ends in one combined update that ``server_step`` applies: any server optimizer steps it."""
+        return self.capabilities.aggregates_deltas
+
+    @property
+    def sync_only(self) -> str:
+        """Why it cannot run with run.mode = "async", "" when it can."""
+        return self.capabilities.sync_only
+
+    @property
+    def central_dp(self) -> str:
+        """Why it cannot run with central or local DP or SecAgg, "" when it can."""
+        return self.capabilities.central_dp
 
     def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
         """The state after the round's combined update (float64, by tensor name): the server optimizer's

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -17,6 +16,7 @@ from coordinator.aggregation import Aggregator
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.base import ClientResult, Strategy, TaskPlan, WeightedSum
 from coordinator.strategies.server import ServerOptimizer
+from coordinator.strategies.settings import FedProxSection
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -25,24 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["FedAvg", "OptimizerShorthand", "FedProx", "FedProxSection"]
 
 
-@dataclass(frozen=True)
-class FedProxSection:
-    """``[fedprox]``: the proximal term of FedProx (run.strategy = "fedprox")."""
-
-    mu: float = 0.01        # the proximal weight: (mu/2)||w - w_global||^2 added to each device's loss, with
-                            # run.strategy = "fedprox"
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(self.mu >= 0, "fedprox.mu must be >= 0")]
-
-
 class FedAvg(Strategy):
     name = "fedavg"
     objective = "train"     # the device objective its training tasks run
-    robust = True           # takes aggregate.rule and aggregate.norm_bound
-    aggregates_deltas = True  # its round ends in server_step: it takes any server optimizer
-    sync_only = ""          # runs in run.mode = "async": every result is one update for server_step
-    central_dp = ""         # runs with privacy.mode = "central" or "local": every result is one update
     aggregator = Aggregator()
     # [privacy] mode = "central" or "local" (coordinator/strategy_setup.py)
     privacy: CentralPrivacy | LocalPrivacy | None = None

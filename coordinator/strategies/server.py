@@ -21,39 +21,14 @@ devices, read back on ``--resume``, so a resumed run takes the same steps as an 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
+from coordinator.strategies.settings import AdaptiveSection
 from storage.state import ServerState
 
-if TYPE_CHECKING:
-    from coordinator.config import RunConfig
-
 __all__ = ["AdaptiveSection", "AdaptiveStep", "ServerOptimizer", "PlainStep", "moment"]
-
-
-@dataclass(frozen=True)
-class AdaptiveSection:
-    """A section of an adaptive server optimizer: its step and moment settings.
-
-    ``tau`` keeps the step bounded where the second moment is tiny: Reddi et al. found 1e-3 a
-    good choice across their tasks (smaller values make the step erratic early on).
-    """
-
-    lr: float = 0.01        # the server learning rate (eta)
-    beta1: float = 0.9      # first-moment decay (0: no momentum)
-    beta2: float = 0.99     # second-moment decay (of the steps that keep an average of the squared update)
-    tau: float = 1e-3       # adaptivity: added to the root of the second moment
-    section: ClassVar[str] = "adaptive"
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        s = self.section
-        return [(self.lr > 0, f"{s}.lr (the server learning rate) must be > 0, got {self.lr}"),
-                (0 <= self.beta1 < 1, f"{s}.beta1 must be in [0, 1), got {self.beta1}"),
-                (0 < self.beta2 < 1, f"{s}.beta2 must be in (0, 1), got {self.beta2}"),
-                (self.tau > 0, f"{s}.tau must be > 0 (1e-3 is the paper's choice), got {self.tau}")]
 
 
 def moment(state: ServerState, name: str, like: torch.Tensor, start: float = 0.0) -> torch.Tensor:

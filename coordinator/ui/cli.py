@@ -15,11 +15,6 @@ from edge_client.argcheck import OneLineParser, at_least, check_data_spec, check
 from edge_client.registry import commands, model_options, resolve, strategies
 from coordinator.ui import config_cli, kit_cli, new_cli, privacy_cli, status_cli
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 __all__ = ["main", "build_parser"]
 
 # flag -> (section, key, type, help); the types check ranges before torch is imported
@@ -118,24 +113,11 @@ def _add_worker(sub) -> None:  # sub: the parser's subparsers
 
 
 def _worker(args: argparse.Namespace) -> int:
-    problem = _early_problem(args)
-    if problem:
-        print(f"fedge-coordinator worker: {problem}", file=sys.stderr)
-        return 2
-    import signal
-    import threading
-
     from coordinator.config import ConfigError, load_config, parse_override
-    from coordinator.runtime.worker import default_worker_id, serve_worker
     from coordinator.telemetry import MetricsError, missing_library
     from edge_client.bundle import BundleError, read_bundle
-    from edge_client.wire.protocol import valid_client_id
-    from edge_client.wire.transport import TransportError
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
+    try:   # the configuration is read and checked in full before torch is imported
         bundle = read_bundle(args.bundle) if args.bundle is not None else None
         overrides = []
         if bundle is not None:   # a site aggregator: its site broker, user, prefix and CA over the run's config
@@ -148,17 +130,29 @@ def _worker(args: argparse.Namespace) -> int:
         if not config.transport.broker:
             raise ConfigError("a worker needs the broker the devices use: "
                               "--broker mqtt://HOST:PORT or transport.broker")
+        if args.metrics_port is not None and missing_library():
+            raise ConfigError(missing_library())
+    except (ConfigError, MetricsError, BundleError) as exc:
+        print(f"fedge-coordinator worker: {exc}", file=sys.stderr)
+        return 2
+    import signal
+    import threading
+
+    from coordinator.runtime.worker import default_worker_id, serve_worker
+    from edge_client.wire.protocol import valid_client_id
+    from edge_client.wire.transport import TransportError
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
         worker_id = args.id or (bundle.client_id if bundle is not None else default_worker_id())
         if not valid_client_id(worker_id):
             raise ConfigError(f"--id {worker_id!r}: use up to 64 letters, digits, '.', '_' or '-'")
-        metrics = None
-        if args.metrics_port is not None:
-            if missing_library():
-                raise ConfigError(missing_library())
-            metrics = (args.metrics_host, args.metrics_port)
+        metrics = (args.metrics_host, args.metrics_port) if args.metrics_port is not None else None
         stats = serve_worker(config, worker_id, exit_after_run=args.exit_after_run, stop=stop, bundle=bundle,
                              metrics=metrics)
-    except (ConfigError, TransportError, MetricsError, BundleError) as exc:
+    except (ConfigError, TransportError, MetricsError) as exc:
         print(f"fedge-coordinator worker: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -244,17 +238,20 @@ def _provision(args: argparse.Namespace) -> int:
 
 
 def _config_from_args(args: argparse.Namespace):  # -> RunConfig
-    from coordinator.config import load_config, parse_override
+    from coordinator.config import ConfigError, load_config, parse_override
 
     overrides = []
     for flag, (section, key, _typ, _text) in _FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None:
             overrides.append((section, key, value))
     if getattr(args, "metrics_port", None) is not None:
         overrides += [("metrics", "enabled", True), ("metrics", "port", args.metrics_port)]
     overrides += [parse_override(item) for item in args.set]
-    return load_config(_config_path(args), overrides)
+    path = _config_path(args)
+    if path is not None and args.config is None and not Path(path).exists():   # --resume's own OUT/config.toml
+        raise ConfigError(f"--resume: {args.out} holds no run (no config.toml); give the --out of the run to continue")
+    return load_config(path, overrides)
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
@@ -264,60 +261,29 @@ def _config_path(args: argparse.Namespace) -> Path | None:
     return args.config
 
 
-def _text_value(text: str) -> str:
-    """A ``--set`` value of a text key as the configuration reads it: TOML text when quoted, else as typed."""
-    try:
-        parsed = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-    return parsed if isinstance(parsed, str) else text
+def _checked_config(args: argparse.Namespace):  # -> tuple[RunConfig | None, str]
+    """The run's configuration read and checked in full, and what is wrong with it ("" when nothing), before
+    torch is imported.
 
-
-def _early_problem(args: argparse.Namespace) -> str:
-    """What the command line and config file show wrong before torch is imported ("" when nothing).
-
-    Importing torch and the methods takes seconds (5 to 8 on a Raspberry Pi); a missing config file,
-    a broker URL with the wrong scheme or a misspelt data spec is answered at once. The full check
-    (:meth:`RunConfig.validate`) still runs afterwards and covers everything else.
+    Importing torch and the methods takes seconds (5 to 8 on a Raspberry Pi); the configuration's checks
+    (coordinator/config_checks.py) import none of it, so any mistake in the command line or the config file
+    is answered at once. fedge's own data, unlike an app's, is also looked for here (``data.eval``,
+    ``data.partition``): the check names the file that is not there.
     """
     from edge_client.data import DataError
-    from edge_client.wire.transport import BrokerUrlError, parse_broker_address
+    from storage.errors import FedgeError
 
-    path, raw = _config_path(args), {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            if args.config is None:   # --resume's own OUT/config.toml
-                return f"--resume: {args.out} holds no run (no config.toml); give the --out of the run to continue"
-            return f"config file {path} does not exist"
-        except (OSError, UnicodeDecodeError) as exc:
-            return f"config file {path} cannot be read: {exc}"
-        except tomllib.TOMLDecodeError as exc:
-            return f"config file {path} is not valid TOML: {exc}"
-    value = {(section, key): values.get(key) for section, values in raw.items() if isinstance(values, dict)
-             for key in values}
-    for flag, (section, key, _typ, _text) in _FLAGS.items():
-        given = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if given is not None:
-            value[section, key] = given
-    for item in args.set:   # a malformed item is left to the full check
-        path_text, _, text = item.partition("=")
-        value[tuple(part.strip() for part in path_text.partition(".")[::2])] = _text_value(text.strip())
     try:
-        broker = value.get(("transport", "broker"))
-        if isinstance(broker, str) and broker:
-            parse_broker_address(broker)
-        if args.command == "run" and value.get(("app", "module")) in (None, "", "vision"):   # an app reads its own
+        config = _config_from_args(args)
+        if config.app.module in ("", "vision"):   # an app reads its own data
             for key, check in (("eval", check_data_spec), ("partition", check_partition_spec)):
-                spec = value.get(("data", key))
-                if isinstance(spec, str):
-                    check(spec)
-    except BrokerUrlError as exc:
-        return f"transport.broker: {exc}"
-    except DataError as exc:
-        return str(exc)
-    return ""
+                try:
+                    check(getattr(config.data, key))
+                except DataError as exc:
+                    return None, f"data.{key}: {exc}"
+    except FedgeError as exc:
+        return None, str(exc)
+    return config, ""
 
 
 def _demo_config(args: argparse.Namespace):  # -> RunConfig
@@ -344,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     console = Console(stderr=False)
-    problem = _early_problem(args) if args.command == "run" else ""
+    config, problem = _checked_config(args) if args.command == "run" else (None, "")
     if problem:
         console.print(f"[red]fedge-coordinator: {escape(problem)}[/red]", soft_wrap=True)
         return 2
@@ -360,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     from storage.errors import FedgeError
 
     try:
-        config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
+        if config is None:
+            config = _demo_config(args) if args.command == "demo" else _config_from_args(args)
         app = run_app(config.app.module)
         with RoundTable(console, title=f"fedge {config.run.strategy} / {app.name if app else config.model['name']}",
                         modes=mode_columns(config), headline=app.headline if app else "accuracy") as table:

@@ -40,23 +40,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from edge_client.wire.compression import COMPRESSORS, CompressionError, check_available, compress
-from edge_client.wire.errors import ProtocolError
+from edge_client.wire.codec_spec import EXACT_VALUES, FP32, SEP, VALUE_NAMES, CodecError, CodecSpec, parse_codec
 
 __all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_FORMATS", "encode_tensors", "decode_tensors",
            "wire_bytes", "all_finite", "FP32"]
 
-VALUE_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16,
-                                         "bf16": torch.bfloat16, "int8": torch.int8}
+VALUE_FORMATS: dict[str, torch.dtype] = dict(zip(VALUE_NAMES, (torch.float32, torch.float64, torch.float16,
+                                                                torch.bfloat16, torch.int8), strict=True))
 _FP16_MAX = 65504.0
-_EXACT = ("fp32", "fp64")
 _INDEX_DTYPES = ((255, torch.uint8), (32767, torch.int16), (2**31 - 1, torch.int32))
-SEP = ":"
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
@@ -73,93 +69,6 @@ def all_finite(tensor: torch.Tensor) -> bool:
         values = tensor.detach().numpy()
         return values.size == 0 or bool(np.isfinite(values.min()) and np.isfinite(values.max()))
     return bool(torch.isfinite(tensor).all())
-
-
-class CodecError(ProtocolError):
-    """A codec spec is invalid, or encoded tensors do not match what the codec and shapes allow."""
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """A parsed codec spec; :attr:`text` is its canonical string."""
-
-    values: str = "fp32"
-    stochastic: bool = False            # int8 only: stochastic rounding
-    topk: float | None = None           # fraction of entries kept, in (0, 1]
-    compressor: str | None = None       # zstd | lz4
-    level: int | None = None            # compressor level; None: its default
-
-    @property
-    def lossy(self) -> bool:
-        """True when decoding does not give back the exact input."""
-        return self.values not in _EXACT or self.topk is not None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """What the values are encoded from and decode to: float64 for fp64, float32 otherwise."""
-        return torch.float64 if self.values == "fp64" else torch.float32
-
-    @property
-    def text(self) -> str:
-        parts = [f"topk:{self.topk:g}"] if self.topk is not None else []
-        if self.values != "fp32" or not parts:
-            parts.append(self.values + (":stochastic" if self.stochastic else ""))
-        if self.compressor:
-            parts.append(self.compressor + (f":{self.level}" if self.level is not None else ""))
-        return "+".join(parts)
-
-    def compress(self, payload: bytes) -> bytes:
-        """The whole message compressed with this spec's compressor, when that shrinks it."""
-        return compress(payload, self.compressor, self.level) if self.compressor else payload
-
-    def dense(self) -> "CodecSpec":
-        return replace(self, topk=None)
-
-
-FP32 = CodecSpec()
-_FORMS = "fp32, fp64, fp16, bf16, int8, int8:stochastic, topk:FRACTION, zstd[:LEVEL], lz4[:LEVEL]"
-
-
-def parse_codec(text: str) -> CodecSpec:
-    """Parse ``topk:0.01+int8+zstd:3`` and the like; raise CodecError naming the valid forms."""
-    if not isinstance(text, str) or not text.strip():
-        raise CodecError(f"a codec spec is a non-empty string such as 'topk:0.1+int8+zstd'; forms: {_FORMS}")
-    fields: dict[str, object] = {}
-
-    def put(key: str, value: object, token: str) -> None:
-        if key in fields:
-            raise CodecError(f"codec spec {text!r} sets the {key} twice (at {token!r})")
-        fields[key] = value
-
-    for token in text.strip().split("+"):
-        name, _, arg = token.strip().partition(SEP)
-        if name in VALUE_FORMATS and (not arg or (name, arg) == ("int8", "stochastic")):
-            put("values", name, token)
-            fields["stochastic"] = arg == "stochastic"
-        elif name == "topk":
-            try:
-                fraction = float(arg)
-            except ValueError:
-                fraction = math.nan
-            if not 0 < fraction <= 1:
-                raise CodecError(f"topk needs a fraction in (0, 1], e.g. topk:0.1; got {token!r}")
-            put("topk", fraction, token)
-        elif name in COMPRESSORS:
-            _, _, levels, _ = COMPRESSORS[name]
-            if arg and not (arg.isdigit() and int(arg) in levels):
-                raise CodecError(f"{name} level must be an integer in {levels.start}..{levels.stop - 1}, "
-                                 f"got {token!r}")
-            put("compressor", name, token)
-            fields["level"] = int(arg) if arg else None
-        else:
-            raise CodecError(f"unknown codec part {token!r} in {text!r}; forms: {_FORMS}")
-    spec = CodecSpec(**fields)  # type: ignore[arg-type]
-    if spec.compressor:
-        try:
-            check_available(spec.compressor)
-        except CompressionError as exc:
-            raise CodecError(str(exc)) from None
-    return spec
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -189,7 +98,7 @@ def _values(name: str, key: str, flat: torch.Tensor, spec: CodecSpec, channel: t
 
     ``channel`` maps each entry to its output channel (None: dense, channels contiguous).
     """
-    if spec.values in _EXACT:
+    if spec.values in EXACT_VALUES:
         return {key: flat}
     if spec.values == "fp16":
         peak = float(flat.abs().max()) if flat.numel() else 0.0

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import json
 import random
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +36,7 @@ from coordinator.strategies.base import ClientResult, PersonalizedEval, Strategy
 from edge_client.models import federated_names
 from edge_client.registry import build_aside
 from methods.dfl.model import INVARIANT, SPECIFIC, part_names
+from methods.dfl.settings import DflSection, backbone_problem
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -47,35 +47,8 @@ __all__ = ["DFL", "DflSection", "BANK"]
 BANK = "bank"   # state names of relayed specific extractors: bank/CLIENT_ID/specific.*
 
 
-@dataclass(frozen=True)
-class DflSection:
-    """``[dfl]``: disentangled FL (run.strategy = "dfl"); docs/dfl.md."""
-
-    local_epochs: int = 1           # local stage: specific extractor + predictor, invariant frozen; DFL does not
-                                # use train.epochs
-    global_epochs: int = 1          # global stage: invariant extractor, the rest frozen
-    mi_min_weight: float = 1.0      # MI(invariant; specific), minimized
-    mi_max_weight: float = 1.0      # MI(invariant; received global invariant), maximized
-    specific_width: float = 1.0     # the specific extractor's width relative to the backbone
-    mi_hidden: int = 128            # hidden width of the MI critics
-    diversity: int = 0              # other clients' specific extractors relayed to each client (0: off, private)
-                                # each round; 0 keeps every specific extractor on its device (docs/dfl.md, "What
-                                # leaves the device")
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [
-            (min(self.local_epochs, self.global_epochs, self.diversity) >= 0
-             and self.local_epochs + self.global_epochs >= 1,
-             "dfl.local_epochs and dfl.global_epochs must be >= 0 (not both 0), dfl.diversity >= 0"),
-            (min(self.mi_min_weight, self.mi_max_weight) >= 0 and self.specific_width > 0 and self.mi_hidden >= 1,
-             "dfl MI weights must be >= 0, dfl.specific_width > 0, dfl.mi_hidden >= 1"),
-        ]
-
-
 class DFL(Strategy):
     name = "dfl"
-    aggregates_deltas = True   # the invariant extractor's mean update takes the server's step (any optimizer)
-    sync_only = "its rounds alternate local and global stages and end in every client's personalized evaluation"
 
     def __init__(self, train: dict[str, Any], settings: DflSection, *, seed: int, every: int = 1,
                  refresh_epochs: int = 0) -> None:
@@ -87,17 +60,13 @@ class DFL(Strategy):
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "DFL":
-        if config.clients.spawn > 0 and config.data.local_test_fraction <= 0:
-            raise ConfigError("dfl reports personalized accuracy on each client's held-out split: "
-                              "data.local_test_fraction must be > 0 (leave it unset for dfl's default, 0.2)")
         return cls(dataclasses.asdict(config.train), config.dfl, seed=config.run.seed, every=config.eval.every,
                    refresh_epochs=config.eval.finetune_epochs)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The two-branch model around the configured backbone (``model.name``)."""
-        if spec["name"] == "dfl":
-            raise ConfigError("with run.strategy = dfl, set model.name to the backbone (cnn, mlp, vgg9); "
-                              "the strategy builds the two-branch model around it from the [dfl] settings")
+        if backbone_problem(spec["name"]):
+            raise ConfigError(backbone_problem(spec["name"]))
         s = self.settings
         wrapped = {**spec, "name": "dfl", "backbone": spec["name"], "specific_width": s.specific_width,
                    "mi_hidden": s.mi_hidden, **({"peers": s.diversity} if s.diversity else {})}

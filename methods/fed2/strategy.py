@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +37,7 @@ from coordinator.strategies.fedavg import FedAvg
 from edge_client.registry import build_aside
 from methods.common import counts_of, histogram_problem
 from methods.fed2.model import row_groups
+from methods.fed2.settings import PAIRINGS, Fed2Section
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -45,32 +45,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Fed2", "Fed2Section", "group_weights", "PAIRINGS"]
 
-PAIRINGS = ("all", "holders")
-
-
-@dataclass(frozen=True)
-class Fed2Section:
-    """``[fed2]``: Fed2's class-to-group allocation (run.strategy = "fed2"); docs/fed2.md."""
-
-    allocation: list[int] = field(default_factory=list)   # group of each class; empty: class c to group c mod G,
-                                    # e.g. [0, 0, 1, 1, 2, 2, 3, 3, 4, 4] with 5 groups; G is model.fed2_groups;
-                                    # every group needs a class
-    pairing: str = "all"            # "all": each group over every client; "holders": over its classes' holders.
-                                # all: sample-weighted over every client of the round (the paper's pairing when the
-                                # allocation is fixed); holders: group g weighted by each client's samples of g's
-                                # classes, clients without them skipped (devices then report their label histograms;
-                                # diverges under label skew: docs/fed2.md)
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.allocation),
-                 "fed2.allocation lists a group index (>= 0) for every class, e.g. [0, 0, 1, 1, 2, ...]"),
-                (self.pairing in PAIRINGS, f"fed2.pairing is one of {', '.join(PAIRINGS)}")]
-
 
 class Fed2(FedAvg):
     name = "fed2"
-    sync_only = "its paired averaging weighs each group's rows by the clients of one round (fed2.pairing)"
-    central_dp = "its paired averaging weighs each group's rows by each device's class counts"
 
     def __init__(self, train: dict[str, Any], allocation: list[int] | None = None, pairing: str = "all") -> None:
         super().__init__(train)
@@ -79,18 +56,10 @@ class Fed2(FedAvg):
         self.allocation = list(allocation or [])
         self.pairing = pairing
         self.objective = "fed2_train" if pairing == "holders" else "train"   # only holders need the histograms
-        self.robust = pairing == "all"   # holders weighs rows its own way
+        self.capabilities = self.capabilities.under({"fed2.pairing": pairing}.get)   # holders: its own weights
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "Fed2":
-        model = config.model
-        if model.get("head", "linear") != "linear":
-            raise ConfigError(f"fed2 decouples the classifier into class groups; model.head = {model['head']!r} "
-                              "replaces it with a fixed one: remove model.head (or use run.strategy = spherefed)")
-        groups = model.get("fed2_groups", 0)
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ConfigError(f"fed2 needs the Fed2 structure: model.fed2_groups >= 1 (leave it unset for 10), "
-                              f"got {groups!r}")
         return cls(dataclasses.asdict(config.train), config.fed2.allocation, config.fed2.pairing)
 
     def model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from coordinator.strategies.fedavg import OptimizerShorthand
-from coordinator.strategies.server import AdaptiveSection, AdaptiveStep
+from coordinator.strategies.server import AdaptiveStep
+from methods.fedadagrad.settings import FedAdagradSection
 
 __all__ = ["FedAdagrad", "FedAdagradStep", "FedAdagradSection"]
-
-
-@dataclass(frozen=True)
-class FedAdagradSection(AdaptiveSection):
-    """``[fedadagrad]``: the server's Adagrad step (server.optimizer = "fedadagrad", or run.strategy = "fedadagrad"); ``beta2`` is unused."""
-
-    beta1: float = 0.0      # Adagrad keeps no momentum unless asked
-    section: ClassVar[str] = "fedadagrad"
 
 
 class FedAdagradStep(AdaptiveStep):

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from coordinator.strategies.fedavg import OptimizerShorthand
-from coordinator.strategies.server import AdaptiveSection, AdaptiveStep
+from coordinator.strategies.server import AdaptiveStep
+from methods.fedadam.settings import FedAdamSection
 
 __all__ = ["FedAdam", "FedAdamStep", "FedAdamSection"]
-
-
-@dataclass(frozen=True)
-class FedAdamSection(AdaptiveSection):
-    """``[fedadam]``: the server's Adam step (server.optimizer = "fedadam", or run.strategy = "fedadam")."""
-
-    section: ClassVar[str] = "fedadam"
 
 
 class FedAdamStep(AdaptiveStep):

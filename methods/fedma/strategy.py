@@ -41,7 +41,6 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +53,7 @@ from methods.common import histogram_problem, label_histogram
 from methods.fedma.device import client_slice, weight_layers
 from methods.fedma.matching import (combine_classifier, layer_from_vectors, match_layer, neuron_vectors,
                                     prior_mean_vector)
+from methods.fedma.settings import FedmaSection
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -64,27 +64,8 @@ __all__ = ["FedMA", "FedmaSection", "MATCHED"]
 MATCHED = "fedma/"    # state names of the layers matched so far in the current pass
 
 
-@dataclass(frozen=True)
-class FedmaSection:
-    """``[fedma]``: FedMA's matching and retraining (run.strategy = "fedma"); docs/fedma.md."""
-
-    retrain_epochs: int = 1        # epochs of the layers above the matched ones in phases 2 .. L-1; the classifier
-                                   # phase trains 3x as many at train.lr / 10, phase 1 trains train.epochs
-    max_growth: float = 1.5        # a matched layer holds at most this multiple of its first width
-    sweeps: int = 5                # rematching sweeps in random client order
-    sigma: float = 1.0             # client neurons' noise (precision 1 / sigma)
-    sigma0: float = 1.0            # prior spread of a global neuron
-    gamma: float = 7.0             # how readily new global neurons open (the matching: docs/fedma.md, "Matching")
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(self.retrain_epochs >= 1 and self.sweeps >= 0, "fedma.retrain_epochs >= 1, fedma.sweeps >= 0"),
-                (self.max_growth >= 1.0, "fedma.max_growth is a multiple of a layer's width, >= 1"),
-                (min(self.sigma, self.sigma0, self.gamma) > 0, "fedma.sigma, fedma.sigma0 and fedma.gamma must be > 0")]
-
-
 class FedMA(Strategy):
     name = "fedma"
-    sync_only = "matching a layer's neurons needs every client's layer at once"
 
     def __init__(self, train: dict[str, Any], settings: FedmaSection, *, seed: int, per_pass: int = 0) -> None:
         self.train = dict(train)
@@ -95,13 +76,6 @@ class FedMA(Strategy):
     @classmethod
     def from_config(cls, config: RunConfig) -> "FedMA":
         model = config.model
-        for key, plain in (("pan", "none"), ("head", "linear"), ("fed2_groups", 0)):
-            if model.get(key, plain) != plain:
-                raise ConfigError(f"fedma matches neurons by their weights alone; model.{key} = {model[key]!r} "
-                                  f"ties them to positions or classes: remove model.{key}")
-        if "topk" in config.codec.up:
-            raise ConfigError("fedma matches the layers as the clients send them; a top-k codec.up zeroes most "
-                              "weights: use fp32, fp16, bf16 or int8")
         phases = _phases(json.dumps({**model, "num_classes": 10, "in_channels": 1, "image_size": 32},
                                     sort_keys=True))
         if config.run.rounds % phases:

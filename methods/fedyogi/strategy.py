@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from coordinator.strategies.fedavg import OptimizerShorthand
-from coordinator.strategies.server import AdaptiveSection, AdaptiveStep
+from coordinator.strategies.server import AdaptiveStep
+from methods.fedyogi.settings import FedYogiSection
 
 __all__ = ["FedYogi", "FedYogiStep", "FedYogiSection"]
-
-
-@dataclass(frozen=True)
-class FedYogiSection(AdaptiveSection):
-    """``[fedyogi]``: the server's Yogi step (server.optimizer = "fedyogi", or run.strategy = "fedyogi")."""
-
-    section: ClassVar[str] = "fedyogi"
 
 
 class FedYogiStep(AdaptiveStep):

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -43,6 +41,7 @@ from methods.spherefed.device import (BOUNDED_NAMES, STAT_NAMES, WIRE_CODECS, WI
                                       floor_eigenvalues, noise_floor, solve_classifier,
                                       sphere_accuracies, sphere_head, unpack_upper, wire_numbers, wire_shapes)
 from methods.spherefed.model import CLASSIFIER, SphereError, fixed_classifier, with_sphere_seed
+from methods.spherefed.settings import FEDAVG_FFC, FfcSection, SphereFedSection, planned_passes
 from storage.state import ServerState
 
 if TYPE_CHECKING:
@@ -62,111 +61,6 @@ _SUMMARY_KEYS = ("ffc_accuracy_before", "ffc_accuracy_after", "ffc_clients", "ff
 
 # The trained linear head FedAvg + FFC replaces, kept (never sent, never exported) to score it in the same round.
 TRAINED_HEAD = "ffc.trained_head."
-FEDAVG_FFC = "fedavg_ffc"
-
-
-@dataclass(frozen=True)
-class SphereFedSection:
-    """``[spherefed]``: local training of SphereFed (docs/spherefed.md)."""
-
-    mu: float = 0.0                 # FedProx's proximal weight in local training (0: off)
-    # Keys it no longer reads, and where they went: run files written with them still re-run (bench/reproduce.py).
-    renamed: ClassVar[dict[str, str]] = {"lr_schedule": "schedule.lr"}
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [(self.mu >= 0, "spherefed.mu must be >= 0")]
-
-
-@dataclass(frozen=True)
-class FfcSection:
-    """``[ffc]``: SphereFed's Fast Federated Calibration of the classifier (docs/spherefed.md)."""
-
-    enabled: bool = True            # calibrate SphereFed's classifier after the last round
-    every: int = 0                  # ... and every this many rounds (0: only after the last); training continues
-                                # against the fixed classifier
-    ridge: float = 0.0              # lambda in W^T = (G + lambda I)^-1 B; a singular G falls back to a small one,
-                                # logged
-    dtype: str = "float64"          # statistics on the wire: float64 (exact) or float32 (half the bytes)
-    personalize: bool = False       # clients also solve their own classifier (kept in their state dir), scored locally
-                                # on their held-out split (needs data.local_test_fraction > 0 with spawned clients);
-                                # fedge-export --client-state exports it
-    # Under privacy.mode = "central": the L2 bound on one device's statistics, its packed G and B taken as one vector
-    # (each unit feature adds at most sqrt(2), so a device's grows with its samples), and z_ffc: the noise on their
-    # sum has std noise_multiplier x clip (docs/privacy.md, "FFC's sums under DP").
-    clip: float = 300.0
-    noise_multiplier: float = 1.0
-
-    def checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        return [
-            (self.every >= 0 and self.ridge >= 0, "ffc.every and ffc.ridge must be >= 0"),
-            (self.enabled or self.every == 0, "ffc.every needs ffc.enabled = true"),
-            (self.dtype in WIRE_DTYPES, "ffc.dtype must be float64 or float32"),
-            (not self.personalize or config.data.local_test_fraction > 0 or config.clients.spawn == 0,
-             "ffc.personalize needs data.local_test_fraction > 0 for spawned clients"),
-            *self._fedavg_checks(config),
-            *self._privacy_checks(config),
-        ]
-
-    def _privacy_checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        """What FFC's pass can run with under differential privacy or secure aggregation (docs/privacy.md):
-        central DP, with the pass's own bound and noise; not local DP or secure aggregation (the statistics
-        would leave a device without noise or outside the masked sum), not personal classifiers (each device's
-        accuracy reported without noise)."""
-        p = config.privacy
-        if config.run.strategy not in (SphereFed.name, FEDAVG_FFC) or not self.enabled:
-            return []
-        checks = [
-            (not config.secagg.enabled,
-             "secagg.enabled = true cannot run FFC's calibration pass (ffc.enabled = true): each device's feature "
-             "statistics would leave it outside the masked sum; use privacy.mode = 'central' without secagg, or "
-             "ffc.enabled = false"),
-            (p.mode != "local",
-             "privacy.mode = 'local' cannot run FFC's calibration pass (ffc.enabled = true): each device's feature "
-             "statistics would leave it without noise; use privacy.mode = 'central' or ffc.enabled = false"),
-        ]
-        if p.mode != "central":
-            return checks
-        need = "privacy.mode = 'central' with FFC needs"
-        checks += [
-            (math.isfinite(self.clip) and self.clip > 0,
-             f"ffc.clip must be a positive number (the L2 bound on a device's FFC statistics), got {self.clip}"),
-            (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0,
-             f"ffc.noise_multiplier must be >= 0 (0: no noise on the FFC sums, no privacy), "
-             f"got {self.noise_multiplier}"),
-            (not self.personalize, f"{need} ffc.personalize = false: each device's own classifier is scored on its "
-                                   "data and reported without noise"),
-        ]
-        if all(ok for ok, _ in checks) and p.target_epsilon > 0 and config.privacy.noise_multiplier > 0:
-            planned = planned_passes(self, 1, config.run.rounds)
-            privacy = CentralPrivacy.from_config(config)
-            eps = privacy.epsilon(config.run.rounds, [self.noise_multiplier] * planned) if privacy is not None else 0.0
-            checks.append((eps <= p.target_epsilon,
-                           f"privacy.target_epsilon = {p.target_epsilon:g} is below the {eps:.4g} that run.rounds = "
-                           f"{config.run.rounds} and {planned} FFC pass(es) spend, and a run the target stops early "
-                           "is never calibrated: raise privacy.noise_multiplier or ffc.noise_multiplier, "
-                           "or lower run.rounds (fedge-coordinator privacy --release-noise says what a pass costs)"))
-        return checks
-
-    def _fedavg_checks(self, config: RunConfig) -> list[tuple[bool, str]]:
-        """FedAvg + FFC calibrates once, after the last round, the global model only."""
-        if config.run.strategy != FEDAVG_FFC:
-            return []
-        return [
-            (self.enabled, f"run.strategy = {FEDAVG_FFC!r} is FedAvg with FFC: it needs ffc.enabled = true "
-                           "(for FedAvg without calibration use run.strategy = 'fedavg')"),
-            (self.every == 0, f"run.strategy = {FEDAVG_FFC!r} calibrates once, after the last round: set "
-                              "ffc.every = 0 (its calibrated model ends in a sphere head, which FedAvg does not "
-                              "train on)"),
-            (not self.personalize, f"run.strategy = {FEDAVG_FFC!r} calibrates the global model only: set "
-                                   "ffc.personalize = false (personal classifiers need run.strategy = 'spherefed')"),
-        ]
-
-
-def planned_passes(ffc: FfcSection, first: int, last: int) -> int:
-    """FFC passes in rounds ``first`` to ``last`` (the run's last), as :meth:`FfcPhase.calibrates` runs them."""
-    if not ffc.enabled or last < first:
-        return 0
-    return sum(1 for r in range(first, last + 1) if r == last or (ffc.every > 0 and r % ffc.every == 0))
 
 
 class FfcPhase:
@@ -318,7 +212,6 @@ class FfcPhase:
 
 class SphereFed(FfcPhase, FedProx):
     name = "spherefed"
-    sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, mu: float = 0.0, sphere_seed: int = 0,
                  ffc: FfcSection = FfcSection(), broadcast: bool = True, rounds: int = 0) -> None:
@@ -326,9 +219,9 @@ class SphereFed(FfcPhase, FedProx):
         self.rounds = rounds
         self.sphere_seed = sphere_seed
         self.ffc = ffc
-        # Central DP covers the FFC pass (its own bound and noise); personal classifiers' accuracies it does not.
-        self.central_dp = "ffc.personalize reports every device's own classifier's accuracy without noise (set " \
-                          "ffc.personalize = false)" if ffc.enabled and ffc.personalize else ""
+        # Central DP covers the FFC pass; personal classifiers' accuracies it does not (the registry's condition).
+        self.capabilities = self.capabilities.under({f"ffc.{f.name}": getattr(ffc, f.name)
+                                                     for f in dataclasses.fields(ffc)}.get)
         self.broadcast = broadcast      # the download goes once per round as a broadcast, not per task
         self._fixed: torch.Tensor | None = None
 
@@ -438,7 +331,6 @@ class FedAvgFfc(FfcPhase, FedAvg):
     """
 
     name = FEDAVG_FFC
-    sync_only = "its FFC calibration sums every client's feature statistics in a phase of its own"
 
     def __init__(self, train: dict[str, Any], *, ffc: FfcSection = FfcSection(), sphere_seed: int = 0,
                  rounds: int = 0) -> None:
