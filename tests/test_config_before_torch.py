@@ -40,8 +40,8 @@ BAD = [
     (["--set", "privacy.mode=central", "--set", "run.mode=async"], "privacy.mode = 'central' needs run.mode = 'sync'"),
     (["--set", "privacy.mode=local", "--strategy", "fed2"], "privacy.mode = 'local' cannot run run.strategy = 'fed2'"),
     (["--set", "run.mode=async", "--strategy", "dfl"], "run.mode = 'async' cannot run run.strategy = 'dfl'"),
-    (["--set", "server.optimizer=fedadam", "--strategy", "dfl"],
-     "server.optimizer = 'fedadam' cannot step run.strategy = 'dfl'"),
+    (["--set", "server.optimizer=fedadam", "--strategy", "fedma", "--rounds", "8"],
+     "server.optimizer = 'fedadam' cannot step run.strategy = 'fedma'"),
     (["--set", "server.optimizer=nope"], "server.optimizer must be one of"),
     (["--set", "aggregate.rule=median", "--strategy", "fedma", "--rounds", "8"], "aggregate.rule = 'median'"),
     # a capability a setting takes away: Fed2's holders pairing weighs rows its own way
