@@ -42,10 +42,11 @@ def _status(run_id: str, state: str) -> bytes:
 
 
 def _online(hub: InprocHub, client_id: str, wait_until) -> None:
-    """Return once the client announced itself, which it does after subscribing to its topics."""
+    """Return once the client announced itself, which it does after subscribing to its topics (and warming
+    up torch, slow on a busy machine)."""
     watcher = hub.connect()
     watcher.subscribe(Topics().client(client_id, "presence"))
-    wait_until(lambda: watcher.get(0.1), f"{client_id} never came online")
+    wait_until(lambda: watcher.get(0.1), f"{client_id} never came online", timeout=60)
     watcher.close()
 
 

@@ -313,7 +313,7 @@ def test_a_thousand_presences_resend_the_task_at_most_once_per_interval(tmp_path
         result = run_federated(config, say=lambda s: None)
         # The coordinator's last word, after every task it sent on the same connection: once the looper has it,
         # it has every re-sent task too.
-        assert looper.run_over.wait(10), "the looper never saw the run finish"
+        assert looper.run_over.wait(30), "the looper never saw the run finish"
     finally:
         looper.close()
     row = _rows(result.out_dir)[-1]
