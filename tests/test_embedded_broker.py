@@ -366,8 +366,8 @@ def test_persistent_session_gets_messages_sent_while_offline(peers, caplog, wait
     assert not rc.is_failure
     sub.subscribe(topic, qos=1)
     sub.close()
-    # The broker marks the session offline some time after it reads DISCONNECT, and says so last:
-    # until then the publishes below would go to the dying socket instead of the session's queue.
+    # amqtt marks the session offline some time after it reads DISCONNECT, then logs "<id> Client disconnected"
+    # (DEBUG): until then the publishes below would go to the dying socket instead of the session's queue.
     wait_until(lambda: f"{client_id} Client disconnected" in caplog.messages, "the broker never ended the session")
 
     pub = peers()
