@@ -36,6 +36,23 @@ def prefix(request: pytest.FixtureRequest) -> str:
     return "t" + str(abs(hash(request.node.nodeid)) % 10**8) + "-" + str(time.monotonic_ns() % 10**6)
 
 
+def _wait_until(condition: Callable[[], object], what: str, timeout: float = 10.0) -> object:
+    """Poll ``condition`` until it returns something true, and return that; fail saying ``what`` did not happen
+    within ``timeout`` s. Tests wait for the thing itself (a subscription, a retained message, a log line, a
+    file), never a fixed time, which is too long on an idle machine and too short on a loaded one."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., object]:
+    """``wait_until(condition, what, timeout=10.0)``: poll until ``condition()`` is true, with a deadline."""
+    return _wait_until
+
+
 def _kill_after_checkpoint(proc: subprocess.Popen, out: Path, round: int, timeout: float = 180.0) -> None:
     """SIGKILL a coordinator process once round ``round`` of its run in ``out`` is checkpointed, and
     wait for its spawned clients, which leave when their parent is gone."""

@@ -116,10 +116,9 @@ def test_tasks_a_restarted_broker_lost_are_sent_again_after_the_reconnect(tmp_pa
     assert all(f"sending {cid}'s unanswered task again" in log for cid in ("sim-000", "sim-001")), log
 
 
-def test_a_device_whose_broadcast_was_lost_in_a_broker_restart_says_so(tmp_path, announce_running, client_thread):
+def test_a_device_whose_broadcast_was_lost_in_a_broker_restart_says_so(tmp_path, announce_running, client_thread,
+                                                                      wait_until):
     """Not "check the ACL": the device saw its connection drop while it waited for the broadcast."""
-    import time
-
     import torch
 
     from edge_client.client import ClientSettings, EdgeClient
@@ -128,8 +127,12 @@ def test_a_device_whose_broadcast_was_lost_in_a_broker_restart_says_so(tmp_path,
     from edge_client.wire.protocol import Topics, decode, encode
     from edge_client.wire.transport import BrokerSettings, MqttTransport
 
-    broker = LocalMosquitto(workdir=tmp_path / "broker", persistence=False)
+    broker = LocalMosquitto(workdir=tmp_path / "broker", persistence=False, extra_config="log_type subscribe\n")
     broker.start()
+
+    def subscribed(topic: str) -> bool:   # the broker logs each subscription as "CLIENT QOS FILTER"
+        return f" dev1 1 {topic}\n" in (broker.workdir / "mosquitto.log").read_text()
+
     digits = load_dataset("digits")
     settings = BrokerSettings(url=broker.url)
     device = MqttTransport(settings, "dev1", will=EdgeClient.will(ClientSettings(client_id="dev1"))).connect()
@@ -139,13 +142,15 @@ def test_a_device_whose_broadcast_was_lost_in_a_broker_restart_says_so(tmp_path,
     me, topics = MqttTransport(settings, "coord").connect(), Topics()
     try:
         me.subscribe(topics.client("dev1", "result"))
+        wait_until(lambda: subscribed(topics.client("dev1", "task")), "the device never subscribed to its tasks")
         announce_running(me)
         spec = {"name": "mlp", "in_channels": 1, "image_size": 8, "num_classes": 10, "hidden": [8]}
         body = {"objective": "train", "hyper": {"epochs": 1}, "model": spec, "up": [], "seed": 1, "timeout": 8,
                 "resend_every": 30, "broadcast": "2" * 64}
         me.publish(topics.client("dev1", "task"), encode("task", run_id="r", round=1, task_id="t1",
                                                          sender="coordinator", body=body))
-        time.sleep(1.0)
+        # The device waits for the task's broadcast on the model topic: the broker goes down meanwhile.
+        wait_until(lambda: subscribed(topics.model), "the device never waited for the broadcast", timeout=30)
         broker.stop()
         broker.start(same_port=True)
         incoming = me.get(30)

@@ -41,6 +41,15 @@ def _status(run_id: str, state: str) -> bytes:
     return encode("status", run_id=run_id, round=1, task_id="", sender="coordinator", body={"state": state})
 
 
+def _online(hub: InprocHub, client_id: str, wait_until) -> None:
+    """Return once the client announced itself, which it does after subscribing to its topics (and warming
+    up torch, slow on a busy machine)."""
+    watcher = hub.connect()
+    watcher.subscribe(Topics().client(client_id, "presence"))
+    wait_until(lambda: watcher.get(0.1), f"{client_id} never came online", timeout=60)
+    watcher.close()
+
+
 def _results(me, until: str, seconds: float = 30.0) -> set[str]:
     seen: set[str] = set()
     deadline = time.monotonic() + seconds
@@ -51,16 +60,17 @@ def _results(me, until: str, seconds: float = 30.0) -> set[str]:
     return seen
 
 
-def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplog, client_thread):
+def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplog, client_thread, wait_until):
     caplog.set_level(logging.INFO, logger="fedge.client.activity")
     hub = InprocHub()
     client = _client(hub)
     running = client_thread(client)
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
-    # What a persistent session replays first: a task of run "dead", before any run status.
+    _online(hub, "dev1", wait_until)
+    # What a persistent session replays first: a task of run "dead", before any run status (the client takes
+    # its messages in the order they were published).
     me.publish(topics.client("dev1", "task"), _task("dead", "stale"))
-    time.sleep(0.5)
     me.publish(topics.coordinator_status, _status("live", "running"), retain=True)
     me.publish(topics.client("dev1", "task"), _task("live", "fresh"))
     seen = _results(me, until="fresh")
@@ -74,19 +84,24 @@ def test_a_task_queued_by_a_dead_run_is_dropped_and_the_current_run_trains(caplo
     assert any(line.startswith(ONLINE_LINE) for line in lines), lines   # what the flash kit waits for
 
 
-def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives(client_thread):
+def test_a_task_that_came_before_its_run_status_runs_once_the_status_arrives(caplog, client_thread, wait_until):
+    caplog.set_level(logging.INFO, logger="fedge.client")
     hub = InprocHub()
     client = _client(hub)
     running = client_thread(client)
     me, topics = hub.connect("coord"), Topics()
     me.subscribe(topics.client("dev1", "result"))
+    _online(hub, "dev1", wait_until)
     me.publish(topics.client("dev1", "task"), _task("live", "early"))
-    time.sleep(0.5)
+    wait_until(lambda: client.protocol._parked, "the task was never parked")
     assert client.tasks_run == 0   # parked: no status says which run is current
     me.publish(topics.coordinator_status, _status("live", "running"), retain=True)
     seen = _results(me, until="early")
     me.publish(topics.coordinator_status, _status("live", "finished"), retain=True)
     me.publish(topics.client("dev1", "task"), _task("live", "after-the-end"))
-    seen |= _results(me, until="never", seconds=2.0)
+    wait_until(lambda: any(m.startswith("dropped task after-the-end of run live") for m in caplog.messages),
+               "the task after the end was not dropped")
     running.stop()
+    while (incoming := me.get(0.0)) is not None:
+        seen.add(decode(incoming.payload).task_id)
     assert seen == {"early"} and client.tasks_run == 1

@@ -6,6 +6,7 @@ test fail quickly instead of hanging.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -355,18 +356,19 @@ def test_clean_disconnect_sends_no_will(broker: EmbeddedBroker, peers) -> None:
         watcher.receive(timeout=0.5)
 
 
-def test_persistent_session_gets_messages_sent_while_offline(peers) -> None:
+def test_persistent_session_gets_messages_sent_while_offline(peers, caplog, wait_until) -> None:
     topic = unique("fedge/test/persist")
     client_id = unique("edge-device")
 
+    caplog.set_level(logging.DEBUG, logger="amqtt.broker")
     sub = peers(client_id=client_id, clean_session=False)
     rc, _ = sub.connect()
     assert not rc.is_failure
     sub.subscribe(topic, qos=1)
     sub.close()
-    # The broker marks the session offline right after it reads DISCONNECT;
-    # give it a moment so the publishes below are queued, not sent to a dying socket.
-    time.sleep(0.2)
+    # amqtt marks the session offline some time after it reads DISCONNECT, then logs "<id> Client disconnected"
+    # (DEBUG): until then the publishes below would go to the dying socket instead of the session's queue.
+    wait_until(lambda: f"{client_id} Client disconnected" in caplog.messages, "the broker never ended the session")
 
     pub = peers()
     pub.connect()
@@ -412,13 +414,22 @@ def test_stop_with_connected_clients_is_prompt(tmp_path: Path) -> None:
 
 
 def _login(endpoint: BrokerEndpoint, user: str, password: str, inbox: "queue.Queue[tuple[str, bytes]]") -> mqtt.Client:
+    """A logged-in client whose messages go to ``inbox``; subscribe with :func:`_subscribe`."""
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{user}-{uuid.uuid4().hex[:6]}",
                          protocol=mqtt.MQTTv311)
     client.username_pw_set(user, password)
+    client.user_data_set(queue.Queue())   # the SUBACKs
     client.on_message = lambda c, u, m: inbox.put((m.topic, m.payload))
+    client.on_subscribe = lambda c, subacks, mid, codes, p: subacks.put(mid)
     client.connect(endpoint.host, endpoint.port)
     client.loop_start()
     return client
+
+
+def _subscribe(client: mqtt.Client, topic_filter: str) -> None:
+    """Subscribe, and return once the broker acknowledged it: a message published after this is ours."""
+    _, mid = client.subscribe(topic_filter, qos=1)
+    assert client.user_data_get().get(timeout=WAIT) == mid, f"no SUBACK for {topic_filter}"
 
 
 def test_each_spawned_device_may_use_only_its_own_topics(tmp_path: Path) -> None:
@@ -430,17 +441,18 @@ def test_each_spawned_device_may_use_only_its_own_topics(tmp_path: Path) -> None
         coordinator = _login(ep, ep.username, ep.password, seen)
         device = _login(ep, "sim-000", ep.devices["sim-000"], stolen)
         try:
-            coordinator.subscribe("p/clients/+/result", qos=1)
-            device.subscribe("p/clients/sim-001/task", qos=1)     # another device's tasks: granted, never delivered
-            device.subscribe("p/clients/sim-000/task", qos=1)
-            time.sleep(0.5)
+            _subscribe(coordinator, "p/clients/+/result")
+            _subscribe(device, "p/clients/sim-001/task")     # another device's tasks: granted, never delivered
+            _subscribe(device, "p/clients/sim-000/task")
             device.publish("p/clients/sim-001/result", b"forged", qos=1).wait_for_publish(5)
             device.publish("p/clients/sim-000/result", b"mine", qos=1).wait_for_publish(5)
             coordinator.publish("p/clients/sim-001/task", b"for 1", qos=1).wait_for_publish(5)
             coordinator.publish("p/clients/sim-000/task", b"for 0", qos=1).wait_for_publish(5)
             assert seen.get(timeout=5) == ("p/clients/sim-000/result", b"mine")
             assert stolen.get(timeout=5) == ("p/clients/sim-000/task", b"for 0")
-            time.sleep(0.5)
+            # The forged result and the other's task were acknowledged before the messages just received were
+            # sent, and the broker passes messages on in the order it took them: had they been delivered, they
+            # would have come first.
             assert seen.empty() and stolen.empty()              # the forged result and the other's task: nowhere
         finally:
             for client in (coordinator, device):
@@ -515,7 +527,7 @@ def test_simultaneous_reconnects_and_subscriptions_leave_no_traceback(tmp_path: 
 # gives a PUBACK: amqtt logged a warning per message, another for each late PUBACK, and at its shutdown an
 # ERROR with a traceback for each, on a console that shows warnings (as fedge-coordinator's does).
 SLOW_TAKER = """
-import logging, time
+import logging, threading, time
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from coordinator.ops.broker import EmbeddedBroker
@@ -535,15 +547,16 @@ with EmbeddedBroker() as broker:
     taken = []
     taker = login("taker", manual_ack=True)
     taker.on_message = lambda client, userdata, msg: taken.append(msg.mid)
+    subscribed = threading.Event()
+    taker.on_subscribe = lambda *args: subscribed.set()
     taker.subscribe("t/#", 1)
-    time.sleep(0.5)
+    assert subscribed.wait(5), "no SUBACK"
     sender = login("sender", manual_ack=False)
     for k in range(3):
         sender.publish(f"t/{k}", b"x", qos=1).wait_for_publish(5)
     time.sleep(6.0)         # busy past amqtt's 5 s
     for mid in list(taken):
-        taker.ack(mid, 1)   # taken at last
-    time.sleep(0.5)
+        taker.ack(mid, 1)   # taken at last; the acknowledgements leave before the DISCONNECT below
     for client in (sender, taker):
         client.disconnect()
         client.loop_stop()

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -49,50 +48,55 @@ def test_every_k_rounds_and_the_last_with_personalized_evaluation_on_the_same_kn
         f"round_{r:04d}.safetensors" for r in range(1, 8)]
 
 
-class SlowEvaluation(FedAvg):
-    """FedAvg whose evaluation and aggregation each take a second more, timed (sleeping releases the GIL,
-    so on a loaded machine the two still overlap when they are run at the same time)."""
+class OverlappedEvaluation(FedAvg):
+    """FedAvg whose evaluation of round r waits until round r + 1's tasks are planned, and whose aggregation
+    of round r + 1 waits until round r's evaluation began: run one after the other, either would wait out
+    PATIENCE, which the test sees. Events, not durations, which a loaded machine stretches at will."""
+
+    PATIENCE = 60.0
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.evaluations: list[tuple[int, float, float, str]] = []   # round, start, end, thread name
-        self.rounds: dict[int, list[float]] = {}                     # round -> [tasks planned, aggregated]
+        self.planned: dict[int, threading.Event] = {}           # round -> its tasks were planned
+        self.evaluating: dict[int, threading.Event] = {}        # round -> its evaluation began
+        self.threads: dict[int, str] = {}                       # round -> the thread that evaluated it
+        self.waited_out: list[str] = []                         # the waits that ran out of patience
+        self.last_round = 0                                     # the run's: no round follows its evaluation
+
+    def _event(self, table: dict[int, threading.Event], round: int) -> threading.Event:
+        return table.setdefault(round, threading.Event())
 
     def configure_train(self, round, state, clients):
-        self.rounds[round] = [time.monotonic()]
+        self._event(self.planned, round).set()
         return super().configure_train(round, state, clients)
 
     def aggregate_train(self, round, state, results):
-        time.sleep(1.0)
-        new = super().aggregate_train(round, state, results)
-        self.rounds[round].append(time.monotonic())
-        return new
+        if round > 1 and not self._event(self.evaluating, round - 1).wait(self.PATIENCE):
+            self.waited_out.append(f"round {round} was aggregated before round {round - 1}'s evaluation began")
+        return super().aggregate_train(round, state, results)
 
     def evaluate(self, state, model, x, y):
-        start = time.monotonic()
-        time.sleep(1.0)
-        metrics = super().evaluate(state, model, x, y)
-        self.evaluations.append((state.round, start, time.monotonic(), threading.current_thread().name))
-        return metrics
+        r = state.round
+        self.threads[r] = threading.current_thread().name
+        self._event(self.evaluating, r).set()
+        if 0 < r < self.last_round and not self._event(self.planned, r + 1).wait(self.PATIENCE):
+            self.waited_out.append(f"round {r}'s evaluation ended before round {r + 1}'s tasks were planned")
+        return super().evaluate(state, model, x, y)
 
 
 def test_evaluation_runs_while_the_next_round_trains(tmp_path):
     rounds = 4
     config = config_for(tmp_path / "run", run__rounds=rounds, clients__expected=2, clients__spawn=2)
-    strategy = SlowEvaluation.from_config(config)
+    strategy = OverlappedEvaluation.from_config(config)
+    strategy.last_round = rounds
     result = run_federated(config, say=lambda s: None, strategy=strategy)
     rows = read_metrics(result.out_dir)
     assert all("test_accuracy" in r for r in rows)
-    evaluated = {r: (start, end, thread) for r, start, end, thread in strategy.evaluations}
-    assert sorted(evaluated) == list(range(rounds + 1))
-    assert evaluated[0][2] == threading.current_thread().name    # round 0: before training, on the run's thread
+    assert sorted(strategy.threads) == list(range(rounds + 1))
+    assert strategy.threads[0] == threading.current_thread().name    # round 0: before training, on the run's thread
     for r in range(1, rounds):   # round r's evaluation on its own thread, while round r + 1 trained
-        start, end, thread = evaluated[r]
-        planned, aggregated = strategy.rounds[r + 1]
-        assert thread != threading.current_thread().name
-        assert start < aggregated and planned < end, (r, evaluated[r], strategy.rounds[r + 1])
-    # The overlap is the order asserted above (each evaluation began before the next round was aggregated and
-    # ended after its tasks were planned), never a duration, which a loaded machine stretches at will.
+        assert strategy.threads[r] != threading.current_thread().name
+    assert strategy.waited_out == []
 
 
 class FailingEvaluation(FedAvg):

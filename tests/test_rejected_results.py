@@ -197,7 +197,8 @@ def test_the_weight_bound_caps_at_a_multiple_of_the_lower_median_and_at_a_fixed_
 class _Forger(threading.Thread):
     """A device with its own credentials and its own code: announces ``samples`` and answers every task with
     the tensors it was sent, claiming ``samples``; with ``answer`` False it answers nothing and, once it has a
-    task, announces itself ``flood`` times (a device in a loop). ``tasks`` counts the task messages it received."""
+    task, announces itself ``flood`` times (a device in a loop). ``tasks`` counts the task messages it received;
+    ``run_over`` is set once the coordinator's status says the run finished."""
 
     def __init__(self, mosquitto: str, prefix: str, client_id: str, samples: int, *, answer: bool = True,
                  flood: int = 0) -> None:
@@ -205,16 +206,21 @@ class _Forger(threading.Thread):
         self.topics, self.client_id, self.samples, self.answer, self.flood = Topics(prefix), client_id, samples, \
             answer, flood
         self.tasks = 0
-        self.stop = threading.Event()
+        self.stop, self.run_over = threading.Event(), threading.Event()
         self.transport = MqttTransport(BrokerSettings(url=mosquitto), client_id).connect()
         for kind in ("task", "status"):
             self.transport.subscribe(self.topics.client(client_id, kind))
+        self.transport.subscribe(self.topics.coordinator_status)
         self.presence = presence_payload(client_id, PresenceBody("online", num_samples=samples))
         self.transport.publish(self.topics.client(client_id, "presence"), self.presence, retain=True)
 
     def run(self) -> None:
         while not self.stop.is_set():
             incoming = self.transport.get(0.1)
+            if incoming is not None and incoming.topic == self.topics.coordinator_status:
+                if decode(incoming.payload).body.get("state") == "finished":
+                    self.run_over.set()
+                continue
             if incoming is None or not incoming.topic.endswith("/task"):
                 continue
             self.tasks += 1
@@ -305,7 +311,9 @@ def test_a_thousand_presences_resend_the_task_at_most_once_per_interval(tmp_path
     looper.start()
     try:
         result = run_federated(config, say=lambda s: None)
-        time.sleep(0.5)   # the last re-sent task reaches the looper
+        # The coordinator's last word, after every task it sent on the same connection: once the looper has it,
+        # it has every re-sent task too.
+        assert looper.run_over.wait(30), "the looper never saw the run finish"
     finally:
         looper.close()
     row = _rows(result.out_dir)[-1]

@@ -108,7 +108,7 @@ class _Recorder:
         self.left += 1
 
 
-def test_workers_take_their_share_of_the_cores_and_mail_wakes_its_client():
+def test_workers_take_their_share_of_the_cores_and_mail_wakes_its_client(wait_until):
     hub, topics = InprocHub(), Topics("sim")
     pool = ClientPool(hub, topics, workers=2)
     clients = [_Recorder("a"), _Recorder("b")]
@@ -118,7 +118,7 @@ def test_workers_take_their_share_of_the_cores_and_mail_wakes_its_client():
     stop = threading.Event()
     threads = pool.start(stop)
     try:
-        time.sleep(0.2)
+        wait_until(lambda: all(c.steps for c in clients), "the pool never stepped its clients at start")
         before = len(clients[1].steps)
         hub.connect("coordinator").publish(topics.client("b", "task"), b"x")
         deadline = time.monotonic() + 2.0

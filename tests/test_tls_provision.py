@@ -166,7 +166,6 @@ def test_a_device_reaches_only_its_own_topics(own_broker):
         one.subscribe(f"{PREFIX}/clients/device-002/#")   # another device's tasks
         one.subscribe(f"{PREFIX}/clients/device-001/task")
         two.subscribe(f"{PREFIX}/clients/device-002/task")
-        time.sleep(0.5)
         coordinator.publish(f"{PREFIX}/clients/device-002/task", b"for two")
         coordinator.publish(f"{PREFIX}/clients/device-001/task", b"for one")
         forbidden = [f"{PREFIX}/clients/device-002/result", f"{PREFIX}/clients/device-002/presence",
@@ -414,7 +413,6 @@ def test_the_monitor_user_reads_everything_and_writes_nothing(own_broker):
     device = broker.transport("device-001")
     try:
         monitor.subscribe(f"{PREFIX}/#")
-        time.sleep(0.3)
         device.publish(f"{PREFIX}/clients/device-001/result", b"an update")
         forged = [f"{PREFIX}/clients/device-001/task", f"{PREFIX}/coordinator/status"]
         for topic in forged:
@@ -452,7 +450,8 @@ def test_provision_prints_the_commands_that_follow_and_status_works_as_printed(t
     try:
         device.publish(f"{PREFIX}/clients/device-002/presence",
                        presence_payload("device-002", PresenceBody("online", num_samples=8)), retain=True)
-        time.sleep(0.3)
+        device.subscribe(f"{PREFIX}/clients/device-002/presence")   # its echo: the broker holds it retained
+        assert device.get(5.0) is not None, "the presence never reached the broker"
         monkeypatch.setenv("FEDGE_MQTT_PASSWORD", (out / "monitor" / "password").read_text().strip())
         argv = status.split(" fedge-coordinator ", 1)[1].split()
         argv = argv[:argv.index("--run-dir")] + ["--json"]   # no run yet
