@@ -48,10 +48,12 @@ class UploadSettings(Body):
 
     KIND = "task"
 
-    codec: CodecSpec = wire(codec_spec(), FP32)
-    update: str = wire(one_of(UPDATES), "raw", absent="delta")   # delta | raw
-    error_feedback: bool = wire(boolean(), False, absent=True)
-    clip_norm: float | None = optional(number(above=0))
+    codec: CodecSpec = wire(codec_spec(), FP32)                    # the codec of the result's tensors
+    # delta: the tensors the client received go back as differences; raw: as values
+    update: str = wire(one_of(UPDATES), "raw", absent="delta")
+    error_feedback: bool = wire(boolean(), False, absent=True)     # keep what a lossy codec dropped for next time
+    clip_norm: float | None = optional(number(above=0))            # the L2 norm the whole update is clipped to
+    # the device's noise, a multiple of clip_norm (local differential privacy); needs clip_norm
     noise_multiplier: float | None = optional(number(at_least=0))
 
     def __post_init__(self) -> None:
@@ -94,14 +96,15 @@ class TaskBody(Body):
     up: tuple[str, ...] = wire(names())    # names of the tensors to send back
     # the objective's hyperparameters (learning rate, epochs, a method's own)
     hyper: dict[str, Any] = wire(an_object(), factory=dict)
+    # how to answer: the codec, differences or raw values, clipping and noise
     upload: UploadSettings = wire(nested(UploadSettings, "upload_settings"), UploadSettings())
     codec: CodecSpec = wire(codec_spec(), FP32)                        # the codec of this message's tensors
     # SHA-256 of the model message with the shared tensors
     broadcast: str | None = optional(SHA256)
     seed: int = wire(integer(), 0)                                     # the run's seed
-    # how long the client may take before the coordinator gives up on the task
+    # seconds the client keeps re-sending its result, and waits for a missing broadcast
     timeout: float = wire(_SECONDS, DEFAULT_TASK_TIMEOUT)
-    # how often the client re-sends its result until the coordinator acknowledges it
+    # seconds before the first re-send, each later wait twice the one before
     resend_every: float = wire(_SECONDS, DEFAULT_RESEND_EVERY)
     # Unix time the coordinator stops waiting; informational
     deadline: float | None = optional(number(want="a Unix time"))
@@ -123,6 +126,7 @@ class ResultBody(Body):
 
     # positive; the result's aggregation weight
     num_samples: int = wire(integer(minimum=1), 0, absent=REQUIRED, unless="error")
+    # the task's metrics by name (train_loss, accuracy, a method's own)
     metrics: dict[str, float] = wire(an_object("an object of finite numbers", values=number()), factory=dict,
                                      unless="error")
     codec: CodecSpec = wire(codec_spec(), FP32, unless="error")        # the codec of the result's tensors
@@ -161,4 +165,4 @@ class ModelBody(Body):
 
     KIND = "model"
 
-    codec: CodecSpec = wire(codec_spec(), FP32)
+    codec: CodecSpec = wire(codec_spec(), FP32)   # the codec of the broadcast's tensors

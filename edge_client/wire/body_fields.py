@@ -18,6 +18,7 @@ aggregation messages, ``edge_client/secagg``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from edge_client.wire.codec import CodecError, parse_codec
 from edge_client.wire.errors import ProtocolError
 from edge_client.wire.topics import ID_PATTERN
 
-__all__ = ["Fields", "Check", "Body", "wire", "optional", "REQUIRED",
+__all__ = ["Fields", "Check", "Body", "wire", "optional", "rules", "REQUIRED",
            "integer", "number", "text", "matching", "one_of", "boolean", "an_object", "names", "codec_spec", "nested",
            "is_int", "is_number", "is_str", "is_session", "is_object", "is_names", "is_sha256",
            "SESSION", "SHA256", "CLIENT_ID"]
@@ -265,9 +266,15 @@ def optional(check: Check) -> Any:
     return wire(check, None, omit_when=None)
 
 
+@functools.cache
 def rules(cls: type) -> dict[str, FieldRule]:
-    """Each declared field of a body dataclass, in the order its keys are written."""
-    found = {f.name: f.metadata[_META] for f in dataclasses.fields(cls) if _META in f.metadata}
+    """Each field of a body dataclass with its declaration, in the order its keys are written."""
+    fields = dataclasses.fields(cls)
+    undeclared = [f.name for f in fields if _META not in f.metadata]
+    if undeclared:
+        raise TypeError(f"{cls.__name__} fields {undeclared} are not declared: give each a wire(...) or "
+                        "optional(...) default, so that it is checked, written and published")
+    found = {f.name: f.metadata[_META] for f in fields}
     order = getattr(cls, "WIRE_ORDER", ()) or tuple(found)
     return {name: found[name] for name in order}
 

@@ -21,18 +21,26 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from edge_client.wire.body_fields import CLIENT_ID, Check, an_object, integer, text
 from edge_client.wire.codec import CodecSpec, all_finite
 from edge_client.wire.compression import CompressionError, decompress
 from edge_client.wire.errors import ProtocolError
-from edge_client.wire.topics import valid_client_id
 
-__all__ = ["PROTOCOL_VERSION", "KINDS", "DEFAULT_MAX_MESSAGE_BYTES", "Message", "ContentError", "encode", "decode",
+__all__ = ["PROTOCOL_VERSION", "KINDS", "HEADER", "DEFAULT_MAX_MESSAGE_BYTES", "Message", "ContentError", "encode", "decode",
            "check_tensors"]
 
 # 2: codecs and deltas in task/result bodies, the model broadcast, compression and chunks.
 PROTOCOL_VERSION = 2
 # manifest and partial pass between the coordinator and its aggregation workers, never a device.
 KINDS = ("presence", "task", "result", "status", "model", "manifest", "partial")
+# The header's fields beside ``v`` and ``kind``, as decode checks them and docs/protocol.schema.json publishes them.
+HEADER: dict[str, Check] = {
+    "run_id": text(),
+    "round": integer(),      # any integer: a receiver compares it with the rounds it knows
+    "task_id": text(),
+    "sender": CLIENT_ID,
+    "body": an_object(),
+}
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # the largest (decompressed, reassembled) message decoded
 _MAX_HEADER_BYTES = 4 * 1024 * 1024
 # safetensors dtype tag -> bytes per element; anything else is refused.
@@ -193,11 +201,12 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     kind = meta.get("kind")
     if kind not in KINDS:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    for key, typ in (("run_id", str), ("task_id", str), ("sender", str), ("round", int), ("body", dict)):
-        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
-            raise ProtocolError(f"field {key!r} missing or not a {typ.__name__}")
-    if not valid_client_id(meta["sender"]):
-        raise ProtocolError(f"sender {meta['sender']!r} is not a valid id")
+    for key, check in HEADER.items():
+        value = meta.get(key)
+        if not check.ok(value):
+            if key == "sender" and isinstance(value, str):   # the right type, but no id
+                raise ProtocolError(f"sender {value!r} is not a valid id")
+            raise ProtocolError(f"field {key!r} missing or not {check.want}")
     # From here on the header says who sent the message and what it answers: a refusal carries that.
     head = Message(kind=kind, run_id=meta["run_id"], round=meta["round"], task_id=meta["task_id"],
                    sender=meta["sender"], size=size)

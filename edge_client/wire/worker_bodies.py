@@ -35,9 +35,11 @@ class ManifestBody(Body):
     model: dict[str, Any] = wire(an_object())                  # the model spec of the tasks
     up: tuple[str, ...] = wire(names())                         # the tensors each result sends back
     codec: CodecSpec = wire(codec_spec(), absent=FP32)         # the codec of the results' tensors
+    # each task id of the exchange -> the client it went to
     tasks: dict[str, str] = wire(an_object("an object of task id -> client id", values=CLIENT_ID))
+    # SHA-256 of the model broadcast the results are differences from
     broadcast: str | None = optional(SHA256.wanting("a SHA-256 in hex"))
-    flush: bool = wire(boolean(), False)
+    flush: bool = wire(boolean(), False)    # publish what you folded now
     # the tasks' clip norm (central differential privacy): results are held to it
     clip_norm: float | None = optional(number(above=0))
     # The tasks' device noise (local differential privacy): results are noisy and are not held to the clip norm.
@@ -53,9 +55,9 @@ class ClaimBody(Body):
 
     KIND = "claim"
 
-    problem: str = wire(text(), "")
-    held: bool = wire(boolean(), False)
-    wire_bytes: int = wire(integer(minimum=0), 0)
+    problem: str = wire(text(), "")                  # why the worker could not use the tensors; "": none
+    held: bool = wire(boolean(), False)              # the worker holds the checked tensors
+    wire_bytes: int = wire(integer(minimum=0), 0)    # the result's size as it came, counted in bytes_up
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class PartialBody(Body):
 
     KIND = "partial"
 
-    exchange: str = wire(text())
-    weight: float = wire(number(above=0))
+    exchange: str = wire(text())               # the manifest's exchange
+    weight: float = wire(number(above=0))      # the total weight of the results folded in
+    # the receipts: every task whose result is inside, each once
     tasks: tuple[str, ...] = wire(names("a non-empty list of task ids", non_empty=True))
