@@ -71,7 +71,7 @@ _TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool
           "null": type(None)}
 _UNDERSTOOD = {"$schema", "title", "description", "default", "$defs", "$ref", "type", "const", "enum", "minimum",
                "exclusiveMinimum", "pattern", "minItems", "items", "properties", "required", "additionalProperties",
-               "allOf", "if", "then", "else"}
+               "allOf", "if", "then", "else", "x-limits", "x-tensors"}
 
 
 def _check(value: Any, schema: dict, root: dict, path: str) -> None:
@@ -134,6 +134,7 @@ def test_the_published_schema_is_generated_from_the_code():
 
 def test_every_kind_is_declared_and_every_field_of_its_body():
     assert sorted(BODIES) == sorted(KINDS)
+    assert all(cls.TENSORS for cls in BODIES.values()), "say which tensors each kind carries ('none' if none)"
     for cls in [*BODIES.values(), *PARTS.values()]:
         assert list(rules(cls)) == list(dict.fromkeys([*getattr(cls, "WIRE_ORDER", ()),
                                                        *(f.name for f in dataclasses.fields(cls))])), cls
@@ -158,7 +159,9 @@ def test_the_validator_knows_every_keyword():
         for key, item in node.items():
             if key in ("properties", "$defs"):
                 found |= set().union(*map(keywords, item.values())) if item else set()
-            elif key not in ("const", "enum", "default", "required"):
+            elif key.startswith("x-") or key in ("const", "enum", "default", "required"):
+                found |= {key}   # annotations and values, not schemas
+            else:
                 found |= {key} | keywords(item)
         return found
 

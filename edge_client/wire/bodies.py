@@ -1,8 +1,10 @@
 """The bodies of the messages a device exchanges: presence, task, result, status and the model broadcast.
 
-Each kind's body is a frozen dataclass: ``to_body()`` gives the JSON object a message
-carries and ``from_body()`` parses one, checking every field's type and raising
-ProtocolError that names the field (:mod:`edge_client.wire.body_fields`). Codec specs
+Each kind's body is a frozen dataclass whose fields are declared once, with
+:func:`~edge_client.wire.body_fields.wire`: type, range or values, default, when the key
+is left out, and (in the comment beside it) what it means. ``to_body()`` gives the JSON
+object a message carries and ``from_body()`` parses one, raising ProtocolError that names
+the field; both, and docs/protocol.schema.json, come from the declarations. Codec specs
 in a body are parsed here, once per message. ``docs/protocol.md`` describes the same
 thing for people; keep both true.
 """
@@ -12,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from edge_client.wire.body_fields import (REQUIRED, SESSION, SHA256, Body, an_object, boolean, codec_spec, integer, matching,
-                                         names, nested, number, one_of, optional, text, wire)
+from edge_client.wire.body_fields import (REQUIRED, SESSION, SHA256, Body, an_object, boolean, codec_spec, integer,
+                                         matching, names, nested, number, one_of, optional, text, wire)
 from edge_client.wire.codec import FP32, CodecSpec
 from edge_client.wire.errors import ProtocolError
 
@@ -72,6 +74,7 @@ class PresenceBody(Body):
     """A ``presence`` body: a client is online (with facts about its data and device) or offline."""
 
     KIND = "presence"
+    TENSORS = "none"
 
     state: str = wire(one_of(PRESENCE_STATES))                       # online | offline
     num_samples: int | None = optional(_COUNT)                       # size of its training data
@@ -86,6 +89,7 @@ class TaskBody(Body):
     """A ``task`` body: what one client is asked to do and how to answer."""
 
     KIND = "task"
+    TENSORS = "what the client starts from that is not in the model broadcast, in the body's codec"
     WIRE_ORDER = ("objective", "hyper", "model", "up", "seed", "timeout", "resend_every", "deadline", "upload",
                   "broadcast", "codec", "session", "secagg")
 
@@ -123,6 +127,7 @@ class ResultBody(Body):
     """
 
     KIND = "result"
+    TENSORS = "exactly the names in the task's up, in the body's codec; none with error"
 
     # positive; the result's aggregation weight
     num_samples: int = wire(integer(minimum=1), 0, absent=REQUIRED, unless="error")
@@ -149,6 +154,7 @@ class StatusBody(Body):
     """A ``status`` body: ``ack`` or ``rejected`` for one result (``task_id``), or the run's state."""
 
     KIND = "status"
+    TENSORS = "none"
 
     # ack | rejected (one result), running | finished | stopped (the run)
     state: str = wire(one_of(STATUS_STATES))
@@ -164,5 +170,6 @@ class ModelBody(Body):
     """A ``model`` body: the codec of the broadcast's tensors."""
 
     KIND = "model"
+    TENSORS = "the tensors every task of an exchange shares, dense, in the body's codec"
 
     codec: CodecSpec = wire(codec_spec(), FP32)   # the codec of the broadcast's tensors

@@ -250,10 +250,12 @@ def wire(check: Check, default: Any = _MISSING, *, factory: Callable[[], Any] | 
     which is also what an absent key means unless ``absent`` says otherwise (``REQUIRED``: the key must be
     there); ``omit_when``: the encoder leaves the key out when the field equals it; ``unless`` / ``only_with``:
     the field belongs to the body only without / with the key of another field (a failed result's fields)."""
-    fresh = factory if absent is _SAME else None
-    if absent is _SAME:
-        absent = REQUIRED if default is _MISSING and factory is None else default
-    rule = FieldRule(check, absent, omit_when, unless, only_with, fresh)
+    if absent is not _SAME:
+        rule = FieldRule(check, absent, omit_when, unless, only_with)
+    elif default is _MISSING and factory is None:
+        rule = FieldRule(check, REQUIRED, omit_when, unless, only_with)
+    else:
+        rule = FieldRule(check, default, omit_when, unless, only_with, factory)
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={_META: rule})
     if default is _MISSING:
@@ -276,6 +278,8 @@ def rules(cls: type) -> dict[str, FieldRule]:
                         "optional(...) default, so that it is checked, written and published")
     found = {f.name: f.metadata[_META] for f in fields}
     order = getattr(cls, "WIRE_ORDER", ()) or tuple(found)
+    if sorted(order) != sorted(found):
+        raise TypeError(f"{cls.__name__}.WIRE_ORDER must list each of its fields once: {sorted(found)}")
     return {name: found[name] for name in order}
 
 
@@ -285,19 +289,15 @@ B = TypeVar("B", bound="Body")
 class Body:
     """A body dataclass whose fields are all declared with :func:`wire`: reads and writes itself from that.
 
-    ``KIND`` names the body in errors (``"task field 'seed' must be ..."``); ``WIRE_ORDER``, when the keys
-    are written in another order than the fields are declared in, lists every field in the written order
-    (the bytes of a header, and so of a reproducible run's files, depend on it).
+    ``KIND`` names the body in errors (``"task field 'seed' must be ..."``); ``TENSORS`` says which tensors
+    a message of the kind carries (published with its schema); ``WIRE_ORDER``, when the keys are written in
+    another order than the fields are declared in, lists every field in the written order (the bytes of a
+    header, and so of a reproducible run's files, depend on it).
     """
 
     KIND: ClassVar[str] = ""
+    TENSORS: ClassVar[str] = ""
     WIRE_ORDER: ClassVar[tuple[str, ...]] = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        declared = set(cls.__dict__.get("__annotations__", {})) - {"KIND", "WIRE_ORDER"}
-        if cls.WIRE_ORDER and set(cls.WIRE_ORDER) != declared:
-            raise TypeError(f"{cls.__name__}.WIRE_ORDER must list each of its fields once: {sorted(declared)}")
 
     @classmethod
     def from_body(cls: type[B], body: Any) -> B:

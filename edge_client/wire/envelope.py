@@ -26,8 +26,8 @@ from edge_client.wire.codec import CodecSpec, all_finite
 from edge_client.wire.compression import CompressionError, decompress
 from edge_client.wire.errors import ProtocolError
 
-__all__ = ["PROTOCOL_VERSION", "KINDS", "HEADER", "DEFAULT_MAX_MESSAGE_BYTES", "Message", "ContentError", "encode", "decode",
-           "check_tensors"]
+__all__ = ["PROTOCOL_VERSION", "KINDS", "HEADER", "MAX_HEADER_BYTES", "TENSOR_DTYPES", "DEFAULT_MAX_MESSAGE_BYTES",
+           "Message", "ContentError", "encode", "decode", "check_tensors"]
 
 # 2: codecs and deltas in task/result bodies, the model broadcast, compression and chunks.
 PROTOCOL_VERSION = 2
@@ -42,9 +42,10 @@ HEADER: dict[str, Check] = {
     "body": an_object(),
 }
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # the largest (decompressed, reassembled) message decoded
-_MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_HEADER_BYTES = 4 * 1024 * 1024
 # safetensors dtype tag -> bytes per element; anything else is refused.
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}
+TENSOR_DTYPES = tuple(_DTYPE_BYTES)
 _FLOAT_TAGS = {"F32", "F16", "BF16", "F64"}
 
 
@@ -154,7 +155,7 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
     if len(payload) < 8:
         raise ProtocolError(f"message of {len(payload)} bytes is too short to be an envelope")
     (n,) = struct.unpack("<Q", bytes(payload[:8]))
-    if n > _MAX_HEADER_BYTES or 8 + n > len(payload):
+    if n > MAX_HEADER_BYTES or 8 + n > len(payload):
         raise ProtocolError(f"envelope header length {n} does not fit a {len(payload)}-byte message")
     try:
         # Decoded straight from the payload: one copy of a header that may be megabytes long, not two.

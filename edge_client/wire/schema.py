@@ -14,7 +14,8 @@ from typing import Any
 
 from edge_client.wire.bodies import ModelBody, PresenceBody, ResultBody, StatusBody, TaskBody, UploadSettings
 from edge_client.wire.body_fields import REQUIRED, Body, rules
-from edge_client.wire.envelope import DEFAULT_MAX_MESSAGE_BYTES, HEADER, KINDS, PROTOCOL_VERSION
+from edge_client.wire.envelope import (DEFAULT_MAX_MESSAGE_BYTES, HEADER, KINDS, MAX_HEADER_BYTES, PROTOCOL_VERSION,
+                                       TENSOR_DTYPES)
 from edge_client.wire.worker_bodies import ClaimBody, ManifestBody, PartialBody
 from storage.declarations import key_comments
 
@@ -30,10 +31,11 @@ PARTS: dict[str, type[Body]] = {"upload_settings": UploadSettings, "claim_fields
 
 def protocol_schema() -> dict[str, Any]:
     """The header every message carries, and one body schema per kind (``$defs``)."""
-    missing = [kind for kind in KINDS if kind not in BODIES]
+    missing = [kind for kind in KINDS if kind not in BODIES or not BODIES[kind].TENSORS]
     if missing:
-        raise TypeError(f"message kinds {missing} have no body declaration in edge_client.wire.schema.BODIES")
-    defs = {f"{kind}_body": body_schema(cls) for kind, cls in BODIES.items()}
+        raise TypeError(f"message kinds {missing} have no body declaration (with its TENSORS) in "
+                        "edge_client.wire.schema.BODIES")
+    defs = {f"{kind}_body": {**body_schema(cls), "x-tensors": cls.TENSORS} for kind, cls in BODIES.items()}
     defs.update({name: body_schema(cls) for name, cls in PARTS.items()})
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -41,6 +43,8 @@ def protocol_schema() -> dict[str, Any]:
         "description": "The JSON header in the metadata key 'fedge' of each message's safetensors buffer; the "
                        "buffer's tensors are the message's tensors. A message may be zstd- or lz4-compressed as a "
                        f"whole (its codec), and at most {DEFAULT_MAX_MESSAGE_BYTES} bytes unless the run says more.",
+        "x-limits": {"max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES, "max_header_bytes": MAX_HEADER_BYTES,
+                     "tensor_dtypes": list(TENSOR_DTYPES), "floating_point_tensors": "finite"},
         "type": "object",
         "required": ["v", "kind", *HEADER],
         "additionalProperties": False,

@@ -1,8 +1,8 @@
 """The bodies the coordinator and its aggregation workers exchange (never a device): the manifest of an
 exchange's tasks, a worker's claim on a result, and a worker's partial sum.
 
-Checked field by field like the devices' bodies (:mod:`edge_client.wire.body_fields`):
-a worker's message crosses the broker like any other.
+Declared field by field like the devices' bodies (:mod:`edge_client.wire.body_fields`), and
+checked from the declarations: a worker's message crosses the broker like any other.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from edge_client.wire.body_fields import CLIENT_ID, SHA256, Body, an_object, boolean, codec_spec, integer, names, number, optional, \
-    text, wire
+from edge_client.wire.body_fields import (CLIENT_ID, SHA256, Body, an_object, boolean, codec_spec, integer, names,
+                                         number, optional, text, wire)
 from edge_client.wire.codec import FP32, CodecSpec
 
 __all__ = ["ManifestBody", "ClaimBody", "PartialBody"]
@@ -27,6 +27,7 @@ class ManifestBody(Body):
     """
 
     KIND = "manifest"
+    TENSORS = "none"
     WIRE_ORDER = ("exchange", "phase", "model", "up", "codec", "tasks", "flush", "broadcast", "clip_norm",
                   "noise_multiplier")
 
@@ -69,6 +70,7 @@ class PartialBody(Body):
     """
 
     KIND = "partial"
+    TENSORS = "the weighted sums, float64, named as the manifest's up"
 
     exchange: str = wire(text())               # the manifest's exchange
     weight: float = wire(number(above=0))      # the total weight of the results folded in
