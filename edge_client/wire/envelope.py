@@ -21,22 +21,31 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from edge_client.wire.body_fields import CLIENT_ID, Check, an_object, integer, text
 from edge_client.wire.codec import CodecSpec, all_finite
 from edge_client.wire.compression import CompressionError, decompress
 from edge_client.wire.errors import ProtocolError
-from edge_client.wire.topics import valid_client_id
 
-__all__ = ["PROTOCOL_VERSION", "KINDS", "DEFAULT_MAX_MESSAGE_BYTES", "Message", "ContentError", "encode", "decode",
-           "check_tensors"]
+__all__ = ["PROTOCOL_VERSION", "KINDS", "HEADER", "MAX_HEADER_BYTES", "TENSOR_DTYPES", "DEFAULT_MAX_MESSAGE_BYTES",
+           "Message", "ContentError", "encode", "decode", "check_tensors"]
 
 # 2: codecs and deltas in task/result bodies, the model broadcast, compression and chunks.
 PROTOCOL_VERSION = 2
 # manifest and partial pass between the coordinator and its aggregation workers, never a device.
 KINDS = ("presence", "task", "result", "status", "model", "manifest", "partial")
+# The header's fields beside ``v`` and ``kind``, as decode checks them and docs/protocol.schema.json publishes them.
+HEADER: dict[str, Check] = {
+    "run_id": text(),
+    "round": integer(),      # any integer: a receiver compares it with the rounds it knows
+    "task_id": text(),
+    "sender": CLIENT_ID,
+    "body": an_object(),
+}
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # the largest (decompressed, reassembled) message decoded
-_MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_HEADER_BYTES = 4 * 1024 * 1024
 # safetensors dtype tag -> bytes per element; anything else is refused.
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}
+TENSOR_DTYPES = tuple(_DTYPE_BYTES)
 _FLOAT_TAGS = {"F32", "F16", "BF16", "F64"}
 
 
@@ -146,7 +155,7 @@ def _parse_header(payload: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[
     if len(payload) < 8:
         raise ProtocolError(f"message of {len(payload)} bytes is too short to be an envelope")
     (n,) = struct.unpack("<Q", bytes(payload[:8]))
-    if n > _MAX_HEADER_BYTES or 8 + n > len(payload):
+    if n > MAX_HEADER_BYTES or 8 + n > len(payload):
         raise ProtocolError(f"envelope header length {n} does not fit a {len(payload)}-byte message")
     try:
         # Decoded straight from the payload: one copy of a header that may be megabytes long, not two.
@@ -193,11 +202,12 @@ def decode(payload: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mes
     kind = meta.get("kind")
     if kind not in KINDS:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    for key, typ in (("run_id", str), ("task_id", str), ("sender", str), ("round", int), ("body", dict)):
-        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
-            raise ProtocolError(f"field {key!r} missing or not a {typ.__name__}")
-    if not valid_client_id(meta["sender"]):
-        raise ProtocolError(f"sender {meta['sender']!r} is not a valid id")
+    for key, check in HEADER.items():
+        value = meta.get(key)
+        if not check.ok(value):
+            if key == "sender" and isinstance(value, str):   # the right type, but no id
+                raise ProtocolError(f"sender {value!r} is not a valid id")
+            raise ProtocolError(f"field {key!r} missing or not {check.want}")
     # From here on the header says who sent the message and what it answers: a refusal carries that.
     head = Message(kind=kind, run_id=meta["run_id"], round=meta["round"], task_id=meta["task_id"],
                    sender=meta["sender"], size=size)

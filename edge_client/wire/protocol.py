@@ -12,7 +12,8 @@ This module is the protocol's one import path; each part has its module:
   :class:`ModelBody`);
 - :mod:`edge_client.wire.worker_bodies`: the aggregation workers' (:class:`ManifestBody`,
   :class:`ClaimBody`, :class:`PartialBody`);
-- :mod:`edge_client.wire.body_fields`: how a body's fields are checked.
+- :mod:`edge_client.wire.body_fields`: how a body's fields are declared, checked, written and published
+  (:mod:`edge_client.wire.schema` makes docs/protocol.schema.json from the declarations).
 
 A message may travel compressed (:mod:`edge_client.wire.compression`) and in chunks
 (:mod:`edge_client.wire.chunking`). ``docs/protocol.md`` describes the same thing for

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from edge_client.wire.errors import ProtocolError
 
-__all__ = ["Topics", "valid_client_id"]
+__all__ = ["Topics", "valid_client_id", "ID_PATTERN"]
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"   # a client (or worker) id, as a regular expression
+_ID_RE = re.compile(ID_PATTERN)
 
 
 def valid_client_id(client_id: str) -> bool:
