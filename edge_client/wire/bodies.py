@@ -16,7 +16,7 @@ from typing import Any
 
 from edge_client.wire.body_fields import (REQUIRED, SESSION, SHA256, Body, an_object, boolean, codec_spec, integer,
                                          matching, names, nested, number, one_of, optional, text, wire)
-from edge_client.wire.codec import FP32, CodecSpec
+from edge_client.wire.codec_spec import FP32, CodecSpec
 from edge_client.wire.errors import ProtocolError
 
 __all__ = ["DEFAULT_TASK_TIMEOUT", "DEFAULT_RESEND_EVERY", "UPDATES", "PRESENCE_STATES", "STATUS_STATES",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from edge_client.wire.codec import CodecError, parse_codec
+from edge_client.wire.codec_spec import CodecError, parse_codec
 from edge_client.wire.errors import ProtocolError
 from edge_client.wire.topics import ID_PATTERN
 

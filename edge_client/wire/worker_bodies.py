@@ -12,7 +12,7 @@ from typing import Any
 
 from edge_client.wire.body_fields import (CLIENT_ID, SHA256, Body, an_object, boolean, codec_spec, integer, names,
                                          number, optional, text, wire)
-from edge_client.wire.codec import FP32, CodecSpec
+from edge_client.wire.codec_spec import FP32, CodecSpec
 
 __all__ = ["ManifestBody", "ClaimBody", "PartialBody"]
 
