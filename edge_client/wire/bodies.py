@@ -24,7 +24,7 @@ DEFAULT_TASK_TIMEOUT = 600.0     # a task's ``timeout`` when it has none
 DEFAULT_RESEND_EVERY = 10.0      # a task's ``resend_every`` when it has none
 UPDATES = ("delta", "raw")
 PRESENCE_STATES = ("online", "offline")
-STATUS_STATES = ("ack", "rejected", "running", "finished", "stopped")
+STATUS_STATES = ("ack", "rejected", "closed", "running", "finished", "stopped")
 # A failed result's ``refusal`` when the device's installed app is not the task's: it refuses every task of the run
 # until the run's app is installed (edge_client.app.AppMismatch). Other kinds may come: a reader that does not know
 # one takes the result as a plain failure.
@@ -215,11 +215,12 @@ class ResultBody:
 
 @dataclass(frozen=True)
 class StatusBody:
-    """A ``status`` body: ``ack`` or ``rejected`` for one result (``task_id``), or the run's state."""
+    """A ``status`` body: ``ack`` or ``rejected`` for one result (``task_id``), ``closed`` for one task whose round
+    has the results it counts, or the run's state."""
 
-    state: str                   # ack | rejected (one result), running | finished | stopped (the run)
-    task_id: str | None = None   # the result's task; None in the run's status
-    reason: str = ""             # why a result was rejected
+    state: str                   # ack | rejected (one result), closed (one task: drop it unless started), running | finished | stopped (the run)
+    task_id: str | None = None   # the result's or the closed task's; None in the run's status
+    reason: str = ""             # why a result was rejected or a task closed
     # The run's status: the coordinator process that speaks for the run. A resumed run keeps its run id
     # but not its session, so devices learn that rounds they saw may come again.
     session: str = ""
