@@ -94,6 +94,7 @@ def check_config(config: RunConfig) -> None:
         *_workers_checks(config),
         *_async_checks(config),
         *_selection_checks(config),
+        *_over_select_checks(config),
         *_privacy_checks(config),
         *_secagg_checks(config),
         *_metrics_checks(config),
@@ -340,6 +341,37 @@ def _dense(spec: str) -> bool:
         return parse_codec(spec).topk is None
     except CodecError:
         return True   # _check_codecs names the problem
+
+
+def _over_select_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``clients.over_select``: at least 1, and what cannot close a round at ``clients.per_round`` results: a strategy
+    that needs every drawn client's result of a phase (its ``sync_only`` declaration), asynchronous versions (no
+    round to close), a secure round (its masks bind the whole cohort through four stages) and Poisson-sampled
+    central DP (its rounds count every device drawn)."""
+    c = config.clients
+    checks = [(math.isfinite(c.over_select) and c.over_select >= 1.0,
+               f"clients.over_select must be a number >= 1.0 (1: draw clients.per_round devices and wait for all), "
+               f"got {c.over_select}")]
+    if not checks[0][0] or c.over_select == 1.0:
+        return checks
+    need = f"clients.over_select = {c.over_select:g} needs"
+    why_not = resolve(method(config.run.strategy).strategy).sync_only
+    central = config.privacy.mode == "central"
+    return checks + [
+        (not why_not, f"clients.over_select = {c.over_select:g} cannot run run.strategy = {config.run.strategy!r}: "
+                      f"{why_not}; set clients.over_select = 1 or use a strategy whose phases fold each result as it "
+                      f"comes ({strategies_that(lambda cls: bool(cls.aggregates_deltas) and not cls.sync_only)})"),
+        (config.run.mode == "sync", f"{need} run.mode = 'sync': asynchronous versions have no round to close "
+                                    "(async.concurrency keeps that many devices busy instead)"),
+        (not config.secagg.enabled,
+         f"{need} secagg.enabled = false: a secure round's masks bind its whole cohort through four stages and it "
+         "unmasks only when they end, so it cannot close at clients.per_round results (set clients.over_select = 1 "
+         "for secure rounds)"),
+        (not central or (config.privacy.sampling or DEFAULT_SAMPLING) != "poisson",
+         f"{need} privacy.sampling = 'fixed' or 'seeded' under central DP: a Poisson round counts every device it "
+         "draws, and closing it at clients.per_round results would make a device's inclusion depend on the others "
+         "(docs/privacy.md#over-selection)"),
+    ]
 
 
 def _selection_checks(config: RunConfig) -> list[tuple[bool, str]]:

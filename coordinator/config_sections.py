@@ -60,6 +60,9 @@ class ClientsSection:
     expected: int = 4               # how many clients the run waits for
     per_round: int = 0              # 0: all expected clients
     min_results: int = 0            # 0: as many as were selected
+    # Over-selection (docs/selection.md#over-selection): draw ceil(per_round x this) devices and close the round as
+    # soon as per_round results are in; the others' results then count as late. 1.0: draw per_round, wait for all.
+    over_select: float = 1.0
     round_timeout: float = 300.0    # seconds a round waits for results
     presence_timeout: float = 300.0  # seconds to wait for enough clients to be online
     max_attempts: int = 3           # retries of a round that got too few results
