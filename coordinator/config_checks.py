@@ -311,7 +311,8 @@ def _secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
     return [
         (n >= 3, f"{need} at least 3 devices a round (clients.per_round, or clients.expected): a sum of two "
                  f"tells each of them the other's update; got {n}"),
-        (s.degree >= 0 and (s.degree == 0 or s.degree >= n - 1 or (s.degree >= 2 and s.degree % 2 == 0)),
+        (s.degree >= 0 and (s.degree == 0 or s.degree >= config.drawn_per_round - 1
+                            or (s.degree >= 2 and s.degree % 2 == 0)),
          f"secagg.degree must be 0 (about 2 log2 n), even and at least 2, or at least clients per round - 1 "
          f"(the complete graph); got {s.degree}"),
         (s.threshold >= 0, f"secagg.threshold must be 0 (degree // 2 + 1) or more; got {s.threshold}"),
@@ -363,15 +364,29 @@ def _over_select_checks(config: RunConfig) -> list[tuple[bool, str]]:
                       f"comes ({strategies_that(lambda cls: bool(cls.aggregates_deltas) and not cls.sync_only)})"),
         (config.run.mode == "sync", f"{need} run.mode = 'sync': asynchronous versions have no round to close "
                                     "(async.concurrency keeps that many devices busy instead)"),
-        (not config.secagg.enabled,
-         f"{need} secagg.enabled = false: a secure round's masks bind its whole cohort through four stages and it "
-         "unmasks only when they end, so it cannot close at clients.per_round results (set clients.over_select = 1 "
-         "for secure rounds)"),
+        *_over_select_secagg_checks(config),
         (not central or (config.privacy.sampling or DEFAULT_SAMPLING) != "poisson",
          f"{need} privacy.sampling = 'fixed' or 'seeded' under central DP: a Poisson round counts every device it "
          "draws, and closing it at clients.per_round results would make a device's inclusion depend on the others "
          "(docs/privacy.md#over-selection)"),
     ]
+
+
+def _over_select_secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """A secure round over-selects its cohort: all drawn devices get the round's parameters, its advertise stage
+    closes at ``clients.per_round`` keys and the others count as dropped before sharing; so ``per_round`` must be
+    more than the cohort's threshold, or no round could unmask."""
+    if not config.secagg.enabled:
+        return []
+    from coordinator.runtime.secure_round import degree_and_threshold   # secure aggregation's modules: only here
+
+    drawn, counted = config.drawn_per_round, config.selected_per_round
+    _, threshold = degree_and_threshold(config, drawn)
+    return [(counted > threshold,
+             f"clients.over_select = {config.clients.over_select:g} with secagg.enabled = true draws {drawn} devices "
+             f"into a secure round whose shares have a threshold of {threshold}, so more than {threshold} must "
+             f"advertise, but the round closes at clients.per_round = {counted}: raise clients.per_round, lower "
+             "clients.over_select or set secagg.threshold lower")]
 
 
 def _selection_checks(config: RunConfig) -> list[tuple[bool, str]]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -46,6 +47,9 @@ def test_a_round_closes_at_per_round_results_and_the_rest_count_as_late(tmp_path
     seconds = time.monotonic() - started
     coord.pump(time.monotonic() + 3.0, lambda: coord.intake.book.tally.counts.get("late_closed", 0) >= 6)
     strays = coord.intake.book.tally.counts
+    deadline = time.monotonic() + 3.0   # the last acknowledgements are on their way to the devices
+    while time.monotonic() < deadline and any(len(peers[c].acks) < 4 for c in SLOW):
+        time.sleep(0.05)
     for peer in peers.values():
         peer.stop.set()
 
@@ -98,12 +102,12 @@ def test_the_draw_is_per_round_times_over_select_rounded_up_and_bounded_by_the_f
     ({"run__strategy": "fedma"}, "matching a layer's neurons needs every client's layer at once"),
     ({"run__strategy": "spherefed"}, "FFC calibration"),
     ({"run__mode": "async"}, "run.mode = 'sync'"),
-    ({"secagg__enabled": True}, "secagg.enabled = false"),
+    ({"secagg__enabled": True, "clients__per_round": 3, "secagg__threshold": 3}, "more than 3 must advertise"),
     ({"privacy__mode": "central"}, "privacy.sampling = 'fixed' or 'seeded'"),
 ])
 def test_what_cannot_close_a_round_early_is_refused_naming_why(sets, says):
     with pytest.raises(ConfigError, match="over_select") as caught:
-        config(clients__expected=10, clients__per_round=4, **{"clients__over_select": 1.5, **sets})
+        config(**{"clients__expected": 10, "clients__per_round": 4, "clients__over_select": 1.5, **sets})
     assert says in str(caught.value)
 
 
@@ -114,3 +118,29 @@ def test_central_dp_divides_by_the_results_counted_and_accounts_the_rate_of_bein
     # the noise on the mean is z C / 4 (four results are summed); a fast device is counted whenever it is drawn,
     # which is 6 of 20 draws
     assert privacy.per_round == 4 and privacy.sampling_rate == pytest.approx(6 / 20)
+
+
+def test_a_secure_round_takes_the_drawn_devices_as_its_cohort_and_closes_at_per_round_keys(tmp_path, monkeypatch):
+    """Five drawn into the secure round, one of them slow: the advertise stage closes at four keys, the slow
+    device is told its task closed and counts as dropped before sharing, and the four survivors' sum is released."""
+    from coordinator.ops.spawn import sim_client_id
+    from coordinator.runtime.run import run_federated
+    from edge_client.client import EdgeClient
+
+    slow_id, execute = sim_client_id(4), EdgeClient._execute
+
+    def slow(self, *args, **kwargs):
+        if self.settings.client_id == slow_id:
+            time.sleep(1.5)
+        return execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(EdgeClient, "_execute", slow)
+    sets = {"run.rounds": 2, "clients.expected": 5, "clients.spawn": 5, "clients.per_round": 4,
+            "clients.over_select": 1.25, "clients.max_attempts": 1, "transport.kind": "inproc", "secagg.enabled": True,
+            "model.name": "mlp", "model.hidden": [16], "export.enabled": False, "run.out": str(tmp_path)}
+    result = run_federated(load_config(None, [(*k.split(".", 1), v) for k, v in sets.items()]), say=lambda s: None)
+    rows = [json.loads(line) for line in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in [r for r in rows if r["round"] > 0]:
+        assert (row["secagg_clients"], row["secagg_advertise_answers"], row["secagg_survivors"]) == (5, 4, 4), row
+        assert (row["selected"], row["counted"], row["closed_early"], row["closed_clients"]) == (5, 4, True, [slow_id])
+    assert sum(r.get("late_closed", 0) for r in rows) == sum(r.get("late", 0) for r in rows) <= 2

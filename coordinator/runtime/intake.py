@@ -178,10 +178,11 @@ class ResultIntake:
         """An attempt ended: its unanswered tasks took at least the timeout, for selection and the records;
         their clients count as missing them unless they answered something during the attempt (a device
         slower than the timeout, answering an earlier task: it has not gone away). An over-selected attempt
-        that closed with the results it counts tells the others instead (:meth:`_close_rest`): they missed nothing."""
+        that closed with the results it counts tells the others instead (:meth:`close_rest`): they missed nothing."""
         timeout = book.wait or self.config.clients.round_timeout
-        closed = self._close_rest(book) if book.enough else set()
-        missed = self.round_times.missed([t for t in book.plans if t not in closed], timeout)
+        if book.enough and not book.told_closed:
+            self.close_rest(book)
+        missed = self.round_times.missed([t for t in book.plans if t not in self.closed_tasks], timeout)
         for task_id, client_id, objective in missed:
             self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
                                    round_seconds=timeout, missed=True, device=self.roster.device(client_id))
@@ -191,12 +192,13 @@ class ResultIntake:
                         "answers or reconnects (clients.max_misses)", client_id, self.roster.absences.limit)
         self._fold_held(book, final=True)   # the attempt's results are all in: the rest, in their order
 
-    def _close_rest(self, book: RoundBook) -> set[str]:
+    def close_rest(self, book: RoundBook) -> None:
         """Tell every client the attempt still waited for (a task of it or of an earlier attempt) that its task is
         closed: the round has the results it counts. The device drops the task if it has not started it; a result
         it still sends is acknowledged and counted ``late`` (and ``late_closed``), never aggregated, and its round
-        time is measured as any other's. Returns the closed task ids."""
-        book.closed = book.waiting_for - book.answered_by
+        time is measured as any other's. A secure round closes its advertise stage so (its cohort is who advertised).
+        """
+        book.closed, book.told_closed = book.waiting_for - book.answered_by, True
         tasks = {task_id: plan.client_id for b in (*self.attempts.earlier, book) for task_id, plan in b.plans.items()
                  if plan.client_id in book.closed}
         reason = (f"round {book.round} closed with the {book.close_at} results it counts (clients.over_select); "
@@ -209,7 +211,6 @@ class ResultIntake:
         if book.closed:
             log.info("round %d %s attempt %d: closed with %d results; told %s the round closed", book.round,
                      book.phase, book.attempt + 1, len(book.results) + len(book.granted), ", ".join(sorted(book.closed)))
-        return set(tasks)
 
     # -- what arrives ----------------------------------------------------------------------
     def on_result(self, client_id: str, payload: bytes, wire_bytes: int) -> None:

@@ -91,6 +91,7 @@ class RoundBook:
     # client), and the clients it then stopped waiting for, each told its task closed (their results count as late).
     close_at: int = 0
     closed: set[str] = field(default_factory=set)
+    told_closed: bool = False   # the closing is done (a secure round closes its advertise stage, not its end)
     opened: float = field(default_factory=time.monotonic)   # when the attempt began
     tally: Tally = field(default_factory=Tally)
     # With aggregation workers: the exchange's id in their manifest, and the results a worker holds

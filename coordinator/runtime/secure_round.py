@@ -49,19 +49,26 @@ if TYPE_CHECKING:
     from coordinator.runtime.intake import ResultIntake
     from coordinator.runtime.presence import Roster
 
-__all__ = ["SecureRound", "round_params"]
+__all__ = ["SecureRound", "degree_and_threshold", "round_params"]
 
 log = logging.getLogger("fedge.coordinator")
 OBJECTIVE = "secagg"   # the objective of the share, mask and unmask tasks (their round times are kept apart)
+
+
+def degree_and_threshold(config: RunConfig, num_clients: int) -> tuple[int, int]:
+    """The graph's degree and the shares' threshold for a cohort of ``num_clients``: the configured ones, or the
+    suggested degree and a majority of each device's neighbours. More than ``threshold`` devices must advertise."""
+    s = config.secagg
+    degree = s.degree or suggested_degree(num_clients)
+    k = min(degree, num_clients - 1)
+    return degree, s.threshold or max(2, k // 2 + 1)
 
 
 def round_params(config: RunConfig, round_id: int, num_clients: int, length: int, clip: float) -> SecAggParams:
     """The round's parameters: the configured degree and threshold (or the suggested ones), the finest scale
     at which ``num_clients`` vectors within ``clip`` sum without wrapping, a graph seed from os entropy."""
     s = config.secagg
-    degree = s.degree or suggested_degree(num_clients)
-    k = min(degree, num_clients - 1)
-    threshold = s.threshold or max(2, k // 2 + 1)
+    degree, threshold = degree_and_threshold(config, num_clients)
     return SecAggParams(round_id=round_id, num_clients=num_clients, degree=degree, threshold=threshold,
                         length=length, clip=clip, scale=masking.largest_scale(num_clients, clip, s.bits),
                         bits=s.bits, graph_seed=os.urandom(32))
@@ -138,6 +145,8 @@ class SecureRound:
             self.tasks.send_all(book, [replace(p, secagg=self._task("advertise", p.client_id, unit))
                                        for p in plans])
             self.await_answers(book)
+            if book.enough:   # over-selected: the devices still training are told now; the cohort is who advertised
+                self.intake.close_rest(book)
             self._stage_end(book, "advertise", started)
             self._finish(book, self._rest(book, unit), names, shapes)
         except SecAggError as exc:
