@@ -378,10 +378,8 @@ def _over_select_secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
     more than the cohort's threshold, or no round could unmask."""
     if not config.secagg.enabled:
         return []
-    from coordinator.runtime.secure_round import degree_and_threshold   # secure aggregation's modules: only here
-
     drawn, counted = config.drawn_per_round, config.selected_per_round
-    _, threshold = degree_and_threshold(config, drawn)
+    _, threshold = config.secagg.degree_and_threshold(drawn)
     return [(counted > threshold,
              f"clients.over_select = {config.clients.over_select:g} with secagg.enabled = true draws {drawn} devices "
              f"into a secure round whose shares have a threshold of {threshold}, so more than {threshold} must "

@@ -284,6 +284,15 @@ class SecAggSection:
     bits: int = 32                  # the sum is taken mod 2^bits (32: 4 bytes a word; up to 64)
     stage_timeout: float = 60.0     # seconds each of the share, mask and unmask exchanges waits for answers
 
+    def degree_and_threshold(self, num_clients: int) -> tuple[int, int]:
+        """The graph's degree and the shares' threshold for a cohort of ``num_clients``: the configured ones, or the
+        suggested degree and a majority of each device's neighbours. More than ``threshold`` devices must advertise."""
+        from edge_client.secagg.graph import suggested_degree   # secure aggregation's modules load only when used
+
+        degree = self.degree or suggested_degree(num_clients)
+        k = min(degree, num_clients - 1)
+        return degree, self.threshold or max(2, k // 2 + 1)
+
 
 @dataclass(frozen=True)
 class MetricsSection:

@@ -40,7 +40,6 @@ from edge_client.secagg import (Advertise, MaskedInput, MaskedSum, PublicKeys, S
                                 collect_keys, request_unmask, route_shares)
 from edge_client.secagg import masking
 from edge_client.secagg.errors import MessageError, SecAggError
-from edge_client.secagg.graph import suggested_degree
 from edge_client.secagg.stages import TAIL, StageReply, StageTask, split_sum
 from edge_client.wire.protocol import Message, ProtocolError, ResultBody
 
@@ -49,26 +48,17 @@ if TYPE_CHECKING:
     from coordinator.runtime.intake import ResultIntake
     from coordinator.runtime.presence import Roster
 
-__all__ = ["SecureRound", "degree_and_threshold", "round_params"]
+__all__ = ["SecureRound", "round_params"]
 
 log = logging.getLogger("fedge.coordinator")
 OBJECTIVE = "secagg"   # the objective of the share, mask and unmask tasks (their round times are kept apart)
-
-
-def degree_and_threshold(config: RunConfig, num_clients: int) -> tuple[int, int]:
-    """The graph's degree and the shares' threshold for a cohort of ``num_clients``: the configured ones, or the
-    suggested degree and a majority of each device's neighbours. More than ``threshold`` devices must advertise."""
-    s = config.secagg
-    degree = s.degree or suggested_degree(num_clients)
-    k = min(degree, num_clients - 1)
-    return degree, s.threshold or max(2, k // 2 + 1)
 
 
 def round_params(config: RunConfig, round_id: int, num_clients: int, length: int, clip: float) -> SecAggParams:
     """The round's parameters: the configured degree and threshold (or the suggested ones), the finest scale
     at which ``num_clients`` vectors within ``clip`` sum without wrapping, a graph seed from os entropy."""
     s = config.secagg
-    degree, threshold = degree_and_threshold(config, num_clients)
+    degree, threshold = s.degree_and_threshold(num_clients)
     return SecAggParams(round_id=round_id, num_clients=num_clients, degree=degree, threshold=threshold,
                         length=length, clip=clip, scale=masking.largest_scale(num_clients, clip, s.bits),
                         bits=s.bits, graph_seed=os.urandom(32))
