@@ -93,6 +93,7 @@ def check_config(config: RunConfig) -> None:
         *_workers_checks(config),
         *_async_checks(config),
         *_selection_checks(config),
+        *_over_select_checks(config),
         *_privacy_checks(config),
         *_secagg_checks(config),
         *_metrics_checks(config),
@@ -347,7 +348,8 @@ def _secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
     return [
         (n >= 3, f"{need} at least 3 devices a round (clients.per_round, or clients.expected): a sum of two "
                  f"tells each of them the other's update; got {n}"),
-        (s.degree >= 0 and (s.degree == 0 or s.degree >= n - 1 or (s.degree >= 2 and s.degree % 2 == 0)),
+        (s.degree >= 0 and (s.degree == 0 or s.degree >= config.drawn_per_round - 1
+                            or (s.degree >= 2 and s.degree % 2 == 0)),
          f"secagg.degree must be 0 (about 2 log2 n), even and at least 2, or at least clients per round - 1 "
          f"(the complete graph); got {s.degree}"),
         (s.threshold >= 0, f"secagg.threshold must be 0 (degree // 2 + 1) or more; got {s.threshold}"),
@@ -377,6 +379,49 @@ def _dense(spec: str) -> bool:
         return parse_codec(spec).topk is None
     except CodecError:
         return True   # _check_codecs names the problem
+
+
+def _over_select_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """``clients.over_select``: at least 1, and what cannot close a round at ``clients.per_round`` results: a strategy
+    that needs every drawn client's result of a phase (its ``sync_only`` declaration), asynchronous versions (no
+    round to close), a secure round whose counted results would not exceed its cohort's threshold, and
+    Poisson-sampled central DP (its rounds count every device drawn)."""
+    c = config.clients
+    checks = [(math.isfinite(c.over_select) and c.over_select >= 1.0,
+               f"clients.over_select must be a number >= 1.0 (1: draw clients.per_round devices and wait for all), "
+               f"got {c.over_select}")]
+    if not checks[0][0] or c.over_select == 1.0:
+        return checks
+    need = f"clients.over_select = {c.over_select:g} needs"
+    why_not = capabilities(config).sync_only
+    central = config.privacy.mode == "central"
+    return checks + [
+        (not why_not, f"clients.over_select = {c.over_select:g} cannot run run.strategy = {config.run.strategy!r}: "
+                      f"{why_not}; set clients.over_select = 1 or use a strategy whose phases fold each result as it "
+                      f"comes ({strategies_that(lambda c: c.runs_async)})"),
+        (config.run.mode == "sync", f"{need} run.mode = 'sync': asynchronous versions have no round to close "
+                                    "(async.concurrency keeps that many devices busy instead)"),
+        *_over_select_secagg_checks(config),
+        (not central or (config.privacy.sampling or DEFAULT_SAMPLING) != "poisson",
+         f"{need} privacy.sampling = 'fixed' or 'seeded' under central DP: a Poisson round counts every device it "
+         "draws, and closing it at clients.per_round results would make a device's inclusion depend on the others "
+         "(docs/privacy.md#over-selection)"),
+    ]
+
+
+def _over_select_secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
+    """A secure round over-selects its cohort: all drawn devices get the round's parameters, its advertise stage
+    closes at ``clients.per_round`` keys and the others count as dropped before sharing; so ``per_round`` must be
+    more than the cohort's threshold, or no round could unmask."""
+    if not config.secagg.enabled:
+        return []
+    drawn, counted = config.drawn_per_round, config.selected_per_round
+    _, threshold = config.secagg.degree_and_threshold(drawn)
+    return [(counted > threshold,
+             f"clients.over_select = {config.clients.over_select:g} with secagg.enabled = true draws {drawn} devices "
+             f"into a secure round whose shares have a threshold of {threshold}, so more than {threshold} must "
+             f"advertise, but the round closes at clients.per_round = {counted}: raise clients.per_round, lower "
+             "clients.over_select or set secagg.threshold lower")]
 
 
 def _selection_checks(config: RunConfig) -> list[tuple[bool, str]]:

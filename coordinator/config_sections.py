@@ -77,6 +77,9 @@ class ClientsSection:
     expected: int = 4               # how many clients must be online before round 1
     per_round: int = 0              # clients selected for training each round; 0: all expected clients
     min_results: int = 0            # results needed to aggregate; 0: as many as were selected
+    # Over-selection (docs/selection.md#over-selection): draw ceil(per_round x this) devices and close the round as
+    # soon as per_round results are in; the others' results then count as late. 1.0: draw per_round, wait for all.
+    over_select: float = 1.0
     round_timeout: float = 300.0    # seconds an attempt waits for results (up to twice as long for devices
                                 # measured to need it: docs/protocol.md, "A round"); also how long a client keeps
                                 # re-sending an unacknowledged result
@@ -381,6 +384,15 @@ class SecAggSection:
     clip: float = 1.0               # each weighted update entry is clipped to [-clip, clip]; privacy.clip_norm under DP
     bits: int = 32                  # the sum is taken mod 2^bits (32: 4 bytes a word; up to 64)
     stage_timeout: float = 60.0     # seconds each of the share, mask and unmask exchanges waits for answers
+
+    def degree_and_threshold(self, num_clients: int) -> tuple[int, int]:
+        """The graph's degree and the shares' threshold for a cohort of ``num_clients``: the configured ones, or the
+        suggested degree and a majority of each device's neighbours. More than ``threshold`` devices must advertise."""
+        from edge_client.secagg.graph import suggested_degree   # secure aggregation's modules load only when used
+
+        degree = self.degree or suggested_degree(num_clients)
+        k = min(degree, num_clients - 1)
+        return degree, self.threshold or max(2, k // 2 + 1)
 
 
 @dataclass(frozen=True)

@@ -212,8 +212,10 @@ class CentralPrivacy:
     noise_multiplier: float     # z on the sum
     delta: float
     target_epsilon: float       # 0: none
-    per_round: int              # devices selected per round: the fixed denominator
-    sampling_rate: float        # per_round / expected
+    per_round: int              # devices counted per round: the fixed denominator
+    # q: the largest chance a device is counted in a round, drawn / expected (with clients.over_select the drawn
+    # devices are more than the per_round counted, and a fast device is counted whenever it is drawn)
+    sampling_rate: float
     adaptive: AdaptiveClip | None = None
     sampling: str = DEFAULT_SAMPLING         # privacy.sampling: how rounds are drawn, so what the account may claim
     accountant: str = DEFAULT_ACCOUNTANT     # privacy.accountant
@@ -228,7 +230,8 @@ class CentralPrivacy:
         adaptive = None
         if p.adaptive_clip:
             adaptive = AdaptiveClip(p.target_quantile, p.clip_lr, p.count_noise_multiplier or m / 10)
-        return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, m, m / config.clients.expected,
+        return cls(p.clip_norm, p.noise_multiplier, p.delta, p.target_epsilon, m,
+                   config.drawn_per_round / config.clients.expected,
                    adaptive, p.sampling or DEFAULT_SAMPLING, p.accountant, config.clients.expected)
 
     mode: ClassVar[str] = "central"

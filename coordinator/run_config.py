@@ -6,6 +6,7 @@ Read, overridden and checked by :mod:`coordinator.config`; kept apart so that th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,3 +73,14 @@ class RunConfig:
     @property
     def required_results(self) -> int:
         return self.clients.min_results or self.selected_per_round
+
+    @property
+    def drawn_per_round(self) -> int:
+        """The devices a sampled phase gives tasks to: ``selected_per_round`` times ``clients.over_select``, rounded
+        up, at most ``clients.expected``; the phase closes once ``selected_per_round`` results are in."""
+        return min(self.clients.expected, math.ceil(self.selected_per_round * self.clients.over_select - 1e-9))
+
+    @property
+    def closes_early(self) -> bool:
+        """Whether sampled phases draw more devices than they count and close at ``selected_per_round`` results."""
+        return self.drawn_per_round > self.selected_per_round

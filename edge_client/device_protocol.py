@@ -39,6 +39,7 @@ __all__ = ["Actions", "BroadcastCache", "Broadcasts", "DeviceProtocol", "Note", 
 ONLINE_LINE = "online: the broker passed on this device's presence on"
 PARKED_PATIENCE = 15.0     # seconds tasks may wait for a run status before the device says it sees none
 KEEP_PARKED = 8            # tasks kept while no run status has come; the coordinator re-sends the others
+KEEP_CLOSED = 64           # closed task ids remembered: a closed task arriving late is not run
 
 
 def presence_payload(client_id: str, body: PresenceBody) -> bytes:
@@ -62,6 +63,7 @@ class _Pending:
     give_up_at: float
     resend_every: float
     next_send_at: float = 0.0
+    closed: bool = False   # its round closed without it: sent until acknowledged, even once a later round began
 
 
 class DeviceProtocol:
@@ -93,6 +95,7 @@ class DeviceProtocol:
         self._presence = b""                     # the presence we announced, and when it must have come back
         self._echo_due: float | None = None
         self._wait = BroadcastWait(topics.model)   # a task waiting for its broadcast
+        self._closed: dict[str, None] = {}       # tasks the coordinator closed (its round counted enough), oldest first
 
     # -- presence ---------------------------------------------------------------
     def start(self) -> Actions:
@@ -296,6 +299,9 @@ class DeviceProtocol:
         if msg.round < self._latest_round.get(msg.run_id, 0):
             out.note("stale", logging.INFO, f"skipped stale task {msg.task_id} for round {msg.round}")
             return False
+        if msg.task_id in self._closed:
+            out.note("stale", logging.INFO, f"skipped task {msg.task_id}: round {msg.round} closed without it")
+            return False
         self._latest_round[msg.run_id] = msg.round
         return True
 
@@ -305,6 +311,9 @@ class DeviceProtocol:
         except ProtocolError as exc:
             out.note("ignored", logging.WARNING, f"ignored a status: {exc}")
             return
+        if status.state == "closed":
+            self._on_closed(status, out)
+            return
         if self._pending is not None and status.task_id == self._pending.task_id:
             if status.state == "rejected":
                 out.note("rejected", logging.WARNING,
@@ -312,6 +321,19 @@ class DeviceProtocol:
             self._pending = None
             self.done[status.task_id] = None   # the coordinator has it: keep no copy (a model's size)
             out.acks.append(status)
+
+    def _on_closed(self, status: StatusBody, out: Actions) -> None:
+        """The coordinator closed a task's round with the results it counts (over-selection): the task is not run
+        if it has not started. A result of it, sent or still to come, goes until acknowledged (counted as late,
+        never aggregated), a later round notwithstanding: the coordinator measures this device's round time by it."""
+        if status.task_id is None:
+            return
+        self._closed[status.task_id] = None
+        while len(self._closed) > KEEP_CLOSED:
+            del self._closed[next(iter(self._closed))]
+        if self._pending is not None and self._pending.task_id == status.task_id:
+            self._pending.closed = True
+        out.note("closed", logging.INFO, f"task {status.task_id} closed by the coordinator: {status.reason}")
 
     # -- the model broadcast ----------------------------------------------------------
     def _on_model(self, payload: bytes, now: float, out: Actions) -> None:
@@ -351,14 +373,14 @@ class DeviceProtocol:
     def _send(self, task: Task, payload: bytes, now: float, out: Actions) -> None:
         msg = task.msg
         self._pending = _Pending(msg.run_id, msg.round, msg.task_id, payload, give_up_at=now + task.timeout,
-                                 resend_every=max(0.5, task.resend_every))
+                                 resend_every=max(0.5, task.resend_every), closed=msg.task_id in self._closed)
         self._resend_if_due(now, out)
 
     def _resend_if_due(self, now: float, out: Actions) -> None:
         p = self._pending
         if p is None:
             return
-        if now > p.give_up_at or p.round < self._latest_round.get(p.run_id, 0):
+        if now > p.give_up_at or (p.round < self._latest_round.get(p.run_id, 0) and not p.closed):
             self._pending = None
             return
         if now >= p.next_send_at:

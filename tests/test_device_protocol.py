@@ -126,6 +126,21 @@ def test_a_result_is_given_up_after_the_task_timeout_or_when_a_later_round_is_an
     assert results(d.later(3)) == []
 
 
+def test_a_closed_task_is_not_run_and_a_closed_result_goes_until_acknowledged_past_a_later_round():
+    d = Device()
+    d.status(status("live", "running"))
+    closed = d.on(T.client(ME, "status"), ack("t0", "closed", "round 1 closed with the 3 results it counts"))
+    assert kinds(closed) == ["closed"] and "3 results" in closed.notes[0].text
+    skipped = d.task(task("t0"))                       # came after its round closed (a queue behind a long task)
+    assert ran(skipped) == [] and kinds(skipped) == ["stale"]
+    d.answer(d.task(task("t1")).run[0], b"r1")         # closed while training: its result goes, late
+    d.on(T.client(ME, "status"), ack("t1", "closed"))
+    d.status(status("live", "running", round=2))       # a later round no longer stops a closed result
+    assert results(d.later(2.5)) == [b"r1"]
+    assert [s.task_id for s in d.on(T.client(ME, "status"), ack("t1")).acks] == ["t1"]
+    assert results(d.later(10)) == [] and d.p.due() is None
+
+
 def test_a_rejected_result_is_logged_with_its_reason_and_not_sent_again():
     d = Device()
     d.status(status("live", "running"))

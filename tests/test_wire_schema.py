@@ -194,7 +194,7 @@ def test_the_schema_carries_the_ranges_enums_patterns_and_defaults():
     assert defs["task_body"]["properties"]["timeout"] == {
         "type": "number", "exclusiveMinimum": 0, "default": 600.0,
         "description": defs["task_body"]["properties"]["timeout"]["description"]}
-    assert defs["status_body"]["properties"]["state"]["enum"] == ["ack", "rejected", "running", "finished", "stopped"]
+    assert defs["status_body"]["properties"]["state"]["enum"] == ["ack", "rejected", "closed", "running", "finished", "stopped"]
     assert defs["task_body"]["properties"]["session"]["pattern"] == "^[0-9a-f]{1,32}$"
     assert defs["upload_settings"]["properties"]["update"]["default"] == "delta"
     assert defs["upload_settings"]["properties"]["noise_multiplier"]["minimum"] == 0

@@ -229,7 +229,7 @@ class Coordinator:
         t = self.config.transport
         if t.max_partial_bytes:
             return t.max_partial_bytes
-        return max(DEFAULT_PARTIAL_BYTES, t.max_decoded_bytes, self.config.selected_per_round * self.fp32_model_bytes)
+        return max(DEFAULT_PARTIAL_BYTES, t.max_decoded_bytes, self.config.drawn_per_round * self.fp32_model_bytes)
 
     def announce(self, state: str, round: int | None = None) -> None:
         """Tell every client the run's state and current round (older tasks are stale)."""
@@ -315,7 +315,7 @@ class Coordinator:
         tasked: set[str] = set()   # every device given a task in any attempt
         for attempt in range(c.clients.max_attempts):
             book = self.intake.open(RoundBook(round=round, attempt=attempt, phase=phase,
-                                              streaming=self._streams(phase)))
+                                              streaming=self._streams(phase), close_at=self._close_at(phase)))
             self.announce("running", round)
             clients = self._choose(book)
             plans = self.strategy.configure(phase, round, self.state, clients) if clients else []
@@ -351,10 +351,17 @@ class Coordinator:
         raise RunError(f"round {round} ({phase}) got too few results in {c.clients.max_attempts} attempts; "
                        + silent + self.intake.notes.why_too_few())
 
+    def _close_at(self, phase: str) -> int:
+        """The results that close an attempt at ``phase`` early: ``clients.per_round`` when it draws more devices
+        than that (``clients.over_select``); 0 (wait for every client) otherwise, and in phases that go to all."""
+        c = self.config
+        return c.selected_per_round if c.closes_early and not self.strategy.selects_all(phase) else 0
+
     def _await_answers(self, book: RoundBook) -> None:
-        """Handle messages until every client the attempt waits for answered or its deadline passed."""
+        """Handle messages until every client the attempt waits for answered, an over-selected attempt has the
+        results it counts, or its deadline passed."""
         started, timeout = time.monotonic(), self.intake.deadline(book)
-        self.pump(started + timeout, lambda: book.answered,
+        self.pump(started + timeout, lambda: book.answered or book.enough,
                   lambda: {"kind": "exchange", "round": book.round, "phase": book.phase, "attempt": book.attempt + 1,
                            "results": len(book.results) + len(book.granted), "selected": len(book.selected),
                            "bytes_down": book.tally.bytes_down, "bytes_up": book.tally.bytes_up,

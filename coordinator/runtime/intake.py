@@ -52,6 +52,7 @@ __all__ = ["Claim", "ResultIntake", "accept_result", "one_torch_thread"]
 
 log = logging.getLogger("fedge.coordinator")
 MEMORY_REFUSAL = f"could not run the task: {REFUSAL_PREFIX}"   # how a device's memory refusal reads when counted
+_MAX_CLOSED = 100_000   # closed tasks remembered, so a late result of one is counted once
 
 
 def accept_result(plan: TaskPlan, msg: Message, body: ResultBody, shapes: Mapping[str, tuple[int, ...]],
@@ -122,6 +123,9 @@ class ResultIntake:
         self.attempts = Attempts()                  # the phase's earlier attempts, whose results still count
         self._heard: dict[str, float] = {}          # client -> its last first answer to a task of ours (monotonic)
         self._app_said: dict[str, str] = {}         # client -> the app refusal logged for it (once per device and line)
+        # Tasks an over-selected attempt closed before their results came (task id -> whether one came since):
+        # the first copy of a result counts as late, the others as duplicates.
+        self.closed_tasks: dict[str, bool] = {}
         # What must be on disk before a result is acknowledged: an asynchronous run journals it here
         # (coordinator/runtime/async_journal.py), with the task id; an exception leaves the result unacknowledged.
         self.keep: Callable[[str, ClientResult], None] | None = None
@@ -173,9 +177,12 @@ class ResultIntake:
     def close(self, book: RoundBook) -> None:
         """An attempt ended: its unanswered tasks took at least the timeout, for selection and the records;
         their clients count as missing them unless they answered something during the attempt (a device
-        slower than the timeout, answering an earlier task: it has not gone away)."""
+        slower than the timeout, answering an earlier task: it has not gone away). An over-selected attempt
+        that closed with the results it counts tells the others instead (:meth:`close_rest`): they missed nothing."""
         timeout = book.wait or self.config.clients.round_timeout
-        missed = self.round_times.missed(book.plans, timeout)
+        if book.enough and not book.told_closed:
+            self.close_rest(book)
+        missed = self.round_times.missed([t for t in book.plans if t not in self.closed_tasks], timeout)
         for task_id, client_id, objective in missed:
             self.profile_store.add(client_id, round=book.round, task_id=task_id, objective=objective,
                                    round_seconds=timeout, missed=True, device=self.roster.device(client_id))
@@ -184,6 +191,26 @@ class ResultIntake:
             log.warning("client %s left %d tasks in a row unanswered: it is left out of selection until it "
                         "answers or reconnects (clients.max_misses)", client_id, self.roster.absences.limit)
         self._fold_held(book, final=True)   # the attempt's results are all in: the rest, in their order
+
+    def close_rest(self, book: RoundBook) -> None:
+        """Tell every client the attempt still waited for (a task of it or of an earlier attempt) that its task is
+        closed: the round has the results it counts. The device drops the task if it has not started it; a result
+        it still sends is acknowledged and counted ``late`` (and ``late_closed``), never aggregated, and its round
+        time is measured as any other's. A secure round closes its advertise stage so (its cohort is who advertised).
+        """
+        book.closed, book.told_closed = book.waiting_for - book.answered_by, True
+        tasks = {task_id: plan.client_id for b in (*self.attempts.earlier, book) for task_id, plan in b.plans.items()
+                 if plan.client_id in book.closed}
+        reason = (f"round {book.round} closed with the {book.close_at} results it counts (clients.over_select); "
+                  "a result of this task counts as late")
+        for task_id, client_id in sorted(tasks.items()):
+            self.closed_tasks[task_id] = False
+            self._answer(client_id, task_id, "closed", reason)
+        while len(self.closed_tasks) > _MAX_CLOSED:
+            del self.closed_tasks[next(iter(self.closed_tasks))]
+        if book.closed:
+            log.info("round %d %s attempt %d: closed with %d results; told %s the round closed", book.round,
+                     book.phase, book.attempt + 1, len(book.results) + len(book.granted), ", ".join(sorted(book.closed)))
 
     # -- what arrives ----------------------------------------------------------------------
     def on_result(self, client_id: str, payload: bytes, wire_bytes: int) -> None:
@@ -334,6 +361,9 @@ class ResultIntake:
         holds the result under that attempt's exchange, whose partial sum can no longer be merged)."""
         book, task_id = self.book, msg.task_id
         plan = self._plan_of(task_id, earlier)
+        if plan is None and self.closed_tasks.get(task_id) is not None:
+            self._closed_late(client_id, task_id, msg.round)
+            return None
         if plan is None and task_id in self.sent_tasks:
             self.count("late", client_id, self.attempts.why_late(task_id, msg.round))
             self._answer(client_id, task_id, "ack")
@@ -350,6 +380,20 @@ class ResultIntake:
             self._answer(client_id, task_id, "ack")
             return None
         return plan
+
+    def _closed_late(self, client_id: str, task_id: str, round: int) -> None:
+        """A result of a task an over-selected attempt closed: counted once as ``late`` and ``late_closed`` (copies
+        the device re-sent before the acknowledgement reached it as ``duplicates``), acknowledged, never kept."""
+        counts = self.book.tally.counts
+        if self.closed_tasks[task_id]:
+            counts["duplicates"] += 1
+        else:
+            self.closed_tasks[task_id] = True
+            counts["late_closed"] = counts.get("late_closed", 0) + 1
+            self.count("late", client_id, "", logged=True)   # expected of over-selection: no warning
+            log.info("late result from %s: task %s of round %d closed with the results the round counted before it "
+                     "came (clients.over_select)", client_id, task_id, round)
+        self._answer(client_id, task_id, "ack")
 
     def _given_before_resume(self, client_id: str, msg: Message) -> bool:
         """A task the coordinator gave before it stopped (the round after the checkpoint, or the one after

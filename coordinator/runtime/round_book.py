@@ -87,6 +87,11 @@ class RoundBook:
     skipped: list[str] = field(default_factory=list)               # left out by deadline selection
     carried: set[str] = field(default_factory=set)   # clients still working on an earlier attempt's task, waited for
     wait: float = 0.0                                 # seconds the attempt waits (0: not set, clients.round_timeout)
+    # Over-selection (clients.over_select): the attempt closes once this many results are in (0: it waits for every
+    # client), and the clients it then stopped waiting for, each told its task closed (their results count as late).
+    close_at: int = 0
+    closed: set[str] = field(default_factory=set)
+    told_closed: bool = False   # the closing is done (a secure round closes its advertise stage, not its end)
     opened: float = field(default_factory=time.monotonic)   # when the attempt began
     tally: Tally = field(default_factory=Tally)
     # With aggregation workers: the exchange's id in their manifest, and the results a worker holds
@@ -119,6 +124,11 @@ class RoundBook:
     def answered(self) -> bool:
         """Every client has answered, counting results an aggregation worker folded but has not sent yet."""
         return self.waiting_for <= self.answered_by
+
+    @property
+    def enough(self) -> bool:
+        """An over-selected attempt has the results it counts (those a worker folded included): it closes now."""
+        return bool(self.close_at) and len(self.results) + len(self.granted) >= self.close_at
 
     @property
     def answered_by(self) -> set[str]:

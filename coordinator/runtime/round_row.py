@@ -1,9 +1,10 @@
 """The columns each phase of a round adds to the round's metrics row (``metrics.jsonl``).
 
-The training phase gives the row its main columns (clients selected and returned, the
-sample-weighted training loss, the slowest client, bytes per client and the float32
-reference they are measured against); any other phase (a personalized evaluation, a
-method's own step such as matching one layer) adds its own, prefixed with its name.
+The training phase gives the row its main columns (clients selected and returned, with
+over-selection those counted and whether the round closed early, the sample-weighted
+training loss, the slowest client, bytes per client and the float32 reference they are
+measured against); any other phase (a personalized evaluation, a method's own step such
+as matching one layer) adds its own, prefixed with its name.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ def train_columns(book: RoundBook, results: list[ClientResult], totals: Tally, f
     # No device reports a loss under local DP (it would be a release without noise): no column then, not a 0.
     losses = ({"train_loss": sum(r.metrics.get("train_loss", 0.0) * r.num_samples for r in results) / n}
               if any("train_loss" in r.metrics for r in results) else {})
+    # Over-selection (clients.over_select): the results counted, whether the round closed before every selected
+    # device answered, and the devices it told so (their results arrive as ``late`` and ``late_closed``).
+    over = ({"counted": len(results), "closed_early": bool(book.closed), "closed_clients": sorted(book.closed)}
+            if book.close_at else {})
     return {
-        "selected": selected, "returned": len(book.results), "attempts": book.attempt + 1,
+        "selected": selected, "returned": len(book.results), **over, "attempts": book.attempt + 1,
         "train_samples": n, **losses,
         "slowest_client": slowest[0], "slowest_seconds": slowest[1].get("seconds"),
         "skipped": book.skipped,

@@ -40,7 +40,6 @@ from edge_client.secagg import (Advertise, MaskedInput, MaskedSum, PublicKeys, S
                                 collect_keys, request_unmask, route_shares)
 from edge_client.secagg import masking
 from edge_client.secagg.errors import MessageError, SecAggError
-from edge_client.secagg.graph import suggested_degree
 from edge_client.secagg.stages import TAIL, StageReply, StageTask, split_sum
 from edge_client.wire.protocol import Message, ProtocolError, ResultBody
 
@@ -59,9 +58,7 @@ def round_params(config: RunConfig, round_id: int, num_clients: int, length: int
     """The round's parameters: the configured degree and threshold (or the suggested ones), the finest scale
     at which ``num_clients`` vectors within ``clip`` sum without wrapping, a graph seed from os entropy."""
     s = config.secagg
-    degree = s.degree or suggested_degree(num_clients)
-    k = min(degree, num_clients - 1)
-    threshold = s.threshold or max(2, k // 2 + 1)
+    degree, threshold = s.degree_and_threshold(num_clients)
     return SecAggParams(round_id=round_id, num_clients=num_clients, degree=degree, threshold=threshold,
                         length=length, clip=clip, scale=masking.largest_scale(num_clients, clip, s.bits),
                         bits=s.bits, graph_seed=os.urandom(32))
@@ -138,6 +135,8 @@ class SecureRound:
             self.tasks.send_all(book, [replace(p, secagg=self._task("advertise", p.client_id, unit))
                                        for p in plans])
             self.await_answers(book)
+            if book.enough:   # over-selected: the devices still training are told now; the cohort is who advertised
+                self.intake.close_rest(book)
             self._stage_end(book, "advertise", started)
             self._finish(book, self._rest(book, unit), names, shapes)
         except SecAggError as exc:

@@ -188,9 +188,9 @@ class Draw:
 
 
 class Sampler:
-    """Draws an attempt's clients: ``clients.per_round`` of those selection may draw from, at random but
-    seeded by the run's seed, the round and the attempt, so a run draws the same clients again (under central DP
-    from the OS's entropy unless ``privacy.sampling = "seeded"``); with
+    """Draws an attempt's clients: ``clients.per_round`` (times ``clients.over_select``) of those selection may
+    draw from, at random but seeded by the run's seed, the round and the attempt, so a run draws the same clients
+    again (under central DP from the OS's entropy unless ``privacy.sampling = "seeded"``); with
     ``clients.selection = "profile"`` by the devices' own profiles (``book``, profile_selection.py)."""
 
     def __init__(self, config: RunConfig, absences: Absences, times: RoundTimes, book: DeviceBook | None = None) -> None:
@@ -215,7 +215,7 @@ class Sampler:
         need = max(0, c.required_results - len(taken))
         pool = self.absences.pool([k for k in online if k not in taken], need, retry=attempt > 0)
         skipped: list[str] = []
-        size = max(0, c.selected_per_round - len(taken))
+        size = max(0, c.drawn_per_round - len(taken))   # clients.over_select: more than the round counts
         if self.poisson is not None:   # each device on its own, with probability q: a round of any size
             return Draw(sorted(k for k in sorted(pool) if self.entropy.random() < self.poisson), [])
         if c.clients.selection == "profile":

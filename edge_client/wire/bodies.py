@@ -26,7 +26,7 @@ DEFAULT_TASK_TIMEOUT = 600.0     # a task's ``timeout`` when it has none
 DEFAULT_RESEND_EVERY = 10.0      # a task's ``resend_every`` when it has none
 UPDATES = ("delta", "raw")
 PRESENCE_STATES = ("online", "offline")
-STATUS_STATES = ("ack", "rejected", "running", "finished", "stopped")
+STATUS_STATES = ("ack", "rejected", "closed", "running", "finished", "stopped")
 # A failed result's ``refusal`` when the device's installed app is not the task's: it refuses every task of the run
 # until the run's app is installed (edge_client.app.AppMismatch). Other kinds may come: a reader that does not know
 # one takes the result as a plain failure.
@@ -151,15 +151,16 @@ class ResultBody(Body):
 
 @dataclass(frozen=True)
 class StatusBody(Body):
-    """A ``status`` body: ``ack`` or ``rejected`` for one result (``task_id``), or the run's state."""
+    """A ``status`` body: ``ack`` or ``rejected`` for one result (``task_id``), ``closed`` for one task whose round
+    has the results it counts, or the run's state."""
 
     KIND = "status"
     TENSORS = "none"
 
-    # ack | rejected (one result), running | finished | stopped (the run)
+    # ack | rejected (one result), closed (one task: drop it unless started), running | finished | stopped (the run)
     state: str = wire(one_of(STATUS_STATES))
-    task_id: str | None = optional(text())              # the result's task; None in the run's status
-    reason: str = wire(text(), "", omit_when="")         # why a result was rejected
+    task_id: str | None = optional(text())              # the result's or the closed task's; None in the run's status
+    reason: str = wire(text(), "", omit_when="")         # why a result was rejected or a task closed
     # The run's status: the coordinator process that speaks for the run. A resumed run keeps its run id
     # but not its session, so devices learn that rounds they saw may come again.
     session: str = wire(SESSION, "", omit_when="")
