@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedge-export: {problem}", file=sys.stderr)
         return 2
     _show_progress()
-    progress.info("exporting %s to ONNX and checking it against torch on %d test samples",
+    progress.info("exporting %s to ONNX and checking it against torch on up to %d test samples",
                   args.client_state or args.source, args.parity_samples)
     try:
         from export.errors import ExportError, QuantizationError

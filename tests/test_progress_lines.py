@@ -29,7 +29,7 @@ def test_an_int8_export_names_each_step_as_it_starts(run_dir):
     assert done.returncode == 0, done.stderr
     steps = [line.removeprefix("fedge-export: ") for line in done.stderr.splitlines()]
     assert steps == [
-        f"exporting {run_dir} to ONNX and checking it against torch on 100 test samples",
+        f"exporting {run_dir} to ONNX and checking it against torch on up to 100 test samples",
         "int8: static quantization, refused if its test accuracy is more than 1 points below float32's",
         "int8: preparing the graph",
         "int8: calibrating activation ranges on 64 training samples",

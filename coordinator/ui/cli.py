@@ -219,8 +219,9 @@ def _provision(args: argparse.Namespace) -> int:
     out = done.out_dir
     print(f"provisioned {len(done.bundles)} devices and the coordinator in {out}")
     print(f"  CA:          {out / 'ca.crt'}" + (f" (key {out / 'ca.key'}: keep it offline)" if done.ca_created else ""))
+    in_place = Path(args.broker_dir).resolve() == (out / "broker").resolve()   # its files are read where they are
     print(f"  broker:      {out / 'broker'}/ (fedge.conf, fedge.acl, fedge.passwd, server.crt, server.key, ca.crt)"
-          f" -> install into {args.broker_dir}/")
+          + ("" if in_place else f" -> install into {args.broker_dir}/"))
     print(f"  coordinator: {done.coordinator_config} (password in {done.coordinator_password})")
     print(f"  devices:     {out / 'devices'}/ID.toml, one bundle per device (mode 0600)")
     if done.workers:
