@@ -7,8 +7,10 @@ import json
 import logging
 
 import pytest
+import torch
 
 from coordinator.runtime.availability import KEEP, PresenceHistory, likely_gone
+from coordinator.runtime.engine import Coordinator, EvalData
 from coordinator.runtime.device_book import BOOK_EXTRA, DeviceBook
 from coordinator.runtime.presence import Roster
 from coordinator.runtime.selection import Absences
@@ -104,8 +106,8 @@ def test_the_book_is_checkpointed_with_the_run_and_taken_back_on_resume(tmp_path
     coord.checkpoint()
     state, _ = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
     assert state.extra[BOOK_EXTRA]["devices"]["d"]["picks"] == 4
-    resumed = make_coordinator(tmp_path / "again", InprocHub(), expected=2, clients__selection="profile")
-    resumed.device_book.restore(state.extra[BOOK_EXTRA])
+    resumed = Coordinator(coord.config, InprocHub().connect("coordinator"), run_id="run1", out_dir=tmp_path / "again",
+                          strategy=coord.strategy, state=state, eval_data=EvalData(torch.zeros(1, 64), torch.zeros(1)))
     assert resumed.device_book.record("d").picks == 4 and resumed.device_book.presence.devices["d"].sessions == [30.0]
     plain = make_coordinator(tmp_path / "random", InprocHub(), expected=2)
     plain.checkpoint()
