@@ -61,7 +61,8 @@ class Eligibility:
     """Which devices of a pool may get a task now: not those the model does not fit, not those resting, and not
     those likely to go offline before they finish (``task_seconds``: a device's expected task time)."""
 
-    def __init__(self, config: RunConfig, book: DeviceBook, task_seconds: Callable[[str], float | None] = lambda c: None,
+    def __init__(self, config: RunConfig, book: DeviceBook,
+                 task_seconds: Callable[[str], float | None] = lambda c: None,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.book = book
@@ -169,7 +170,8 @@ class ProfilePolicy:
         utility = {c: u for c, u in self.utilities(keep, round).items() if c not in chosen}
         capped = self.over_share(list(utility))
         fair = [c for c in utility if c not in capped]
-        fair += sorted(capped, key=lambda c: (self.book.record(c).picks, order[c]))[:max(0, size - len(chosen) - len(fair))]
+        short = max(0, size - len(chosen) - len(fair))   # too few under the bound: the least selected come back
+        fair += sorted(capped, key=lambda c: (self.book.record(c).picks, order[c]))[:short]
         chosen += self._exploit({c: utility[c] for c in fair}, size - len(chosen), order, rng)
         chosen += [c for c in fresh if c not in chosen][:size - len(chosen)]
         for c in chosen:

@@ -231,7 +231,8 @@ class Sampler:
         rng = self.entropy if self.secret else random.Random(f"{c.run.seed}/{round}/{attempt}")
         return Draw(sorted(rng.sample(pool, min(size, len(pool)))), skipped)
 
-    def _skip_likely_gone(self, pool: list[str], round: int, need: int, skipped: list[str]) -> tuple[list[str], list[str]]:
+    def _skip_likely_gone(self, pool: list[str], round: int, need: int,
+                          skipped: list[str]) -> tuple[list[str], list[str]]:
         """``selection.availability``: leave out the devices expected to go offline before their task is done."""
         s = self.config.selection
         if not s.availability:
