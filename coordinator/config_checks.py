@@ -429,6 +429,12 @@ def _selection_checks(config: RunConfig) -> list[tuple[bool, str]]:
     return [
         (0.0 <= s.explore <= 1.0,
          f"selection.explore must be in [0, 1] (the share of a draw spent exploring), got {s.explore}"),
+        (0 < s.explore_decay <= 1, f"selection.explore_decay must be in (0, 1] (1: no decay), got {s.explore_decay}"),
+        (0 <= s.explore_min <= 1, f"selection.explore_min must be in [0, 1], got {s.explore_min}"),
+        (0 < s.cutoff <= 1, f"selection.cutoff must be in (0, 1] (1: the highest utilities exactly), got {s.cutoff}"),
+        (s.max_share == 0 or s.max_share >= 1,
+         f"selection.max_share must be 0 (no bound) or at least 1 (times the mean participation), got {s.max_share}"),
+        (s.min_sessions >= 1, f"selection.min_sessions must be at least 1, got {s.min_sessions}"),
         (s.alpha >= 0, f"selection.alpha must be >= 0 (0: no penalty for slow devices), got {s.alpha}"),
         (s.preferred_seconds >= 0,
          f"selection.preferred_seconds must be >= 0 (0: from clients.round_timeout), got {s.preferred_seconds}"),

@@ -106,9 +106,9 @@ class ClientsSection:
                                 # deadline: leave out first the clients whose recent round times (median of the last
                                 # 3, x 1.25) predict they would miss round_timeout, never fewer than the round needs
                                 # results, and try a skipped client again after 5 skips in a row unless it still works
-                                # on an earlier task (at most 10 x round_timeout); profile: by the devices' own
-                                # profiles (memory, heat, battery, speed, loss; the [selection] keys,
-                                # docs/selection.md)
+                                # on an earlier task (at most 10 x round_timeout), and those likely to go offline
+                                # before they finish; profile: Oort-style, by the devices' own reports (memory,
+                                # heat, battery, speed, loss, presence; the [selection] keys, docs/selection.md)
 
 
 TrainSection = LocalTraining   # [train]: the local training every task's hyperparameters start from
@@ -293,13 +293,27 @@ class AsyncSection:
 
 @dataclass(frozen=True)
 class SelectionSection:
-    """``clients.selection = "profile"``: utility-driven selection from the devices' own profiles
-    (coordinator/runtime/profile_selection.py, docs/selection.md). The other selections ignore it."""
+    """``clients.selection = "profile"``: Oort-style selection from the devices' own reports
+    (coordinator/runtime/profile_selection.py, docs/selection.md); ``availability`` and ``min_sessions`` also serve
+    ``deadline``. ``random`` ignores the section."""
 
-    explore: float = 0.2            # share of each draw spent on devices never or least recently selected
+    explore: float = 0.9            # exploration share epsilon of round 1: the share of a draw given to devices never
+                                # selected (Oort's 0.9); decays by explore_decay a round down to explore_min
+    explore_decay: float = 0.98     # epsilon's factor per round (Oort's)
+    explore_min: float = 0.2        # the floor epsilon decays to (Oort's; an explore below it is kept as is)
     alpha: float = 2.0              # system penalty (T/t)^alpha for a device whose estimated time t exceeds T
     preferred_seconds: float = 0.0  # T; 0: clients.round_timeout / 1.25, the deadline selection's margin
-    staleness: float = 0.1          # weight of the bonus for devices not selected for a while
+    staleness: float = 0.1          # weight of the bonus sqrt(staleness x ln(round) / L) for a device last selected in
+                                # round L: devices not selected for a while come back
+    cutoff: float = 0.95            # the places left after exploring go to a seeded draw, weighted by utility, among
+                                # the devices whose utility is at least this times the last place's (Oort's); 1: the
+                                # highest utilities exactly
+    max_share: float = 2.0          # fairness bound: a device selected more than this many times the mean of the
+                                # devices known is not exploited until the others catch up (0: no bound)
+    availability: bool = True       # leave out a device expected to go offline before it would finish its task (its
+                                # mean residual online session, from its presence history, below its task time);
+                                # profile and deadline selection
+    min_sessions: int = 2           # completed online sessions of a device before its remaining session is predicted
     memory_margin: float = 1.2      # a device's memory need times this must fit its memory
     max_temperature_c: float = 80.0  # a device reporting a hotter CPU (or throttling now) is rested
     min_battery_percent: float = 20.0  # a discharging device below this battery level is rested

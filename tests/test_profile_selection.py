@@ -103,9 +103,10 @@ def test_a_hot_device_rests_and_is_put_back_when_the_round_needs_it():
 
 
 def test_selection_keys_are_checked_by_name():
-    assert load_config(None, [("clients", "selection", "profile")]).selection.explore == 0.2
+    assert load_config(None, [("clients", "selection", "profile")]).selection.explore == 0.9   # Oort's epsilon
     for key, value in (("explore", 1.5), ("alpha", -1.0), ("memory_margin", 0.5), ("min_battery_percent", 120.0),
-                       ("rest_rounds", -1)):
+                       ("rest_rounds", -1), ("explore_decay", 0.0), ("explore_min", 2.0), ("cutoff", 0.0),
+                       ("max_share", 0.5), ("min_sessions", 0)):
         with pytest.raises(ConfigError, match=f"selection.{key}"):
             load_config(None, [("selection", key, value)])
 
@@ -227,3 +228,151 @@ def test_a_profile_run_prefers_fast_devices_and_tries_every_one(tmp_path):
     assert all(r["returned"] == 2 for r in rows)
     assert min(picked.values()) >= 1, picked
     assert picked["fast-1"] + picked["fast-2"] > picked["slow-1"] + picked["slow-2"] + 4, picked
+
+
+def test_oort_scoring_prefers_a_fast_low_loss_device_over_a_slow_high_loss_one_past_the_preferred_duration():
+    s = sampler(1, 2, explore=0.0, alpha=2.0, staleness=0.0, preferred_seconds=1.0, cutoff=1.0)
+    answer(s.book, "fast", loss_sq=1.0, samples=10, speed=100.0, round_seconds=0.5)   # utility 10, 0.5 s
+    answer(s.book, "slow", loss_sq=4.0, samples=10, speed=2.0, round_seconds=5.0)     # utility 20, 5 s
+    for c in ("fast", "slow"):
+        s.book.record(c).last_selected = 1
+    utility = s.profile.utilities(["fast", "slow"], round=2)
+    assert utility == pytest.approx({"fast": 0.5, "slow": 1.0 * (1.0 / 5.0) ** 2})
+    assert s.draw(["fast", "slow"], 2, 0).clients == ["fast"]
+    no_penalty = sampler(1, 2, explore=0.0, alpha=0.0, staleness=0.0, cutoff=1.0)   # without it, the loss wins
+    answer(no_penalty.book, "fast", loss_sq=1.0)
+    answer(no_penalty.book, "slow", loss_sq=4.0, speed=2.0, round_seconds=5.0)
+    for c in ("fast", "slow"):
+        no_penalty.book.record(c).last_selected = 1
+    assert no_penalty.draw(["fast", "slow"], 2, 0).clients == ["slow"]
+
+
+def test_exploration_starts_high_and_decays_to_its_floor():
+    s = sampler(10, 30)   # Oort's 0.9, 0.98 a round, floor 0.2
+    assert s.profile.epsilon(1) == pytest.approx(0.9)
+    assert s.profile.epsilon(11) == pytest.approx(0.9 * 0.98 ** 10)
+    assert s.profile.epsilon(500) == pytest.approx(0.2)
+    assert sampler(10, 30, explore=0.1).profile.epsilon(1) == pytest.approx(0.1)   # below the floor: kept as is
+    devices = [f"d{i:02d}" for i in range(30)]
+    first = s.draw(devices, 1, 0).clients
+    for c in first:
+        answer(s.book, c, loss_sq=100.0)   # all of them promise a lot
+    second = s.draw(devices, 2, 0).clients
+    assert len(set(second) - set(first)) == math.ceil(s.profile.epsilon(2) * 10)   # still 9 new ones
+    third = s.draw(devices, 3, 0).clients
+    assert not (set(first) | set(second)).issuperset(third)
+
+
+def test_the_staleness_bonus_brings_back_a_device_not_selected_for_a_while():
+    s = sampler(1, 2, explore=0.0, alpha=0.0, staleness=0.1, cutoff=1.0)
+    answer(s.book, "recent", loss_sq=1.0)
+    answer(s.book, "old", loss_sq=0.64)   # utility 8 of 10
+    s.book.record("recent").last_selected, s.book.record("old").last_selected = 20, 1
+    utility = s.profile.utilities(["recent", "old"], round=21)
+    assert utility["old"] == pytest.approx(0.8 + math.sqrt(0.1 * math.log(21) / 1))
+    assert utility["recent"] == pytest.approx(1.0 + math.sqrt(0.1 * math.log(21) / 20))
+    assert s.draw(["recent", "old"], 21, 0).clients == ["old"]
+    assert sampler(1, 2, explore=0.0, staleness=0.0).profile.utilities(["recent"], 21) == {}   # never selected
+
+
+def test_the_fairness_bound_stops_one_device_taking_every_place():
+    s = sampler(1, 4, explore=0.0, alpha=0.0, staleness=0.0, cutoff=1.0, max_share=2.0)
+    for c in ("star", "b", "c", "d"):
+        answer(s.book, c, loss_sq=100.0 if c == "star" else 1.0)
+        s.book.record(c).last_selected = 1
+    picks = {c: 0 for c in ("star", "b", "c", "d")}
+    for r in range(2, 22):
+        for c in s.draw(list(picks), r, 0).clients:
+            picks[c] += 1
+    mean = sum(rec.picks for rec in s.book.devices.values()) / len(s.book.devices)
+    assert picks["star"] <= 2.0 * mean + 1 and picks["star"] >= max(picks.values()) - 1, picks
+    assert min(picks.values()) >= 1, picks
+    unbounded = sampler(1, 4, explore=0.0, alpha=0.0, staleness=0.0, cutoff=1.0, max_share=0.0)
+    for c in picks:
+        answer(unbounded.book, c, loss_sq=100.0 if c == "star" else 1.0)
+        unbounded.book.record(c).last_selected = 1
+    assert all(unbounded.draw(list(picks), r, 0).clients == ["star"] for r in range(2, 12))
+
+
+def test_a_device_likely_to_go_offline_before_it_finishes_is_not_picked_for_a_long_task():
+    s = sampler(2, 3, explore=0.0, alpha=0.0, staleness=0.0, cutoff=1.0)
+    now = [10_000.0]
+    s.clock = lambda: now[0]
+    presence = s.book.presence
+    for c, session in (("flaky", 30.0), ("steady", 3000.0), ("new", None)):
+        if session is not None:   # two past sessions of this length each, then online again 10 s ago
+            for start in (0.0, 5000.0):
+                presence.changed(c, True, start)
+                presence.changed(c, False, start + session)
+        presence.changed(c, True, now[0] - 10.0)
+        answer(s.book, c, speed=1.0, samples=100, round_seconds=100.0)   # a 100 s task
+        s.book.record(c).last_selected = 1
+    assert presence.remaining("flaky", now[0], 2) == pytest.approx(20.0)
+    assert presence.remaining("new", now[0], 2) is None   # no history: not left out on a guess
+    assert s.draw(["flaky", "steady", "new"], 2, 0).clients == ["new", "steady"]
+    assert s.draw(["flaky", "steady", "new"], 2, 0).skipped == ["flaky"]
+    short = sampler(2, 3, explore=0.0, alpha=0.0, staleness=0.0)
+    short.book.presence, short.clock = presence, s.clock
+    answer(short.book, "flaky", speed=1000.0, samples=10, round_seconds=1.0)   # a short task fits its session
+    short.book.record("flaky").last_selected = 1
+    assert "flaky" in short.draw(["flaky"], 2, 0).clients
+    assert "flaky" in s.draw(["flaky"], 3, 0).clients   # put back when the round needs it
+    off = sampler(2, 3, availability=False, explore=0.0)
+    off.book.presence, off.clock = presence, s.clock
+    answer(off.book, "flaky", speed=1.0, samples=100, round_seconds=100.0)
+    off.book.record("flaky").last_selected = 1
+    assert off.draw(["flaky", "steady"], 2, 0).skipped == []
+
+
+def test_deadline_selection_also_skips_a_device_likely_to_go_offline():
+    config = load_config(None, [("clients", "expected", 3), ("clients", "per_round", 1),
+                                ("clients", "selection", "deadline"), ("clients", "round_timeout", 1000.0)])
+    times = RoundTimes()
+    s = Sampler(config, Absences(0), times, DeviceBook())
+    s.clock = lambda: 10_000.0
+    for c, session in (("flaky", 30.0), ("steady", 3000.0)):
+        for start in (0.0, 5000.0):
+            s.book.presence.changed(c, True, start)
+            s.book.presence.changed(c, False, start + session)
+        s.book.presence.changed(c, True, 9990.0)
+        times.sent(f"t-{c}", c, "fedavg", 0.0)
+        times.answered(f"t-{c}", c, 100.0)   # it took 100 s
+    draw = s.draw(["flaky", "steady"], 1, 0)
+    assert draw.clients == ["steady"] and draw.skipped == ["flaky"]
+
+
+def _profile_run(tmp_path, seed: int) -> tuple[dict[str, int], list[list[str]]]:
+    """Eight scripted devices of four speeds, ten rounds of three: picks per device and each round's picks."""
+    hub = InprocHub()
+    coord = make_coordinator(tmp_path, hub, expected=8, run__seed=seed, clients__selection="profile",
+                             clients__per_round=3, clients__round_timeout=5.0, selection__preferred_seconds=0.1,
+                             selection__alpha=0.0)   # no penalty from measured times: the draw is the seed's alone
+    delays = {"orin-1": 0.0, "orin-2": 0.0, "pi5-1": 0.02, "pi5-2": 0.02, "pi4-1": 0.1, "pi4-2": 0.1,
+              "zero-1": 0.3, "zero-2": 0.3}
+    loss_sq = {"orin": 0.5, "pi5": 1.0, "pi4": 2.0, "zero": 4.0}
+    rounds: list[set[str]] = [set() for _ in range(11)]
+
+    def script(peer, task):
+        rounds[task.round].add(peer.client_id)
+        time.sleep(delays[peer.client_id])
+        return [peer.result(task, metrics={"train_loss": 1.0, "train_loss_sq": loss_sq[peer.client_id[:-2]]})]
+
+    peers = [ScriptedClient(hub, c, script) for c in delays]
+    for peer in peers:
+        peer.start()
+    coord.wait_for_clients(8, 5)
+    rows = [coord.run_round(r) for r in range(1, 11)]
+    for peer in peers:
+        peer.stop.set()
+    assert all(r["returned"] == 3 for r in rows)
+    picks = {c: sum(c in r for r in rounds) for c in delays}
+    return picks, [sorted(r) for r in rounds[1:]]
+
+
+def test_a_profile_run_draws_every_device_class_and_the_same_devices_under_the_same_seed(tmp_path):
+    picks, draws = _profile_run(tmp_path / "a", seed=7)
+    for kind in ("orin", "pi5", "pi4", "zero"):
+        assert sum(n for c, n in picks.items() if c.startswith(kind)) >= 2, picks
+    assert max(picks.values()) <= 2.0 * sum(picks.values()) / len(picks) + 1, picks   # the fairness bound
+    assert _profile_run(tmp_path / "b", seed=7)[1] == draws
+    assert _profile_run(tmp_path / "c", seed=8)[1] != draws

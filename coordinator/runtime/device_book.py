@@ -15,13 +15,18 @@ Every answer to a task brings the device's profile (checked by
 - its latest temperature, throttling flags and battery, for resting a hot or discharging device;
 - its statistical utility of its last participation (Oort: the number of samples times the root of
   the mean squared per-sample loss, the result's ``train_loss_sq``), and the round it was last
-  selected in.
+  selected in and how many times it was selected;
+- its presence history (:class:`~coordinator.runtime.availability.PresenceHistory`): its online sessions.
+
+The book is JSON (:meth:`DeviceBook.saved`), kept in the run's checkpoint (``ServerState.extra["selection"]``),
+so a resumed run selects as knowingly as the run it continues.
 
 Nothing here decides: :mod:`coordinator.runtime.profile_selection` reads the book.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -29,13 +34,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.runtime.availability import PresenceHistory
 from edge_client.memory_guard import REFUSAL_PREFIX, estimate_task_bytes
 from edge_client.registry import build_aside
 from profiling.schema import clean_device_facts
 
-__all__ = ["DeviceBook", "DeviceRecord", "ModelSize", "EWMA"]
+__all__ = ["DeviceBook", "DeviceRecord", "ModelSize", "EWMA", "BOOK_EXTRA"]
 
 EWMA = 0.5   # weight of the newest answer in the running means
+BOOK_EXTRA = "selection"   # the key of ServerState.extra the book is checkpointed under
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class DeviceRecord:
     power_plugged: bool | None = None
     utility: float | None = None               # |B| * sqrt(mean squared loss) of its last training
     last_selected: int | None = None           # round
+    picks: int = 0                             # times selected in the run
     rested_until: int = 0                      # rested while the round is below this
     fresh: bool = False                        # readings came that selection has not judged yet
 
@@ -90,9 +98,35 @@ class DeviceBook:
     def __init__(self, model: Callable[[], ModelSize | None] = lambda: None) -> None:
         self.model = model
         self.devices: dict[str, DeviceRecord] = {}
+        self.presence = PresenceHistory()
 
     def record(self, client_id: str) -> DeviceRecord:
         return self.devices.setdefault(client_id, DeviceRecord())
+
+    def saved(self) -> dict[str, Any]:
+        """The book as JSON: every record (bar whether selection judged its latest readings) and the presence."""
+        devices = {}
+        for c, rec in sorted(self.devices.items()):
+            row = dataclasses.asdict(rec)
+            row.pop("fresh")
+            row["peaks"] = {str(k): v for k, v in rec.peaks.items()}
+            devices[c] = row
+        return {"devices": devices, "presence": self.presence.saved()}
+
+    def restore(self, saved: Any) -> None:
+        """Take back a book :meth:`saved` wrote (from a checkpoint); anything else leaves the book empty."""
+        if not isinstance(saved, Mapping):
+            return
+        names = {f.name for f in dataclasses.fields(DeviceRecord)} - {"fresh"}
+        devices = saved.get("devices")
+        for c, row in (devices.items() if isinstance(devices, Mapping) else ()):
+            if isinstance(row, Mapping):
+                rec = DeviceRecord(**{k: v for k, v in row.items() if k in names})
+                rec.peaks = {int(k): int(v) for k, v in (row.get("peaks") or {}).items()}
+                rec.throttled_now = list(rec.throttled_now or [])
+                self.devices[str(c)] = rec
+        if isinstance(saved.get("presence"), Mapping):
+            self.presence.restore(saved["presence"])
 
     def hello(self, client_id: str, raw_facts: Any) -> None:
         """A device announced itself with these facts (unchecked, from the network)."""

@@ -17,6 +17,7 @@ Every received message is checked; anything unacceptable is counted and logged, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from coordinator.runtime.device_book import DeviceBook, ModelSize
+from coordinator.runtime.device_book import BOOK_EXTRA, DeviceBook, ModelSize
 from coordinator.runtime.bookkeeping import (EvalData, Evaluation, RunRecords, TrainedRound, TrainedRounds,
                                              snapshot, write_checkpoint)
 from coordinator.ops.spawn import sim_client_id
@@ -127,8 +128,10 @@ class Coordinator:
         self.downlink = Downlink(config, self.run_id)
         self.round_times = RoundTimes()
         self.absences = Absences(config.clients.max_misses, config.clients.max_rejected)
-        self.roster = Roster(self.absences, warn, PresenceLog(self.out / PRESENCE_FILE, lambda: self.state.round))
         self.device_book = DeviceBook(lambda: ModelSize.of(self.network.spec, config.train.batch_size))
+        self.device_book.restore(self.state.extra.get(BOOK_EXTRA))   # a resumed run's knowledge of its devices
+        self.roster = Roster(self.absences, warn, PresenceLog(self.out / PRESENCE_FILE, lambda: self.state.round),
+                             self.device_book.presence)
         self.sampler = Sampler(config, self.absences, self.round_times, self.device_book)
         done = self.state.round + (1 if config.run.mode == "async" else 0)   # async: version v's tasks are round v+1
         self.profile_store = ProfileStore(self.out / "clients", completed_rounds=done)
@@ -471,6 +474,9 @@ class Coordinator:
     def checkpoint(self, state: ServerState | None = None, *, keep_all: bool | None = None) -> Path:
         """Save ``state`` (the current one by default) as the checkpoint of its round; ``keep_all`` (default:
         ``checkpoint.keep``) False deletes the others."""
-        return write_checkpoint(self.out, self.state if state is None else state,
+        state = self.state if state is None else state
+        if self.config.clients.selection != "random":   # the book selection reads, for a resumed run
+            state = dataclasses.replace(state, extra={**state.extra, BOOK_EXTRA: self.device_book.saved()})
+        return write_checkpoint(self.out, state,
                                 {"run_id": self.run_id, "strategy": self.strategy.name},
                                 keep_all=self.config.checkpoint.keep == "all" if keep_all is None else keep_all)

@@ -7,7 +7,8 @@ the broker speaking its last will) is kept. Clients benched for leaving tasks un
 
 Each change of a client's state (online, offline) is appended to the run directory's
 ``presence.jsonl`` (:class:`PresenceLog`): when a device was away is what a report on
-sizing hardware shows beside its memory and temperature over time.
+sizing hardware shows beside its memory and temperature over time. The same changes feed the
+devices' :class:`~coordinator.runtime.availability.PresenceHistory`, which selection reads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from coordinator.runtime.availability import PresenceHistory
 from coordinator.runtime.selection import Absences
 from edge_client.wire.protocol import PresenceBody, ProtocolError, decode
 from edge_client.wire.throttle import ThrottledLog
@@ -63,8 +65,10 @@ class Roster:
     """The clients online and what each announced."""
 
     def __init__(self, absences: Absences, warn: ThrottledLog,
-                 on_change: Callable[[str, str], None] = lambda client_id, state: None) -> None:
+                 on_change: Callable[[str, str], None] = lambda client_id, state: None,
+                 history: PresenceHistory | None = None) -> None:
         self.absences = absences
+        self.history = history if history is not None else PresenceHistory()   # sessions, on the wall clock
         self.online: dict[str, PresenceBody] = {}
         self.gone: dict[str, float] = {}   # clients that went offline and stayed away -> when (monotonic)
         self._warn = warn
@@ -83,6 +87,7 @@ class Roster:
             if client_id not in self.online:
                 log.info("client %s online (%s samples)", client_id, body.num_samples)
                 self._on_change(client_id, "online")
+                self.history.changed(client_id, True, time.time())
                 if self.absences.came_online(client_id):
                     log.info("client %s came back online: it may be selected again, its app checked with its next "
                              "task", client_id)
@@ -96,6 +101,7 @@ class Roster:
             log.warning("client %s went offline", client_id)
             self.gone[client_id] = time.monotonic()
             self._on_change(client_id, "offline")
+            self.history.changed(client_id, False, time.time())
         return False
 
     def missing(self, expected: Mapping[str, str], shown: int = 10) -> list[str]:

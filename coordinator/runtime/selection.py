@@ -3,7 +3,9 @@
 ``clients.selection = "random"`` samples from every online client. ``"deadline"``
 first leaves out clients whose recent round times predict they would miss the
 round's deadline (``clients.round_timeout``): a client that will not make it only
-costs the round its full timeout and brings nothing.
+costs the round its full timeout and brings nothing. With ``selection.availability`` it
+also leaves out those whose presence history predicts they go offline before they would
+finish (:mod:`coordinator.runtime.availability`), never fewer than the round needs.
 
 A client's round time is what the deadline is measured against: from the
 coordinator publishing its task to the coordinator receiving its result, transfer
@@ -29,11 +31,12 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from coordinator.privacy_account import DEFAULT_SAMPLING
+from coordinator.runtime.availability import likely_gone
 from coordinator.runtime.device_book import DeviceBook
 from coordinator.runtime.profile_selection import ProfilePolicy
 from coordinator.runtime.round_times import SAFETY, RoundTimes
@@ -198,7 +201,9 @@ class Sampler:
         self.absences = absences
         self._deadline_filter = DeadlineFilter(times)
         self.book = book if book is not None else DeviceBook()
-        self.profile = ProfilePolicy(config, self.book, times)
+        self.times = times
+        self.clock: Callable[[], float] = time.time   # wall clock: the presence history's
+        self.profile = ProfilePolicy(config, self.book, times, clock=lambda: self.clock())
         # Central DP's "poisson" and "fixed" draws: who is drawn must be unknown to whoever reads the released
         # models (the account claims amplification by sampling), and the run's seed is in every task, so these
         # draws come from the OS's entropy; "seeded" keeps the reproducible draw and claims no amplification.
@@ -222,8 +227,21 @@ class Sampler:
             return Draw(*self.profile.draw(pool, round, attempt, size, need))
         if c.clients.selection == "deadline":
             pool, skipped = self._skip_predicted_late(pool, round, need)
+            pool, skipped = self._skip_likely_gone(pool, round, need, skipped)
         rng = self.entropy if self.secret else random.Random(f"{c.run.seed}/{round}/{attempt}")
         return Draw(sorted(rng.sample(pool, min(size, len(pool)))), skipped)
+
+    def _skip_likely_gone(self, pool: list[str], round: int, need: int,
+                          skipped: list[str]) -> tuple[list[str], list[str]]:
+        """``selection.availability``: leave out the devices expected to go offline before their task is done."""
+        s = self.config.selection
+        if not s.availability:
+            return pool, skipped
+        keep, gone = likely_gone(pool, need, self.book.presence, self.times.predict, self.clock(), s.min_sessions)
+        if gone:
+            log.info("round %d: deadline selection skipped %s", round,
+                     ", ".join(f"{c} ({why})" for c, why in sorted(gone.items())))
+        return keep, skipped + sorted(gone)
 
     def _skip_predicted_late(self, pool: list[str], round: int, need: int) -> tuple[list[str], list[str]]:
         timeout = self.config.clients.round_timeout
