@@ -285,11 +285,12 @@ class AsyncSection:
     max_staleness: int = 0          # results more versions behind than this are dropped (and counted); 0: none
     staleness_exponent: float = 0.5  # a result s versions behind is discounted by (1 + s) ** -staleness_exponent
     server_lr: float = 1.0          # FedBuff's server learning rate: scales the buffer's update before server_step
-    # A device whose next result is predicted (its recent task times x the recent versions per second) to come more
-    # than max_staleness versions behind, so to be dropped (docs/async.md, "Slow devices"); acts only with
-    # max_staleness > 0. shorten: its task gets a cap on local steps sized to arrive within max_staleness (rested
-    # as below if not even one step would); rest: no task while so predicted, a probe task every 3 x max_staleness
-    # versions; send: tasks as to any device (its results dropped if late)
+    # what a device gets whose next result is predicted (its recent seconds per local step x the steps x the
+    # versions made per second lately) to come more than max_staleness versions behind, where it would be dropped
+    # (docs/async.md, "Slow devices"); acts only with max_staleness > 0. shorten: a task capped at fewer local steps,
+    # sized to arrive within max_staleness (rested as below if not even one step would); rest: no task while so
+    # predicted, a probe task after every 4 x max_staleness versions of rest; send: its tasks as they are (and
+    # its results dropped when late)
     slow: str = "shorten"
 
     def sizes(self, selected_per_round: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from coordinator.config import ConfigError, load_config
 from coordinator.runtime.async_pace import MARGIN, PROBE_EVERY, PaceBook, VersionClock, task_steps
 from coordinator.runtime.run import run_federated
 from coordinator.runtime.run_summary import contributions
+from coordinator.ui.status_cli import read_run_dir
 from edge_client.hyper import ObjectiveError, TrainHyper
 from edge_client.objectives import train
 
@@ -99,6 +100,18 @@ def test_a_task_capped_in_steps_trains_that_many_and_a_bad_cap_is_refused():
         load_config(None, [("run", "mode", "async"), ("async", "slow", "later")])
 
 
+def test_the_summary_adds_up_each_device_over_the_rows():
+    rows = [{"round": 0},
+            {"round": 1, "contributions": {"a": {"counted": 2, "dropped": 0, "shortened": 0, "rested": 0, "weight": 1.5},
+                                           "b": {"counted": 0, "dropped": 1, "shortened": 1, "rested": 0, "weight": 0.0}}},
+            {"round": 2, "contributions": {"a": {"counted": 1, "dropped": 0, "shortened": 0, "rested": 0, "weight": 0.5},
+                                           "b": {"counted": 1, "dropped": 0, "shortened": 1, "rested": 2, "weight": 0.5}}}]
+    assert contributions(rows) == {
+        "a": {"counted": 3, "dropped": 0, "shortened": 0, "rested": 0, "weight_share": 0.8},
+        "b": {"counted": 1, "dropped": 1, "shortened": 2, "rested": 2, "weight_share": pytest.approx(0.2)}}
+    assert contributions([{"round": 0}, {"round": 1}]) == {}   # a sync run's rows say nothing of it
+
+
 # -- runs --------------------------------------------------------------------------------------------
 SLOW, STEP = "sim-003", {"sim-003": 0.08}   # seconds of sleep per local step: a device eight times slower
 FAST_STEP = 0.01
@@ -148,6 +161,7 @@ def test_shorten_makes_the_slow_device_count(tmp_path, caplog):
     mine = result.summary["contributions"][SLOW]
     assert mine["shortened"] >= 3 and mine["counted"] >= 3 and mine["weight_share"] > 0.05
     assert mine["counted"] > mine["dropped"]
+    assert read_run_dir(result.out_dir)["devices"][SLOW]["contribution"] == mine   # fedge-coordinator status
     said = [r.message for r in caplog.records if r.message.startswith(f"shortening {SLOW}'s tasks")]
     assert len(said) == 1
     assert all(r["results"] == 2 for r in rows[1:])
