@@ -16,8 +16,8 @@ from edge_client.privacy_account import DEFAULT_ACCOUNTANT
 
 __all__ = ["AppSection", "ServerSection", "RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
-           "AsyncSection", "MODES", "WEIGHTINGS", "SLOW_POLICIES", "SelectionSection", "PrivacySection", "PRIVACY_MODES",
-           "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES", "RULES",
+           "AsyncSection", "MODES", "WEIGHTINGS", "SLOW_POLICIES", "SelectionSection", "PrivacySection",
+           "PRIVACY_MODES", "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES", "RULES",
            "DEFAULT_TRIM"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results

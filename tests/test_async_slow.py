@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from coordinator.config import ConfigError, load_config
@@ -18,7 +19,10 @@ from coordinator.runtime.run import run_federated
 from coordinator.runtime.run_summary import contributions
 from coordinator.ui.status_cli import read_run_dir
 from edge_client.hyper import ObjectiveError, TrainHyper
-from edge_client.objectives import train
+from edge_client.objectives import LocalData, TaskContext, train
+from profiling.profiler import Profiler
+from profiling.report import device_table
+from profiling.runs import load
 
 HYPER = {"epochs": 1, "batch_size": 10, "lr": 0.05}
 
@@ -93,6 +97,13 @@ def test_each_policy_decides_for_a_device_predicted_too_stale():
 
 
 def test_a_task_capped_in_steps_trains_that_many_and_a_bad_cap_is_refused():
+    data = LocalData(torch.randn(95, 4), torch.randint(0, 3, (95,)))
+    for cap, steps in ((0, 20), (3, 3), (12, 12), (50, 20)):   # two epochs of 10 mini-batches, or the cap
+        profiler = Profiler()
+        out = train(torch.nn.Linear(4, 3), data, {**HYPER, "epochs": 2, "max_steps": cap},
+                    TaskContext(0, 1, "pi", None, profiler))
+        assert profiler.summary()["steps"] == steps and out.num_samples == 95
+        assert out.metrics["train_loss_sq"] > 0   # over the last epoch's worth of the steps it ran
     with pytest.raises(ObjectiveError):
         TrainHyper.from_dict({**HYPER, "max_steps": -1})
     assert TrainHyper.from_dict({**HYPER, "max_steps": 3}).max_steps == 3
@@ -101,11 +112,13 @@ def test_a_task_capped_in_steps_trains_that_many_and_a_bad_cap_is_refused():
 
 
 def test_the_summary_adds_up_each_device_over_the_rows():
-    rows = [{"round": 0},
-            {"round": 1, "contributions": {"a": {"counted": 2, "dropped": 0, "shortened": 0, "rested": 0, "weight": 1.5},
-                                           "b": {"counted": 0, "dropped": 1, "shortened": 1, "rested": 0, "weight": 0.0}}},
-            {"round": 2, "contributions": {"a": {"counted": 1, "dropped": 0, "shortened": 0, "rested": 0, "weight": 0.5},
-                                           "b": {"counted": 1, "dropped": 0, "shortened": 1, "rested": 2, "weight": 0.5}}}]
+    def row(a: dict, b: dict) -> dict:
+        zero = {"counted": 0, "dropped": 0, "shortened": 0, "rested": 0, "weight": 0.0}
+        return {"contributions": {"a": {**zero, **a}, "b": {**zero, **b}}}
+
+    rows = [{"round": 0}, {"round": 1, **row({"counted": 2, "weight": 1.5}, {"dropped": 1, "shortened": 1})},
+            {"round": 2,
+             **row({"counted": 1, "weight": 0.5}, {"counted": 1, "shortened": 1, "rested": 2, "weight": 0.5})}]
     assert contributions(rows) == {
         "a": {"counted": 3, "dropped": 0, "shortened": 0, "rested": 0, "weight_share": 0.8},
         "b": {"counted": 1, "dropped": 1, "shortened": 2, "rested": 2, "weight_share": pytest.approx(0.2)}}
@@ -162,6 +175,10 @@ def test_shorten_makes_the_slow_device_count(tmp_path, caplog):
     assert mine["shortened"] >= 3 and mine["counted"] >= 3 and mine["weight_share"] > 0.05
     assert mine["counted"] > mine["dropped"]
     assert read_run_dir(result.out_dir)["devices"][SLOW]["contribution"] == mine   # fedge-coordinator status
+    records = load(result.out_dir)                                                   # fedge-profile show
+    table = device_table(records, records.stats())
+    cells = {row[1]: row[-1] for row in table.rows}
+    assert table.columns[-1] == "counted" and cells[SLOW].startswith(f"{mine['counted']}/")
     said = [r.message for r in caplog.records if r.message.startswith(f"shortening {SLOW}'s tasks")]
     assert len(said) == 1
     assert all(r["results"] == 2 for r in rows[1:])
