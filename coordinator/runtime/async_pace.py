@@ -145,8 +145,8 @@ class PaceBook:
         said = ""
         if rec.resting:
             rec.resting = False
-            said = (f"{client_id} is given tasks again: its next result is expected {pace.predicted:.1f} versions "
-                    f"behind (async.max_staleness {self.limit})")
+            said = (f"{client_id} is given tasks again: its next result is expected {pace.predicted or 0.0:.1f} "
+                    f"versions behind (async.max_staleness {self.limit})")
         if pace.action == "shorten" and not rec.shortened:
             said = (f"shortening {client_id}'s tasks to at most {pace.max_steps} of its {rec.full_steps} local steps: "
                     f"a full task's result is expected {self.expected(client_id, now) or 0.0:.1f} versions behind, "
@@ -162,7 +162,7 @@ class PaceBook:
         if rec.resting:
             return ""
         rec.resting, rec.shortened = True, False
-        return (f"resting {client_id}: its next result is expected {pace.predicted:.1f} versions behind, beyond "
+        return (f"resting {client_id}: its next result is expected {pace.predicted or 0.0:.1f} versions behind, beyond "
                 f"async.max_staleness {self.limit}, where it would be dropped; a probe task after "
                 f"every {PROBE_EVERY * self.limit} versions of rest (async.slow = {self.policy!r})")
 
