@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, RULES, SELECTIONS,
-                                         SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
+                                         SLOW_POLICIES, SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
 from coordinator.methods import capabilities, requirements, strategies_that
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
@@ -251,6 +251,8 @@ def _async_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (a.weighting in WEIGHTINGS, f"async.weighting must be one of {', '.join(WEIGHTINGS)} (fedbuff: FedBuff's "
          f"discounted sum over the buffer's count; normalized: the sample-weighted mean), got {a.weighting!r}"),
         (a.max_staleness >= 0, f"async.max_staleness must be >= 0 (0: no limit), got {a.max_staleness}"),
+        (a.slow in SLOW_POLICIES, f"async.slow must be one of {', '.join(SLOW_POLICIES)} (what a device predicted "
+         f"to answer beyond async.max_staleness gets), got {a.slow!r}"),
         (a.staleness_exponent >= 0, f"async.staleness_exponent must be >= 0, got {a.staleness_exponent}"),
         (a.server_lr > 0, f"async.server_lr must be > 0, got {a.server_lr}"),
         (config.workers.count == 0, f"{need} workers.count = 0: aggregation workers fold one round's results"),

@@ -16,14 +16,15 @@ from edge_client.privacy_account import DEFAULT_ACCOUNTANT
 
 __all__ = ["AppSection", "ServerSection", "RunSection", "DataSection", "ClientsSection", "TrainSection", "TransportSection", "CodecSection",
            "EvalSection", "CheckpointSection", "ExportSection", "SimSection", "AggregateSection", "WorkersSection",
-           "AsyncSection", "MODES", "WEIGHTINGS", "SelectionSection", "PrivacySection", "PRIVACY_MODES",
-           "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES", "RULES",
+           "AsyncSection", "MODES", "WEIGHTINGS", "SLOW_POLICIES", "SelectionSection", "PrivacySection",
+           "PRIVACY_MODES", "SecAggSection", "MetricsSection", "ScheduleSection", "LR_SCHEDULES", "SELECTIONS", "SPENT_DEVICES", "RULES",
            "DEFAULT_TRIM"]
 
 ORDERS = ("arrival", "sorted")   # aggregate.order: how a streamed phase folds its results
 SELECTIONS = ("random", "deadline", "profile")   # clients.selection (coordinator/runtime/selection.py)
 MODES = ("sync", "async")   # run.mode: rounds that wait for their clients, or buffered asynchronous versions
 WEIGHTINGS = ("fedbuff", "normalized")   # async.weighting: how a buffer combines its results (async_buffer.py)
+SLOW_POLICIES = ("shorten", "rest", "send")   # async.slow: a device predicted too stale (async_pace.py)
 RULES = ("mean", "median", "trimmed_mean", "clipped_mean")   # aggregate.rule (coordinator/aggregation.py)
 # Drops 2 of a round's 10 values at each end: the 2 hostile clients of 10 that docs/robustness.md measures.
 DEFAULT_TRIM = 0.2
@@ -284,6 +285,13 @@ class AsyncSection:
     max_staleness: int = 0          # results more versions behind than this are dropped (and counted); 0: none
     staleness_exponent: float = 0.5  # a result s versions behind is discounted by (1 + s) ** -staleness_exponent
     server_lr: float = 1.0          # FedBuff's server learning rate: scales the buffer's update before server_step
+    # what a device gets whose next result is predicted (its recent seconds per local step x the steps x the
+    # versions made per second lately) to come more than max_staleness versions behind, where it would be dropped
+    # (docs/async.md, "Slow devices"); acts only with max_staleness > 0. shorten: a task capped at fewer local steps,
+    # sized to arrive within max_staleness (rested as below if not even one step would); rest: no task while so
+    # predicted, a probe task after every 4 x max_staleness versions of rest; send: its tasks as they are (and
+    # its results dropped when late)
+    slow: str = "shorten"
 
     def sizes(self, selected_per_round: int) -> tuple[int, int]:
         """(concurrency, buffer size) with the defaults resolved."""

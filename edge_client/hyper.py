@@ -2,7 +2,8 @@
 
 The coordinator's ``[train]`` section is :class:`LocalTraining` and a task's ``hyper`` is
 read as :class:`TrainHyper` (the same fields plus FedProx's ``mu``, which the configuration
-keeps in ``[fedprox]``), so a new setting is added in one place and both sides know it.
+keeps in ``[fedprox]``, and a per-task ``max_steps`` the coordinator sets itself), so a new
+setting is added in one place and both sides know it.
 No torch here: the coordinator checks its configuration before it imports torch.
 """
 
@@ -35,6 +36,9 @@ class LocalTraining:
 @dataclass(frozen=True)
 class TrainHyper(LocalTraining):
     mu: float = 0.0              # FedProx proximal weight; 0 is plain FedAvg
+    # At most this many local steps (mini-batches), whatever the epochs; 0: no cap. Not a [train] key: the
+    # coordinator sets it per task, to shorten a slow device's work in async mode (docs/async.md, "Slow devices").
+    max_steps: int = 0
 
     @classmethod
     def from_dict(cls, hyper: Mapping[str, Any]) -> "TrainHyper":
@@ -43,6 +47,7 @@ class TrainHyper(LocalTraining):
         if unknown:
             raise ObjectiveError(f"unknown training hyperparameters {unknown}; known: {sorted(known)}")
         h = cls(**hyper)
-        if h.epochs < 1 or h.batch_size < 1 or not (h.lr > 0) or h.momentum < 0 or h.mu < 0:
+        if (h.epochs < 1 or h.batch_size < 1 or not (h.lr > 0) or h.momentum < 0 or h.mu < 0
+                or not isinstance(h.max_steps, int) or h.max_steps < 0):
             raise ObjectiveError(f"invalid training hyperparameters {hyper!r}")
         return h

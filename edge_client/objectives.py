@@ -9,6 +9,7 @@ in their folder under ``methods/`` (``device.py``) and are listed in :mod:`edge_
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -167,9 +168,12 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
     gen = task_generator(ctx.seed)
     model.train()
     total_loss, seen = 0.0, 0
-    last_epoch = (h.epochs - 1) * math.ceil(len(data) / h.batch_size)   # the first step of the last epoch
+    per_epoch = math.ceil(len(data) / h.batch_size)
+    steps = min(h.epochs * per_epoch, h.max_steps or h.epochs * per_epoch)   # a task may cap them (max_steps)
+    last_epoch = max(0, steps - per_epoch)   # the first of the last epoch's worth of steps
     squared, last_seen = 0.0, 0
-    for step, (xb, yb) in enumerate(minibatches(data, h.batch_size, h.epochs, gen, profiler)):
+    batches = itertools.islice(minibatches(data, h.batch_size, h.epochs, gen, profiler), steps)
+    for step, (xb, yb) in enumerate(batches):
         scores = model(xb)
         loss = criterion(scores, yb)
         objective = loss

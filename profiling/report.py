@@ -104,10 +104,13 @@ def device_table(run: RunRecords, stats: list[DeviceStats]) -> TableData:
             slowest_counts[row["slowest_client"]] = slowest_counts.get(row["slowest_client"], 0) + 1
         for cid in row.get("skipped") or []:
             skipped_counts[cid] = skipped_counts.get(cid, 0) + 1
+    contributed = _contributions(run)
     table = TableData("Devices (tasks of every kind; times are medians over training tasks, a missed one counting "
-                      "as the timeout; rank 1 = slowest)",
+                      "as the timeout; rank 1 = slowest" + ("; counted: async results counted of those taken, and "
+                                                            "the share of the weight" if contributed else "") + ")",
                       ("rank", "device", "hardware", "tasks", "kinds", "round s", "device s", "times slowest",
-                       "times skipped"), frozenset({"device", "hardware", "kinds"}))
+                       "times skipped", *(("counted",) if contributed else ())),
+                      frozenset({"device", "hardware", "kinds"}))
     for s in _by_rank(stats, ranks):
         notes = ", ".join(f"{n} {what}" for n, what in ((s.late, "late"), (s.missed, "missed"), (s.errors, "failed"))
                           if n)
@@ -115,8 +118,25 @@ def device_table(run: RunRecords, stats: list[DeviceStats]) -> TableData:
             str(ranks.get(s.client_id, ABSENT)), s.client_id, facts_line(run.devices[s.client_id].facts),
             f"{s.tasks} ({notes})" if notes else str(s.tasks), kinds_text(s.kinds), seconds(s.median_round_seconds),
             seconds(s.median_device_seconds), str(slowest_counts.get(s.client_id, 0)),
-            str(skipped_counts.get(s.client_id, 0)))
+            str(skipped_counts.get(s.client_id, 0)),
+            *((_counted_text(contributed.get(s.client_id)),) if contributed else ()))
     return table
+
+
+def _contributions(run: RunRecords) -> dict[str, Any]:
+    """An async run's per-device contributions as its summary adds them up (empty for any other run)."""
+    found = (run.summary or {}).get("contributions")
+    return found if isinstance(found, dict) else {}
+
+
+def _counted_text(c: Any) -> str:
+    """"13/14, 14%": results counted of those taken (the rest too stale), and the device's share of the weight."""
+    if not isinstance(c, dict) or not all(isinstance(c.get(k), (int, float)) for k in ("counted", "dropped",
+                                                                                        "weight_share")):
+        return ABSENT
+    rested = c.get("rested")
+    return (f"{c['counted']}/{c['counted'] + c['dropped']}, {c['weight_share']:.0%}"
+            + (f", rested {rested}" if isinstance(rested, int) and rested else ""))
 
 
 def kinds_text(kinds: dict[str, int]) -> str:

@@ -12,6 +12,7 @@ import torch
 
 from coordinator.config import ConfigError, load_config
 from coordinator.runtime.async_buffer import AsyncBuffer, Batch, staleness_discount
+from coordinator.runtime.async_pace import PaceBook, VersionClock
 from coordinator.runtime.asynchronous import AsyncRun, Flight
 from coordinator.runtime.round_book import RoundBook
 from coordinator.strategies.base import AggregationError, ClientResult, TaskPlan, WeightedSum
@@ -142,8 +143,9 @@ def driver(size: int, round: int, flights: list[Flight], max_staleness: int = 0)
     run = AsyncRun.__new__(AsyncRun)
     run.co = SimpleNamespace(state=SimpleNamespace(round=round), on_progress=lambda e: None,
                              intake=SimpleNamespace(count=lambda *a: rejected.append(a)))
-    run.settings = SimpleNamespace(max_staleness=max_staleness)
+    run.settings = SimpleNamespace(max_staleness=max_staleness, staleness_exponent=0.5)
     run.buffer, run.book, run.dropped = AsyncBuffer(size=size), RoundBook(round=round + 1, attempt=0), 0
+    run.pace, run.contributions = PaceBook("send", max_staleness, VersionClock(0.0)), {}
     run._earlier = RoundBook(round=round + 1, attempt=0)
     run.flights = {f.task_id: f for f in flights}
     return run, rejected
@@ -167,6 +169,8 @@ def test_a_staleness_limit_drops_only_beyond_it_and_none_by_default():
     run.book.results.update({"a": result(1.0), "b": result(2.0)})
     run._harvest(report=False)
     assert run.dropped == 1 and run.buffer.count == 1
+    assert run.contributions["a"]["dropped"] == 1 and run.contributions["b"]["counted"] == 1
+    assert run.contributions["b"]["weight"] == pytest.approx(3 ** -0.5)   # FedBuff's d(2)
     run, _ = driver(4, round=10, flights=[flight("a", 0)])
     run.book.results.update({"a": result(1.0)})
     run._harvest(report=False)

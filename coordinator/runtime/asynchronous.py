@@ -13,7 +13,9 @@ result into one long-lived book, the roster and absences bench devices that miss
 Tasks of version ``v`` travel as round ``v + 1`` (what they train towards) and carry their own
 tensors: a retained model broadcast lasts one version, while a task may start after the next.
 The run status keeps the round it announced at the start, so devices never take a task or a
-result of an older version for a stale round.
+result of an older version for a stale round. A device whose results are predicted to come too stale
+to count gets shorter tasks or none (``async.slow``, :mod:`async_pace`), and every version's row
+says what each device contributed.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator.ops.spawn import sim_client_id
-from coordinator.runtime.async_buffer import AsyncBuffer, Batch
+from coordinator.runtime.async_buffer import AsyncBuffer, Batch, result_terms
 from coordinator.runtime.async_journal import AsyncJournal
+from coordinator.runtime.async_pace import Pace, PaceBook, VersionClock
 from coordinator.runtime.bookkeeping import snapshot
 from coordinator.runtime.guards import check_finite
 from coordinator.runtime.round_book import RoundBook, RoundNotes, Tally
@@ -88,6 +91,8 @@ class AsyncRun:
         self.given = self.dropped = self._draws = 0   # this version's tasks, stale drops and sampler draws
         self._started = time.monotonic()
         self._idle_since: float | None = None
+        self.pace = PaceBook(s.slow, s.max_staleness, VersionClock(self._started))
+        self.contributions: dict[str, dict[str, float]] = {}   # this version's, per device (the row's column)
         self._making: tuple[ServerState, Batch] | None = None   # the state and batch a new version came from
         self._resume(mark, before)
         # Before any message is handled (a resumed coordinator's session may hold results queued while it was
@@ -189,12 +194,16 @@ class AsyncRun:
         if len(busy) >= self.concurrency or not set(co.roster.answering()) - busy:
             return
         version = co.state.round
-        clients = self.sampler.draw(co.roster.online, version + 1, self._draws, busy).clients
+        paces = self._paces(busy, version)
+        online = [c for c in co.roster.online if c not in paces or paces[c].action != "rest"] if paces else \
+            co.roster.online
+        clients = self.sampler.draw(online, version + 1, self._draws, busy).clients
         self._draws += 1
         if not clients:
             return
         self.book.round = version + 1
-        plans = self.strategy.configure("train", version + 1, co.state, clients)
+        plans = [self._paced(plan, paces.get(plan.client_id)) for plan in
+                 self.strategy.configure("train", version + 1, co.state, clients)]
         task_ids = new_task_ids(len(plans))
         timeout = co.config.clients.round_timeout
         waits = [co.round_times.deadline([(plan.client_id, plan.objective)], timeout) for plan in plans]
@@ -204,7 +213,35 @@ class AsyncRun:
         for task_id, plan, wait in zip(co.tasks.send_all(self.book, plans, broadcast=False, task_ids=task_ids),
                                        plans, waits):
             self.flights[task_id] = Flight(task_id, plan.client_id, version, plan, now, now + wait)
+            if plan.client_id in paces and (said := self.pace.given(plan.client_id, paces[plan.client_id], version,
+                                                                     now)):
+                log.warning("%s", said)
         self.given += len(plans)
+
+    def _paces(self, busy: set[str], version: int) -> dict[str, Pace]:
+        """``async.slow``'s decision for each idle device online (none when it changes nothing); those it rests
+        are said once in the log."""
+        if not self.pace.active:
+            return {}
+        now = time.monotonic()
+        paces = {c: self.pace.pace(c, version, now) for c in self.co.roster.online if c not in busy}
+        for client_id, pace in sorted(paces.items()):
+            if pace.action == "rest" and (said := self.pace.rested(client_id, pace, version)):
+                log.warning("%s", said)
+        return paces
+
+    def _paced(self, plan: TaskPlan, pace: Pace | None) -> TaskPlan:
+        """The plan as the policy has it go: at most ``pace.max_steps`` local steps when it shortens the task."""
+        if pace is None or pace.action != "shorten":
+            return plan
+        self._count(plan.client_id, "shortened")
+        return dataclasses.replace(plan, hyper={**plan.hyper, "max_steps": pace.max_steps})
+
+    def _count(self, client_id: str, key: str, amount: float = 1) -> None:
+        """Add to the device's contribution to the version being filled (the row's ``contributions``)."""
+        counts = self.contributions.setdefault(client_id, {"counted": 0, "dropped": 0, "shortened": 0, "rested": 0,
+                                                           "weight": 0.0})
+        counts[key] += amount
 
     def _harvest(self, report: bool = True) -> None:
         """The intake's accepted results and failures: their devices are free; results go to the buffer (all
@@ -219,6 +256,8 @@ class AsyncRun:
             if flight is None:   # the intake takes only answers to tasks in flight
                 continue
             self._land(flight)
+            if result is not None:
+                self.pace.answered(client_id, flight.plan.hyper, result.num_samples, time.monotonic() - flight.sent)
             if result is not None and (event := self._take(flight.task_id, client_id, flight.version,
                                                             result)) is not None:
                 events.append(event)
@@ -239,6 +278,7 @@ class AsyncRun:
         staleness = self.buffer.staleness(version, co.state.round)
         if limit and staleness > limit:
             self.dropped += 1
+            self._count(client_id, "dropped")
             log.info("dropped the result of %s: trained from version %d, %d versions behind (async.max_staleness "
                      "%d)", client_id, version, staleness, limit)
             return None
@@ -247,6 +287,9 @@ class AsyncRun:
         except AggregationError as exc:
             co.intake.count("rejected", client_id, f"cannot aggregate this result: {exc}")
             return None
+        self._count(client_id, "counted")
+        self._count(client_id, "weight", result_terms(self.buffer.weighting, result.num_samples, staleness,
+                                                      self.settings.staleness_exponent)[0])
         return {"kind": "buffered", "version": co.state.round, "client": client_id,
                 "task_id": task_id, "staleness": staleness, "buffered": self.buffer.count}
 
@@ -279,9 +322,15 @@ class AsyncRun:
         state = self.strategy.server_step(version, co.state, batch.update(self.settings.server_lr))
         check_finite(state, version, "train", co.config.aggregate.rule)
         now = time.monotonic()
+        self.pace.clock.made(now)
+        busy = {f.client_id for f in self.flights.values()}
+        for client_id in self.pace.resting():
+            if client_id not in busy and client_id in co.roster.online:   # resting now, not on a probe
+                self._count(client_id, "rested")
         tally, model_bytes = self.book.tally, co.fp32_model_bytes
         row = {"round": version, "version": version, **batch.columns(),
                "returned": batch.count + self.dropped, "dropped_stale": self.dropped,
+               "contributions": {c: self.contributions[c] for c in sorted(self.contributions)},
                "in_flight": len(self.flights), "selected": self.given, **tally.row(), **co.app_columns(),
                "bytes_per_client": co.intake.notes.bytes_per_client(),
                "fp32_bytes_down": model_bytes * self.given,
@@ -289,6 +338,7 @@ class AsyncRun:
                "seconds": now - self._started}
         co.state = state
         self.given = self.dropped = self._draws = 0
+        self.contributions = {}
         self.book.tally, co.intake.notes, self._started = Tally(), RoundNotes(), now
         if co.evaluates(version):   # here and now: the checkpoint of a version is written before the next one
             row.update(co.evaluate())

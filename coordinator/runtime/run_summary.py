@@ -8,7 +8,7 @@ from typing import Any
 from coordinator.config import RunConfig
 from edge_client.app import spec_app
 
-__all__ = ["run_summary", "traffic"]
+__all__ = ["run_summary", "traffic", "contributions"]
 
 
 def traffic(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -21,6 +21,22 @@ def traffic(rows: list[dict[str, Any]]) -> dict[str, Any]:
     t["ratio_up_vs_fp32"] = t["bytes_up"] / t["fp32_bytes_up"] if t["fp32_bytes_up"] else None
     t["ratio_vs_fp32"] = (t["bytes_down"] + t["bytes_up"]) / reference if reference else None
     return t
+
+
+def contributions(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What each device contributed over an async run's versions (their rows' ``contributions``): results
+    counted and dropped as too stale, tasks shortened, versions it rested through, and its share of the summed
+    weight of every counted result (0 for a device none of whose results counted)."""
+    totals: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for client, counts in row.get("contributions", {}).items():
+            mine = totals.setdefault(client, {"counted": 0, "dropped": 0, "shortened": 0, "rested": 0, "weight": 0.0})
+            for key in mine:
+                mine[key] += counts.get(key, 0)
+    weight = sum(t["weight"] for t in totals.values())
+    return {client: {**{k: v for k, v in t.items() if k != "weight"},
+                     "weight_share": t["weight"] / weight if weight > 0 else 0.0}
+            for client, t in sorted(totals.items())}
 
 
 def run_summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, Any]], seconds: float,
@@ -47,6 +63,7 @@ def run_summary(config: RunConfig, run_id: str, out: Path, rows: list[dict[str, 
                                              if "personalized_accuracy_mean" in r), None),
         **_headline(rows, spec),
         **traffic(rows),
+        **({"contributions": contributions(rows)} if any("contributions" in r for r in rows) else {}),
         "rejected": sum(r.get("rejected", 0) for r in rows),
         "late": sum(r.get("late", 0) for r in rows),
         "seconds_this_session": seconds,

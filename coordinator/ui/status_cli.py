@@ -135,6 +135,7 @@ def _json(path: Path) -> Any:
 def read_run_dir(run_dir: Path) -> dict[str, Any]:
     """What ``run_dir`` says of its run and of each device that answered or missed a task."""
     from coordinator.runtime.profiles import device_labels
+    from coordinator.runtime.run_summary import contributions
     from edge_client.wire.protocol import REFUSAL_APP
     from storage.files import read_jsonl
 
@@ -151,6 +152,7 @@ def read_run_dir(run_dir: Path) -> dict[str, Any]:
            "app_refused": last.get("app_refused", 0)}
     devices: dict[str, dict[str, Any]] = {}
     trained = _training_profiles(run_dir)
+    contributed = contributions(rows)   # async mode's rows say what each device's results counted for
     for path in sorted((run_dir / "clients").glob("*.jsonl")):
         client = path.stem
         answers = read_jsonl(path)[-RECENT:]
@@ -167,7 +169,9 @@ def read_run_dir(run_dir: Path) -> dict[str, Any]:
             "peak_memory_bytes": profile.get("peak_rss_bytes"), "temperature_c": profile.get("temperature_c"),
             "recent_failures": len(failures), "recent_answers": len(answers), "last_failure": why,
             # its last answer refused a task because its installed app is not the run's
-            "app_refused": bool(answers) and answers[-1].get("refusal") == REFUSAL_APP}
+            "app_refused": bool(answers) and answers[-1].get("refusal") == REFUSAL_APP,
+            # async mode: results counted, dropped as too stale, tasks shortened, versions rested, weight share
+            "contribution": contributed.get(client)}
     return {"run": run, "devices": devices}
 
 
@@ -195,7 +199,7 @@ def fleet_status(broker: dict[str, Any] | None, run_dir: dict[str, Any] | None) 
     class and site win: they are what the device says now."""
     fields = ("online", "device_class", "site", "samples", "last_answer_at", "last_round", "task_seconds",
               "step_seconds", "peak_memory_bytes", "temperature_c", "recent_failures", "recent_answers", "last_failure",
-              "app_refused")
+              "app_refused", "contribution")
     ids = sorted(set((broker or {}).get("devices", {})) | set((run_dir or {}).get("devices", {})))
     devices = []
     for client in ids:
@@ -263,8 +267,9 @@ def _print_table(status: dict[str, Any]) -> None:
                              f"last row round {run['round']}, test {name} {value}{apps}"), highlight=False,
                       soft_wrap=True)
     table = Table(title=f"{len(status['devices'])} devices")
+    asynchronous = any(d.get("contribution") for d in status["devices"])
     for column in ("device", "state", "last answer", "class", "site", "task s", "step ms", "peak MiB", "temp C",
-                   "failures", "last failure"):
+                   "failures", "last failure", *(("async results",) if asynchronous else ())):
         table.add_column(column)
     for d in status["devices"]:
         state = {True: "[green]online[/green]", False: "[red]offline[/red]", None: "-"}[d["online"]]
@@ -274,8 +279,17 @@ def _print_table(status: dict[str, Any]) -> None:
                       show(d["task_seconds"], "{:.2f}"),
                       show(None if d["step_seconds"] is None else d["step_seconds"] * 1000, "{:.1f}"),
                       show(None if d["peak_memory_bytes"] is None else d["peak_memory_bytes"] / 2**20, "{:.0f}"),
-                      show(d["temperature_c"], "{:.1f}"), failures, show((d["last_failure"] or "")[:60]))
+                      show(d["temperature_c"], "{:.1f}"), failures, show((d["last_failure"] or "")[:60]),
+                      *((_contribution_said(d.get("contribution")),) if asynchronous else ()))
     console.print(table)
+
+
+def _contribution_said(c: dict[str, Any] | None) -> str:
+    """A device's contribution to an async run, in a cell: what counted, what was dropped as too stale, its rest."""
+    if not c:
+        return "-"
+    said = f"{c['counted']} counted, {c['dropped']} too stale, {c['weight_share']:.0%} of the weight"
+    return said + "".join(f", {c[k]} {k}" for k in ("shortened", "rested") if c[k])
 
 
 def _headline(run_dir: Path) -> str:
