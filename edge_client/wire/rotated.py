@@ -75,6 +75,9 @@ def encode_rotated(name: str, x: torch.Tensor, generator: torch.Generator | None
     flat = x.detach().reshape(-1).to(torch.float32)
     numel, lengths = flat.numel(), padded_chunks(flat.numel())
     seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
+    if not numel:
+        return {name + SEP + "bits": torch.zeros(0, dtype=torch.uint8), name + SEP + "scale": torch.zeros(0),
+                name + SEP + "seed": torch.tensor([seed], dtype=torch.int64)}
     padded = torch.zeros(sum(lengths))
     padded[:numel] = flat
     padded *= _diagonal(seed, len(padded))
