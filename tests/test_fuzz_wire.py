@@ -1,9 +1,10 @@
 """Fuzzing the wire: the envelope decoder, the codecs' layout decoders and the chunk reassembler fed generated and
 mutated messages.
 
-Both read bytes that any device or anyone with broker access can send, so neither may
+All three read bytes that any device or anyone with broker access can send, so none may
 crash, hang or hold memory without bound: the decoder refuses with ProtocolError, the
-reassembler reports a failure (an ``Assembled`` with ``error``) and raises nothing.
+reassembler reports a failure (an ``Assembled`` with ``error``) and raises nothing, the codec
+layouts refuse with CodecError.
 Valid messages are built with the real ``encode`` (every kind, every wire dtype, with
 and without compression) and then mutated: truncated, bit-flipped, bytes inserted,
 deleted or duplicated, header length and header JSON rewritten (wrong dtypes, shapes,

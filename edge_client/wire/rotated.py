@@ -42,19 +42,27 @@ def padded_chunks(numel: int) -> list[int]:
 
 
 def _hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform of each row of ``x`` (rows of a power-of-two length)."""
+    """Unnormalized Walsh-Hadamard transform of each row of ``x`` (rows of a power-of-two length), in
+    log2(d) butterfly passes between two buffers (no allocation per pass)."""
     rows, d = x.shape
+    src, dst = x.clone(), torch.empty_like(x)
     h = 1
     while h < d:
-        pairs = x.reshape(rows, d // (2 * h), 2, h)
-        x = torch.cat((pairs[:, :, :1] + pairs[:, :, 1:], pairs[:, :, :1] - pairs[:, :, 1:]), dim=2)
+        a, o = src.view(rows, d // (2 * h), 2, h), dst.view(rows, d // (2 * h), 2, h)
+        torch.add(a[:, :, 0], a[:, :, 1], out=o[:, :, 0])
+        torch.sub(a[:, :, 0], a[:, :, 1], out=o[:, :, 1])
+        src, dst = dst, src
         h *= 2
-    return x.reshape(rows, d)
+    return src
 
 
 def _diagonal(seed: int, length: int) -> torch.Tensor:
+    """The rotation's ±1 diagonal: bytes from ``torch.randint(0, 256)`` on a generator seeded with ``seed``,
+    their bits unpacked in little-endian order, 1 for +1 and 0 for -1."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, (length,), generator=g, dtype=torch.int8).to(torch.float32).mul_(2).sub_(1)
+    random_bytes = torch.randint(0, 256, ((length + 7) // 8,), generator=g, dtype=torch.uint8)
+    bits = np.unpackbits(random_bytes.numpy(), bitorder="little")[:length]
+    return torch.from_numpy(bits.astype(np.float32)).mul_(2).sub_(1)
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
