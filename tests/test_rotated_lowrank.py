@@ -13,9 +13,11 @@ import torch
 from coordinator.config import ConfigError, load_config
 from coordinator.runtime.run import run_federated
 from edge_client.privacy import clip_update
+from edge_client.wire.chunk_format import split
 from edge_client.wire.codec import CodecError, decode_tensors, encode_tensors, layout, parse_codec, wire_bytes
 from edge_client.wire.lowrank import state_key
-from edge_client.wire.protocol import ResultBody, UploadSettings
+from edge_client.wire.protocol import ResultBody, UploadSettings, decode, encode
+from edge_client.wire.reassembly import Reassembler
 from edge_client.wire.rotated import CHUNK, _hadamard, padded_chunks
 from edge_client.wire.updates import ResidualStore, decode_upload, encode_clipped_upload, encode_upload
 
@@ -276,6 +278,26 @@ def test_stray_bits_missing_and_extra_entries_are_rejected():
     _rejects(lwire, dense, shapes, "'fc.weight' arrived as")
     huge = {k: torch.full_like(v, 1e20) for k, v in lwire.items()}   # finite factors, an infinite product
     _rejects(huge, lspec, shapes, "'fc.weight' decodes to non-finite")
+
+
+@pytest.mark.parametrize("text", ["eden+zstd", "lowrank:8"])
+def test_a_large_update_travels_in_chunks_and_decodes(text):
+    """A model-sized result (a 1M-entry weight) goes through the envelope, 64 KB chunks and reassembly."""
+    g = torch.Generator().manual_seed(9)
+    x = {"big.weight": torch.randn(1024, 1000, generator=g) * 0.01, "big.bias": torch.randn(1024, generator=g)}
+    zero = {k: torch.zeros_like(v) for k, v in x.items()}
+    settings = UploadSettings(parse_codec(text), "delta", True)
+    wire, delta = encode_upload(x, zero, settings, ResidualStore(None), "r", generator=g)
+    body = ResultBody(num_samples=1, codec=settings.codec, delta=tuple(delta))
+    payload = encode("result", run_id="r", round=1, task_id="t", sender="pi-01", body=body.to_body(),
+                     tensors=wire, compression=settings.codec)
+    chunks = split(payload, 65536)
+    reassembler = Reassembler(max_message_bytes=1 << 24)
+    whole = [a.payload for c in reversed(chunks) for a in reassembler.feed("pi-01", c) if a.payload]
+    assert len(chunks) > 1 and len(whole) == 1
+    msg = decode(whole[0])
+    got = decode_upload(msg.tensors, ResultBody.from_body(msg.body), _shapes(x), zero)
+    assert _rel(got, x) < 0.8 and got["big.weight"].shape == (1024, 1000)
 
 
 # --------------------------------------------------------------------------- configuration
