@@ -116,13 +116,14 @@ def decode_rotated(wire: Mapping[str, torch.Tensor], name: str, shape: tuple[int
         raise CodecError(f"wire tensor {bits_key!r} sets bits past the {total} rotated entries of {name!r}")
     if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
         raise CodecError(f"wire tensor {scale_key!r} holds negative or non-finite scales")
-    if not 0 <= int(seed[0]):
+    if int(seed[0]) < 0:
         raise CodecError(f"wire tensor {seed_key!r} holds a negative seed")
+    if not total:
+        return torch.zeros(shape)
     signs = torch.from_numpy(unpacked[:total].astype(np.float32)).mul_(2).sub_(1)
-    per_chunk = torch.cat([torch.full((d,), float(s) / math.sqrt(d)) for d, s in zip(lengths, scale.tolist(),
-                                                                                     strict=True)]) if total \
-        else torch.zeros(0)
-    rebuilt = torch.cat([r.reshape(-1) for r in _by_chunk(signs, numel, _hadamard)]) if total else signs
-    rebuilt = rebuilt * per_chunk * _diagonal(int(seed[0]), total)
+    sizes = torch.tensor(lengths)
+    per_entry = torch.repeat_interleave(scale / sizes.to(torch.float32).sqrt(), sizes)   # S / sqrt(d), each chunk
+    rebuilt = torch.cat([r.reshape(-1) for r in _by_chunk(signs, numel, _hadamard)])    # H sign(R x), per chunk
+    rebuilt = rebuilt * per_entry * _diagonal(int(seed[0]), total)
     return rebuilt[:numel].reshape(shape)
 
