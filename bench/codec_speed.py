@@ -11,7 +11,8 @@ whole path a result takes is timed, as the client and the coordinator run it:
 
 Reported: bytes on the wire, how many times smaller than float32, the relative error
 of the update received (||sent - true|| / ||true||, one round, before error feedback
-makes up for it), and the median encode and decode times over the repeats. Writes
+makes up for it), and the median encode and decode times over the repeats. For
+``lowrank`` that round is a run's first, from a random Q (no warm start yet). Writes
 bench/results/codec_speed.json.
 
     python bench/codec_speed.py [--repeats 20] [--data fashion-mnist]
@@ -44,7 +45,8 @@ from profiling.profiler import Profiler
 RESULTS = Path(__file__).resolve().parent / "results"
 CODECS = ["fp32", "fp32+zstd", "fp32+lz4", "fp16", "fp16+zstd", "bf16+zstd", "int8", "int8+zstd",
           "int8:stochastic+zstd", "topk:0.1", "topk:0.1+int8", "topk:0.1+int8+zstd", "topk:0.1+int8+lz4",
-          "topk:0.01+int8", "topk:0.01+int8+zstd"]
+          "topk:0.01+int8", "topk:0.01+int8+zstd", "eden", "eden+zstd", "eden+lz4", "lowrank:4", "lowrank:4+fp16",
+          "lowrank:4+int8", "lowrank:4+int8+zstd", "lowrank:2+int8+zstd", "lowrank:8+int8+zstd"]
 
 
 def real_update(data_spec: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:

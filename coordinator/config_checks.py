@@ -371,14 +371,16 @@ def _secagg_checks(config: RunConfig) -> list[tuple[bool, str]]:
         (not config.run.diagnostics, f"{need} run.diagnostics = false (it compares every device's model)"),
         (not config.eval.personalized,
          f"{need} eval.personalized = false (it reports every device's own accuracy)"),
-        (_dense(config.codec.up), f"{need} a dense codec.up (fp32, the default): masks cover a dense vector, and "
-                                  "top-k would tell the coordinator which entries each device changed most"),
+        (_dense(config.codec.up), f"{need} a dense codec.up (a value format such as fp32, the default, without "
+                                  "topk, eden or lowrank): masks cover a dense vector and the coordinator only adds "
+                                  "them; top-k would tell it which entries each device changed most, and rotated "
+                                  "signs (eden) or low-rank factors (lowrank) do not add up to the sum of updates"),
     ]
 
 
 def _dense(spec: str) -> bool:
     try:
-        return parse_codec(spec).topk is None
+        return parse_codec(spec).transform is None
     except CodecError:
         return True   # _check_codecs names the problem
 
@@ -459,9 +461,12 @@ def _check_codecs(codec: CodecSection) -> None:
             specs[key] = parse_codec(getattr(codec, key))
         except CodecError as exc:
             raise ConfigError(f"codec.{key}: {exc}") from None
-    if specs["down"].topk is not None:
+    if specs["down"].transform == "topk":
         raise ConfigError("codec.down cannot use topk: it would zero most weights of the model sent down; "
                           "use topk in codec.up")
+    if specs["down"].transform is not None:
+        raise ConfigError(f"codec.down cannot use {specs['down'].transform}: it encodes differences, and the model "
+                          "goes down as values; use it in codec.up")
 
 
 def _broker_problem(t: TransportSection) -> str:

@@ -1,14 +1,18 @@
-"""Fuzzing the wire: the envelope decoder and the chunk reassembler fed generated and mutated messages.
+"""Fuzzing the wire: the envelope decoder, the codecs' layout decoders and the chunk reassembler fed generated and
+mutated messages.
 
-Both read bytes that any device or anyone with broker access can send, so neither may
+All three read bytes that any device or anyone with broker access can send, so none may
 crash, hang or hold memory without bound: the decoder refuses with ProtocolError, the
-reassembler reports a failure (an ``Assembled`` with ``error``) and raises nothing.
+reassembler reports a failure (an ``Assembled`` with ``error``) and raises nothing, the codec
+layouts refuse with CodecError.
 Valid messages are built with the real ``encode`` (every kind, every wire dtype, with
 and without compression) and then mutated: truncated, bit-flipped, bytes inserted,
 deleted or duplicated, header length and header JSON rewritten (wrong dtypes, shapes,
 offsets and fields), NaN and infinity written into tensors, compression frames
 corrupted or inflated, plain garbage; chunk streams are duplicated, reordered,
-dropped, mixed between senders and tampered with.
+dropped, mixed between senders and tampered with. Each codec's wire tensors (dense, top-k, eden,
+lowrank) are mutated the same way and must decode to finite tensors of the right shapes or be
+refused with a CodecError.
 
 The bulk runs from a seeded ``random.Random`` so every run sees the same inputs;
 hypothesis drives the structured cases, derandomized with a bounded ``max_examples``.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import struct
 import time
@@ -34,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edge_client.wire.chunking import HEADER_BYTES, Assembled, Reassembler, split
-from edge_client.wire.codec import parse_codec
+from edge_client.wire.codec import CodecError, decode_tensors, encode_tensors, parse_codec
 from edge_client.wire.compression import COMPRESSORS
 from edge_client.wire.protocol import KINDS, Message, ProtocolError, decode, encode, valid_client_id
 
@@ -683,6 +688,72 @@ def test_generated_chunk_streams_reassemble_only_whole_sent_messages(sizes: list
     check.finish()
     if not operations:
         assert check.whole == sum(1 for n in sizes if n <= 40_000)
+
+
+# ----------------------------------------------------------------------------- codec layouts
+
+CODEC_TEXTS = ("fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.5", "eden", "eden+int8", "lowrank:2",
+               "lowrank:2+int8", "lowrank:3+fp16")
+CODEC_SHAPES = {"w": (12, 20), "c": (4, 3, 3, 3), "b": (5,), "s": (), "e": (3,)}
+BULK_LAYOUTS = 2_500    # mutated wire tensor sets per codec through decode_tensors
+
+
+def _wire_of(text: str, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {k: torch.randn(shape, generator=gen) for k, shape in CODEC_SHAPES.items()}
+    return dict(encode_tensors(tensors, parse_codec(text), sparse=set(CODEC_SHAPES), generator=gen, state={}))
+
+
+def mutate_layout(rng: random.Random, wire: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One to three edits of a set of wire tensors as a sender could make them: entries dropped, added or
+    swapped, dtypes and shapes changed, values replaced by random ones, NaN, infinities or huge numbers."""
+    out = dict(wire)
+    for _ in range(rng.randint(1, 3)):
+        key = rng.choice(sorted(out)) if out else "w"
+        op = rng.randrange(7)
+        if op == 0 and out:
+            del out[key]
+        elif op == 1:
+            kind = rng.choice(["val", "idx", "mask", "scale", "bits", "seed", "p", "q", "p:scale", "junk"])
+            out[key.split(":", 1)[0] + ":" + kind] = _tensor(rng, rng.choice(list(_DTYPES)), rng.choice(_SHAPES))
+        elif op == 2 and key in out:
+            out[key] = _tensor(rng, rng.choice(list(_DTYPES)), tuple(out[key].shape))
+        elif op == 3 and key in out:
+            tag = next(t for t, d in _DTYPES.items() if d == out[key].dtype)
+            out[key] = _tensor(rng, tag, rng.choice(_SHAPES + (tuple(out[key].shape),)))
+        elif op == 4 and key in out:
+            tag = next(t for t, d in _DTYPES.items() if d == out[key].dtype)
+            out[key] = _tensor(rng, tag, tuple(out[key].shape))
+        elif op == 5 and key in out and out[key].is_floating_point() and out[key].numel():
+            t = out[key].clone()
+            t.view(-1)[rng.randrange(t.numel())] = rng.choice([math.nan, math.inf, -math.inf, 3e38, -1.0])
+            out[key] = t
+        elif op == 6 and len(out) > 1:
+            a, b = rng.sample(sorted(out), 2)
+            out[a], out[b] = out[b], out[a]
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", CODEC_TEXTS)
+def test_codec_decoders_fed_mutated_layouts_refuse_with_codec_error(text):
+    """What the envelope lets through reaches the codec: every layout's decoder either refuses with a
+    CodecError or gives finite tensors of the expected shapes, whatever entries, dtypes, shapes and values came."""
+    rng = random.Random(11)
+    spec = parse_codec(text)
+    originals = [_wire_of(text, seed) for seed in range(4)]
+    refused = 0
+    for i in range(BULK_LAYOUTS):
+        wire = mutate_layout(rng, originals[i % len(originals)])
+        sparse = set(CODEC_SHAPES) if rng.random() < 0.9 else {rng.choice(sorted(CODEC_SHAPES))}
+        try:
+            out = decode_tensors(wire, spec, CODEC_SHAPES, sparse=sparse & {k.split(":", 1)[0] for k in wire})
+        except CodecError:
+            refused += 1
+            continue
+        assert {k: tuple(v.shape) for k, v in out.items()} == CODEC_SHAPES
+        assert all(bool(torch.isfinite(v).all()) for v in out.values())
+    assert refused > BULK_LAYOUTS // 2
 
 
 # ----------------------------------------------------------------------------- crashes still in the decoder

@@ -12,6 +12,11 @@ A codec spec is a ``+``-joined string read from the run config (``codec.up``,
 - ``topk:FRACTION``: keep only the ``ceil(FRACTION * numel)`` largest-magnitude
   entries of each tensor, their values in the value format. It applies to updates
   sent as differences; raw values are always sent dense.
+- ``eden``: each difference as rotated sign bits, 1 bit per entry plus a scale per
+  chunk (:mod:`edge_client.wire.rotated`).
+- ``lowrank:RANK``: each difference of a weight with 2+ dimensions as two rank-RANK
+  factors in the value format (:mod:`edge_client.wire.lowrank`), the rest dense.
+- Top-k, eden and lowrank exclude each other.
 - ``zstd[:LEVEL]`` or ``lz4[:LEVEL]``: lossless compression of the whole message,
   applied only when it makes the message smaller (:mod:`edge_client.wire.compression`).
 
@@ -28,6 +33,8 @@ top-k               ``NAME:val`` (the k kept values, ascending position order),
                     whichever is the narrowest that holds the largest gap).
                     The encoder picks whichever of mask and idx is smaller:
                     the mask costs numel/8 bytes, the gaps k bytes or 2k or 4k.
+eden                ``NAME:bits``, ``NAME:scale``, ``NAME:seed`` (rotated.py)
+lowrank             ``NAME:p``, ``NAME:q`` and their int8 scales (lowrank.py)
 ==================  ===========================================================
 
 Decoding checks every wire tensor's name, dtype and shape against the expected
@@ -39,86 +46,19 @@ bounds; any problem is a :class:`CodecError` (a ``ProtocolError``) with the reas
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 
 import numpy as np
 import torch
 
-from edge_client.wire.codec_spec import EXACT_VALUES, FP32, SEP, VALUE_NAMES, CodecError, CodecSpec, parse_codec
+from edge_client.wire import lowrank, rotated
+from edge_client.wire.codec_spec import FP32, SEP, CodecError, CodecSpec, parse_codec
+from edge_client.wire.values import VALUE_FORMATS, all_finite, channels_of, need, pack_values, unpack_values
 
 __all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_FORMATS", "encode_tensors", "decode_tensors",
-           "wire_bytes", "all_finite", "FP32"]
+           "layout", "wire_bytes", "all_finite", "FP32"]
 
-VALUE_FORMATS: dict[str, torch.dtype] = dict(zip(VALUE_NAMES, (torch.float32, torch.float64, torch.float16,
-                                                                torch.bfloat16, torch.int8), strict=True))
-_FP16_MAX = 65504.0
 _INDEX_DTYPES = ((255, torch.uint8), (32767, torch.int16), (2**31 - 1, torch.int32))
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value is finite, checked with numpy where it can be.
-
-    Every received tensor passes through here, so it must be cheap: torch's
-    ``isfinite(t).all()`` goes through its intra-op thread pool, which on a busy
-    2-core coordinator cost 2 to 11 ms per 1.7 MB model against numpy's 0.1 ms.
-    The minimum and maximum decide it without a mask as large as the tensor (NaN
-    propagates into both, an infinity is one of them).
-    """
-    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
-        values = tensor.detach().numpy()
-        return values.size == 0 or bool(np.isfinite(values.min()) and np.isfinite(values.max()))
-    return bool(torch.isfinite(tensor).all())
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _channels(shape: tuple[int, ...]) -> int:
-    """Scales per tensor: one per output channel, one for 0-D and 1-D tensors."""
-    return shape[0] if len(shape) >= 2 else 1
-
-
-def _to_int8(y: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
-    if stochastic:
-        y = torch.floor(y + torch.rand(y.shape, generator=generator))
-    else:
-        y = torch.round(y)
-    return y.clamp_(-127, 127).to(torch.int8)
-
-
-def _scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = amax / 127.0
-    return scale, torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-
-
-def _values(name: str, key: str, flat: torch.Tensor, spec: CodecSpec, channel: torch.Tensor | None,
-            channels: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """``flat`` in the value format under ``key``, int8 scales under ``NAME:scale``.
-
-    ``channel`` maps each entry to its output channel (None: dense, channels contiguous).
-    """
-    if spec.values in EXACT_VALUES:
-        return {key: flat}
-    if spec.values == "fp16":
-        peak = float(flat.abs().max()) if flat.numel() else 0.0
-        if peak > _FP16_MAX:
-            raise CodecError(f"tensor {name!r} holds {peak:g}, beyond float16's range of {_FP16_MAX:g}; "
-                             "use bf16 or int8 for it")
-        return {key: flat.to(torch.float16)}
-    if spec.values == "bf16":
-        return {key: flat.to(torch.bfloat16)}
-    if flat.numel() == 0:
-        scale, q = torch.zeros(channels), flat.to(torch.int8)
-    elif channel is None:   # dense: the entries of each channel are contiguous
-        rows = flat.reshape(channels, -1)
-        scale, inv = _scales(rows.abs().amax(dim=1))
-        q = _to_int8(rows * inv[:, None], spec.stochastic, generator).reshape(flat.shape)
-    else:
-        amax = torch.zeros(channels).scatter_reduce(0, channel, flat.abs(), "amax")
-        scale, inv = _scales(amax)
-        q = _to_int8(flat * inv[channel], spec.stochastic, generator)
-    return {key: q, name + SEP + "scale": scale}
 
 
 def _positions(idx: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
@@ -134,11 +74,20 @@ def _positions(idx: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
     return {"idx": gaps.to(dtype)}
 
 
+def layout(spec: CodecSpec, difference: bool, shape: tuple[int, ...]) -> str:
+    """How a tensor of ``shape`` travels: ``dense``, ``topk``, ``eden`` or ``lowrank``. Transforms apply to
+    differences only, and ``lowrank`` only to tensors :func:`~edge_client.wire.lowrank.factored` accepts."""
+    transform = spec.transform if difference else None
+    if transform == "lowrank" and not lowrank.factored(shape, spec.rank or 0):
+        return "dense"
+    return transform or "dense"
+
+
 def encode_tensors(tensors: Mapping[str, torch.Tensor], spec: CodecSpec, *, sparse: Collection[str] = (),
-                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Wire tensors for ``tensors`` (float32); top-k applies only to the names in ``sparse``."""
-    if spec.topk is not None and not sparse:
-        spec = spec.dense()
+                   generator: torch.Generator | None = None,
+                   state: MutableMapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Wire tensors for ``tensors`` (float32); top-k, eden and lowrank apply only to the names in ``sparse``
+    (the differences). ``state``: the device's per-tensor codec state (lowrank's warm-start Q), updated."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if SEP in name:
@@ -147,53 +96,40 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor], spec: CodecSpec, *, spar
             raise CodecError(f"tensor {name!r} is {tensor.dtype}; codecs carry floating-point tensors only")
         x = tensor.detach().to("cpu", spec.dtype).contiguous()
         shape = tuple(x.shape)
-        if spec.topk is None or name not in sparse:
-            packed = _values(name, name, x.reshape(-1), spec, None, _channels(shape), generator)
+        how = layout(spec, name in sparse, shape)
+        if how == "eden":
+            out.update(rotated.encode_rotated(name, x, generator))
+        elif how == "lowrank":
+            out.update(lowrank.encode_lowrank(name, x, spec, state, generator))
+        elif how == "dense":
+            packed = pack_values(name, name, x.reshape(-1), spec, None, channels_of(shape), generator)
             out.update({k: v.reshape(shape) if k == name else v for k, v in packed.items()})
-            continue
-        flat = x.reshape(-1)
-        k = min(flat.numel(), math.ceil(spec.topk * flat.numel()))
-        idx = (torch.sort(torch.topk(flat.abs(), k, sorted=False).indices).values if k
-               else torch.zeros(0, dtype=torch.long))
-        channels = _channels(shape)
-        channel = idx // max(flat.numel() // max(channels, 1), 1)
-        vals = _values(name, name + SEP + "val", flat[idx], spec, channel, channels, generator)
-        out.update(vals)
-        out.update({name + SEP + kind: t for kind, t in _positions(idx, flat.numel()).items()})
+        else:
+            out.update(_encode_topk(name, x, spec, generator))
+    return out
+
+
+def _encode_topk(name: str, x: torch.Tensor, spec: CodecSpec, generator: torch.Generator | None
+                 ) -> dict[str, torch.Tensor]:
+    assert spec.topk is not None
+    flat = x.reshape(-1)
+    k = min(flat.numel(), math.ceil(spec.topk * flat.numel()))
+    idx = (torch.sort(torch.topk(flat.abs(), k, sorted=False).indices).values if k
+           else torch.zeros(0, dtype=torch.long))
+    channels = channels_of(tuple(x.shape))
+    channel = idx // max(flat.numel() // max(channels, 1), 1)
+    out = pack_values(name, name + SEP + "val", flat[idx], spec, channel, channels, generator)
+    out.update({name + SEP + kind: t for kind, t in _positions(idx, flat.numel()).items()})
     return out
 
 
 # ----------------------------------------------------------------------------- decoding
 
 
-def _need(wire: Mapping[str, torch.Tensor], key: str, dtypes: tuple[torch.dtype, ...],
-          shape: tuple[int, ...] | None) -> torch.Tensor:
-    t = wire[key]
-    if t.dtype not in dtypes:
-        raise CodecError(f"wire tensor {key!r} is {t.dtype}, expected {' or '.join(map(str, dtypes))}")
-    if shape is not None and tuple(t.shape) != shape:
-        raise CodecError(f"wire tensor {key!r} has shape {tuple(t.shape)}, expected {shape}")
-    return t
-
-
-def _dense_values(wire: Mapping[str, torch.Tensor], key: str, scale_key: str, spec: CodecSpec,
-                  shape: tuple[int, ...], channel: torch.Tensor | None, channels: int) -> torch.Tensor:
-    t = _need(wire, key, (VALUE_FORMATS[spec.values],), shape)
-    if spec.values != "int8":
-        return t.to(spec.dtype)
-    scale = _need(wire, scale_key, (torch.float32,), (channels,))
-    if not all_finite(scale) or bool((scale < 0).any()):
-        raise CodecError(f"wire tensor {scale_key!r} holds negative or non-finite scales")
-    q = t.to(torch.float32)
-    if channel is None:
-        return (q.reshape(channels, -1) * scale[:, None]).reshape(shape) if q.numel() else q
-    return q * scale[channel]
-
-
 def _decode_positions(wire: Mapping[str, torch.Tensor], name: str, numel: int, k: int) -> torch.Tensor:
     mask_key, idx_key = name + SEP + "mask", name + SEP + "idx"
     if mask_key in wire:
-        packed = _need(wire, mask_key, (torch.uint8,), ((numel + 7) // 8,))
+        packed = need(wire, mask_key, (torch.uint8,), ((numel + 7) // 8,))
         bits = np.unpackbits(packed.numpy(), bitorder="little")
         if bits[numel:].any():
             raise CodecError(f"wire tensor {mask_key!r} sets bits past the tensor's {numel} entries")
@@ -201,7 +137,7 @@ def _decode_positions(wire: Mapping[str, torch.Tensor], name: str, numel: int, k
         if len(positions) != k:
             raise CodecError(f"wire tensor {mask_key!r} marks {len(positions)} entries but {k} values came")
         return positions
-    gaps = _need(wire, idx_key, (torch.uint8, torch.int16, torch.int32), (k,)).to(torch.int64)
+    gaps = need(wire, idx_key, (torch.uint8, torch.int16, torch.int32), (k,)).to(torch.int64)
     if bool((gaps < 0).any()):
         raise CodecError(f"wire tensor {idx_key!r} holds negative gaps")
     positions = torch.cumsum(gaps + 1, 0) - 1
@@ -210,9 +146,13 @@ def _decode_positions(wire: Mapping[str, torch.Tensor], name: str, numel: int, k
     return positions
 
 
-def _expected_keys(name: str, spec: CodecSpec, sparse: bool, wire: Mapping[str, torch.Tensor]) -> set[str]:
+def _expected_keys(name: str, spec: CodecSpec, how: str, wire: Mapping[str, torch.Tensor]) -> set[str]:
+    if how == "eden":
+        return {name + SEP + kind for kind in rotated.KINDS}
+    if how == "lowrank":
+        return lowrank.wire_keys(name, spec)
     scale = {name + SEP + "scale"} if spec.values == "int8" else set()
-    if not sparse:
+    if how == "dense":
         return {name} | scale
     where = name + SEP + ("mask" if name + SEP + "mask" in wire else "idx")
     return {name + SEP + "val", where} | scale
@@ -222,7 +162,8 @@ def decode_tensors(wire: Mapping[str, torch.Tensor], spec: CodecSpec, shapes: Ma
                    *, sparse: Collection[str] = (), exact: bool = True) -> dict[str, torch.Tensor]:
     """Float32 tensors from wire tensors, checked against ``shapes``.
 
-    ``sparse``: the names the sender encoded with top-k (the rest are dense).
+    ``sparse``: the names the sender sent as differences, which the spec's transform (top-k, eden, lowrank)
+    applies to (the rest are dense).
     ``exact``: the message must carry every name in ``shapes``; otherwise a subset.
     """
     names: dict[str, set[str]] = {}
@@ -238,21 +179,25 @@ def decode_tensors(wire: Mapping[str, torch.Tensor], spec: CodecSpec, shapes: Ma
     out: dict[str, torch.Tensor] = {}
     for name, keys in names.items():
         shape = tuple(shapes[name])
-        is_sparse = spec.topk is not None and name in sparse
-        expected = _expected_keys(name, spec, is_sparse, wire)
+        how = layout(spec, name in sparse, shape)
+        expected = _expected_keys(name, spec, how, wire)
         if keys != expected:
             raise CodecError(f"tensor {name!r} arrived as {sorted(keys)}, but codec {spec.text} "
-                             f"{'with top-k ' if is_sparse else ''}sends {sorted(expected)}")
-        channels, numel = _channels(shape), math.prod(shape)
-        if not is_sparse:
-            value = _dense_values(wire, name, name + SEP + "scale", spec, shape, None, channels)
+                             f"{'' if how == 'dense' else f'({how}) '}sends {sorted(expected)}")
+        channels, numel = channels_of(shape), math.prod(shape)
+        if how == "dense":
+            value = unpack_values(wire, name, name + SEP + "scale", spec, shape, None, channels)
+        elif how == "eden":
+            value = rotated.decode_rotated(wire, name, shape).to(spec.dtype)
+        elif how == "lowrank":
+            value = lowrank.decode_lowrank(wire, name, shape, spec)
         else:
             k = len(wire[name + SEP + "val"]) if wire[name + SEP + "val"].dim() == 1 else -1
             if not 0 <= k <= numel:
                 raise CodecError(f"wire tensor {name + SEP + 'val'!r} must be 1-D with at most {numel} values")
             positions = _decode_positions(wire, name, numel, k)
             channel = positions // max(numel // max(channels, 1), 1)
-            vals = _dense_values(wire, name + SEP + "val", name + SEP + "scale", spec, (k,), channel, channels)
+            vals = unpack_values(wire, name + SEP + "val", name + SEP + "scale", spec, (k,), channel, channels)
             value = torch.zeros(numel, dtype=vals.dtype).index_put_((positions,), vals).reshape(shape)
         if not all_finite(value):
             raise CodecError(f"tensor {name!r} decodes to non-finite values")

@@ -1,5 +1,5 @@
-"""Codec specs: the ``+``-joined strings ``codec.up`` and ``codec.down`` name (``topk:0.1+int8+zstd``),
-parsed and checked.
+"""Codec specs: the ``+``-joined strings ``codec.up`` and ``codec.down`` name (``topk:0.1+int8+zstd``,
+``eden+zstd``, ``lowrank:4+int8``), parsed and checked.
 
 Apart from the tensor code (:mod:`edge_client.wire.codec`), which imports torch, so that a configuration
 is checked before torch loads; a bad spec is an error naming the valid forms.
@@ -17,7 +17,8 @@ from edge_client.wire.errors import ProtocolError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_NAMES", "EXACT_VALUES", "FP32", "SEP"]
+__all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_NAMES", "EXACT_VALUES", "FP32", "SEP",
+           "MAX_RANK"]
 
 VALUE_NAMES = ("fp32", "fp64", "fp16", "bf16", "int8")   # the value formats (their dtypes: codec.VALUE_FORMATS)
 EXACT_VALUES = ("fp32", "fp64")
@@ -35,13 +36,26 @@ class CodecSpec:
     values: str = "fp32"
     stochastic: bool = False            # int8 only: stochastic rounding
     topk: float | None = None           # fraction of entries kept, in (0, 1]
+    eden: bool = False                  # differences as rotated sign bits (edge_client/wire/rotated.py)
+    rank: int | None = None             # differences of matrices as rank-r factors (edge_client/wire/lowrank.py)
     compressor: str | None = None       # zstd | lz4
     level: int | None = None            # compressor level; None: its default
 
     @property
     def lossy(self) -> bool:
         """True when decoding does not give back the exact input."""
-        return self.values not in EXACT_VALUES or self.topk is not None
+        return self.values not in EXACT_VALUES or self.transform is not None
+
+    @property
+    def transform(self) -> str | None:
+        """What is done to differences before the value format: ``topk``, ``eden``, ``lowrank``, or None (dense).
+        Raw values are always sent dense, and a transformed update is not a sum of per-entry values, so secure
+        aggregation (which adds masked dense vectors) needs None."""
+        if self.topk is not None:
+            return "topk"
+        if self.eden:
+            return "eden"
+        return "lowrank" if self.rank is not None else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,7 +67,9 @@ class CodecSpec:
 
     @property
     def text(self) -> str:
-        parts = [f"topk:{self.topk:g}"] if self.topk is not None else []
+        transform = self.transform
+        parts = ([f"topk:{self.topk:g}"] if transform == "topk" else [f"lowrank:{self.rank}"]
+                 if transform == "lowrank" else [transform] if transform else [])
         if self.values != "fp32" or not parts:
             parts.append(self.values + (":stochastic" if self.stochastic else ""))
         if self.compressor:
@@ -65,11 +81,14 @@ class CodecSpec:
         return compress(payload, self.compressor, self.level) if self.compressor else payload
 
     def dense(self) -> "CodecSpec":
-        return replace(self, topk=None)
+        """This spec without its transform: how raw values and downloads are sent."""
+        return replace(self, topk=None, eden=False, rank=None)
 
 
 FP32 = CodecSpec()
-_FORMS = "fp32, fp64, fp16, bf16, int8, int8:stochastic, topk:FRACTION, zstd[:LEVEL], lz4[:LEVEL]"
+_FORMS = ("fp32, fp64, fp16, bf16, int8, int8:stochastic, topk:FRACTION, eden, lowrank:RANK, zstd[:LEVEL], "
+          "lz4[:LEVEL]")
+MAX_RANK = 64   # lowrank:RANK above this saves little over a dense int8 difference of any layer fedge trains
 
 
 def parse_codec(text: str) -> CodecSpec:
@@ -96,6 +115,14 @@ def parse_codec(text: str) -> CodecSpec:
             if not 0 < fraction <= 1:
                 raise CodecError(f"topk needs a fraction in (0, 1], e.g. topk:0.1; got {token!r}")
             put("topk", fraction, token)
+        elif name == "eden" and arg in ("", "1"):
+            put("eden", True, token)
+        elif name == "eden":
+            raise CodecError(f"eden sends 1 bit per entry ('eden' or 'eden:1'); more bits are not built, got {token!r}")
+        elif name == "lowrank":
+            if not (arg.isdigit() and 1 <= int(arg) <= MAX_RANK):
+                raise CodecError(f"lowrank needs a rank in 1..{MAX_RANK}, e.g. lowrank:4; got {token!r}")
+            put("rank", int(arg), token)
         elif name in COMPRESSORS:
             _, _, levels, _ = COMPRESSORS[name]
             if arg and not (arg.isdigit() and int(arg) in levels):
@@ -105,6 +132,11 @@ def parse_codec(text: str) -> CodecSpec:
             fields["level"] = int(arg) if arg else None
         else:
             raise CodecError(f"unknown codec part {token!r} in {text!r}; forms: {_FORMS}")
+    transforms = [key for key in ("topk", "eden", "rank") if key in fields]
+    if len(transforms) > 1:
+        raise CodecError(f"codec spec {text!r} combines {' and '.join(transforms)}: use one of topk, eden and "
+                         "lowrank (a rotation spreads a sparse vector over every entry, and a sparse or 1-bit "
+                         "matrix is not low-rank)")
     spec = CodecSpec(**fields)  # type: ignore[arg-type]
     if spec.compressor:
         try:

@@ -46,7 +46,8 @@ _BEFORE = "before/"   # in RESIDUAL_FILE: the residuals the last task started fr
 
 @dataclass
 class ResidualStore:
-    """Error-feedback residuals of one run, by tensor name, saved atomically in ``directory``.
+    """Error-feedback residuals of one run, by tensor name, saved atomically in ``directory``; also a codec's
+    per-tensor state (``lowrank``'s warm-start Q, as ``NAME:q``), which follows the same runs and resumes.
 
     A residual from another run (or with another shape) is meaningless and dropped.
     Without a directory the residuals live in memory only.
@@ -138,8 +139,9 @@ def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping
     for name in delta:
         values[name] = values[name] - received[name]
     feedback = settings.error_feedback and spec.lossy and bool(delta)
+    stateful = spec.transform == "lowrank" and bool(delta)   # its warm-start Q lives with the residuals
+    stored = residuals.for_run(run_id, task) if feedback or stateful else {}
     if feedback:
-        stored = residuals.for_run(run_id, task)
         for name in delta:
             old = stored.get(name)
             if old is not None and old.shape == values[name].shape:
@@ -153,10 +155,11 @@ def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping
         if settings.noise_multiplier is not None:   # from the OS's entropy: never the task's seed, which is public
             bounded = add_noise(bounded, settings.noise_multiplier * settings.clip_norm, fresh_generator())
         values.update(bounded)
-    wire = encode_tensors(values, spec, sparse=delta, generator=generator)
+    wire = encode_tensors(values, spec, sparse=delta, generator=generator, state=stored if stateful else None)
     if feedback:
         sent = decode_tensors(wire, spec, {n: tuple(v.shape) for n, v in values.items()}, sparse=delta)
         stored.update({name: values[name] - sent[name] for name in delta})
+    if feedback or stateful:
         residuals.save()
     return wire, delta, clipped
 
