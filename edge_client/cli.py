@@ -262,6 +262,9 @@ def _early_check(args: argparse.Namespace):  # -> tuple[BrokerSettings | None, s
 
 
 def _run(args: argparse.Namespace) -> int:
+    from profiling.memory_trace import mark
+
+    mark("interpreter")
     try:
         broker, problem = _early_check(args)
         if problem:
@@ -277,6 +280,7 @@ def _run(args: argparse.Namespace) -> int:
         from edge_client.client import ClientSettings
         from edge_client.data import DataError
         from edge_client.wire.protocol import Topics, valid_client_id
+        mark("imports")
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in _CLIENT_EXTRA:
             raise
@@ -303,6 +307,7 @@ def _run(args: argparse.Namespace) -> int:
     except (DataError, AppError) as exc:
         print(f"fedge-client: {exc}", file=sys.stderr)
         return 2
+    mark("data")
     settings = ClientSettings(client_id=args.client_id, topics=Topics(args.prefix), state_dir=args.state_dir,
                               max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
                               chunking=args.chunking, exit_after_run=args.exit_after_run,
@@ -342,6 +347,9 @@ def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) ->
         stop.uninstall()
         print(f"fedge-client: {exc}", file=sys.stderr)
         return 2
+    from profiling.memory_trace import mark
+
+    mark("connected")
     if not connected:
         stop.uninstall()
         print(f"fedge-client: stopped before connecting to {broker.url}", file=sys.stderr)

@@ -45,6 +45,7 @@ from edge_client.wire.transport import Transport, Will
 from edge_client.wire.updates import ResidualStore, decode_download
 from profiling.device import device_facts
 from profiling.history import append_history
+from profiling.memory_trace import mark
 from profiling.profiler import Profiler
 from profiling.units import human_bytes
 
@@ -183,6 +184,7 @@ class EdgeClient:
         self.shell.apply(self.protocol.announce(presence, time.monotonic()))
         activity.info("client %s online with %d samples, training on %s", self.settings.client_id, len(self.data),
                       self.device)
+        mark("online")
 
     def step(self, timeout: float) -> bool:
         """Handle the next incoming message (waiting up to ``timeout`` s for one), then what is due
@@ -227,12 +229,15 @@ class EdgeClient:
         with profiler.phase("decode"):
             self.memory.before_build(task.model, task.hyper)   # building takes memory too
             model = self._models.get(task.model)
+            mark("model")
             self.memory.before_training(model, task.model, task.hyper)
             self._check_data_fits(task.model)
             self.data = for_model(self.data, task.model)   # the spec's normalization, whatever --data is
+            mark("inputs")
             known = set(federated_names(model))
             received = self._received(wrapped, state_shapes(model))
             model.load_state_dict(received, strict=False)
+            mark("weights")
         ctx = TaskContext(seed=shuffle_seed(task.seed, msg.round, self.settings.client_id),
                           round=msg.round, client_id=self.settings.client_id, state_dir=self.settings.state_dir,
                           profiler=profiler, device=self.device, app=spec_app(task.model))
