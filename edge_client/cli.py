@@ -312,7 +312,11 @@ def _run(args: argparse.Namespace) -> int:
                               max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
                               chunking=args.chunking, exit_after_run=args.exit_after_run,
                               parent_pid=args.parent_pid, device=str(device), privacy_budget=budget)
-    return _serve(broker, settings, data)
+    # The client gets the only reference: a task whose model normalizes otherwise makes the inputs again,
+    # and the first ones are freed only if nothing here still holds them (a device's whole data set).
+    handed = [data]
+    del data
+    return _serve(broker, settings, handed)
 
 
 def _privacy_budget(args: argparse.Namespace):  # -> BudgetSettings | None
@@ -332,8 +336,9 @@ def _privacy_budget(args: argparse.Namespace):  # -> BudgetSettings | None
     return settings
 
 
-def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) -> int:
-    """Connect and serve tasks until stopped; every way out says this device is offline first."""
+def _serve(broker: BrokerSettings, settings: ClientSettings, handed: list[LocalData]) -> int:
+    """Connect and serve tasks until stopped; every way out says this device is offline first. ``handed``: the
+    device's data, taken out of the list so that the client holds the only reference."""
     from edge_client.client import EdgeClient
     from edge_client.wire.transport import MqttTransport, TlsError
 
@@ -357,7 +362,7 @@ def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) ->
     notice = threading.Thread(target=_say_stopping, args=(stop,), name="fedge-stop-notice", daemon=True)
     notice.start()
     try:
-        EdgeClient(settings, transport, data).run(stop)
+        EdgeClient(settings, transport, handed.pop()).run(stop)
     finally:
         # Every way out says this device is offline: a clean DISCONNECT fires no last will, and a
         # coordinator that still saw it online would select it and fail the round.
