@@ -63,7 +63,8 @@ MARKS = {"interpreter": "Python and fedge's command line", "imports": "import to
          "model": "model built", "inputs": "inputs normalized as the model spec says",
          "weights": "received weights decoded and loaded", "optimizer": "optimizer built",
          "training": "training (one epoch)", "codec": "update encoded (codec)",
-         "message": "result message assembled (envelope)", "published": "published (chunks)"}
+         "message": "result message assembled (envelope)", "published": "published (chunks)",
+         "memory given back": "the task's freed memory given back (malloc_trim)"}
 BASELINES = {"import torch": "import torch",
              "import torch, numpy, paho, safetensors, zstandard":
                  "import torch, numpy, paho.mqtt.client, safetensors.torch, zstandard"}

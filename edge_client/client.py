@@ -30,6 +30,7 @@ from torch import nn
 from edge_client.device import GpuMeter
 from edge_client.device_protocol import BroadcastCache, DeviceProtocol, Task, presence_payload
 from edge_client.device_shell import DeviceShell, Trained
+from edge_client.heap import give_back_freed_memory
 from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
 from edge_client.app import APP_KEY, spec_app
@@ -155,12 +156,19 @@ class EdgeClient:
 
     # -- main loop ------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
+        """A device's whole life: serve tasks until stopped or finished, giving the memory each task freed
+        back to the system once it is sent (a simulation's clients, driven by :meth:`step`, share a process
+        and leave that to it)."""
         self.start()
         while not self.finished and not (stop is not None and stop.is_set()):
             if self.settings.parent_pid and not psutil.pid_exists(self.settings.parent_pid):
                 log.info("parent process %d is gone; leaving", self.settings.parent_pid)
                 break
+            done = self.tasks_run
             self.step(0.2)
+            if self.tasks_run != done:
+                give_back_freed_memory()
+                mark("memory given back")
         self.leave()
 
     @property

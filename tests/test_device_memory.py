@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import numpy as np
+import pytest
 
 from edge_client import cli
+from edge_client.heap import give_back_freed_memory
 from edge_client.partitions import holdout_split
 from storage.pixels import Normalization
 
@@ -73,3 +76,12 @@ def test_the_command_line_hands_the_client_the_only_reference_to_the_data(tmp_pa
     code = cli.main(["run", "--data", f"npz:{tmp_path / 'own.npz'}", "--client-id", "pi-01", "--broker",
                      "mqtt://127.0.0.1:1", "--state-dir", str(tmp_path / "state"), "--device", "cpu"])
     assert code == 0 and seen["alive"] is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_freed_memory_goes_back_on_glibc():
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    assert give_back_freed_memory() is True
