@@ -85,3 +85,31 @@ def test_freed_memory_goes_back_on_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")
     assert give_back_freed_memory() is True
+
+
+TRACED = """
+import sys
+from profiling import memory_trace, profiler
+profiler.reset_peak_rss()
+big = b"x" * (64 << 20)   # written, so resident
+del big
+memory_trace.mark("spike")
+memory_trace.mark("quiet")
+print(profiler.peak_rss_since_reset())
+"""
+
+
+def test_a_memory_trace_gives_each_phase_its_own_peak_and_the_task_its_whole_one(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    trace = tmp_path / "memory.jsonl"
+    out = subprocess.run([sys.executable, "-c", TRACED], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "FEDGE_MEMORY_TRACE": str(trace)})
+    assert out.returncode == 0, out.stderr
+    spike, quiet = (json.loads(line) for line in trace.read_text().splitlines())
+    assert (spike["mark"], quiet["mark"]) == ("spike", "quiet")
+    assert spike["peak_rss_bytes"] - spike["rss_bytes"] > 48 << 20     # the freed spike, seen exactly
+    assert quiet["peak_rss_bytes"] < spike["peak_rss_bytes"] - (48 << 20)   # the next phase starts afresh
+    assert int(out.stdout) >= spike["peak_rss_bytes"]                  # what a task's profile reports keeps it
