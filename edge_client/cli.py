@@ -262,6 +262,9 @@ def _early_check(args: argparse.Namespace):  # -> tuple[BrokerSettings | None, s
 
 
 def _run(args: argparse.Namespace) -> int:
+    from profiling.memory_trace import mark
+
+    mark("interpreter")
     try:
         broker, problem = _early_check(args)
         if problem:
@@ -277,6 +280,7 @@ def _run(args: argparse.Namespace) -> int:
         from edge_client.client import ClientSettings
         from edge_client.data import DataError
         from edge_client.wire.protocol import Topics, valid_client_id
+        mark("imports")
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in _CLIENT_EXTRA:
             raise
@@ -303,11 +307,16 @@ def _run(args: argparse.Namespace) -> int:
     except (DataError, AppError) as exc:
         print(f"fedge-client: {exc}", file=sys.stderr)
         return 2
+    mark("data")
     settings = ClientSettings(client_id=args.client_id, topics=Topics(args.prefix), state_dir=args.state_dir,
                               max_message_bytes=args.max_message_bytes, max_decoded_bytes=args.max_decoded_bytes,
                               chunking=args.chunking, exit_after_run=args.exit_after_run,
                               parent_pid=args.parent_pid, device=str(device), privacy_budget=budget)
-    return _serve(broker, settings, data)
+    # The client gets the only reference: a task whose model normalizes otherwise makes the inputs again,
+    # and the first ones are freed only if nothing here still holds them (a device's whole data set).
+    handed = [data]
+    del data
+    return _serve(broker, settings, handed)
 
 
 def _privacy_budget(args: argparse.Namespace):  # -> BudgetSettings | None
@@ -327,8 +336,9 @@ def _privacy_budget(args: argparse.Namespace):  # -> BudgetSettings | None
     return settings
 
 
-def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) -> int:
-    """Connect and serve tasks until stopped; every way out says this device is offline first."""
+def _serve(broker: BrokerSettings, settings: ClientSettings, handed: list[LocalData]) -> int:
+    """Connect and serve tasks until stopped; every way out says this device is offline first. ``handed``: the
+    device's data, taken out of the list so that the client holds the only reference."""
     from edge_client.client import EdgeClient
     from edge_client.wire.transport import MqttTransport, TlsError
 
@@ -342,6 +352,9 @@ def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) ->
         stop.uninstall()
         print(f"fedge-client: {exc}", file=sys.stderr)
         return 2
+    from profiling.memory_trace import mark
+
+    mark("connected")
     if not connected:
         stop.uninstall()
         print(f"fedge-client: stopped before connecting to {broker.url}", file=sys.stderr)
@@ -349,7 +362,7 @@ def _serve(broker: BrokerSettings, settings: ClientSettings, data: LocalData) ->
     notice = threading.Thread(target=_say_stopping, args=(stop,), name="fedge-stop-notice", daemon=True)
     notice.start()
     try:
-        EdgeClient(settings, transport, data).run(stop)
+        EdgeClient(settings, transport, handed.pop()).run(stop)
     finally:
         # Every way out says this device is offline: a clean DISCONNECT fires no last will, and a
         # coordinator that still saw it online would select it and fail the round.

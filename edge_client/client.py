@@ -30,6 +30,7 @@ from torch import nn
 from edge_client.device import GpuMeter
 from edge_client.device_protocol import BroadcastCache, DeviceProtocol, Task, presence_payload
 from edge_client.device_shell import DeviceShell, Trained
+from edge_client.heap import give_back_freed_memory
 from edge_client.inputs import for_model
 from edge_client.memory_guard import MemoryGuard
 from edge_client.app import APP_KEY, spec_app
@@ -45,6 +46,7 @@ from edge_client.wire.transport import Transport, Will
 from edge_client.wire.updates import ResidualStore, decode_download
 from profiling.device import device_facts
 from profiling.history import append_history
+from profiling.memory_trace import mark
 from profiling.profiler import Profiler
 from profiling.units import human_bytes
 
@@ -154,12 +156,19 @@ class EdgeClient:
 
     # -- main loop ------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
+        """A device's whole life: serve tasks until stopped or finished, giving the memory each task freed
+        back to the system once it is sent (a simulation's clients, driven by :meth:`step`, share a process
+        and leave that to it)."""
         self.start()
         while not self.finished and not (stop is not None and stop.is_set()):
             if self.settings.parent_pid and not psutil.pid_exists(self.settings.parent_pid):
                 log.info("parent process %d is gone; leaving", self.settings.parent_pid)
                 break
+            done = self.tasks_run
             self.step(0.2)
+            if self.tasks_run != done:
+                give_back_freed_memory()
+                mark("memory given back")
         self.leave()
 
     @property
@@ -183,6 +192,7 @@ class EdgeClient:
         self.shell.apply(self.protocol.announce(presence, time.monotonic()))
         activity.info("client %s online with %d samples, training on %s", self.settings.client_id, len(self.data),
                       self.device)
+        mark("online")
 
     def step(self, timeout: float) -> bool:
         """Handle the next incoming message (waiting up to ``timeout`` s for one), then what is due
@@ -227,12 +237,15 @@ class EdgeClient:
         with profiler.phase("decode"):
             self.memory.before_build(task.model, task.hyper)   # building takes memory too
             model = self._models.get(task.model)
+            mark("model")
             self.memory.before_training(model, task.model, task.hyper)
             self._check_data_fits(task.model)
             self.data = for_model(self.data, task.model)   # the spec's normalization, whatever --data is
+            mark("inputs")
             known = set(federated_names(model))
             received = self._received(wrapped, state_shapes(model))
             model.load_state_dict(received, strict=False)
+            mark("weights")
         ctx = TaskContext(seed=shuffle_seed(task.seed, msg.round, self.settings.client_id),
                           round=msg.round, client_id=self.settings.client_id, state_dir=self.settings.state_dir,
                           profiler=profiler, device=self.device, app=spec_app(task.model))

@@ -40,6 +40,7 @@ from edge_client.wire.chunking import ChunkingTransport
 from edge_client.wire.protocol import REFUSAL_APP, Message, ProtocolError, ResultBody, encode
 from edge_client.wire.transport import Incoming, MessageTooLarge, TransportError
 from edge_client.wire.updates import ResidualStore, encode_clipped_upload
+from profiling.memory_trace import mark
 
 __all__ = ["Clock", "DeviceShell", "Finish", "PhaseClock", "TASK_ERRORS", "Trained", "Trainer", "Watch"]
 
@@ -171,6 +172,7 @@ class DeviceShell:
             return
         taken_up, started = time.monotonic(), time.perf_counter()
         actions = self.protocol.handle(incoming.topic, incoming.payload, taken_up)
+        mark("received")
         for task in actions.arrived:
             clock = self.trainer.clock(started)
             if incoming.received_at is not None:
@@ -320,6 +322,7 @@ class DeviceShell:
                                                          self.residuals, msg.run_id, raw_only=trained.raw_only,
                                                          task=trained.key,
                                                          generator=torch.Generator().manual_seed(trained.seed))
+        mark("codec")
         if body.upload.noise_multiplier is not None:
             # Local differential privacy: the noisy update is the only thing about the data that leaves the
             # device; a training loss or the clipped bit would be releases the noise does not cover.
@@ -341,8 +344,10 @@ class DeviceShell:
         answer = replace(answer, profile={**clock.summary(), **gpu, **self._previous_send})
         with clock.phase("encode"):
             payload = self.result_payload(msg, answer, tensors)
+        mark("message")
         with clock.phase("publish"):
             self.apply(self.protocol.answered(task, payload, time.monotonic()))
+        mark("published")
         sent = {"task_id": msg.task_id, **{k: clock.phases[k] for k in ("encode", "publish")}}
         self._previous_send = {"previous_send": sent}
         self.trainer.sent(task, answer, payload)

@@ -27,6 +27,7 @@ from edge_client.data import ClientRows, holdout_split
 from edge_client.hyper import ObjectiveError, TrainHyper
 from edge_client.optim import DeviceSGD
 from edge_client.seeding import task_generator
+from profiling.memory_trace import mark
 from profiling.profiler import Profiler
 
 __all__ = ["ObjectiveError", "LocalData", "TaskContext", "task_key", "ObjectiveOutput", "OBJECTIVES", "train", "evaluate",
@@ -164,6 +165,7 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if h.mu > 0 else []
     opt = DeviceSGD(params, lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
+    mark("optimizer")
     profiler = ctx.profiler
     gen = task_generator(ctx.seed)
     model.train()
@@ -197,6 +199,7 @@ def train(model: nn.Module, data: LocalData, hyper: Mapping[str, Any], ctx: Task
             squared += _squared_losses(criterion, scores, yb, value)
             last_seen += len(yb)
         profiler.end_step(len(yb))
+    mark("training")
     return ObjectiveOutput(num_samples=len(data), metrics={"train_loss": total_loss / max(seen, 1),
                                                            "train_loss_sq": squared / max(last_seen, 1)})
 

@@ -88,9 +88,13 @@ def holdout_split(x: np.ndarray, y: np.ndarray, fraction: float, seed: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Split a client's data into (x_train, y_train, x_test, y_test) for personalized evaluation.
 
-    Seeded, so a restarted client holds out exactly the same samples.
+    Seeded, so a restarted client holds out exactly the same samples. Holding out nothing returns ``x`` and
+    ``y`` themselves, not copies of every row (a device's whole data set, twice at once while it loads).
     """
     train, test = _holdout_rows(len(y), fraction, seed)
+    if len(test) == 0:
+        x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)   # as x[train] would be, copied only if not
+        return x, y, x[:0], y[:0]
     return x[train], y[train], x[test], y[test]
 
 

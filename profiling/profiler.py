@@ -46,6 +46,7 @@ _RSS_EVERY_STEPS = 16
 # couple of seconds. The cost of a read is remembered across tasks of the process.
 USS_BUDGET = 0.01
 _uss_cost = [0.01]   # seconds per read, learned; starts from a process with torch loaded
+_carried_peak = [0]  # the kernel's peak as read before a split (split_peak_rss), since the last reset
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -63,6 +64,11 @@ def reset_peak_rss() -> bool:
     With it the peak is exact, spikes between samples included; without it the peak
     is the largest sampled RSS.
     """
+    _carried_peak[0] = 0
+    return _clear_kernel_peak()
+
+
+def _clear_kernel_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
             fh.write("5")
@@ -71,8 +77,7 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_since_reset() -> int | None:
-    """``VmHWM`` of /proc/self/status in bytes: the peak RSS since the last reset."""
+def _kernel_peak() -> int | None:
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
             for line in fh:
@@ -81,6 +86,22 @@ def peak_rss_since_reset() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def peak_rss_since_reset() -> int | None:
+    """``VmHWM`` of /proc/self/status in bytes: the peak RSS since the last reset."""
+    peak = _kernel_peak()
+    return None if peak is None else max(peak, _carried_peak[0])
+
+
+def split_peak_rss() -> int | None:
+    """The kernel's peak RSS since the last split (or reset), starting a new one; :func:`peak_rss_since_reset`
+    still counts it. A memory trace (:mod:`profiling.memory_trace`) reads each phase's own peak so."""
+    peak = _kernel_peak()
+    if peak is not None:
+        _carried_peak[0] = max(_carried_peak[0], peak)
+        _clear_kernel_peak()
+    return peak
 
 
 def _cpu_seconds(process: psutil.Process) -> float:

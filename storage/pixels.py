@@ -93,7 +93,9 @@ class Normalization:
         std = np.array(self.std, np.float64).reshape(1, -1, 1, 1)
         if np.issubdtype(values.dtype, np.integer):
             scale = (1.0 / (top * std)).astype(np.float32)
-            return values * scale - (mean / std).astype(np.float32)
+            inputs = values * scale
+            inputs -= (mean / std).astype(np.float32)   # in place: the same numbers as a - b, without a 2nd array
+            return inputs
         return ((values / top - mean) / std).astype(np.float32)
 
 

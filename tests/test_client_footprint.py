@@ -21,6 +21,7 @@ PROGRAM = textwrap.dedent("""
     y = np.arange(64) % 10
     np.savez(sys.argv[1], x=x, y=y)
     data = __import__("edge_client.data", fromlist=["load_dataset"]).load_dataset("npz:" + sys.argv[1])
+    own = cli._load_data(cli.build_parser().parse_args(["run", "--data", "npz:" + sys.argv[1], "--client-id", "pi"]))
     model = registry.build_model({"name": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28})
     local = LocalData(torch.from_numpy(data.x_train), torch.from_numpy(data.y_train))
     ctx = TaskContext(seed=0, round=1, client_id="pi", state_dir=None, profiler=Profiler())
