@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from coordinator.config_sections import (LR_SCHEDULES, MODES, ORDERS, PRIVACY_MODES, RULES, SELECTIONS,
                                          SLOW_POLICIES, SPENT_DEVICES, WEIGHTINGS, CodecSection, TransportSection)
 from coordinator.errors import ConfigError
-from coordinator.methods import capabilities, requirements, strategies_that
+from coordinator.methods import requirements, strategies_that
 from coordinator.privacy_account import DEFAULT_SAMPLING, SAMPLINGS
 from edge_client.registry import METHODS, model_hooks, optimizers
 from edge_client.device_names import LOOKED_FOR, DeviceError, device_kind
@@ -126,7 +126,7 @@ def check_config(config: RunConfig) -> None:
 def _capability_checks(config: RunConfig) -> list[tuple[bool, str]]:
     """What the strategy, as configured, can run with (its registry entry's declaration, edge_client/registry.py):
     a stage or mode it cannot take is refused naming the key to change and the strategies that take it."""
-    can, a, strategy = capabilities(config), config.aggregate, config.run.strategy
+    can, a, strategy = config.capabilities, config.aggregate, config.run.strategy
     optimizer, privacy = config.server.optimizer, config.privacy.mode
     own_way = can.central_dp or "it combines results its own way"
     return [
@@ -225,7 +225,7 @@ def _workers_checks(config: RunConfig) -> list[tuple[bool, str]]:
          f"workers.group must be a name without / + #, got {w.group!r}"),
         (config.transport.kind == "mqtt" and bool(config.transport.broker),
          f"{need} a broker they can reach too: set transport.broker (mqtt://HOST:PORT)"),
-        (capabilities(config).folds_updates,
+        (config.capabilities.folds_updates,
          f"{need} a strategy whose every result folds into one weighted sum "
          f"({strategies_that(lambda c: c.folds_updates)}), "
          f"not {config.run.strategy!r}"),
@@ -397,7 +397,7 @@ def _over_select_checks(config: RunConfig) -> list[tuple[bool, str]]:
     if not checks[0][0] or c.over_select == 1.0:
         return checks
     need = f"clients.over_select = {c.over_select:g} needs"
-    why_not = capabilities(config).sync_only
+    why_not = config.capabilities.sync_only
     central = config.privacy.mode == "central"
     return checks + [
         (not why_not, f"clients.over_select = {c.over_select:g} cannot run run.strategy = {config.run.strategy!r}: "

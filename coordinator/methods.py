@@ -2,8 +2,8 @@
 
 The registry names each method's strategy and config sections by import path, so
 the device package never imports coordinator code; here those paths are resolved,
-the method's required model options and defaults are applied to a configuration, and its
-declared capabilities are read under it.
+and the method's required model options and defaults are applied to a configuration (its declared
+capabilities under a configuration's settings: ``RunConfig.capabilities``).
 Its strategy is built by :mod:`coordinator.strategy_setup`.
 """
 
@@ -12,15 +12,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coordinator.errors import ConfigError
 from edge_client.registry import METHODS, Capabilities, Method, resolve, strategies
 
-if TYPE_CHECKING:
-    from coordinator.run_config import RunConfig
 
-__all__ = ["capabilities", "strategies_that", "compatibility_table", "method", "resolve", "method_sections",
+__all__ = ["strategies_that", "compatibility_table", "method", "resolve", "method_sections",
            "requirements"]
 
 
@@ -65,11 +63,6 @@ def requirements(strategy: str, model: Mapping[str, Any], explicit: frozenset[st
                               "another strategy")
     defaults = {k: v for k, v in entry.defaults.items() if k not in explicit}
     return dict(entry.model_options), defaults
-
-
-def capabilities(config: RunConfig) -> Capabilities:
-    """What the configured strategy can run with: its entry's declaration under the configuration's settings."""
-    return method(config.run.strategy).capabilities.under(config.setting)
 
 
 def strategies_that(can: Callable[[Capabilities], bool]) -> str:

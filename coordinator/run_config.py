@@ -16,7 +16,8 @@ from coordinator.config_sections import (AggregateSection, AppSection, AsyncSect
                                          MetricsSection, PrivacySection, RunSection, ScheduleSection, SecAggSection, SelectionSection,
                                          ServerSection,
                                          SimSection, TrainSection, TransportSection, WorkersSection)
-from coordinator.methods import method_sections
+from coordinator.methods import method, method_sections
+from edge_client.registry import Capabilities
 
 __all__ = ["RunConfig", "FIELD_OF"]
 
@@ -65,6 +66,11 @@ class RunConfig:
         section, _, name = key.partition(".")
         holder = getattr(self, section)
         return holder.get(name) if isinstance(holder, Mapping) else getattr(holder, name)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the configured strategy can run with: its entry's declaration under these settings."""
+        return method(self.run.strategy).capabilities.under(self.setting)
 
     @property
     def selected_per_round(self) -> int:

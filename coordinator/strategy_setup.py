@@ -12,7 +12,7 @@ import functools
 
 from coordinator.aggregation import Aggregator
 from coordinator.config import RunConfig
-from coordinator.methods import capabilities, method, resolve
+from coordinator.methods import method, resolve
 from coordinator.strategies.server import PlainStep, ServerOptimizer
 from coordinator.privacy import CentralPrivacy, LocalPrivacy
 from coordinator.strategies.base import PersonalizedEval, Strategy
@@ -26,7 +26,7 @@ def make_strategy(config: RunConfig) -> Strategy:
     strategy = resolve(method(config.run.strategy).strategy).from_config(config)
     # What it can run with was checked with the configuration (coordinator/config_checks.py), from the same
     # declaration the strategy now holds under the configured settings.
-    strategy.capabilities = capabilities(config)
+    strategy.capabilities = config.capabilities
     if config.server.optimizer and config.server.optimizer != config.run.strategy:
         strategy.optimizer = _optimizer(config)
     privacy = CentralPrivacy.from_config(config) or LocalPrivacy.from_config(config)

@@ -133,10 +133,9 @@ def test_a_strategy_class_holds_its_entry_s_capabilities_and_behaves_as_declared
 
 def test_a_condition_of_a_declaration_follows_the_settings():
     from coordinator.config import load_config
-    from coordinator.methods import capabilities
 
     def can(strategy: str, *sets: tuple[str, str, object]):
-        return capabilities(load_config(None, [("run", "strategy", strategy), *sets]))
+        return load_config(None, [("run", "strategy", strategy), *sets]).capabilities
 
     assert can("fed2").robust
     assert not can("fed2", ("fed2", "pairing", "holders")).robust
