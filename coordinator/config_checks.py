@@ -454,6 +454,17 @@ def _check_codecs(codec: CodecSection) -> None:
     if specs["down"].topk is not None:
         raise ConfigError("codec.down cannot use topk: it would zero most weights of the model sent down; "
                           "use topk in codec.up")
+    if codec.down_delta:
+        try:
+            parse_codec(codec.down_delta)
+        except CodecError as exc:
+            raise ConfigError(f"codec.down_delta: {exc}") from None
+        if not codec.broadcast:
+            raise ConfigError("codec.down_delta sends the model broadcast as a delta: it needs codec.broadcast = true")
+        if specs["down"].values != "fp32":
+            raise ConfigError(f"codec.down_delta needs codec.down in fp32 (optionally +zstd or +lz4), not "
+                              f"{codec.down!r}: the full broadcast must carry the model devices rebuild from deltas "
+                              "bit for bit, so that either way they hold the same one")
 
 
 def _broker_problem(t: TransportSection) -> str:

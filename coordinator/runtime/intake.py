@@ -282,6 +282,7 @@ class ResultIntake:
         if plan is None:
             return False
         book.profiles[client_id] = profile
+        book.tally.fetched(body.model_from if body is not None else None, book.sent_model)
         try:
             if body is None:
                 raise ProtocolError(problem)
