@@ -3,7 +3,8 @@
 Setting: FedAvg, `cnn`, 10 simulated clients in process (the device's own client code on the in-process
 transport), every client every round, Dirichlet(0.5) label skew, 1 local epoch, batch 32, 20 rounds, seed 0.
 Variants: the full fp32 broadcast every round (today's default); `codec.down = "int8"` (the model itself
-quantized, for comparison); and delta broadcasts (`codec.down_delta`) in int8 and top-k + int8, each with zstd.
+quantized, for comparison); and delta broadcasts (`codec.down_delta`) in int8 and top-k (25 %, 10 %) + int8, each
+with zstd.
 
 Per device per round: the broadcast each device fetched (the full one, or the delta when it held the model
 before; the round row's `bytes_fetched`, or the full broadcast per selected device without deltas) plus its
@@ -35,6 +36,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "int8 broadcast (model quantized)": {"down": "int8"},
     "delta int8+zstd": {"down_delta": "int8+zstd"},
     "delta topk:0.25+int8+zstd": {"down_delta": "topk:0.25+int8+zstd"},
+    "delta topk:0.1+int8+zstd": {"down_delta": "topk:0.1+int8+zstd"},
 }
 
 
@@ -49,7 +51,7 @@ def per_device_down(row: dict[str, Any]) -> float:
 
 
 def run(name: str, codec: dict[str, str], args: argparse.Namespace, directory: Path) -> dict[str, Any]:
-    out = directory / name.split()[0].replace(":", "") / str(len(list(directory.glob("*"))))
+    out = directory / "".join(c if c.isalnum() else "-" for c in name)
     overrides = [("run", "strategy", "fedavg"), ("run", "rounds", args.rounds), ("run", "seed", 0),
                  ("run", "out", str(out)), ("model", "name", "cnn"), ("data", "eval", args.data),
                  ("data", "partition", "dirichlet:0.5"), ("clients", "expected", args.clients),

@@ -367,8 +367,8 @@ class DeviceProtocol:
             return
         self._wait.saw(f"the broadcast of round {round} ({digest[:16]}...)")
         waiting = self._wait.task.body if self._wait.task is not None else None
-        named = waiting is not None and waiting.broadcast == digest
-        self._hold(digest, (waiting.model_digest or "") if named and waiting is not None else "")
+        # the model's digest, when the task waiting for this broadcast names it (delta broadcasts): a base for the next
+        self._hold(digest, (waiting.model_digest or "") if waiting is not None and waiting.broadcast == digest else "")
         task = self._wait.came(digest, now, out)
         if task is not None and self._fresh(task, now, out):
             out.run.append(task)

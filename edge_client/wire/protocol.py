@@ -23,8 +23,8 @@ people; keep both true.
 from __future__ import annotations
 
 from edge_client.wire.bodies import (DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, MODEL_FROM, PRESENCE_STATES,
-                                     REFUSAL_APP, STATUS_STATES, UPDATES, DeltaBody, ModelBody, PresenceBody, ResultBody,
-                                     StatusBody, TaskBody, UploadSettings)
+                                     REFUSAL_APP, STATUS_STATES, UPDATES, DeltaBody, ModelBody, PresenceBody,
+                                     ResultBody, StatusBody, TaskBody, UploadSettings)
 from edge_client.wire.envelope import (DEFAULT_MAX_MESSAGE_BYTES, KINDS, PROTOCOL_VERSION, ContentError, Message,
                                        check_tensors, decode, encode)
 from edge_client.wire.errors import ProtocolError
