@@ -186,6 +186,9 @@ class _Held:
     def __contains__(self, digest: object) -> bool:
         return digest in self.digests
 
+    def get(self, digest: str) -> Any:
+        return self.shared.get(digest) if digest in self.digests else None
+
     def receive(self, digest: str, read: Callable[[], Any]) -> int | None:
         round = self.shared.receive(digest, read)
         if round is not None:

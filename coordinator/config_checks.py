@@ -467,6 +467,20 @@ def _check_codecs(codec: CodecSection) -> None:
     if specs["down"].transform is not None:
         raise ConfigError(f"codec.down cannot use {specs['down'].transform}: it encodes differences, and the model "
                           "goes down as values; use it in codec.up")
+    if codec.down_delta:
+        try:
+            delta = parse_codec(codec.down_delta)
+        except CodecError as exc:
+            raise ConfigError(f"codec.down_delta: {exc}") from None
+        if delta.transform not in (None, "topk"):
+            raise ConfigError(f"codec.down_delta cannot use {delta.transform}, an upload codec: the delta broadcast "
+                              "takes a value format and optionally topk (e.g. int8+zstd or topk:0.25+int8+zstd)")
+        if not codec.broadcast:
+            raise ConfigError("codec.down_delta sends the model broadcast as a delta: it needs codec.broadcast = true")
+        if specs["down"].values != "fp32":
+            raise ConfigError(f"codec.down_delta needs codec.down in fp32 (optionally +zstd or +lz4), not "
+                              f"{codec.down!r}: the full broadcast must carry the model devices rebuild from deltas "
+                              "bit for bit, so that either way they hold the same one")
 
 
 def _broker_problem(t: TransportSection) -> str:

@@ -186,6 +186,10 @@ class CodecSection:
     error_feedback: bool = True     # with a lossy codec.up, clients keep what encoding dropped and add it to the
                                 # next update
     broadcast: bool = True          # tensors common to all of a round's tasks go once, as a retained message
+    down_delta: str = ""            # delta broadcasts: beside each model broadcast, the difference from the model
+                                # devices rebuilt from the one before, in this codec (int8+zstd; the same forms as
+                                # codec.up, topk too); devices holding that model fetch it instead (docs/codecs.md).
+                                # "" (default): none. Needs codec.broadcast and an fp32 codec.down
 
 
 @dataclass(frozen=True)

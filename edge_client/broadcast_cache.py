@@ -59,9 +59,12 @@ class BroadcastCache:
 
 
 class Broadcasts(Protocol):
-    """What the protocol needs of a broadcast store: whether this device holds one, and taking one in.
+    """What the protocol needs of a broadcast store: whether this device holds one, taking one in, and reading
+    one (the base a delta broadcast applies to).
     A caller may bring its own store (shared, or counting what it decodes) instead of a cache."""
 
     def __contains__(self, digest: object) -> bool: ...
+
+    def get(self, digest: str) -> tuple[dict[str, torch.Tensor], CodecSpec] | None: ...
 
     def receive(self, digest: str, read: Callable[[], Broadcast | None]) -> int | None: ...

@@ -5,7 +5,9 @@ may come after the task or not at all (the device may not read the topic, the br
 restarted and forgotten it). The device subscribes to the model topic only while a task waits, so
 that a long-lived device does not receive every model, and answers with an error halfway through
 the task's timeout, so that the coordinator counts the attempt failed and retries it rather than
-counting it late. What came meanwhile is kept to tell the person at the device why.
+counting it late. What came meanwhile is kept to tell the person at the device why. The wait
+is on one topic at a time: the model topic, or the delta topic when the device holds the model
+the task's delta broadcast applies to (and back to the model topic if the delta fails its checks).
 """
 
 from __future__ import annotations
@@ -23,23 +25,43 @@ class BroadcastWait:
 
     def __init__(self, model_topic: str) -> None:
         self.model_topic = model_topic
+        self.topic = model_topic                  # the topic waited on (subscribed while a task waits)
         self.disconnects = 0                      # the transport's count of lost connections so far
         self._waiting: tuple[Task, float] | None = None   # the task waiting, since when
         self._seen: list[str] = []                # what came on the model topic meanwhile, for the error
         self._disconnects_before = 0
 
-    def begin(self, task: Task, now: float, out: Actions) -> None:
-        """Wait for ``task``'s broadcast: subscribe to the model topic unless already waiting."""
+    @property
+    def task(self) -> Task | None:
+        """The task waiting for its broadcast, if one does."""
+        return self._waiting[0] if self._waiting is not None else None
+
+    def begin(self, task: Task, now: float, out: Actions, topic: str | None = None) -> None:
+        """Wait for ``task``'s broadcast on ``topic`` (the model topic by default): subscribe to it unless
+        already waiting there."""
+        topic = topic or self.model_topic
         if self._waiting is None:
             self._seen, self._disconnects_before = [], self.disconnects
-            out.subscribe.append((self.model_topic, True))
+            out.subscribe.append((topic, True))
+        elif topic != self.topic:
+            out.unsubscribe.append((self.topic, True))
+            out.subscribe.append((topic, True))
+        self.topic = topic
         self._waiting = (task, now)
 
+    def switch(self, topic: str, out: Actions) -> None:
+        """Go on waiting for the same task on ``topic`` (the full model after a delta that failed), within the
+        same patience."""
+        if self._waiting is not None and topic != self.topic:
+            out.unsubscribe.append((self.topic, True))
+            out.subscribe.append((topic, True))
+            self.topic = topic
+
     def stop(self, out: Actions) -> None:
-        """Drop the model topic once nothing waits: the next models are of no use to this device."""
+        """Drop the topic once nothing waits: the next models are of no use to this device."""
         if self._waiting is not None:
             self._waiting = None
-            out.unsubscribe.append((self.model_topic, True))
+            out.unsubscribe.append((self.topic, True))
 
     def saw(self, seen: str) -> None:
         """Keep what came on the model topic for a task's error, only while one waits (a device lives long)."""
@@ -91,5 +113,5 @@ class BroadcastWait:
                     "its retry)")
         if self._seen:
             return f"{said}; the model topic brought only {'; '.join(self._seen[-3:])}"
-        return (f"{said}, and nothing came on {self.model_topic}: check that this device may read that topic "
+        return (f"{said}, and nothing came on {self.topic}: check that this device may read that topic "
                 "(the broker's ACL)")

@@ -30,6 +30,7 @@ class Task:
     context: Any = None
     fetch_seconds: float | None = None   # how long it waited for its broadcast, once the broadcast came
     no_broadcast: str = ""               # why it runs without its broadcast: the wait was given up
+    model_from: str | None = None        # how it came by its broadcast (MODEL_FROM), with delta broadcasts
 
     @classmethod
     def read(cls, msg: Message) -> Task:

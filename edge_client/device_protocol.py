@@ -5,7 +5,8 @@ The device's client (:mod:`edge_client.client`) and the fleet benchmark's stand-
 (``bench/fleet.py``) must play the protocol the same way, or the benchmark measures a device that
 does not exist. So the rules live here once: presence and its echo, the coordinator's run status
 (sessions, ``stopped`` and ``finished``, tasks that came before any status), which tasks run, the
-wait for a task's model broadcast, and sending a result until it is acknowledged. Each caller keeps
+wait for a task's model broadcast (or its delta, rebuilt on the model this device holds), and sending a
+result until it is acknowledged. Each caller keeps
 only its I/O and its work: it feeds :class:`DeviceProtocol` events (:meth:`~DeviceProtocol.handle`,
 :meth:`~DeviceProtocol.tick`, :meth:`~DeviceProtocol.answered`) with the time, and carries out the
 :class:`Actions` it gets back (publish, subscribe, execute a task, log), both through the one
@@ -24,13 +25,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
+
+import torch
 
 from edge_client.broadcast_cache import Broadcast, BroadcastCache, Broadcasts
 from edge_client.broadcast_wait import BROADCAST_PATIENCE, BroadcastWait  # noqa: F401  (re-exported)
 from edge_client.device_actions import Actions, Note, Publish, Task
-from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, Message, ModelBody, PresenceBody, ProtocolError,
-                                       ResultBody, StatusBody, Topics, decode, encode)
+from edge_client.wire.codec import FP32
+from edge_client.wire.model_delta import apply_delta, exact_model, model_digest
+from edge_client.wire.protocol import (DEFAULT_MAX_MESSAGE_BYTES, DeltaBody, Message, ModelBody, PresenceBody,
+                                       ProtocolError, ResultBody, StatusBody, TaskBody, Topics, decode, encode)
 
 __all__ = ["Actions", "BroadcastCache", "Broadcasts", "DeviceProtocol", "Note", "Publish", "Task", "presence_payload",
            "ONLINE_LINE"]
@@ -40,6 +46,7 @@ ONLINE_LINE = "online: the broker passed on this device's presence on"
 PARKED_PATIENCE = 15.0     # seconds tasks may wait for a run status before the device says it sees none
 KEEP_PARKED = 8            # tasks kept while no run status has come; the coordinator re-sends the others
 KEEP_CLOSED = 64           # closed task ids remembered: a closed task arriving late is not run
+KEEP_HELD = 2              # model broadcasts this device took itself, as many as a BroadcastCache keeps
 
 
 def presence_payload(client_id: str, body: PresenceBody) -> bytes:
@@ -96,6 +103,10 @@ class DeviceProtocol:
         self._echo_due: float | None = None
         self._wait = BroadcastWait(topics.model)   # a task waiting for its broadcast
         self._closed: dict[str, None] = {}       # tasks the coordinator closed (its round counted enough), oldest first
+        # The broadcasts this device took itself (by SHA-256, oldest first), each with the digest of its model when
+        # a task named it (delta broadcasts), "" otherwise. A store shared by clients in one process holds what
+        # any of them took; a device holds only what it received, as a device on its own does.
+        self._held: OrderedDict[str, str] = OrderedDict()
 
     # -- presence ---------------------------------------------------------------
     def start(self) -> Actions:
@@ -141,6 +152,9 @@ class DeviceProtocol:
             return out
         if topic == self.topics.model:
             self._on_model(payload, now, out)
+            return out
+        if topic == self.topics.model_delta:
+            self._on_delta(payload, now, out)
             return out
         try:
             msg = decode(payload, max_bytes=self.max_decoded_bytes)
@@ -352,17 +366,92 @@ class DeviceProtocol:
         if round is None:
             return
         self._wait.saw(f"the broadcast of round {round} ({digest[:16]}...)")
+        waiting = self._wait.task.body if self._wait.task is not None else None
+        # the model's digest, when the task waiting for this broadcast names it (delta broadcasts): a base for the next
+        self._hold(digest, (waiting.model_digest or "") if waiting is not None and waiting.broadcast == digest else "")
         task = self._wait.came(digest, now, out)
         if task is not None and self._fresh(task, now, out):
             out.run.append(task)
 
+    def _on_delta(self, payload: bytes, now: float, out: Actions) -> None:
+        """A delta broadcast: rebuild the waiting task's model on the base this device holds and check it against
+        the digest the task names; on any problem, fetch the full broadcast instead."""
+        task = self._wait.task
+        body = task.body if task is not None else None
+        if task is None or body is None or not body.offers_delta or body.broadcast is None:
+            return   # nothing waits for a delta (one retained from before this device's wait ended)
+        digest = hashlib.sha256(payload).hexdigest()
+        if digest != body.delta_broadcast:
+            self._wait.saw(f"a delta broadcast of another model ({digest[:16]}...)")
+            return
+        try:
+            round = self.broadcasts.receive(body.broadcast, lambda: self._rebuild(payload, body))
+        except ProtocolError as exc:
+            out.note("ignored", logging.WARNING, f"the delta broadcast {digest[:16]}... failed its checks ({exc}); "
+                                                 "fetching the full model broadcast instead")
+            task.model_from = "bad_delta"
+            self._wait.saw(f"a delta broadcast that was refused ({exc})")
+            self._wait.switch(self.topics.model, out)
+            return
+        self._wait.saw(f"the delta broadcast of round {round} ({digest[:16]}...)")
+        self._hold(body.broadcast, body.model_digest or "")
+        ready = self._wait.came(body.broadcast, now, out)
+        if ready is not None and self._fresh(ready, now, out):
+            out.run.append(ready)
+
+    def _rebuild(self, payload: bytes, task: TaskBody) -> Broadcast:
+        """The model a delta message gives on the base the task names, as the broadcast it stands for (float32,
+        so that it is a base for the next delta); ProtocolError unless its digest is the task's ``model_digest``."""
+        msg = decode(payload, max_bytes=self.max_decoded_bytes)
+        if msg.kind != "delta":
+            raise ProtocolError(f"a {msg.kind!r} message came on the delta topic")
+        delta = DeltaBody.from_body(msg.body)
+        if (delta.base, delta.result) != (task.delta_base, task.model_digest):
+            raise ProtocolError("the delta's base and result digests are not the ones its task names")
+        base = self._base(delta.base)
+        if base is None:
+            raise ProtocolError(f"the model {delta.base[:16]}... the delta applies to is no longer held")
+        model = apply_delta(base, msg.tensors, delta.codec)
+        if model_digest(model) != delta.result:
+            raise ProtocolError(f"the rebuilt model's digest is not {delta.result[:16]}..., the one the task names")
+        return model, FP32, msg.round
+
+    def _hold(self, digest: str, model: str) -> None:
+        """This device took the broadcast ``digest`` (carrying the model whose digest is ``model``, "" unknown)."""
+        self._held[digest] = model or self._held.get(digest, "")
+        self._held.move_to_end(digest)
+        while len(self._held) > KEEP_HELD:
+            self._held.popitem(last=False)
+
+    def _holds(self, digest: str) -> bool:
+        return digest in self._held and digest in self.broadcasts
+
+    def _base(self, model: str | None) -> dict[str, torch.Tensor] | None:
+        """The float32 tensors of the model whose digest is ``model``, if this device holds a broadcast of it."""
+        for digest, held in reversed(self._held.items()):
+            if model and held == model:
+                got = self.broadcasts.get(digest)
+                if got is not None:
+                    return exact_model(*got)
+        return None
+
     def _needs_broadcast(self, task: Task, now: float, out: Actions) -> bool:
-        """Park a task whose broadcast is not here yet and fetch it (the retained model topic)."""
-        digest = task.body.broadcast if task.body is not None else None
-        if digest is None or digest in self.broadcasts:
+        """Park a task whose broadcast is not here yet and fetch it: its delta (the retained delta topic) when this
+        device holds the model the delta applies to, else the full broadcast (the retained model topic)."""
+        body = task.body
+        digest = body.broadcast if body is not None else None
+        if body is None or digest is None or self._holds(digest):
+            if body is not None and digest is not None and body.model_digest is not None:
+                task.model_from = "held"
             self._wait.stop(out)
             return False
-        self._wait.begin(task, now, out)
+        if body.offers_delta and self._base(body.delta_base) is not None:
+            task.model_from = "delta"
+            self._wait.begin(task, now, out, self.topics.model_delta)
+            return True
+        if body.model_digest is not None:
+            task.model_from = "no_base" if body.offers_delta else "full"
+        self._wait.begin(task, now, out, self.topics.model)
         return True
 
     def missing_broadcast(self, task: Task) -> str:

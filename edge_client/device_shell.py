@@ -341,7 +341,8 @@ class DeviceShell:
         come after the profile is sealed, so their times travel with the next result, as ``previous_send``."""
         msg, clock = task.msg, task.context
         gpu = self.gpu.summary() if self.gpu is not None else {}
-        answer = replace(answer, profile={**clock.summary(), **gpu, **self._previous_send})
+        answer = replace(answer, profile={**clock.summary(), **gpu, **self._previous_send},
+                         model_from=task.model_from)
         with clock.phase("encode"):
             payload = self.result_payload(msg, answer, tensors)
         mark("message")

@@ -787,3 +787,85 @@ def test_deeply_nested_fedge_metadata_is_refused():
 def test_a_non_finite_number_in_the_body_is_refused():
     with pytest.raises(ProtocolError, match="not finite"):
         decode(_raw_header(_PLAIN, lambda s: s.replace('\\"a\\":1', '\\"a\\":1e999')))
+
+
+# ----------------------------------------------------------------------------- delta broadcasts
+
+def _delta_mutation(rng: random.Random, wire: dict[str, torch.Tensor], body: dict[str, Any]
+                    ) -> tuple[str, dict[str, torch.Tensor], dict[str, Any]]:
+    """A delta message's tensors or body made wrong in one way (or left intact): the kind it travels as, too."""
+    wire, body, kind = dict(wire), dict(body), "delta"
+    name = rng.choice(sorted(wire))
+    what = rng.randrange(11)
+    if what == 0:
+        del wire[name]
+    elif what == 1:
+        wire["extra"] = torch.zeros(3, dtype=torch.int8)
+    elif what == 2:
+        wire[name] = wire[name].to(rng.choice([torch.float32, torch.float16, torch.int16, torch.uint8]))
+    elif what == 3:
+        wire[name] = torch.zeros(*[d + rng.choice([-1, 1, 2]) for d in wire[name].shape] or [2],
+                                 dtype=wire[name].dtype).clamp(min=0)
+    elif what == 4 and name.endswith(":scale"):
+        wire[name] = torch.full_like(wire[name], rng.choice([-1.0, float("nan"), float("inf"), 3e38]))
+    elif what == 5:
+        wire[name] = torch.randint(-128, 128, wire[name].shape, dtype=torch.int8) if wire[name].dtype == torch.int8 \
+            else wire[name] * rng.choice([0.0, 2.0, 1e30])
+    elif what == 6:
+        body["codec"] = rng.choice(["fp16", "fp32", "topk:0.5+int8", "bf16", "int8:stochastic", "nonsense", 7])
+    elif what == 7:
+        body[rng.choice(["base", "result"])] = rng.choice(["0" * 64, "xyz", None, 1])
+    elif what == 8:
+        del body[rng.choice(sorted(body))]
+    elif what == 9:
+        kind = rng.choice(["model", "result", "status"])
+    return kind, wire, body
+
+
+def test_mutated_delta_broadcasts_rebuild_exactly_or_fall_back():
+    """A device rebuilding a model from a delta its task names (whatever the delta holds) either gets the exact
+    model the task's digest names or refuses the delta and fetches the full broadcast; it never raises."""
+    from edge_client.device_protocol import DeviceProtocol
+    from edge_client.wire.model_delta import apply_delta, encode_delta, model_digest
+    from edge_client.wire.protocol import Topics
+
+    topics, rng = Topics(), random.Random(20260102)
+    g = torch.Generator().manual_seed(5)
+    base = {"conv.weight": torch.randn(4, 3, 3, 3, generator=g), "conv.bias": torch.randn(4, generator=g),
+            "fc.weight": torch.randn(10, 12, generator=g)}
+    target = {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in base.items()}
+    codec = parse_codec("int8")
+    wire = encode_delta(target, base, codec)
+    result = model_digest(apply_delta(base, wire, codec))
+    body = {"codec": "int8", "base": model_digest(base), "result": result}
+    full = encode("model", run_id="r", round=1, task_id="", sender="coordinator", body={"codec": "fp32"},
+                  tensors=base)
+    rebuilt_count = refused = 0
+    for i in range(300):
+        kind, tensors, fields = _delta_mutation(rng, wire, body) if i else ("delta", wire, body)
+        try:
+            delta = encode(kind, run_id="r", round=2, task_id="", sender="coordinator", body=fields, tensors=tensors)
+        except ProtocolError:
+            continue
+        device = DeviceProtocol("dev", topics)
+        device.handle(topics.coordinator_status, encode("status", run_id="r", round=1, task_id="",
+                                                        sender="coordinator", body={"state": "running"}), 0.0)
+        first = {"objective": "train", "model": {}, "up": [], "timeout": 20, "model_digest": model_digest(base),
+                 "broadcast": hashlib.sha256(full).hexdigest()}
+        device.handle(topics.client("dev", "task"), encode("task", run_id="r", round=1, task_id=f"a{i}",
+                                                            sender="coordinator", body=first), 0.0)
+        assert device.handle(topics.model, full, 0.0).run
+        second = {**first, "broadcast": "f" * 64, "model_digest": result, "delta_base": model_digest(base),
+                  "delta_broadcast": hashlib.sha256(delta).hexdigest()}
+        out = device.handle(topics.client("dev", "task"), encode("task", run_id="r", round=2, task_id=f"b{i}",
+                                                                  sender="coordinator", body=second), 0.0)
+        assert out.subscribe == [(topics.model_delta, True)]
+        out = device.handle(topics.model_delta, delta, 0.0)
+        if out.run:
+            rebuilt_count += 1
+            got, _ = device.broadcasts.get("f" * 64)
+            assert model_digest(got) == result and out.run[0].model_from == "delta"
+        else:
+            refused += 1
+            assert out.subscribe == [(topics.model, True)] and out.run == []
+    assert rebuilt_count >= 1 and refused > 200

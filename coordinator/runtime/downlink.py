@@ -7,22 +7,29 @@ and carries only what is specific to its client. Everything goes in the
 ``codec.down`` format (never top-k: the download is values, not differences), and
 each task tells its client how to answer (``upload``: ``codec.up``, differences or
 raw values, error feedback).
+
+With ``codec.down_delta`` the broadcast carries the coordinator's reference model
+(:mod:`coordinator.runtime.model_reference`), and beside it goes a retained ``delta``
+message on ``PREFIX/coordinator/delta``: the reference's change since the previous
+broadcast in that codec, which a device holding the previous one fetches instead.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from coordinator.config import RunConfig
+from coordinator.runtime.model_reference import ModelReference
 from coordinator.strategies.base import TaskPlan
 from edge_client.wire.codec import CodecSpec, parse_codec
-from edge_client.wire.protocol import ModelBody, TaskBody, UploadSettings, encode
+from edge_client.wire.protocol import DeltaBody, ModelBody, TaskBody, UploadSettings, encode
 from edge_client.wire.updates import encode_download
 
-__all__ = ["shared_tensors", "Downlink"]
+__all__ = ["shared_tensors", "BroadcastMessages", "Downlink"]
 
 
 def shared_tensors(plans: Sequence[TaskPlan]) -> dict[str, torch.Tensor]:
@@ -40,6 +47,19 @@ def download_generator(run_seed: int, round: int) -> torch.Generator:
     return torch.Generator().manual_seed(run_seed * 1_000_003 + round)
 
 
+@dataclass(frozen=True)
+class BroadcastMessages:
+    """An exchange's broadcast: the full model message and its SHA-256; with delta broadcasts, the digest of the
+    model it carries and (unless this broadcast is full only) the delta message, its SHA-256 and its base."""
+
+    payload: bytes
+    digest: str
+    model_digest: str | None = None
+    delta_payload: bytes = b""
+    delta_digest: str | None = None
+    base: str | None = None
+
+
 class Downlink:
     """Encodes the broadcast and the tasks of a run with its download codec."""
 
@@ -49,6 +69,8 @@ class Downlink:
         self.spec = parse_codec(config.codec.down).dense()   # the codec of every task and broadcast
         # Upload codecs by a plan's own spec (None: the run's codec.up), each parsed once.
         self._upload_codecs: dict[str | None, CodecSpec] = {None: parse_codec(config.codec.up)}
+        # The model devices hold, when broadcasts go as deltas too (codec.down_delta); in memory only.
+        self.reference = ModelReference(parse_codec(config.codec.down_delta)) if config.codec.down_delta else None
 
     def _encode(self, kind: str, round: int, task_id: str, body: ModelBody | TaskBody,
                 tensors: dict[str, torch.Tensor]) -> bytes:
@@ -56,10 +78,21 @@ class Downlink:
         return encode(kind, run_id=self.run_id, round=round, task_id=task_id, sender="coordinator",
                       body=body.to_body(), tensors=wire, compression=body.codec)
 
-    def broadcast(self, round: int, tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:
-        """The ``model`` message for ``tensors`` and the SHA-256 (hex) tasks reference it by."""
-        payload = self._encode("model", round, "", ModelBody(self.spec), tensors)
-        return payload, hashlib.sha256(payload).hexdigest()
+    def broadcast(self, round: int, tensors: dict[str, torch.Tensor]) -> BroadcastMessages:
+        """The ``model`` message for ``tensors`` and the SHA-256 (hex) tasks reference it by; with delta
+        broadcasts, the reference model in its place and the ``delta`` message that rebuilds it."""
+        if self.reference is None:
+            payload = self._encode("model", round, "", ModelBody(self.spec), tensors)
+            return BroadcastMessages(payload, hashlib.sha256(payload).hexdigest())
+        step = self.reference.step(tensors, download_generator(self.config.run.seed, round))
+        payload = self._encode("model", round, "", ModelBody(self.spec), step.model)
+        digest = hashlib.sha256(payload).hexdigest()
+        if step.delta is None or step.base is None:
+            return BroadcastMessages(payload, digest, step.digest)
+        body = DeltaBody(self.reference.spec, step.base, step.digest)
+        delta = encode("delta", run_id=self.run_id, round=round, task_id="", sender="coordinator",
+                       body=body.to_body(), tensors=step.delta, compression=body.codec)
+        return BroadcastMessages(payload, digest, step.digest, delta, hashlib.sha256(delta).hexdigest(), step.base)
 
     def task(self, round: int, task_id: str, body: TaskBody, tensors: dict[str, torch.Tensor]) -> bytes:
         """The ``task`` message: ``tensors`` in the body's codec (normally :attr:`spec`)."""

@@ -282,6 +282,7 @@ class ResultIntake:
         if plan is None:
             return False
         book.profiles[client_id] = profile
+        book.tally.fetched(body.model_from if body is not None else None, book.sent_model)
         try:
             if body is None:
                 raise ProtocolError(problem)
@@ -332,7 +333,8 @@ class ResultIntake:
                                round_seconds=seconds, late=self._plan_of(msg.task_id, True) is None,
                                error=None if error is None else error[:500],
                                refusal=body.refusal if body is not None and error is not None else "",
-                               profile=profile, device=self.roster.device(client_id))
+                               profile=profile, device=self.roster.device(client_id),
+                               model_from=body.model_from if body is not None else None)
         if self.device_book is not None and body is not None:   # its utility counts its samples: within the bound
             samples = self.weights.cap(body.num_samples)[0]
             self.device_book.answered(client_id, seconds, profile, body.metrics, samples, error)

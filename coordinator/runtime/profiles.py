@@ -60,14 +60,16 @@ class ProfileStore:
 
     def add(self, client_id: str, *, round: int, task_id: str, objective: str, round_seconds: float,
             late: bool = False, missed: bool = False, error: str | None = None, refusal: str = "",
-            profile: dict[str, Any] | None = None, device: Any = None) -> None:
+            profile: dict[str, Any] | None = None, device: Any = None, model_from: str | None = None) -> None:
         """Record one answer (or, with ``missed``, a task that got none in time; ``round_seconds`` is then
-        the timeout, a lower bound); ``refusal``: the kind of an error that says one (``app``). ``client_id`` must
-        already be a checked id: it names files."""
+        the timeout, a lower bound); ``refusal``: the kind of an error that says one (``app``); ``model_from``: how
+        the device came by the task's model broadcast, with delta broadcasts. ``client_id`` must already be a checked
+        id: it names files."""
         self.directory.mkdir(parents=True, exist_ok=True)
         record = {"round": round, "time": time.time(), "task_id": task_id, "objective": objective,
                   "round_seconds": round_seconds,
                   "late": late, "missed": missed, "error": error, **({"refusal": refusal} if refusal else {}),
+                  **({"model_from": model_from} if model_from else {}),
                   "profile": profile or {}}
         with open(self.directory / f"{client_id}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")

@@ -17,7 +17,7 @@ from coordinator.strategies.base import ClientResult, TaskPlan
 from edge_client.objectives import DIVERGED
 from edge_client.wire.protocol import ManifestBody
 
-__all__ = ["COUNTERS", "Network", "Tally", "RoundBook", "RoundNotes"]
+__all__ = ["COUNTERS", "Network", "Tally", "SentModel", "RoundBook", "RoundNotes"]
 
 COUNTERS = ("late", "rejected", "duplicates", "unexpected", "failed")   # outcomes counted in the row
 # What to try when the global model diverged, whoever noticed it
@@ -43,6 +43,12 @@ class Tally:
     bytes_up: int = 0
     bytes_broadcast: int = 0
     worker_lost: int = 0   # results acknowledged but lost with a worker's partial sum
+    # Delta broadcasts (codec.down_delta): the delta broadcasts' bytes (also in bytes_broadcast), how each answering
+    # device came by its model (MODEL_FROM: model_from_delta, model_from_no_base, ...) and what those fetches
+    # cost together (bytes_fetched: the full or the delta broadcast per device, nothing for one that held it).
+    bytes_delta: int = 0
+    model_from: dict[str, int] = field(default_factory=dict)
+    bytes_fetched: int = 0
 
     def add(self, other: Tally) -> None:
         for key, value in other.counts.items():
@@ -51,6 +57,17 @@ class Tally:
         self.bytes_up += other.bytes_up
         self.bytes_broadcast += other.bytes_broadcast
         self.worker_lost += other.worker_lost
+        self.bytes_delta += other.bytes_delta
+        for key, value in other.model_from.items():
+            self.model_from[key] = self.model_from.get(key, 0) + value
+        self.bytes_fetched += other.bytes_fetched
+
+    def fetched(self, model_from: str | None, sent: SentModel | None) -> None:
+        """Count how one device came by the exchange's broadcast ``sent`` (a result's ``model_from``), and its bytes."""
+        if model_from is None or sent is None:
+            return
+        self.model_from[model_from] = self.model_from.get(model_from, 0) + 1
+        self.bytes_fetched += {"held": 0, "delta": sent.delta_bytes}.get(model_from, sent.full_bytes)
 
     def carried(self) -> Tally:
         """What strays between two exchanges leave to the next one: their counts and the bytes they came in."""
@@ -62,7 +79,22 @@ class Tally:
                "bytes_broadcast": self.bytes_broadcast}
         if self.worker_lost:
             row["worker_lost"] = self.worker_lost
+        if self.bytes_delta or self.model_from:   # delta broadcasts (codec.down_delta) only
+            row.update({"bytes_broadcast_delta": self.bytes_delta, "bytes_fetched": self.bytes_fetched,
+                        **{f"model_from_{k}": v for k, v in sorted(self.model_from.items())}})
         return row
+
+
+@dataclass(frozen=True)
+class SentModel:
+    """An exchange's model broadcast with delta broadcasts on (``codec.down_delta``): what its tasks name beside
+    its hash, and the bytes a device fetches either way."""
+
+    model_digest: str          # the digest of the model it carries (edge_client.wire.model_delta.model_digest)
+    delta: str | None          # the SHA-256 of the delta broadcast that rebuilds it; None: full only this time
+    base: str | None           # ... and the digest of the model that delta applies to
+    full_bytes: int
+    delta_bytes: int
 
 
 @dataclass
@@ -100,6 +132,7 @@ class RoundBook:
     granted: dict[str, tuple[str, ClientResult]] = field(default_factory=dict)
     shared: frozenset[str] = frozenset()   # the tensors the tasks leave to the model broadcast
     broadcast: str | None = None           # ... and its hash
+    sent_model: SentModel | None = None    # ... and, with delta broadcasts, its delta
     columns: dict[str, Any] = field(default_factory=dict)   # what the phase adds to the row (a secure round's)
 
     @property

@@ -95,7 +95,8 @@ class ClientPool:
         doorbell = self.hub.connect("simulation-dispatcher")
         for kind in ("task", "status", "presence"):
             doorbell.subscribe(self.topics.all_clients(kind))
-        for topic in (self.topics.coordinator_status, self.topics.model, self.topics.model + "/+"):
+        for topic in (self.topics.coordinator_status, self.topics.model, self.topics.model + "/+",
+                      self.topics.model_delta, self.topics.model_delta + "/+"):
             doorbell.subscribe(topic)
         # torch.set_num_threads sets the calling thread's OpenMP thread count and the default of
         # threads that have not used torch yet: each worker takes its count, then the default is

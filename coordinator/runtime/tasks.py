@@ -86,7 +86,8 @@ class TaskSender:
                         up=tuple(plan.up), hyper=plan.hyper, upload=self.downlink.upload(plan),
                         codec=self.downlink.spec, broadcast=book.broadcast, seed=self.config.run.seed,
                         timeout=c.round_timeout, resend_every=c.resend_every, deadline=time.time() + c.round_timeout,
-                        session=self.broadcast.session, secagg=plan.secagg)
+                        session=self.broadcast.session, secagg=plan.secagg,
+                        **_delta_fields(book))
         own = {k: v for k, v in plan.down.items() if k not in book.shared}
         sent = self.outbox.publish(self.topics.client(plan.client_id, "task"),
                                    self.downlink.task(book.round, task_id, body, own))
@@ -117,3 +118,12 @@ class TaskSender:
                         self._resent.popitem(last=False)
                     self.send(given, task_id, plan)
                     return
+
+
+def _delta_fields(book: RoundBook) -> dict[str, str | None]:
+    """A task's delta broadcast fields (codec.down_delta): the digest of the model its broadcast carries and the
+    delta that rebuilds it, when the exchange has one."""
+    sent = book.sent_model
+    if sent is None or book.broadcast is None:
+        return {}
+    return {"model_digest": sent.model_digest, "delta_broadcast": sent.delta, "delta_base": sent.base}

@@ -20,7 +20,8 @@ from edge_client.wire.codec_spec import FP32, CodecSpec
 from edge_client.wire.errors import ProtocolError
 
 __all__ = ["DEFAULT_TASK_TIMEOUT", "DEFAULT_RESEND_EVERY", "UPDATES", "PRESENCE_STATES", "STATUS_STATES",
-           "REFUSAL_APP", "UploadSettings", "PresenceBody", "TaskBody", "ResultBody", "StatusBody", "ModelBody"]
+           "REFUSAL_APP", "MODEL_FROM", "UploadSettings", "PresenceBody", "TaskBody", "ResultBody", "StatusBody",
+           "ModelBody", "DeltaBody"]
 
 DEFAULT_TASK_TIMEOUT = 600.0     # a task's ``timeout`` when it has none
 DEFAULT_RESEND_EVERY = 10.0      # a task's ``resend_every`` when it has none
@@ -31,6 +32,11 @@ STATUS_STATES = ("ack", "rejected", "closed", "running", "finished", "stopped")
 # until the run's app is installed (edge_client.app.AppMismatch). Other kinds may come: a reader that does not know
 # one takes the result as a plain failure.
 REFUSAL_APP = "app"
+# A result's ``model_from``: how the device came by the task's model broadcast. held: it had it already; full: it
+# fetched the full broadcast (no delta offered); delta: it rebuilt it from the delta broadcast; no_base: a delta was
+# offered but the device held no model it was made from (new, restarted, missed rounds), so it fetched the full one;
+# bad_delta: the delta failed its checks (the rebuilt model's digest among them), so it fetched the full one.
+MODEL_FROM = ("held", "full", "delta", "no_base", "bad_delta")
 _COUNT = integer(minimum=0)
 _SECONDS = number(above=0, want="a positive number of seconds")
 
@@ -91,7 +97,7 @@ class TaskBody(Body):
     KIND = "task"
     TENSORS = "what the client starts from that is not in the model broadcast, in the body's codec"
     WIRE_ORDER = ("objective", "hyper", "model", "up", "seed", "timeout", "resend_every", "deadline", "upload",
-                  "broadcast", "codec", "session", "secagg")
+                  "broadcast", "codec", "session", "secagg", "model_digest", "delta_broadcast", "delta_base")
 
     # a registered objective: train, evaluate, a method's own
     objective: str = wire(text("an objective name"))
@@ -116,6 +122,17 @@ class TaskBody(Body):
     session: str = wire(SESSION, "", omit_when="")
     # A stage of secure aggregation (edge_client/secagg/stages.py parses it); None: an ordinary task.
     secagg: dict[str, Any] | None = optional(an_object())
+    # delta broadcasts (docs/codecs.md): the SHA-256 of the float32 tensors of the model the broadcast carries
+    model_digest: str | None = optional(SHA256)
+    # the SHA-256 of the delta message that rebuilds that model from the one named by delta_base
+    delta_broadcast: str | None = optional(SHA256)
+    # the digest of the model the delta applies to; a device holding none of it takes the broadcast
+    delta_base: str | None = optional(SHA256)
+
+    @property
+    def offers_delta(self) -> bool:
+        """Whether the task's broadcast may be rebuilt from a delta: it names the delta and both digests."""
+        return None not in (self.broadcast, self.delta_broadcast, self.delta_base, self.model_digest)
 
 
 @dataclass(frozen=True)
@@ -147,6 +164,8 @@ class ResultBody(Body):
     # (REFUSAL_APP: the device's app differs from the task's); "" for any other failure.
     refusal: str = wire(matching(r"^[a-z_]{1,32}$", "1 to 32 lowercase letters or '_'"), "", omit_when="",
                         only_with="error")
+    # How the device came by the task's model broadcast (MODEL_FROM); None: the task named none, or an older device.
+    model_from: str | None = optional(one_of(MODEL_FROM))
 
 
 @dataclass(frozen=True)
@@ -174,3 +193,16 @@ class ModelBody(Body):
     TENSORS = "the tensors every task of an exchange shares, dense, in the body's codec"
 
     codec: CodecSpec = wire(codec_spec(), FP32)   # the codec of the broadcast's tensors
+
+
+@dataclass(frozen=True)
+class DeltaBody(Body):
+    """A ``delta`` body: the codec of the difference, and the digests of the model it applies to and the model it
+    gives (each the SHA-256 of float32 tensors, edge_client/wire/model_delta.py)."""
+
+    KIND = "delta"
+    TENSORS = "the difference from the base model, of every tensor of the model broadcast, in the body's codec"
+
+    codec: CodecSpec = wire(codec_spec())    # the codec of the difference
+    base: str = wire(SHA256)                 # the digest of the model the difference is added to
+    result: str = wire(SHA256)               # the digest of the model that sum must give

@@ -32,7 +32,7 @@ __all__ = ["PROTOCOL_VERSION", "KINDS", "HEADER", "MAX_HEADER_BYTES", "TENSOR_DT
 # 2: codecs and deltas in task/result bodies, the model broadcast, compression and chunks.
 PROTOCOL_VERSION = 2
 # manifest and partial pass between the coordinator and its aggregation workers, never a device.
-KINDS = ("presence", "task", "result", "status", "model", "manifest", "partial")
+KINDS = ("presence", "task", "result", "status", "model", "manifest", "partial", "delta")
 # The header's fields beside ``v`` and ``kind``, as decode checks them and docs/protocol.schema.json publishes them.
 HEADER: dict[str, Check] = {
     "run_id": text(),

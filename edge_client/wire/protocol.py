@@ -9,7 +9,7 @@ This module is the protocol's one import path; each part has its module:
   :class:`ContentError` keeps the header of a message whose content it refused) and :func:`check_tensors`;
 - :mod:`edge_client.wire.bodies`: the bodies a device exchanges (:class:`PresenceBody`,
   :class:`TaskBody` with :class:`UploadSettings`, :class:`ResultBody`, :class:`StatusBody`,
-  :class:`ModelBody`);
+  :class:`ModelBody`, :class:`DeltaBody`);
 - :mod:`edge_client.wire.worker_bodies`: the aggregation workers' (:class:`ManifestBody`,
   :class:`ClaimBody`, :class:`PartialBody`);
 - :mod:`edge_client.wire.body_fields`: how a body's fields are declared, checked, written and published
@@ -22,9 +22,9 @@ people; keep both true.
 
 from __future__ import annotations
 
-from edge_client.wire.bodies import (DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, PRESENCE_STATES, REFUSAL_APP,
-                                     STATUS_STATES, UPDATES, ModelBody, PresenceBody, ResultBody, StatusBody, TaskBody,
-                                     UploadSettings)
+from edge_client.wire.bodies import (DEFAULT_RESEND_EVERY, DEFAULT_TASK_TIMEOUT, MODEL_FROM, PRESENCE_STATES,
+                                     REFUSAL_APP, STATUS_STATES, UPDATES, DeltaBody, ModelBody, PresenceBody,
+                                     ResultBody, StatusBody, TaskBody, UploadSettings)
 from edge_client.wire.envelope import (DEFAULT_MAX_MESSAGE_BYTES, KINDS, PROTOCOL_VERSION, ContentError, Message,
                                        check_tensors, decode, encode)
 from edge_client.wire.errors import ProtocolError
@@ -41,6 +41,7 @@ __all__ = [
     "PRESENCE_STATES",
     "STATUS_STATES",
     "REFUSAL_APP",
+    "MODEL_FROM",
     "ProtocolError",
     "ContentError",
     "Message",
@@ -51,6 +52,7 @@ __all__ = [
     "ResultBody",
     "StatusBody",
     "ModelBody",
+    "DeltaBody",
     "ManifestBody",
     "ClaimBody",
     "PartialBody",

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge_client.wire.bodies import ModelBody, PresenceBody, ResultBody, StatusBody, TaskBody, UploadSettings
+from edge_client.wire.bodies import (DeltaBody, ModelBody, PresenceBody, ResultBody, StatusBody, TaskBody,
+                                     UploadSettings)
 from edge_client.wire.body_fields import REQUIRED, Body, rules
 from edge_client.wire.envelope import (DEFAULT_MAX_MESSAGE_BYTES, HEADER, KINDS, MAX_HEADER_BYTES, PROTOCOL_VERSION,
                                        TENSOR_DTYPES)
@@ -24,7 +25,7 @@ __all__ = ["BODIES", "PARTS", "protocol_schema", "body_schema"]
 # Each message kind's body; a kind without one here fails the test that every kind is published.
 BODIES: dict[str, type[Body]] = {"presence": PresenceBody, "task": TaskBody, "result": ResultBody,
                                  "status": StatusBody, "model": ModelBody, "manifest": ManifestBody,
-                                 "partial": PartialBody}
+                                 "partial": PartialBody, "delta": DeltaBody}
 # Objects inside or added to a body: a task's ``upload``, and what a worker adds to the result it claims.
 PARTS: dict[str, type[Body]] = {"upload_settings": UploadSettings, "claim_fields": ClaimBody}
 

@@ -53,6 +53,12 @@ class Topics:
         return f"{self.prefix}/coordinator/model"
 
     @property
+    def model_delta(self) -> str:
+        """The round's delta broadcast (retained): the model as a difference from the one before
+        (``codec.down_delta``), which tasks reference by its SHA-256 beside the full broadcast."""
+        return f"{self.prefix}/coordinator/delta"
+
+    @property
     def manifest(self) -> str:
         """The current exchange's tasks for the aggregation workers (retained)."""
         return f"{self.prefix}/coordinator/manifest"
