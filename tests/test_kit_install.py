@@ -84,7 +84,11 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, str, Path]]:
         yield root, f"http://127.0.0.1:{port}/", log
     finally:
         server.terminate()
-        server.wait(10)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:   # started with SIGTERM ignored (inherited): end it for sure
+            server.kill()
+            server.wait(10)
 
 
 def _torch_like_wheel(folder: Path) -> Path:
