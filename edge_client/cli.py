@@ -153,10 +153,15 @@ class _Stop:
     holds a lock; ``threading.Event.set`` takes the event's lock and so deadlocks when a second
     signal lands inside the first one's ``set``. Setting a plain attribute takes no lock and may
     happen any number of times.
+
+    ``exiting``: the process ends when the client does (the ``fedge-client`` command), so further stop
+    signals are ignored after it; otherwise (``main`` called in-process) the caller's handlers come back.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, exiting: bool) -> None:
         self.signal: int | None = None
+        self.exiting = exiting
+        self.previous: dict[int, object] = {}
 
     def __call__(self, signum: int, frame: object) -> None:
         self.signal = signum
@@ -173,13 +178,14 @@ class _Stop:
 
     def install(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self)
+            self.previous[signum] = signal.signal(signum, self)
 
     def uninstall(self) -> None:
-        """Ignore further stop signals: only the interpreter's exit is left, and a signal during it
-        would otherwise kill the process (Python restores the default handlers first)."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, signal.SIG_IGN)
+        """On the way to the interpreter's exit, ignore further stop signals: a signal during it would
+        kill the process (Python restores the default handlers first). Returning to a caller, give it
+        its own handlers back."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, signal.SIG_IGN if self.exiting else handler)
 
 
 def _connect(transport, stop: _Stop) -> bool:   # transport: MqttTransport
@@ -261,7 +267,7 @@ def _early_check(args: argparse.Namespace):  # -> tuple[BrokerSettings | None, s
     return broker, ""
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, exiting: bool) -> int:
     from profiling.memory_trace import mark
 
     mark("interpreter")
@@ -316,7 +322,7 @@ def _run(args: argparse.Namespace) -> int:
     # and the first ones are freed only if nothing here still holds them (a device's whole data set).
     handed = [data]
     del data
-    return _serve(broker, settings, handed)
+    return _serve(broker, settings, handed, exiting)
 
 
 def _privacy_budget(args: argparse.Namespace):  # -> BudgetSettings | None
@@ -336,15 +342,16 @@ def _privacy_budget(args: argparse.Namespace):  # -> BudgetSettings | None
     return settings
 
 
-def _serve(broker: BrokerSettings, settings: ClientSettings, handed: list[LocalData]) -> int:
+def _serve(broker: BrokerSettings, settings: ClientSettings, handed: list[LocalData], exiting: bool) -> int:
     """Connect and serve tasks until stopped; every way out says this device is offline first. ``handed``: the
-    device's data, taken out of the list so that the client holds the only reference."""
+    device's data, taken out of the list so that the client holds the only reference. ``exiting``: see
+    :class:`_Stop`."""
     from edge_client.client import EdgeClient
     from edge_client.wire.transport import MqttTransport, TlsError
 
     offline = EdgeClient.will(settings)
     transport = MqttTransport(broker, settings.client_id, will=offline)
-    stop = _Stop()
+    stop = _Stop(exiting=exiting)
     stop.install()
     try:
         connected = _connect(transport, stop)
@@ -405,7 +412,9 @@ def _apps() -> int:
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, exiting: bool = False) -> int:
+    """``fedge-client`` in-process: returns its exit code and leaves the caller's signal handlers as they were
+    (``exiting``: the process ends next, as under :func:`entry`)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -413,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("fedge.client.activity").setLevel(logging.INFO)
     if args.command == "run":
         try:
-            return _run(args)
+            return _run(args, exiting)
         except KeyboardInterrupt:   # Ctrl-C while starting up, before the stop signals are handled
             print("fedge-client: interrupted", file=sys.stderr)
             return 130
@@ -422,5 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """The ``fedge-client`` command: :func:`main`, then the process's exit."""
+    sys.exit(main(exiting=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

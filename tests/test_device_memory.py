@@ -74,15 +74,11 @@ def test_the_command_line_hands_the_client_the_only_reference_to_the_data(tmp_pa
     monkeypatch.setattr(transport_module, "MqttTransport", Transport)
     monkeypatch.setattr(client_module, "EdgeClient", Client)
     monkeypatch.setattr(cli.time, "sleep", lambda s: None)
-    # the command ignores SIGTERM and SIGINT on its way out (for the interpreter's exit): give this test process,
-    # and what it starts later, its own handlers back
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code = cli.main(["run", "--data", f"npz:{tmp_path / 'own.npz'}", "--client-id", "pi-01", "--broker",
-                         "mqtt://127.0.0.1:1", "--state-dir", str(tmp_path / "state"), "--device", "cpu"])
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    code = cli.main(["run", "--data", f"npz:{tmp_path / 'own.npz'}", "--client-id", "pi-01", "--broker",
+                     "mqtt://127.0.0.1:1", "--state-dir", str(tmp_path / "state"), "--device", "cpu"])
+    # called in-process, the command gives this process its own signal handlers back
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
     assert code == 0 and seen["alive"] is False
 
 

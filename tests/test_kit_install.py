@@ -86,7 +86,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, str, Path]]:
         server.terminate()
         try:
             server.wait(10)
-        except subprocess.TimeoutExpired:   # started with SIGTERM ignored (inherited): end it for sure
+        except subprocess.TimeoutExpired:   # a server that outlives SIGTERM must not outlive the test
             server.kill()
             server.wait(10)
 
@@ -171,7 +171,7 @@ def _device_venv(prefix: Path) -> Path:
     (purelib / "_this_interpreter.pth").write_text(
         "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in site.getsitepackages()) + "\n")
     script = venv / "bin" / "fedge-client"
-    script.write_text(f"#!{venv}/bin/python\nimport sys\nfrom edge_client.cli import main\nsys.exit(main())\n")
+    script.write_text(f"#!{venv}/bin/python\nfrom edge_client.cli import entry\nentry()\n")
     script.chmod(0o755)
     return venv
 
