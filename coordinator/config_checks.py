@@ -397,9 +397,15 @@ def _over_select_checks(config: RunConfig) -> list[tuple[bool, str]]:
     if not checks[0][0] or c.over_select == 1.0:
         return checks
     need = f"clients.over_select = {c.over_select:g} needs"
+    wanted = math.ceil(config.selected_per_round * c.over_select - 1e-9)
     why_not = config.capabilities.sync_only
     central = config.privacy.mode == "central"
     return checks + [
+        (config.closes_early, f"clients.over_select = {c.over_select:g} would draw {wanted} devices, but a round draws "
+                              f"at most clients.expected = {c.expected}, no more than the clients.per_round = "
+                              f"{config.selected_per_round} it counts, so nothing would be over-selected; set "
+                              f"clients.expected to at least {wanted} (the run then waits for that many devices "
+                              "before round 1)"),
         (not why_not, f"clients.over_select = {c.over_select:g} cannot run run.strategy = {config.run.strategy!r}: "
                       f"{why_not}; set clients.over_select = 1 or use a strategy whose phases fold each result as it "
                       f"comes ({strategies_that(lambda c: c.runs_async)})"),

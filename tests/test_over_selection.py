@@ -104,6 +104,7 @@ def test_the_draw_is_per_round_times_over_select_rounded_up_and_bounded_by_the_f
     ({"run__mode": "async"}, "run.mode = 'sync'"),
     ({"secagg__enabled": True, "clients__per_round": 3, "secagg__threshold": 3}, "more than 3 must advertise"),
     ({"privacy__mode": "central"}, "privacy.sampling = 'fixed' or 'seeded'"),
+    ({"clients__expected": 4}, "set clients.expected to at least 6"),   # the draw's cap: nothing over-selected
 ])
 def test_what_cannot_close_a_round_early_is_refused_naming_why(sets, says):
     with pytest.raises(ConfigError, match="over_select") as caught:

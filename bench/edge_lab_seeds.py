@@ -1,0 +1,230 @@
+"""The edge lab's policies over several seeds: each against synchronous random selection, paired seed by seed.
+
+One lab run (``bench/edge_lab.py --seed S --out DIR/seedS.json``) is one measurement per policy: the
+fleet's link and throttle schedule, the partition and the draws all follow its seed, so two policies of
+one seed share the fleet's luck and their difference is what to average (bench/paired.py says why). Per
+policy and seed this reads, against that seed's ``sync-random``:
+
+- the **time to target** (``sync-random``'s last accuracy within the budget; bench/edge_lab.py) as a
+  ratio to ``sync-random``'s own (a policy that never reached it has no ratio: the count says how many);
+- the **final accuracy** (last evaluation, and the mean of the last 3) as a difference in points;
+- **participation**: results counted per device class, the distinct devices of each class counted at
+  least once, and who was drawn each round (from the run directory's ``clients/ID.jsonl``, when the run
+  directories are still on this machine; the output keeps what was read).
+
+Prints the table, writes ``bench/results/edge_lab_seeds.json`` and draws ``docs/images/edge_lab_seeds.png``
+(one panel per policy, one line per seed).
+
+    python bench/edge_lab_seeds.py [bench/results/edge_lab_seeds] [--out FILE] [--plot PNG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_io import RESULTS, write_result  # noqa: E402
+from lab.results import read_jsonl  # noqa: E402
+from paired import paired  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "sync-random"
+
+__all__ = ["load_seeds", "participation", "summarize", "main"]
+
+
+def load_seeds(directory: Path) -> dict[int, dict[str, Any]]:
+    """Every ``seedS.json`` the lab wrote in ``directory``, by the seed its options name."""
+    runs = {}
+    for path in sorted(directory.glob("seed*.json")):
+        data = json.loads(path.read_text())
+        runs[int(data["options"]["seed"])] = data
+    return runs
+
+
+def _counted(record: dict[str, Any]) -> bool:
+    return (record.get("objective") == "train" and not record.get("late") and not record.get("missed")
+            and record.get("error") is None)
+
+
+def participation(run_dir: Path, device_class: dict[str, str]) -> dict[str, Any] | None:
+    """Results counted per class and per device, distinct devices counted per class, and the devices drawn each round
+    (a device is drawn in a round when the coordinator kept a training record of it for that round); None
+    when the run directory is gone."""
+    clients = run_dir / "clients"
+    if not clients.is_dir():
+        return None
+    counted = dict.fromkeys(dict.fromkeys(device_class.values()), 0)
+    per_device = dict.fromkeys(device_class, 0)
+    devices: dict[str, set[str]] = {klass: set() for klass in counted}
+    draws: dict[int, list[str]] = {}
+    for device, klass in device_class.items():
+        for record in read_jsonl(clients / f"{device}.jsonl"):
+            if record.get("objective") != "train" or not isinstance(record.get("round"), int):
+                continue
+            draws.setdefault(record["round"], []).append(device)
+            if _counted(record):
+                counted[klass] += 1
+                per_device[device] += 1
+                devices[klass].add(device)
+    return {"counted_per_class": counted, "devices_counted_per_class": {k: len(v) for k, v in devices.items()},
+            "counted_per_device": per_device,
+            "draws": {str(r): sorted(set(ids)) for r, ids in sorted(draws.items())}}
+
+
+def _interval(values: list[float], seeds: list[int]) -> dict[str, Any] | None:
+    return paired(values, seeds).as_dict() if values else None
+
+
+def summarize(runs: dict[int, dict[str, Any]], previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per policy: the per-seed figures, and their paired comparison to ``sync-random``. ``previous``: an
+    earlier summary whose participation is kept where a run directory is gone."""
+    policies = list(dict.fromkeys(name for run in runs.values() for name in run["policies"]))
+    out: dict[str, Any] = {"seeds": sorted(runs), "baseline": BASELINE, "policies": {}}
+    for name in policies:
+        per_seed, ratios, ratio_seeds, final, final3, seeds, seeds3 = {}, [], [], [], [], [], []
+        for seed, run in sorted(runs.items()):
+            result, base = run["policies"].get(name), run["policies"].get(BASELINE)
+            if result is None or base is None:
+                continue
+            classes = {d: row["class"] for d, row in result.get("devices", {}).items()}
+            kept = ((previous or {}).get("policies", {}).get(name, {}).get("per_seed", {})
+                    .get(str(seed), {}).get("participation"))
+            t, t_base = result.get("time_to_target_s"), base.get("time_to_target_s")
+            per_seed[str(seed)] = {
+                "target": run["target"]["accuracy"], "rounds": result.get("rounds_completed"),
+                "final_accuracy": result.get("final_accuracy"), "final_accuracy_mean3": result.get("final_accuracy_mean3"),
+                "time_to_target_s": t, "time_to_target_mean3_s": result.get("time_to_target_mean3_s"),
+                "time_to_target_ratio": round(t / t_base, 4) if t is not None and t_base else None,
+                "results": result.get("results"), "status": result.get("status"),
+                "participation": participation(Path(result["run_dir"]), classes) or kept,
+            }
+            if t is not None and t_base:
+                ratios.append(t / t_base)
+                ratio_seeds.append(seed)
+            if result.get("final_accuracy") is not None and base.get("final_accuracy") is not None:
+                final.append(100.0 * (result["final_accuracy"] - base["final_accuracy"]))
+                seeds.append(seed)
+                if result.get("final_accuracy_mean3") is not None and base.get("final_accuracy_mean3") is not None:
+                    final3.append(100.0 * (result["final_accuracy_mean3"] - base["final_accuracy_mean3"]))
+                    seeds3.append(seed)
+        out["policies"][name] = {
+            "per_seed": per_seed,
+            "time_to_target_ratio": _interval(ratios, ratio_seeds),
+            "reached_target": f"{len(ratios)} of {len(per_seed)}",
+            "final_accuracy_points": _interval(final, seeds),
+            "final_accuracy_mean3_points": _interval(final3, seeds3),
+        }
+    return out
+
+
+def _fmt(stat: dict[str, Any] | None, scale: str = "") -> str:
+    if not stat:
+        return "-"
+    per_seed = ", ".join(f"{v:.2f}" for v in stat["per_seed"])
+    if stat["interval"] is None:
+        return f"{stat['mean']:.2f}{scale} ({per_seed})"
+    low, high = stat["interval"]
+    return f"{stat['mean']:.2f}{scale} [{low:.2f}, {high:.2f}] ({per_seed})"
+
+
+def show(console: Console, summary: dict[str, Any]) -> None:
+    table = Table(title=f"edge lab, seeds {summary['seeds']}, paired against {BASELINE} (95 % t-interval)")
+    for column in ("policy", "reached target", "time to target / sync-random's", "final accuracy, points",
+                   "mean of last 3, points"):
+        table.add_column(column)
+    for name, entry in summary["policies"].items():
+        table.add_row(name, entry["reached_target"], _fmt(entry["time_to_target_ratio"], "x"),
+                      _fmt(entry["final_accuracy_points"]), _fmt(entry["final_accuracy_mean3_points"]))
+    console.print(table)
+    classes, table = [], None
+    for name, entry in summary["policies"].items():
+        for seed, figures in entry["per_seed"].items():
+            part = figures.get("participation")
+            if not part:
+                continue
+            if table is None:
+                classes = list(part["counted_per_class"])
+                table = Table(title="results counted per device class (devices counted at least once)")
+                for column in ("policy", "seed", *classes):
+                    table.add_column(column)
+            table.add_row(name, seed, *(f"{part['counted_per_class'][c]} ({part['devices_counted_per_class'][c]})"
+                                        for c in classes))
+    if table is not None:
+        console.print(table)
+
+
+def plot(runs: dict[int, dict[str, Any]], summary: dict[str, Any], out: Path) -> None:
+    """One panel per policy, test accuracy against training time, one line per seed; each seed's target
+    dotted in its line's colour. A last panel: results counted per class, as shares, mean over seeds."""
+    names = list(summary["policies"])
+    fig, axes = plt.subplots(1, len(names) + 1, figsize=(3.6 * (len(names) + 1), 3.6), dpi=100, sharey=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes, names):
+        for k, (seed, run) in enumerate(sorted(runs.items())):
+            points = [p for p in run["policies"].get(name, {}).get("accuracy_vs_time", []) if p.get("t_train") is not None]
+            ax.plot([p["t_train"] for p in points], [100 * p["test_accuracy"] for p in points], marker=".",
+                    color=colours[k % len(colours)], label=f"seed {seed}")
+            ax.axhline(100 * run["target"]["accuracy"], color=colours[k % len(colours)], linestyle=":", linewidth=1)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("seconds of training")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (%) (dotted: target)")
+    axes[0].legend(fontsize=8)
+    share = axes[-1]
+    classes: list[str] = []
+    for i, name in enumerate(names):
+        parts = [f["participation"] for f in summary["policies"][name]["per_seed"].values() if f.get("participation")]
+        if not parts:
+            continue
+        classes = list(parts[0]["counted_per_class"])
+        totals = [statistics.fmean(p["counted_per_class"][c] / max(1, sum(p["counted_per_class"].values()))
+                                   for p in parts) for c in classes]
+        width = 0.8 / len(names)
+        share.bar([k + i * width for k in range(len(classes))], [100 * t for t in totals], width, label=name)
+    share.set_xticks([k + 0.4 for k in range(len(classes))], classes, rotation=30, fontsize=7)
+    share.set_ylabel("share of counted results (%)")
+    share.set_title("results counted per class", fontsize=10)
+    share.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("directory", nargs="?", type=Path, default=RESULTS / "edge_lab_seeds",
+                   help="where the lab's seedS.json files are (default bench/results/edge_lab_seeds)")
+    p.add_argument("--out", type=Path, default=RESULTS / "edge_lab_seeds.json", help="summary JSON to write")
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "edge_lab_seeds.png", help="PNG to write")
+    args = p.parse_args(argv)
+    runs = load_seeds(args.directory)
+    if not runs:
+        print(f"edge_lab_seeds.py: no seedS.json in {args.directory}; run bench/edge_lab.py --seed S "
+              f"--out {args.directory}/seedS.json first", file=sys.stderr)
+        return 2
+    previous = json.loads(args.out.read_text()) if args.out.exists() else None
+    summary = summarize(runs, previous)
+    show(Console(), summary)
+    write_result(args.out, summary)
+    plot(runs, summary, args.plot)
+    print(f"written to {args.out} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
