@@ -59,10 +59,11 @@ def _counted(record: dict[str, Any]) -> bool:
             and record.get("error") is None)
 
 
-def participation(run_dir: Path, device_class: dict[str, str]) -> dict[str, Any] | None:
+def participation(run_dir: Path, device_class: dict[str, str], last: int) -> dict[str, Any] | None:
     """Results counted per class and per device, distinct devices counted per class, and the devices drawn each round
-    (a device is drawn in a round when the coordinator kept a training record of it for that round); None
-    when the run directory is gone."""
+    (a device is drawn in a round when the coordinator kept a training record of it for that round), up to
+    round (or version) ``last``, the last one with a row: the answers of a round the budget's stop cut short
+    went into no model. None when the run directory is gone."""
     clients = run_dir / "clients"
     if not clients.is_dir():
         return None
@@ -72,7 +73,8 @@ def participation(run_dir: Path, device_class: dict[str, str]) -> dict[str, Any]
     draws: dict[int, list[str]] = {}
     for device, klass in device_class.items():
         for record in read_jsonl(clients / f"{device}.jsonl"):
-            if record.get("objective") != "train" or not isinstance(record.get("round"), int):
+            if (record.get("objective") != "train" or not isinstance(record.get("round"), int)
+                    or record["round"] > last):
                 continue
             draws.setdefault(record["round"], []).append(device)
             if _counted(record):
@@ -88,9 +90,11 @@ def _interval(values: list[float], seeds: list[int]) -> dict[str, Any] | None:
     return paired(values, seeds).as_dict() if values else None
 
 
-def summarize(runs: dict[int, dict[str, Any]], previous: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(runs: dict[int, dict[str, Any]], previous: dict[str, Any] | None = None,
+              root: Path = ROOT) -> dict[str, Any]:
     """Per policy: the per-seed figures, and their paired comparison to ``sync-random``. ``previous``: an
-    earlier summary whose participation is kept where a run directory is gone."""
+    earlier summary whose participation is kept where a run directory is gone; ``root``: where the lab ran
+    (a relative run directory is under it)."""
     policies = list(dict.fromkeys(name for run in runs.values() for name in run["policies"]))
     out: dict[str, Any] = {"seeds": sorted(runs), "baseline": BASELINE, "policies": {}}
     for name in policies:
@@ -109,7 +113,7 @@ def summarize(runs: dict[int, dict[str, Any]], previous: dict[str, Any] | None =
                 "time_to_target_s": t, "time_to_target_mean3_s": result.get("time_to_target_mean3_s"),
                 "time_to_target_ratio": round(t / t_base, 4) if t is not None and t_base else None,
                 "results": result.get("results"), "status": result.get("status"),
-                "participation": participation(Path(result["run_dir"]), classes) or kept,
+                "participation": participation(root / result["run_dir"], classes, result.get("rounds_completed") or 0) or kept,
             }
             if t is not None and t_base:
                 ratios.append(t / t_base)
@@ -195,10 +199,13 @@ def plot(runs: dict[int, dict[str, Any]], summary: dict[str, Any], out: Path) ->
                                    for p in parts) for c in classes]
         width = 0.8 / len(names)
         share.bar([k + i * width for k in range(len(classes))], [100 * t for t in totals], width, label=name)
-    share.set_xticks([k + 0.4 for k in range(len(classes))], classes, rotation=30, fontsize=7)
-    share.set_ylabel("share of counted results (%)")
-    share.set_title("results counted per class", fontsize=10)
-    share.legend(fontsize=7)
+    if classes:
+        share.set_xticks([k + 0.4 for k in range(len(classes))], classes, rotation=30, fontsize=7)
+        share.set_ylabel("share of counted results (%)")
+        share.set_title("results counted per class", fontsize=10)
+        share.legend(fontsize=7)
+    else:
+        fig.delaxes(share)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("directory", nargs="?", type=Path, default=RESULTS / "edge_lab_seeds",
                    help="where the lab's seedS.json files are (default bench/results/edge_lab_seeds)")
     p.add_argument("--out", type=Path, default=RESULTS / "edge_lab_seeds.json", help="summary JSON to write")
+    p.add_argument("--root", type=Path, default=ROOT,
+                   help="the directory the lab ran in: relative run directories are under it (default: this checkout)")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "edge_lab_seeds.png", help="PNG to write")
     args = p.parse_args(argv)
     runs = load_seeds(args.directory)
@@ -218,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
               f"--out {args.directory}/seedS.json first", file=sys.stderr)
         return 2
     previous = json.loads(args.out.read_text()) if args.out.exists() else None
-    summary = summarize(runs, previous)
+    summary = summarize(runs, previous, args.root)
     show(Console(), summary)
     write_result(args.out, summary)
     plot(runs, summary, args.plot)
