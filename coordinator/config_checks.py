@@ -21,7 +21,7 @@ from edge_client.device_names import LOOKED_FOR, DeviceError, device_kind
 from edge_client.privacy_account import ACCOUNTANTS
 from edge_client.wire.broker_settings import parse_broker_address
 from edge_client.wire.chunk_format import MIN_MESSAGE_BYTES
-from edge_client.wire.codec_spec import CodecError, parse_codec
+from edge_client.wire.codec_spec import CodecError, eden_variance, parse_codec
 from edge_client.wire.transport_errors import BrokerUrlError
 
 if TYPE_CHECKING:
@@ -467,6 +467,13 @@ def _check_codecs(codec: CodecSection) -> None:
             specs[key] = parse_codec(getattr(codec, key))
         except CodecError as exc:
             raise ConfigError(f"codec.{key}: {exc}") from None
+    up = specs["up"]
+    if up.eden is not None and codec.error_feedback and eden_variance(up.eden) >= 1:
+        raise ConfigError(f"codec.up = {codec.up!r} with codec.error_feedback = true: one decode of eden:{up.eden:g} is "
+                          f"off by {math.sqrt(eden_variance(up.eden)):.2f} times the update's norm, so error feedback "
+                          "would add back more than each upload sends and its residual would grow without bound; set "
+                          "codec.error_feedback = false (the decoded updates stay unbiased, and averaging a round's "
+                          "devices takes their error down) or send eden:0.8 or more")
     if specs["down"].transform == "topk":
         raise ConfigError("codec.down cannot use topk: it would zero most weights of the model sent down; "
                           "use topk in codec.up")

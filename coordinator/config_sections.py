@@ -180,7 +180,7 @@ class TransportSection:
 class CodecSection:
     up: str = "fp32"                # codec of results, e.g. int8, topk:0.1+int8+zstd (docs/codecs.md): a value
                                 # format fp32, fp16, bf16, int8 or int8:stochastic, optionally one of
-                                # topk:FRACTION, eden or lowrank:RANK, and zstd[:LEVEL] or lz4[:LEVEL], joined with +
+                                # topk:FRACTION, eden[:FRACTION] or lowrank:RANK, and zstd[:LEVEL] or lz4[:LEVEL], joined with +
     down: str = "fp32"              # codec of tasks and the model broadcast sent down: the same forms without
                                 # topk, eden or lowrank
     error_feedback: bool = True     # with a lossy codec.up, clients keep what encoding dropped and add it to the

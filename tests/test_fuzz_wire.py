@@ -692,7 +692,7 @@ def test_generated_chunk_streams_reassemble_only_whole_sent_messages(sizes: list
 
 # ----------------------------------------------------------------------------- codec layouts
 
-CODEC_TEXTS = ("fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.5", "eden", "eden+int8", "lowrank:2",
+CODEC_TEXTS = ("fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.5", "eden", "eden+int8", "eden:0.3", "lowrank:2",
                "lowrank:2+int8", "lowrank:3+fp16")
 CODEC_SHAPES = {"w": (12, 20), "c": (4, 3, 3, 3), "b": (5,), "s": (), "e": (3,)}
 BULK_LAYOUTS = 2_500    # mutated wire tensor sets per codec through decode_tensors

@@ -53,6 +53,7 @@ def _update(seed=0):
 
 @pytest.mark.parametrize("text, canonical", [
     ("eden", "eden"), ("eden:1", "eden"), ("zstd+eden", "eden+zstd"), ("eden+fp16+lz4", "eden+fp16+lz4"),
+    ("eden:0.25", "eden:0.25"), ("zstd+eden:0.300", "eden:0.3+zstd"),
     ("lowrank:4", "lowrank:4"), ("int8+lowrank:2+zstd", "lowrank:2+int8+zstd"),
 ])
 def test_specs_parse_to_a_canonical_string(text, canonical):
@@ -63,7 +64,7 @@ def test_specs_parse_to_a_canonical_string(text, canonical):
 
 @pytest.mark.parametrize("text, reason", [
     ("eden+topk:0.1", "one of topk, eden and lowrank"), ("lowrank:4+eden", "one of topk, eden and lowrank"),
-    ("eden:2", "1 bit per entry"), ("lowrank:0", "rank in 1..64"), ("lowrank:x", "rank in"), ("lowrank", "rank in"),
+    ("eden:2", "more bits are not built"), ("eden:0", r"in \(0, 1\]"), ("eden:x", "share of rotated entries"), ("lowrank:0", "rank in 1..64"), ("lowrank:x", "rank in"), ("lowrank", "rank in"),
     ("lowrank:65", "rank in"), ("lowrank:2+lowrank:3", "twice"),
 ])
 def test_bad_specs_are_refused_with_the_reason(text, reason):
@@ -108,6 +109,38 @@ def test_eden_sends_one_bit_per_padded_entry_a_scale_per_chunk_and_a_seed():
     assert float(out["one"]) == pytest.approx(-2.5)            # one entry: its sign and its magnitude
     zero, _ = _round_trip({"z": torch.zeros(100), "e": torch.zeros(0, 3)}, "eden")
     assert not zero["z"].any() and zero["e"].shape == (0, 3)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_sparsified_eden_stays_unbiased_and_sends_that_share_of_the_bits(fraction):
+    """Below one bit per entry: each chunk sends ceil(P d) signs, no index; the projection on the input stays
+    exact, one decode is about sqrt(pi / (2P) - 1) of its norm away, and the mean over seeds closes on it."""
+    numel = CHUNK + 3000
+    x = {"w": torch.randn(numel, generator=torch.Generator().manual_seed(6))}
+    runs, total, errors = 200, torch.zeros(numel, dtype=torch.float64), []
+    for seed in range(runs):
+        out, wire = _round_trip(x, f"eden:{fraction}", seed)
+        assert wire["w:bits"].numel() == (math.ceil(fraction * CHUNK) + math.ceil(fraction * 4096) + 7) // 8
+        assert float((out["w"].double() * x["w"].double()).sum()) == pytest.approx(float((x["w"] ** 2).sum()),
+                                                                                    rel=1e-4)
+        total += out["w"].double()
+        errors.append(_rel(out, x))
+    one = sum(errors) / runs
+    assert one == pytest.approx(math.sqrt(math.pi / (2 * fraction) - 1), rel=0.1)
+    assert _rel({"w": total / runs}, {"w": x["w"].double()}) < 2 * one / math.sqrt(runs)
+
+
+def test_sparsified_eden_refuses_bits_it_would_not_send():
+    x = {"w": torch.randn(100)}
+    spec = parse_codec("eden:0.5")
+    wire = encode_tensors(x, spec, sparse={"w"}, generator=torch.Generator().manual_seed(0))
+    assert wire["w:bits"].numel() == 8                              # 64 of the 128 padded entries
+    tampered = dict(wire, **{"w:bits": torch.full((8,), 255, dtype=torch.uint8)})
+    tampered["w:bits"][-1] = 0
+    decode_tensors(tampered, spec, {"w": (100,)}, sparse={"w"})     # every bit in range may be anything
+    with pytest.raises(CodecError, match="shape"):
+        decode_tensors(dict(wire, **{"w:bits": torch.zeros(16, dtype=torch.uint8)}), spec, {"w": (100,)},
+                       sparse={"w"})
 
 
 def test_eden_leaves_raw_values_dense_in_the_value_format():
@@ -312,6 +345,18 @@ def test_secure_aggregation_and_the_download_refuse_them(tmp_path, up):
         load(**{"secagg.enabled": True, "clients.expected": 4, "codec.up": up})
     with pytest.raises(ConfigError, match="codec.down cannot use"):
         load(**{"codec.down": up})
+
+
+def test_sparsified_eden_below_pi_over_4_refuses_error_feedback(tmp_path):
+    """Its error is then larger than the update: a residual carried forward would grow each round."""
+    def load(**sets):
+        base = {"run.out": str(tmp_path), "model.name": "cnn", "data.eval": "digits", **sets}
+        return load_config(None, [(*k.split(".", 1), v) for k, v in base.items()])
+
+    with pytest.raises(ConfigError, match="set codec.error_feedback = false"):
+        load(**{"codec.up": "eden:0.25"})
+    load(**{"codec.up": "eden:0.25", "codec.error_feedback": False})
+    load(**{"codec.up": "eden:0.8"})
 
 
 # --------------------------------------------------------------------------- federated runs

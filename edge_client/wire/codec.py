@@ -12,8 +12,8 @@ A codec spec is a ``+``-joined string read from the run config (``codec.up``,
 - ``topk:FRACTION``: keep only the ``ceil(FRACTION * numel)`` largest-magnitude
   entries of each tensor, their values in the value format. It applies to updates
   sent as differences; raw values are always sent dense.
-- ``eden``: each difference as rotated sign bits, 1 bit per entry plus a scale per
-  chunk (:mod:`edge_client.wire.rotated`).
+- ``eden[:FRACTION]``: each difference as rotated sign bits, 1 bit per entry (of that share of the
+  rotated entries) plus a scale per chunk (:mod:`edge_client.wire.rotated`).
 - ``lowrank:RANK``: each difference of a weight with 2+ dimensions as two rank-RANK
   factors in the value format (:mod:`edge_client.wire.lowrank`), the rest dense.
 - Top-k, eden and lowrank exclude each other.
@@ -98,7 +98,7 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor], spec: CodecSpec, *, spar
         shape = tuple(x.shape)
         how = layout(spec, name in sparse, shape)
         if how == "eden":
-            out.update(rotated.encode_rotated(name, x, generator))
+            out.update(rotated.encode_rotated(name, x, generator, spec.eden))
         elif how == "lowrank":
             out.update(lowrank.encode_lowrank(name, x, spec, state, generator))
         elif how == "dense":
@@ -188,7 +188,7 @@ def decode_tensors(wire: Mapping[str, torch.Tensor], spec: CodecSpec, shapes: Ma
         if how == "dense":
             value = unpack_values(wire, name, name + SEP + "scale", spec, shape, None, channels)
         elif how == "eden":
-            value = rotated.decode_rotated(wire, name, shape).to(spec.dtype)
+            value = rotated.decode_rotated(wire, name, shape, spec.eden).to(spec.dtype)
         elif how == "lowrank":
             value = lowrank.decode_lowrank(wire, name, shape, spec)
         else:

@@ -17,7 +17,7 @@ from edge_client.wire.errors import ProtocolError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CodecError", "CodecSpec", "parse_codec", "VALUE_NAMES", "EXACT_VALUES", "FP32", "SEP",
+__all__ = ["eden_variance", "CodecError", "CodecSpec", "parse_codec", "VALUE_NAMES", "EXACT_VALUES", "FP32", "SEP",
            "MAX_RANK"]
 
 VALUE_NAMES = ("fp32", "fp64", "fp16", "bf16", "int8")   # the value formats (their dtypes: codec.VALUE_FORMATS)
@@ -36,7 +36,8 @@ class CodecSpec:
     values: str = "fp32"
     stochastic: bool = False            # int8 only: stochastic rounding
     topk: float | None = None           # fraction of entries kept, in (0, 1]
-    eden: bool = False                  # differences as rotated sign bits (edge_client/wire/rotated.py)
+    eden: float | None = None           # differences as rotated sign bits of this share of the rotated entries
+                                        # (1: every entry; edge_client/wire/rotated.py)
     rank: int | None = None             # differences of matrices as rank-r factors (edge_client/wire/lowrank.py)
     compressor: str | None = None       # zstd | lz4
     level: int | None = None            # compressor level; None: its default
@@ -53,7 +54,7 @@ class CodecSpec:
         aggregation (which adds masked dense vectors) needs None."""
         if self.topk is not None:
             return "topk"
-        if self.eden:
+        if self.eden is not None:
             return "eden"
         return "lowrank" if self.rank is not None else None
 
@@ -69,7 +70,8 @@ class CodecSpec:
     def text(self) -> str:
         transform = self.transform
         parts = ([f"topk:{self.topk:g}"] if transform == "topk" else [f"lowrank:{self.rank}"]
-                 if transform == "lowrank" else [transform] if transform else [])
+                 if transform == "lowrank" else [f"eden:{self.eden:g}" if self.eden != 1 else "eden"]
+                 if transform == "eden" else [])
         if self.values != "fp32" or not parts:
             parts.append(self.values + (":stochastic" if self.stochastic else ""))
         if self.compressor:
@@ -82,12 +84,27 @@ class CodecSpec:
 
     def dense(self) -> "CodecSpec":
         """This spec without its transform: how raw values and downloads are sent."""
-        return replace(self, topk=None, eden=False, rank=None)
+        return replace(self, topk=None, eden=None, rank=None)
 
 
 FP32 = CodecSpec()
-_FORMS = ("fp32, fp64, fp16, bf16, int8, int8:stochastic, topk:FRACTION, eden, lowrank:RANK, zstd[:LEVEL], "
+_FORMS = ("fp32, fp64, fp16, bf16, int8, int8:stochastic, topk:FRACTION, eden[:FRACTION], lowrank:RANK, zstd[:LEVEL], "
           "lz4[:LEVEL]")
+def _fraction(arg: str) -> float:
+    try:
+        return float(arg)
+    except ValueError:
+        return math.nan
+
+
+def eden_variance(fraction: float) -> float:
+    """One ``eden:FRACTION`` decode's squared error relative to its input's squared norm, for the nearly Gaussian
+    rotated entries: ``pi / (2 FRACTION) - 1`` (0.57 at 1, 5.3 at 0.25). Error feedback carries the error into the
+    next update, so its residual settles at ``sqrt(v / (1 - v))`` of an update's norm when ``v < 1`` (1.15 for
+    eden) and grows without bound when ``v >= 1``, below ``FRACTION = pi / 4``."""
+    return math.pi / (2 * fraction) - 1
+
+
 MAX_RANK = 64   # lowrank:RANK above this saves little over a dense int8 difference of any layer fedge trains
 
 
@@ -108,17 +125,14 @@ def parse_codec(text: str) -> CodecSpec:
             put("values", name, token)
             fields["stochastic"] = arg == "stochastic"
         elif name == "topk":
-            try:
-                fraction = float(arg)
-            except ValueError:
-                fraction = math.nan
-            if not 0 < fraction <= 1:
+            if not 0 < (fraction := _fraction(arg)) <= 1:
                 raise CodecError(f"topk needs a fraction in (0, 1], e.g. topk:0.1; got {token!r}")
             put("topk", fraction, token)
-        elif name == "eden" and arg in ("", "1"):
-            put("eden", True, token)
         elif name == "eden":
-            raise CodecError(f"eden sends 1 bit per entry ('eden' or 'eden:1'); more bits are not built, got {token!r}")
+            if not 0 < (fraction := _fraction(arg or "1")) <= 1:
+                raise CodecError(f"eden takes the share of rotated entries sent, 1 bit each, in (0, 1] ('eden' is "
+                                 f"eden:1, eden:0.25 sends a quarter of them); more bits are not built, got {token!r}")
+            put("eden", fraction, token)
         elif name == "lowrank":
             if not (arg.isdigit() and 1 <= int(arg) <= MAX_RANK):
                 raise CodecError(f"lowrank needs a rank in 1..{MAX_RANK}, e.g. lowrank:4; got {token!r}")
