@@ -34,7 +34,7 @@ def make_strategy(config: RunConfig) -> Strategy:
         strategy.privacy = privacy
     if config.schedule.scheduled:
         strategy.lr_factor = functools.partial(config.schedule.factor, rounds=config.run.rounds)
-    if strategy.robust:
+    if strategy.capabilities.robust:
         strategy.aggregator = Aggregator(config.aggregate.rule, config.aggregate.trim)
     if config.eval.personalized:
         strategy.personalized = PersonalizedEval(every=config.eval.every, finetune_epochs=config.eval.finetune_epochs,

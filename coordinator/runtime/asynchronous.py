@@ -70,7 +70,7 @@ class AsyncRun:
 
     def __init__(self, coordinator: Coordinator, pump: Pump) -> None:
         c = coordinator.config
-        if not isinstance(coordinator.strategy, FedAvg) or coordinator.strategy.sync_only:
+        if not isinstance(coordinator.strategy, FedAvg) or coordinator.strategy.capabilities.sync_only:
             raise RunError(f"run.mode = 'async' needs a strategy with a server step over one update; "
                            f"{coordinator.strategy.name!r} has none: use run.mode = 'sync'")
         self.co, self.pump, self.strategy = coordinator, pump, coordinator.strategy

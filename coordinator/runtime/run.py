@@ -340,7 +340,7 @@ def _say_setup(config: RunConfig, strategy: Strategy, state: ServerState, datase
              else f"model {state.spec['name']}")
     log.info("%s: %s; %s", named, size, data, extra={"said": True})
     say(f"{named}: {size}; {data}")
-    if strategy.robust:
+    if strategy.capabilities.robust:
         _say_tolerance(config, say)
     noise, heavy = noise_note(config)
     if heavy:

@@ -229,26 +229,6 @@ class Strategy:
         if entry is not None and entry.strategy:
             cls.capabilities = entry.capabilities
 
-    @property
-    def robust(self) -> bool:
-        """It averages what clients send as updates of what it sent: aggregate.rule and norm_bound apply."""
-        return self.capabilities.robust
-
-    @property
-    def aggregates_deltas(self) -> bool:
-        """A training round ends in one combined update that ``server_step`` applies: any server optimizer steps it."""
-        return self.capabilities.aggregates_deltas
-
-    @property
-    def sync_only(self) -> str:
-        """Why it cannot run with run.mode = "async", "" when it can."""
-        return self.capabilities.sync_only
-
-    @property
-    def central_dp(self) -> str:
-        """Why it cannot run with central or local DP or SecAgg, "" when it can."""
-        return self.capabilities.central_dp
-
     def server_step(self, round: int, state: ServerState, update: dict[str, torch.Tensor]) -> ServerState:
         """The state after the round's combined update (float64, by tensor name): the server optimizer's
         step (:mod:`coordinator.strategies.server`; FedAvg's adds it)."""
