@@ -2,8 +2,9 @@
 
 One lab run (``bench/edge_lab.py --seed S --out DIR/seedS.json``) is one measurement per policy: the
 fleet's link and throttle schedule, the partition and the draws all follow its seed, so two policies of
-one seed share the fleet's luck and their difference is what to average (bench/paired.py says why). Per
-policy and seed this reads, against that seed's ``sync-random``:
+one seed share the fleet's luck and their difference is what to average (bench/paired.py says why). Only the
+evaluations within the run's ``--wall-clock-budget`` of training count (a coordinator may train a little
+longer while it stops). Per policy and seed this reads, against that seed's ``sync-random``:
 
 - the **time to target** (``sync-random``'s last accuracy within the budget; bench/edge_lab.py) as a
   ratio to ``sync-random``'s own (a policy that never reached it has no ratio: the count says how many);
@@ -36,13 +37,13 @@ from rich.table import Table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_io import RESULTS, write_result  # noqa: E402
-from lab.results import read_jsonl  # noqa: E402
+from lab.results import read_jsonl, time_to_target  # noqa: E402
 from paired import paired  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "sync-random"
 
-__all__ = ["load_seeds", "participation", "summarize", "main"]
+__all__ = ["load_seeds", "participation", "within_budget", "figures", "summarize", "main"]
 
 
 def load_seeds(directory: Path) -> dict[int, dict[str, Any]]:
@@ -90,40 +91,63 @@ def _interval(values: list[float], seeds: list[int]) -> dict[str, Any] | None:
     return paired(values, seeds).as_dict() if values else None
 
 
+def within_budget(result: dict[str, Any], budget: float | None) -> list[dict[str, Any]]:
+    """The policy's evaluations made within ``budget`` seconds of training: a coordinator that took a while to
+    stop after the budget's signal trained on, and those rounds must not count for it."""
+    return [p for p in result.get("accuracy_vs_time", [])
+            if p.get("t_train") is not None and (budget is None or p["t_train"] <= budget)]
+
+
+def figures(curve: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """Last accuracy, the mean of the last 3, and the times to ``target`` (first evaluation at or above it, and
+    first 3-evaluation mean at or above it), from one curve."""
+    last3 = [p["test_accuracy"] for p in curve[-3:]]
+    return {"rounds": curve[-1]["round"] if curve else 0,
+            "final_accuracy": curve[-1]["test_accuracy"] if curve else None,
+            "final_accuracy_mean3": round(sum(last3) / 3, 4) if len(last3) == 3 else None,
+            "time_to_target_s": time_to_target(curve, target)}
+
+
 def summarize(runs: dict[int, dict[str, Any]], previous: dict[str, Any] | None = None,
               root: Path = ROOT) -> dict[str, Any]:
-    """Per policy: the per-seed figures, and their paired comparison to ``sync-random``. ``previous``: an
-    earlier summary whose participation is kept where a run directory is gone; ``root``: where the lab ran
-    (a relative run directory is under it)."""
+    """Per policy: the per-seed figures within the budget, and their paired comparison to ``sync-random``
+    (whose last accuracy within the budget is each seed's target). ``previous``: an earlier summary whose
+    participation is kept where a run directory is gone; ``root``: where the lab ran (a relative run
+    directory is under it)."""
     policies = list(dict.fromkeys(name for run in runs.values() for name in run["policies"]))
-    out: dict[str, Any] = {"seeds": sorted(runs), "baseline": BASELINE, "policies": {}}
+    out: dict[str, Any] = {"seeds": sorted(runs), "baseline": BASELINE, "policies": {},
+                           "budget_s": sorted({run["options"].get("budget") for run in runs.values()}, key=str)}
+    base_figures = {}
+    for seed, run in runs.items():
+        if BASELINE in run["policies"]:
+            base_curve = within_budget(run["policies"][BASELINE], run["options"].get("budget"))
+            base_figures[seed] = figures(base_curve, base_curve[-1]["test_accuracy"] if base_curve else None)
     for name in policies:
         per_seed, ratios, ratio_seeds, final, final3, seeds, seeds3 = {}, [], [], [], [], [], []
         for seed, run in sorted(runs.items()):
-            result, base = run["policies"].get(name), run["policies"].get(BASELINE)
+            result, base = run["policies"].get(name), base_figures.get(seed)
             if result is None or base is None:
                 continue
             classes = {d: row["class"] for d, row in result.get("devices", {}).items()}
             kept = ((previous or {}).get("policies", {}).get(name, {}).get("per_seed", {})
                     .get(str(seed), {}).get("participation"))
-            t, t_base = result.get("time_to_target_s"), base.get("time_to_target_s")
+            mine = figures(within_budget(result, run["options"].get("budget")), base["final_accuracy"])
+            t, t_base = mine["time_to_target_s"], base["time_to_target_s"]
             per_seed[str(seed)] = {
-                "target": run["target"]["accuracy"], "rounds": result.get("rounds_completed"),
-                "final_accuracy": result.get("final_accuracy"), "final_accuracy_mean3": result.get("final_accuracy_mean3"),
-                "time_to_target_s": t, "time_to_target_mean3_s": result.get("time_to_target_mean3_s"),
+                "target": base["final_accuracy"], **mine,
                 "time_to_target_ratio": round(t / t_base, 4) if t is not None and t_base else None,
                 "results": result.get("results"), "status": result.get("status"),
-                "participation": participation(root / result["run_dir"], classes, result.get("rounds_completed") or 0) or kept,
+                "participation": participation(root / result["run_dir"], classes, mine["rounds"]) or kept,
             }
             if t is not None and t_base:
                 ratios.append(t / t_base)
                 ratio_seeds.append(seed)
-            if result.get("final_accuracy") is not None and base.get("final_accuracy") is not None:
-                final.append(100.0 * (result["final_accuracy"] - base["final_accuracy"]))
+            if mine["final_accuracy"] is not None and base["final_accuracy"] is not None:
+                final.append(100.0 * (mine["final_accuracy"] - base["final_accuracy"]))
                 seeds.append(seed)
-                if result.get("final_accuracy_mean3") is not None and base.get("final_accuracy_mean3") is not None:
-                    final3.append(100.0 * (result["final_accuracy_mean3"] - base["final_accuracy_mean3"]))
-                    seeds3.append(seed)
+            if mine["final_accuracy_mean3"] is not None and base["final_accuracy_mean3"] is not None:
+                final3.append(100.0 * (mine["final_accuracy_mean3"] - base["final_accuracy_mean3"]))
+                seeds3.append(seed)
         out["policies"][name] = {
             "per_seed": per_seed,
             "time_to_target_ratio": _interval(ratios, ratio_seeds),
@@ -178,10 +202,12 @@ def plot(runs: dict[int, dict[str, Any]], summary: dict[str, Any], out: Path) ->
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, name in zip(axes, names):
         for k, (seed, run) in enumerate(sorted(runs.items())):
-            points = [p for p in run["policies"].get(name, {}).get("accuracy_vs_time", []) if p.get("t_train") is not None]
+            points = within_budget(run["policies"].get(name, {}), run["options"].get("budget"))
             ax.plot([p["t_train"] for p in points], [100 * p["test_accuracy"] for p in points], marker=".",
                     color=colours[k % len(colours)], label=f"seed {seed}")
-            ax.axhline(100 * run["target"]["accuracy"], color=colours[k % len(colours)], linestyle=":", linewidth=1)
+            target = summary["policies"].get(BASELINE, {}).get("per_seed", {}).get(str(seed), {}).get("target")
+            if target is not None:
+                ax.axhline(100 * target, color=colours[k % len(colours)], linestyle=":", linewidth=1)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("seconds of training")
         ax.set_ylim(0, 100)

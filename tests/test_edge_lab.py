@@ -248,3 +248,27 @@ def test_report_adds_the_process_peaks_from_the_run_directories(tmp_path: Path) 
     assert result["memory"]["zero"] == {"devices": 2, "cgroup_peak_mib": [205.0, 220.0],
                                         "process_peak_rss_mib": [345.0, 345.0], "with_process_peak": 1}
     assert result["accuracy_vs_time"][-1]["t_train"] == 5.0   # the curve is recomputed as before
+
+
+def test_seeds_report_cuts_at_the_budget_and_pairs_each_seed_with_its_random_run(tmp_path: Path) -> None:
+    import edge_lab_seeds
+
+    def curve(*points):
+        return [{"round": i, "t_train": t, "test_accuracy": a} for i, (t, a) in enumerate(points)]
+
+    def seed(s, random, fast):
+        return {"options": {"seed": s, "budget": 100.0}, "target": {"accuracy": 0.0},
+                "policies": {"sync-random": {"accuracy_vs_time": random, "run_dir": "gone"},
+                             "fast": {"accuracy_vs_time": fast, "run_dir": "gone"}}}
+
+    runs = {0: seed(0, curve((0, 0.1), (50, 0.5), (100, 0.6), (130, 0.9)), curve((0, 0.1), (25, 0.6), (90, 0.7))),
+            1: seed(1, curve((0, 0.1), (80, 0.5)), curve((0, 0.1), (40, 0.55), (100, 0.62), (101, 0.99)))}
+    summary = edge_lab_seeds.summarize(runs, root=tmp_path)
+    fast = summary["policies"]["fast"]
+    # seed 0: random's target is 0.6 at 100 s (the 0.9 came after the budget), fast reached it at 25 s
+    assert fast["per_seed"]["0"]["target"] == 0.6 and fast["per_seed"]["0"]["time_to_target_ratio"] == 0.25
+    # seed 1: target 0.5 at 80 s, fast at 40 s; its 0.99 at 101 s is past the budget
+    assert fast["per_seed"]["1"]["final_accuracy"] == 0.62 and fast["per_seed"]["1"]["time_to_target_ratio"] == 0.5
+    assert fast["time_to_target_ratio"]["per_seed"] == [0.25, 0.5] and fast["reached_target"] == "2 of 2"
+    assert fast["final_accuracy_points"]["per_seed"] == pytest.approx([10.0, 12.0])
+    assert fast["per_seed"]["0"]["participation"] is None   # no run directory left
