@@ -198,7 +198,12 @@ def plot(runs: dict[int, dict[str, Any]], summary: dict[str, Any], out: Path) ->
     """One panel per policy, test accuracy against training time, one line per seed; each seed's target
     dotted in its line's colour. A last panel: results counted per class, as shares, mean over seeds."""
     names = list(summary["policies"])
-    fig, axes = plt.subplots(1, len(names) + 1, figsize=(3.6 * (len(names) + 1), 3.6), dpi=100, sharey=False)
+    columns = 3
+    rows = -(-(len(names) + 1) // columns)
+    fig, grid = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.4 * rows), dpi=100, squeeze=False)
+    axes = list(grid.flat)
+    for spare in axes[len(names) + 1:]:
+        fig.delaxes(spare)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, name in zip(axes, names):
         for k, (seed, run) in enumerate(sorted(runs.items())):
@@ -214,7 +219,7 @@ def plot(runs: dict[int, dict[str, Any]], summary: dict[str, Any], out: Path) ->
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test accuracy (%) (dotted: target)")
     axes[0].legend(fontsize=8)
-    share = axes[-1]
+    share = axes[len(names)]
     classes: list[str] = []
     for i, name in enumerate(names):
         parts = [f["participation"] for f in summary["policies"][name]["per_seed"].values() if f.get("participation")]
