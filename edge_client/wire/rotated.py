@@ -16,8 +16,9 @@ Below one bit per entry (``eden:P``, EDEN's sparsified variant): each chunk send
 ``ceil(P d)`` of its ``d`` rotated entries, the same ones on both sides (drawn from the seed, so no index
 travels), and the rest decode to 0. The scale keeps the projection exact, ``S = ||x||^2 / ||(R x)_kept||_1``,
 so the decoded vector stays unbiased; its one-round error grows to about ``sqrt(pi / (2 P) - 1)`` of the
-chunk's norm (2.1 at P = 0.3), which averaging over a round's devices and error feedback take down. P = 1 is
-the dense variant above, bit for bit.
+chunk's norm (2.1 at P = 0.3), which averaging over a round's devices takes down; error feedback would grow it
+below P = pi / 4 (``codec_spec.eden_variance``), where the configuration check refuses it. P = 1 is the dense
+variant above, bit for bit.
 
 Each tensor's diagonal comes from a 63-bit seed the sender draws from the task's generator and sends
 with the tensor (8 bytes), so decoding needs nothing but the message and the codec spec. Wire entries of
@@ -73,7 +74,7 @@ def _diagonal(seed: int, length: int) -> torch.Tensor:
     return torch.from_numpy(bits.astype(np.float32)).mul_(2).sub_(1)
 
 
-def kept_counts(lengths: list[int], fraction: float) -> list[int]:
+def _kept_counts(lengths: list[int], fraction: float) -> list[int]:
     """How many rotated entries each chunk sends: all of them at fraction 1, else ``ceil(fraction d)``."""
     return lengths if fraction >= 1 else [max(1, math.ceil(fraction * d - 1e-9)) for d in lengths]
 
@@ -84,7 +85,7 @@ def _kept(seed: int, lengths: list[int], fraction: float) -> torch.Tensor | None
         return None
     g = torch.Generator().manual_seed(seed ^ _KEPT_SALT)
     out, start = [], 0
-    for d, k in zip(lengths, kept_counts(lengths, fraction)):
+    for d, k in zip(lengths, _kept_counts(lengths, fraction)):
         out.append(torch.randperm(d, generator=g)[:k].sort().values + start)
         start += d
     return torch.cat(out)
@@ -139,7 +140,7 @@ def decode_rotated(wire: Mapping[str, torch.Tensor], name: str, shape: tuple[int
     every entry's dtype and shape."""
     numel = math.prod(shape)
     lengths = padded_chunks(numel)
-    total, sent = sum(lengths), sum(kept_counts(lengths, fraction)) if numel else 0
+    total, sent = sum(lengths), sum(_kept_counts(lengths, fraction)) if numel else 0
     bits_key, scale_key, seed_key = (name + SEP + kind for kind in KINDS)
     packed = need(wire, bits_key, (torch.uint8,), ((sent + 7) // 8,))
     scale = need(wire, scale_key, (torch.float32,), (len(lengths),))
