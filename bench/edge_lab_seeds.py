@@ -16,7 +16,7 @@ longer while it stops). Per policy and seed this reads, against that seed's ``sy
 Prints the table, writes ``bench/results/edge_lab_seeds.json`` and draws ``docs/images/edge_lab_seeds.png``
 (one panel per policy, one line per seed).
 
-    python bench/edge_lab_seeds.py [bench/results/edge_lab_seeds] [--out FILE] [--plot PNG]
+    python bench/edge_lab_seeds.py [bench/results/edge_lab_seeds] [--root DIR] [--markdown] [--out FILE] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -168,29 +168,48 @@ def _fmt(stat: dict[str, Any] | None, scale: str = "") -> str:
     return f"{stat['mean']:.2f}{scale} [{low:.2f}, {high:.2f}] ({per_seed})"
 
 
-def show(console: Console, summary: dict[str, Any]) -> None:
-    table = Table(title=f"edge lab, seeds {summary['seeds']}, paired against {BASELINE} (95 % t-interval)")
-    for column in ("policy", "reached target", "time to target / sync-random's", "final accuracy, points",
-                   "mean of last 3, points"):
-        table.add_column(column)
+def tables(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The report's tables as (title, columns, rows): the paired comparison, and participation per class."""
+    seeds = ", ".join(map(str, summary["seeds"]))
+    paired_rows = []
     for name, entry in summary["policies"].items():
-        table.add_row(name, entry["reached_target"], _fmt(entry["time_to_target_ratio"], "x"),
-                      _fmt(entry["final_accuracy_points"]), _fmt(entry["final_accuracy_mean3_points"]))
-    console.print(table)
-    classes, table = [], None
+        per_seed = entry["per_seed"].values()
+        paired_rows.append([name, ", ".join(str(f["rounds"]) for f in per_seed),
+                            ", ".join(f"{100 * f['final_accuracy']:.2f}" if f["final_accuracy"] is not None else "-"
+                                      for f in per_seed),
+                            entry["reached_target"], _fmt(entry["time_to_target_ratio"], "x"),
+                            _fmt(entry["final_accuracy_points"])])
+    out = [(f"seeds {seeds}, paired against {BASELINE} (95 % t-interval; per seed in brackets)",
+            ["policy", "rounds / versions", "last accuracy (%)", "reached target", "time to target / sync-random's",
+             "last accuracy, points"], paired_rows)]
+    classes: list[str] = []
+    part_rows = []
     for name, entry in summary["policies"].items():
         for seed, figures in entry["per_seed"].items():
             part = figures.get("participation")
-            if not part:
-                continue
-            if table is None:
-                classes = list(part["counted_per_class"])
-                table = Table(title="results counted per device class (devices counted at least once)")
-                for column in ("policy", "seed", *classes):
-                    table.add_column(column)
-            table.add_row(name, seed, *(f"{part['counted_per_class'][c]} ({part['devices_counted_per_class'][c]})"
-                                        for c in classes))
-    if table is not None:
+            if part:
+                classes = classes or list(part["counted_per_class"])
+                part_rows.append([name, seed, *(f"{part['counted_per_class'][c]} ({part['devices_counted_per_class'][c]})"
+                                                for c in classes)])
+    if part_rows:
+        out.append(("results counted per device class (devices counted at least once)", ["policy", "seed", *classes],
+                    part_rows))
+    return out
+
+
+def show(console: Console, summary: dict[str, Any], markdown: bool = False) -> None:
+    """The tables on the terminal, or as Markdown for the docs."""
+    for title, columns, rows in tables(summary):
+        if markdown:
+            print(f"\n{title}\n\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+            for row in rows:
+                print("| " + " | ".join(row) + " |")
+            continue
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
         console.print(table)
 
 
@@ -250,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "edge_lab_seeds.json", help="summary JSON to write")
     p.add_argument("--root", type=Path, default=ROOT,
                    help="the directory the lab ran in: relative run directories are under it (default: this checkout)")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for docs/heterogeneous-fleets.md)")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "edge_lab_seeds.png", help="PNG to write")
     args = p.parse_args(argv)
     runs = load_seeds(args.directory)
@@ -259,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     previous = json.loads(args.out.read_text()) if args.out.exists() else None
     summary = summarize(runs, previous, args.root)
-    show(Console(), summary)
+    show(Console(), summary, args.markdown)
     write_result(args.out, summary)
     plot(runs, summary, args.plot)
     print(f"written to {args.out} and {args.plot}")
