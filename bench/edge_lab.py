@@ -263,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     def stopped(signum: int, frame: object) -> None:
         raise Stopped()
     signal.signal(signal.SIGTERM, stopped)
+    # A shell starts a background job with SIGINT ignored, and an ignored signal stays ignored across exec: the
+    # coordinators would then ignore the SIGINT that ends a policy's budget. A handler is reset to the default
+    # on exec, so with one here every coordinator and client acts on SIGINT, and so does the lab.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit.register(lab.teardown)
     try:
         return _run(args, lab, policies)

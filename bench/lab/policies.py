@@ -5,6 +5,7 @@ config file for one policy. The one table below is the only place a policy is de
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 __all__ = ["POLICIES", "coordinator_config", "toml_text"]
@@ -14,6 +15,8 @@ POLICIES: dict[str, dict[str, dict[str, Any]]] = {
     "sync-random": {"clients": {"selection": "random"}},
     "sync-deadline": {"clients": {"selection": "deadline"}},
     "sync-profile": {"clients": {"selection": "profile"}},   # profile-driven selection
+    # random selection drawing 30 % more devices, the round closing at clients.per_round results
+    "sync-overselect": {"clients": {"selection": "random", "over_select": 1.3}},
     "async": {"run": {"mode": "async"}, "async": {}},         # buffered asynchronous aggregation
 }
 
@@ -33,6 +36,9 @@ def coordinator_config(policy: str, *, broker: str, out: str, rounds: int, seed:
     }
     for section, keys in POLICIES[policy].items():
         config.setdefault(section, {}).update(keys)
+    clients = config["clients"]
+    # the coordinator draws at most clients.expected devices: let it wait for as many as over-selection draws
+    clients["expected"] = max(expected, math.ceil(per_round * clients.get("over_select", 1.0) - 1e-9))
     return config
 
 
