@@ -397,7 +397,7 @@ def _over_select_checks(config: RunConfig) -> list[tuple[bool, str]]:
     if not checks[0][0] or c.over_select == 1.0:
         return checks
     need = f"clients.over_select = {c.over_select:g} needs"
-    wanted = math.ceil(config.selected_per_round * c.over_select - 1e-9)
+    wanted = config.over_selected_per_round
     why_not = config.capabilities.sync_only
     central = config.privacy.mode == "central"
     return checks + [

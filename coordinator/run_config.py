@@ -81,10 +81,15 @@ class RunConfig:
         return self.clients.min_results or self.selected_per_round
 
     @property
+    def over_selected_per_round(self) -> int:
+        """``selected_per_round`` times ``clients.over_select``, rounded up: what over-selection asks to draw."""
+        return math.ceil(self.selected_per_round * self.clients.over_select - 1e-9)
+
+    @property
     def drawn_per_round(self) -> int:
-        """The devices a sampled phase gives tasks to: ``selected_per_round`` times ``clients.over_select``, rounded
-        up, at most ``clients.expected``; the phase closes once ``selected_per_round`` results are in."""
-        return min(self.clients.expected, math.ceil(self.selected_per_round * self.clients.over_select - 1e-9))
+        """The devices a sampled phase gives tasks to: :attr:`over_selected_per_round`, at most ``clients.expected``;
+        the phase closes once ``selected_per_round`` results are in."""
+        return min(self.clients.expected, self.over_selected_per_round)
 
     @property
     def closes_early(self) -> bool:
