@@ -205,6 +205,9 @@ def measure(workdir: Path, *, rounds: int, samples: int, every: float,
             "peak_rss_mb": max(r for _, r, _ in samples_taken) / MB,
             "peak_uss_mb": max((u for _, _, u in samples_taken if u is not None), default=0) / MB,
             "client_reported_peak_rss_mb": max(t.get("peak_rss_bytes") or 0 for t in tasks) / MB,
+            "train_seconds": [round((t.get("phases") or {}).get("train", 0.0), 3) for t in tasks],
+            "task_cpu_seconds": [round(t["seconds"] * t["cpu_percent"] / 100, 3) for t in tasks
+                                 if t.get("seconds") and t.get("cpu_percent") is not None],
             "tasks": len(tasks), "seconds": time.time() - started, "samples_taken": len(samples_taken),
             "online_after_seconds": (online_at - started) if online_at else None,
             "client_log_tail": lines[-5:]}
@@ -228,10 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=0.05, help="seconds between memory samples (default 0.05)")
     parser.add_argument("--low-memory", action="store_true",
                         help="run the client with the glibc settings of a flash kit's --low-memory")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="another setting in the client's environment (repeatable), e.g. an allocator's")
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/device_footprint.json (device_footprint_low_memory.json)")
     args = parser.parse_args(argv)
     env = dict(LOW_MEMORY_MALLOC) if args.low_memory else {}
+    for setting in args.env:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            parser.error(f"--env takes KEY=VALUE, got {setting!r}")
+        env[key] = value
     out = args.out or RESULTS / ("device_footprint_low_memory.json" if args.low_memory else "device_footprint.json")
     print("baselines (fresh interpreters) ...", flush=True)
     baselines = {name: baseline(code) for name, code in BASELINES.items()}
@@ -248,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     goal = torch_rss + 100
     print_breakdown(device["marks"])
     print(f"{'client: whole run':52s} {device['peak_rss_mb']:12.1f} {device['peak_uss_mb']:12.1f}")
+    print(f"training per task: {', '.join(f'{s:.2f}' for s in device['train_seconds'])} s; the task's CPU time: "
+          f"{', '.join(f'{s:.2f}' for s in device['task_cpu_seconds'])} s")
     print(f"\ngoal: peak RSS <= torch's import footprint + 100 MB = {goal:.0f} MB: "
           f"{'met' if device['peak_rss_mb'] <= goal else 'missed'} ({device['peak_rss_mb'] - torch_rss:+.0f} MB "
           "over torch alone)")

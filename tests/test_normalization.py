@@ -58,16 +58,16 @@ def test_an_npz_device_under_a_fashion_mnist_spec_feeds_the_model_what_the_built
     spec = _coordinator_spec()
     assert spec["normalization"] == {"mean": [0.286], "std": [0.353]}
     device = load_device_data(f"npz:{tmp_path / 'own.npz'}", 0.25, seed=0, client_id="pi-01")
-    assert isinstance(device, DeviceData) and float(device.x.max()) == 1.0   # as loaded: pixels / 255
+    assert isinstance(device, DeviceData) and float(device.x[:].max()) == 1.0   # as loaded: pixels / 255
     inputs = for_model(device, spec)
     built_in = load_device_data("fashion-mnist", 0.25, seed=0, client_id="pi-01", partition="iid",
                                 partition_index=3, num_partitions=60)
-    assert torch.equal(inputs.x, built_in.x) and torch.equal(inputs.x_test, built_in.x_test)
+    assert torch.equal(inputs.x[:], built_in.x[:]) and torch.equal(inputs.x_test[:], built_in.x_test[:])
     assert torch.equal(inputs.y, built_in.y) and torch.equal(inputs.y_test, built_in.y_test)
     # the built-in loader's inputs are the coordinator's normalization of those rows
     pixels, _, _ = client_pixels("fashion-mnist", "iid", 3, 60, 0)
     train_rows = holdout_split(np.arange(len(pixels)), np.zeros(len(pixels)), 0.25, holdout_seed(0, "pi-01"))[0]
-    assert np.array_equal(built_in.x.numpy(), pixels.normalized(FASHION_MNIST_NORMALIZATION)[train_rows])
+    assert np.array_equal(built_in.x[:].numpy(), pixels.normalized(FASHION_MNIST_NORMALIZATION)[train_rows])
     assert for_model(inputs, spec) is inputs          # made once, kept for the next task
     assert for_model(built_in, spec) is built_in      # already normalized as the spec says
 
