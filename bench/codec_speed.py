@@ -11,7 +11,10 @@ whole path a result takes is timed, as the client and the coordinator run it:
 
 Reported: bytes on the wire, how many times smaller than float32, the relative error
 of the update received (||sent - true|| / ||true||, one round, before error feedback
-makes up for it), and the median encode and decode times over the repeats. For
+makes up for it), the median encode and decode times over the repeats, and the memory
+one encode takes: how far the process's resident memory rose above where it stood (the
+kernel's high-water mark, reset just before, with glibc's free heap given back first, so
+that the encode cannot hide in memory freed earlier). For
 ``lowrank`` that round is a run's first, from a random Q (no warm start yet). Writes
 bench/results/codec_speed.json.
 
@@ -29,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -40,12 +44,13 @@ from edge_client.registry import build_model
 from edge_client.objectives import LocalData, TaskContext, train
 from edge_client.wire.protocol import ResultBody, UploadSettings, decode, encode
 from edge_client.wire.updates import ResidualStore, decode_upload, encode_upload
-from profiling.profiler import Profiler
+from edge_client.heap import give_back_freed_memory
+from profiling.profiler import Profiler, peak_rss_since_reset, reset_peak_rss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CODECS = ["fp32", "fp32+zstd", "fp32+lz4", "fp16", "fp16+zstd", "bf16+zstd", "int8", "int8+zstd",
           "int8:stochastic+zstd", "topk:0.1", "topk:0.1+int8", "topk:0.1+int8+zstd", "topk:0.1+int8+lz4",
-          "topk:0.01+int8", "topk:0.01+int8+zstd", "eden", "eden+zstd", "eden+lz4", "lowrank:4", "lowrank:4+fp16",
+          "topk:0.01+int8", "topk:0.01+int8+zstd", "eden", "eden+zstd", "eden+lz4", "eden:0.25", "eden:0.2", "lowrank:4", "lowrank:4+fp16",
           "lowrank:4+int8", "lowrank:4+int8+zstd", "lowrank:2+int8+zstd", "lowrank:8+int8+zstd"]
 
 
@@ -66,18 +71,34 @@ def real_update(data_spec: str) -> tuple[dict[str, torch.Tensor], dict[str, torc
     return trained, received, {"spec": spec, "samples": len(y)}
 
 
+def encoded(trained, received, spec, settings: UploadSettings) -> bytes:
+    """A result message as a device sends it, from the first round of a run (no residual yet)."""
+    wire, delta = encode_upload(trained, received, settings, ResidualStore(None), "bench")
+    body = ResultBody(num_samples=1, codec=spec, delta=tuple(delta))
+    return encode("result", run_id="bench", round=1, task_id="t", sender="bench", body=body.to_body(),
+                  tensors=wire, compression=spec)
+
+
+def encode_memory(trained, received, spec, settings: UploadSettings) -> int | None:
+    """Bytes by which one encode raised the resident memory above where it stood; None off Linux."""
+    give_back_freed_memory()
+    reset_peak_rss()
+    before = psutil.Process().memory_info().rss
+    encoded(trained, received, spec, settings)
+    peak = peak_rss_since_reset()
+    return None if peak is None else max(peak - before, 0)
+
+
 def measure(text: str, trained, received, repeats: int) -> dict:
     spec = parse_codec(text)
-    settings = UploadSettings(spec, "delta", error_feedback=True)
+    # error feedback as the matrix runs it: off where it would diverge (eden with a share below pi/4)
+    settings = UploadSettings(spec, "delta", error_feedback=not text.startswith("eden:"))
     shapes = {k: tuple(v.shape) for k, v in trained.items()}
+    memory = encode_memory(trained, received, spec, settings)
     encode_s, decode_s = [], []
     for _ in range(repeats):
-        store = ResidualStore(None)      # the first round of a run: no residual yet
         t0 = time.perf_counter()
-        wire, delta = encode_upload(trained, received, settings, store, "bench")
-        body = ResultBody(num_samples=1, codec=spec, delta=tuple(delta))
-        payload = encode("result", run_id="bench", round=1, task_id="t", sender="bench", body=body.to_body(),
-                         tensors=wire, compression=spec)
+        payload = encoded(trained, received, spec, settings)
         t1 = time.perf_counter()
         msg = decode(payload)
         got = decode_upload(msg.tensors, ResultBody.from_body(msg.body), shapes, received)
@@ -87,7 +108,8 @@ def measure(text: str, trained, received, repeats: int) -> dict:
     true = torch.cat([(trained[k] - received[k]).reshape(-1) for k in trained])
     sent = torch.cat([(got[k] - received[k]).reshape(-1) for k in trained])
     return {"codec": spec.text, "bytes": len(payload), "error": float((sent - true).norm() / true.norm()),
-            "encode_ms": 1000 * statistics.median(encode_s), "decode_ms": 1000 * statistics.median(decode_s)}
+            "encode_ms": 1000 * statistics.median(encode_s), "decode_ms": 1000 * statistics.median(decode_s),
+            "encode_memory_kib": None if memory is None else memory / 1024}
 
 
 def main() -> int:
@@ -105,11 +127,12 @@ def main() -> int:
     for r in rows:
         r["times_smaller"] = fp32_bytes / r["bytes"]
     table = Table(title=f"upload codecs: one cnn update ({params:,} parameters), one core, median of {args.repeats}")
-    for name in ("codec", "bytes", "x smaller", "rel. error", "encode ms", "decode ms"):
+    for name in ("codec", "bytes", "x smaller", "rel. error", "encode ms", "decode ms", "encode KiB"):
         table.add_column(name, justify="left" if name == "codec" else "right", no_wrap=True)
     for r in rows:
         table.add_row(r["codec"], f"{r['bytes']:,}", f"{r['times_smaller']:.1f}", f"{r['error']:.4f}",
-                      f"{r['encode_ms']:.1f}", f"{r['decode_ms']:.1f}")
+                      f"{r['encode_ms']:.1f}", f"{r['decode_ms']:.1f}",
+                      "-" if r["encode_memory_kib"] is None else f"{r['encode_memory_kib']:,.0f}")
     console.print(table)
     report = {"setting": {"data": args.data, "model": info["spec"], "parameters": params,
                           "update": "one local epoch (batch 64, lr 0.05, momentum 0.9) on Dirichlet(0.5) shard 0 "
@@ -118,7 +141,9 @@ def main() -> int:
                           "encode": "encode_upload (difference, error feedback, codec) + envelope + compression",
                           "decode": "decompression + envelope checks + body parsing + decode_upload (codec checks, "
                                     "add back)",
-                          "error": "||received update - true update|| / ||true update||, one round"},
+                          "error": "||received update - true update|| / ||true update||, one round",
+                          "encode_memory": "peak RSS during one encode above the RSS before it (VmHWM reset, "
+                                           "malloc_trim first), KiB"},
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "arch": platform.machine(), "cpus": os.cpu_count()},
               "rows": rows}

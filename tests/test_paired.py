@@ -61,3 +61,31 @@ def test_a_report_on_another_baseline_or_figure_writes_beside_the_default() -> N
     assert default_name(matrix, "fedavg+ffc", "final", "test_accuracy") == "spherefed-vs-fedavg+ffc-final.json"
     assert default_name(matrix, "fedavg", "last5", "personalized_accuracy_mean") == \
         "spherefed-personalized_accuracy_mean.json"
+
+
+def test_a_codec_report_counts_bytes_per_device_and_the_accuracy_within_an_equal_upload() -> None:
+    from compression_report import accuracy_within, bytes_per_device, reached
+
+    rows = [{"round": 0, "test_accuracy": 0.1},
+            {"round": 1, "selected": 2, "returned": 2, "bytes_up": 200, "bytes_down": 1100, "bytes_broadcast": 1000},
+            {"round": 2, "selected": 2, "returned": 1, "bytes_up": 100, "bytes_down": 1100, "bytes_broadcast": 1000,
+             "test_accuracy": 0.5},
+            {"round": 3, "selected": 2, "returned": 2, "bytes_up": 200, "bytes_down": 1100, "bytes_broadcast": 1000,
+             "test_accuracy": 0.7}]
+    up, down = bytes_per_device(rows)
+    assert up == 500 / 5 and down == 1000 + 100 / 2   # a result per device that answered; the broadcast + its task
+    assert accuracy_within(rows, 300) == (2, 0.5) and accuracy_within(rows, 299) == (0, 0.1)
+    assert reached(rows, 0.6) == 3 and reached(rows, 0.8) is None
+
+
+def test_the_codec_report_pairs_every_row_with_the_baseline_of_its_seeds() -> None:
+    from compression_report import report
+    from run_matrix import load_matrix
+
+    root = Path(__file__).resolve().parents[1]
+    entries = report(load_matrix(root / "bench/matrices/downlink.toml"), root / "bench/results",
+                     root / "bench/results/codec_speed.json")
+    by_row = {e["row"]: e for e in entries}
+    assert by_row["fp32"]["paired_vs_baseline"] is None and by_row["fp32"]["down_times_fewer"] == 1.0
+    int8 = by_row["int8"]
+    assert int8["paired_vs_baseline"]["n"] == len(int8["seeds"]) and int8["down_times_fewer"] > 3
