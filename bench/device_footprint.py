@@ -45,7 +45,7 @@ import psutil
 
 from bench_io import RESULTS, write_result
 from coordinator.config import load_config
-from coordinator.ops.flash_kit import LOW_MEMORY_MALLOC
+from coordinator.ops.flash_kit import LOW_MEMORY_ENV
 from coordinator.ops.mosquitto import LocalMosquitto
 from coordinator.runtime.run import run_federated
 from edge_client.data import FASHION_MNIST_DIR, read_fashion_mnist
@@ -58,7 +58,7 @@ TASK_PHASES = (("publish", "encode + send"), ("encode", "encode + send"), ("code
                ("receive", "receive + decode"))
 # The client's memory-trace marks, in the order a task passes them, and what each phase did.
 MARKS = {"interpreter": "Python and fedge's command line", "imports": "import torch, numpy, paho, fedge's client",
-         "data": "its npz as float32 inputs", "connected": "connected to the broker",
+         "data": "its npz loaded (pixels)", "connected": "connected to the broker",
          "online": "subscribed, warm-up, announced", "received": "a message received and decoded (broadcast, task)",
          "model": "model built", "inputs": "inputs normalized as the model spec says",
          "weights": "received weights decoded and loaded", "optimizer": "optimizer built",
@@ -230,13 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=6000, help="images in the device's own npz (default 6000)")
     parser.add_argument("--every", type=float, default=0.05, help="seconds between memory samples (default 0.05)")
     parser.add_argument("--low-memory", action="store_true",
-                        help="run the client with the glibc settings of a flash kit's --low-memory")
+                        help="run the client with the allocator settings of a flash kit's --low-memory")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="another setting in the client's environment (repeatable), e.g. an allocator's")
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/device_footprint.json (device_footprint_low_memory.json)")
     args = parser.parse_args(argv)
-    env = dict(LOW_MEMORY_MALLOC) if args.low_memory else {}
+    env = dict(LOW_MEMORY_ENV) if args.low_memory else {}
     for setting in args.env:
         key, sep, value = setting.partition("=")
         if not sep or not key:

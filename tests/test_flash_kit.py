@@ -66,7 +66,7 @@ def test_the_unit_passes_the_threads_and_client_env_to_the_client(wheel):
     # the app: fedge's own networks unless client.env names an installed one (a kit made with --app)
     assert "--app ${FEDGE_APP}" in exec_start and "Environment=FEDGE_APP=vision" in unit
     small = client_env(KitOptions(target="pi", wheel=wheel, low_memory=True))
-    assert "FEDGE_TORCH_THREADS=1" in small and "MALLOC_TRIM_THRESHOLD_=0" in small
+    assert "FEDGE_TORCH_THREADS=1" in small and "MALLOC_TRIM_THRESHOLD_=0" in small and "THP_MEM_ALLOC_ENABLE=1" in small
     assert "MALLOC" not in client_env(KitOptions(target="pi", wheel=wheel))
 
 
