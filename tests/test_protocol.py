@@ -651,3 +651,15 @@ def test_a_body_that_cannot_be_json_names_the_number_that_is_not_finite():
         encode("result", run_id="r", round=3, task_id="t", sender="pi-01", body=body)
     with pytest.raises(ProtocolError, match=r"not plain finite JSON: body.steps.1 is nan"):
         encode("result", run_id="r", round=3, task_id="t", sender="pi-01", body={"steps": [1.0, float("nan")]})
+
+
+def test_tensors_that_share_memory_are_written_each_whole_and_others_are_not_copied():
+    from edge_client.wire.envelope import _unshared
+
+    base = torch.arange(12, dtype=torch.float32)
+    alone = torch.ones(3)
+    plain = _unshared({"a": base[:6], "b": base[6:], "alone": alone})
+    assert plain["alone"] is alone and plain["a"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    msg = decode(encode("result", run_id="r", round=1, task_id="t", sender="pi-01",
+                        tensors={"a": base[:6], "b": base[6:].view(2, 3), "alone": alone}))
+    assert torch.equal(msg.tensors["a"], base[:6]) and torch.equal(msg.tensors["b"], base[6:].view(2, 3))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +79,8 @@ def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
            body: Mapping[str, Any] | None = None,
            tensors: Mapping[str, torch.Tensor] | None = None,
            compression: CodecSpec | None = None) -> bytes:
-    """Serialize one message; tensors are made contiguous CPU copies first.
+    """Serialize one message; tensors are made contiguous on the CPU first (copied only where two of
+    them share memory, which safetensors refuses: an update is not held twice while it is written).
 
     ``body``: a body dataclass's ``to_body()``. ``compression``: the message's codec
     (its body's ``codec``); when that names a compressor, the whole envelope is
@@ -88,7 +90,7 @@ def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
         raise ProtocolError(f"unknown message kind {kind!r}; expected one of {KINDS}")
     header = {"v": PROTOCOL_VERSION, "kind": kind, "run_id": run_id, "round": int(round),
               "task_id": task_id, "sender": sender, "body": dict(body or {})}
-    plain = {k: t.detach().to("cpu").contiguous().clone() for k, t in (tensors or {}).items()}
+    plain = _unshared({k: t.detach().to("cpu").contiguous() for k, t in (tensors or {}).items()})
     try:
         text = json.dumps(header, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -96,6 +98,12 @@ def encode(kind: str, *, run_id: str, round: int, task_id: str, sender: str,
         raise ProtocolError(f"message body is not plain finite JSON: {where or exc}") from None
     payload = st_save(plain, metadata={"fedge": text})
     return compression.compress(payload) if compression is not None else payload
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors``, with a copy of each one whose memory another one shares."""
+    owners = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
+    return {k: t.clone() if owners[t.untyped_storage().data_ptr()] > 1 else t for k, t in tensors.items()}
 
 
 def _non_finite(value: Any, path: str) -> str:
