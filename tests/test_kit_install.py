@@ -349,3 +349,20 @@ def test_the_install_waits_for_the_client_to_say_the_broker_passed_its_presence_
     stopped = _steps(kit, _WATCH.format(log=log, pid=client.pid), WAIT_ONLINE="60")
     client.wait(30)
     assert stopped.returncode == 1 and "fedge-client stopped" in stopped.stderr and "it exited" in stopped.stderr
+
+
+def test_a_board_short_of_memory_gets_the_low_memory_settings_once(deploy, fedge_wheel, tmp_path):
+    kit = _kit(deploy, fedge_wheel)
+    kernel = _kernel_files(tmp_path, "0::/", "memory.max", "max")
+    env = tmp_path / "client.env"
+    env.write_text((kit / "client.env").read_text())
+    roomy = _steps(kit, f"small_board_settings {env}", **kernel)   # 3,792 MiB: left as the kit made it
+    assert roomy.returncode == 0, roomy.stderr
+    assert "MALLOC" not in env.read_text()
+    (tmp_path / "meminfo").write_text("MemTotal:         427000 kB\n")   # a Pi Zero 2 W after the GPU's share
+    small = _steps(kit, f"small_board_settings {env} && small_board_settings {env}", **kernel)
+    assert small.returncode == 0, small.stderr
+    text = env.read_text()
+    assert "416 MiB, under 1024: the service gets the low-memory settings" in small.stdout
+    for setting in ("MALLOC_MMAP_THRESHOLD_=65536", "MALLOC_TRIM_THRESHOLD_=0", "THP_MEM_ALLOC_ENABLE=1"):
+        assert text.count(setting + "\n") == 1

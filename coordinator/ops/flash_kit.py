@@ -219,7 +219,11 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "",
              f"FEDGE_NEED_MIB={need}",
              f'FEDGE_NEED_WHY="{why}"',
              "# what the client logs once the broker passed its presence back: install.sh waits for it",
-             f'FEDGE_ONLINE_LINE="{ONLINE_LINE}"']
+             f'FEDGE_ONLINE_LINE="{ONLINE_LINE}"',
+             "# a device with less memory than this (MiB) gets the low-memory settings in client.env, as",
+             "# --low-memory would have given it (unless client.env sets the allocator already)",
+             f"FEDGE_LOW_MEMORY_BELOW_MIB={LOW_MEMORY_BELOW_MIB}",
+             f'FEDGE_LOW_MEMORY_ENV="{" ".join(f"{k}={v}" for k, v in LOW_MEMORY_ENV.items())}"']
     if apps:
         lines += ["# the apps installed beside fedge (apps/: their wheels, checked against SHA256SUMS, and apps.txt,",
                   "# each app as fedge-client apps must list it once installed: name, version, digest)",
@@ -250,6 +254,9 @@ def kit_env(options: KitOptions, data_url: str = "", data_sha256: str = "",
 # it). Measured on the cnn: the client's peak fell by 42 MiB, to within torch's import + 100 MiB, at
 # about twice the training CPU time (2.6 times without the huge pages; docs/profiling.md).
 LOW_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "THP_MEM_ALLOC_ENABLE": "1"}
+# Below this much memory install.sh gives the service those settings even from a kit made without
+# --low-memory: a 512 MB board (the Pi Zero 2 W, a Pi 3 A+) then fits the cnn's training.
+LOW_MEMORY_BELOW_MIB = 1024
 
 
 def client_env(options: KitOptions, apps: tuple[KitApp, ...] | None = None) -> str:

@@ -46,8 +46,9 @@ def add_command(sub, name: str = "kit") -> None:  # sub: the parser's subparsers
     kit.add_argument("--torch-threads", type=int, default=0, metavar="N",
                      help="the service's torch CPU threads (0, the default: one per core)")
     kit.add_argument("--low-memory", action="store_true",
-                     help="for 512 MB boards (Pi Zero 2 W): one torch thread and glibc settings that give freed "
-                          "memory back: a smaller peak, slower training (docs/profiling.md#device-footprint)")
+                     help="for 512 MB boards (Pi Zero 2 W): one torch thread and allocator settings that give freed "
+                          "memory back: a smaller peak, slower training (docs/profiling.md#device-footprint); "
+                          "install.sh gives a device under 1 GiB the allocator settings anyway")
     data = kit.add_mutually_exclusive_group()
     data.add_argument("--data-file", type=Path, default=None, metavar="NPZ",
                       help="an npz (arrays x, y) copied into every kit as the device's data")

@@ -77,6 +77,21 @@ memory_limit_mib() {
     echo "$best"
 }
 
+# A device with less memory than FEDGE_LOW_MEMORY_BELOW_MIB gets the allocator settings a kit made with
+# --low-memory has (a smaller peak, slower training), unless its client.env sets the allocator already.
+small_board_settings() {
+    local env=$1 have setting
+    [ -n "${FEDGE_LOW_MEMORY_ENV:-}" ] || return 0   # a kit.env from before these settings
+    ! grep -q '^MALLOC_MMAP_THRESHOLD_=' "$env" || return 0
+    have=$(memory_limit_mib)
+    [ -n "$have" ] && [ "$have" -lt "${FEDGE_LOW_MEMORY_BELOW_MIB:-1024}" ] || return 0
+    echo "# added by install.sh: this device lets the client use $have MiB, under $FEDGE_LOW_MEMORY_BELOW_MIB" >> "$env"
+    for setting in $FEDGE_LOW_MEMORY_ENV; do
+        echo "$setting" >> "$env"
+    done
+    say "memory: $have MiB, under ${FEDGE_LOW_MEMORY_BELOW_MIB}: the service gets the low-memory settings ($FEDGE_LOW_MEMORY_ENV: a smaller peak, slower training)"
+}
+
 # Refuse a device that cannot hold the client: below its need the kernel kills the service seconds
 # after each start, before it logs a line.
 check_memory() {
@@ -394,6 +409,7 @@ main() {
     install -d -m 0750 -o fedge -g fedge "$STATE"
     install_data
     install -m 0644 -o root -g root "$KIT/client.env" "$ETC/client.env"
+    small_board_settings "$ETC/client.env"
     done_step data
 
     # 7. the unit
