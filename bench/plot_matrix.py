@@ -6,18 +6,19 @@ with one line per label of the compared axis, the baseline first and in black: t
 seeds of the metric at each evaluated round, the spread over seeds (min..max) shaded, and
 "label (n seeds)" in the legend. With ``--x bytes`` the x axis is the cumulative traffic
 (bytes_down + bytes_up summed over rounds, mean over seeds) on a log scale, to compare methods at
-equal bytes (FedMA's few phases against FedAvg's rounds).
+equal bytes (FedMA's few phases against FedAvg's rounds); ``--x upload`` counts bytes_up alone (upload
+codecs, whose rows all download the same).
 
 Only run files whose ``rounds`` is their cell's full length are read (the matrix's run.rounds, or
 the entry's own run.rounds, as ``run_matrix.py`` runs them); ``--rounds N`` reads the runs of N
 rounds instead (a shorter trial). Files that are not runs of the matrix, have no rows, or are
 marked ``subset`` are skipped and counted.
 
-Files: ``OUT_DIR/NAME-<the other axes' labels joined by _>[-personalized|-divergence][-bytes].png``.
+Files: ``OUT_DIR/NAME-<the other axes' labels joined by _>[-personalized|-divergence][-bytes|-upload].png``.
 ``weight_divergence_mean`` needs runs with ``run.diagnostics = true`` (the PANs matrices).
 
     python bench/plot_matrix.py bench/matrices/pans.toml [--axis AXIS]
-        [--metric test_accuracy|personalized_accuracy_mean|weight_divergence_mean] [--x round|bytes] [--rounds N]
+        [--metric test_accuracy|personalized_accuracy_mean|weight_divergence_mean] [--x round|bytes|upload] [--rounds N]
         [--out-dir docs/images] [--results bench/results]
 """
 
@@ -54,18 +55,24 @@ class PlotError(Exception):
     """A matrix that cannot be plotted as asked; the message says why and what to run."""
 
 
+# x axes in cumulative bytes: their label and the row fields summed
+X_AXES = {"bytes": ("cumulative bytes (down + up)", ("bytes_down", "bytes_up")),
+          "upload": ("cumulative upload bytes (all devices)", ("bytes_up",))}
+
+
 @dataclass
 class Series:
     """One line of a figure: per evaluated round, the metric and the cumulative bytes of each seed."""
 
     label: str
+    counted: tuple[str, ...] = ("bytes_down", "bytes_up")   # the row fields the cumulative bytes sum
     seeds: list[int] = field(default_factory=list)
     points: dict[int, list[tuple[float, float]]] = field(default_factory=dict)   # round -> [(value, bytes)]
 
     def add(self, seed: int, rows: list[dict[str, Any]], metric: str) -> bool:
         total, points = 0.0, []
         for row in sorted(rows, key=lambda r: r.get("round", 0)):
-            total += float(row.get("bytes_down") or 0) + float(row.get("bytes_up") or 0)
+            total += sum(float(row.get(key) or 0) for key in self.counted)
             if row.get(metric) is not None and "round" in row:
                 points.append((int(row["round"]), float(row[metric]), total))
         if not points:
@@ -154,7 +161,7 @@ def _shown(path: Path) -> str:
 
 
 def figures(matrix: Matrix, axis: str, records: list[dict[str, Any]],
-            metric: str) -> list[tuple[tuple[str, ...], list[Series]]]:
+            metric: str, x: str = "round") -> list[tuple[tuple[str, ...], list[Series]]]:
     """(fixed labels, lines) per combination of the other axes' labels with runs, in the matrix's order;
     the lines in the compared axis's order, the baseline first."""
     position = list(matrix.axes).index(axis)
@@ -168,7 +175,7 @@ def figures(matrix: Matrix, axis: str, records: list[dict[str, Any]],
     for record in sorted(records, key=lambda r: r["seed"]):
         labels = tuple(record.get("labels") or record["group"].split("/"))
         fixed, label = labels[:position] + labels[position + 1:], labels[position]
-        series = lines.setdefault(fixed, {}).setdefault(label, Series(label))
+        series = lines.setdefault(fixed, {}).setdefault(label, Series(label, X_AXES.get(x, X_AXES["bytes"])[1]))
         series.add(int(record["seed"]), record["rows"], metric)
     out = []
     for fixed in fixed_order:
@@ -186,8 +193,8 @@ def draw(matrix: Matrix, fixed: tuple[str, ...], lines: list[Series], metric: st
     colors = iter(plt.get_cmap("tab10").colors)
     for series in lines:
         a = series.arrays()
-        xs = a["bytes"] if x == "bytes" else a["round"]
-        keep = xs > 0 if x == "bytes" else np.ones_like(xs, dtype=bool)   # round 0 has no bytes: off a log axis
+        xs = a["round"] if x == "round" else a["bytes"]
+        keep = np.ones_like(xs, dtype=bool) if x == "round" else xs > 0   # round 0 has no bytes: off a log axis
         if not keep.any():
             continue
         color = "black" if series.label == baseline else next(colors)
@@ -198,9 +205,9 @@ def draw(matrix: Matrix, fixed: tuple[str, ...], lines: list[Series], metric: st
         if n > 1:
             ax.fill_between(xs[keep], scale * a["min"][keep], scale * a["max"][keep], color=color, alpha=0.2,
                             linewidth=0)
-    if x == "bytes":
+    if x != "round":
         ax.set_xscale("log")
-        ax.set_xlabel("cumulative bytes (down + up)")
+        ax.set_xlabel(X_AXES[x][0])
     else:
         ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
@@ -219,8 +226,8 @@ def plot_matrix(matrix_path: Path, axis: str | None = None, metric: str = "test_
     """Write the matrix's figures; the files written and the skipped run files (reason -> count)."""
     if metric not in METRICS:
         raise PlotError(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
-    if x not in ("round", "bytes"):
-        raise PlotError(f"unknown x axis {x!r}; round or bytes")
+    if x not in ("round", *X_AXES):
+        raise PlotError(f"unknown x axis {x!r}; round, {' or '.join(X_AXES)}")
     try:
         matrix = load_matrix(matrix_path)
     except ConfigError as exc:
@@ -230,13 +237,13 @@ def plot_matrix(matrix_path: Path, axis: str | None = None, metric: str = "test_
     axis = compared_axis(matrix, axis)
     records, skipped = read_runs(matrix, results, rounds)
     baseline = matrix.baseline[1] if matrix.baseline and matrix.baseline[0] == axis else None
-    groups = figures(matrix, axis, records, metric)
+    groups = figures(matrix, axis, records, metric, x)
     if not groups:
         raise PlotError(f"none of the {len(records)} runs of {matrix.name!r} in {results / matrix.name} "
                         f"has {metric}; try --metric "
                         + " or --metric ".join(m for m in METRICS if m != metric))
     written = []
-    suffix = METRICS[metric][2] + ("-bytes" if x == "bytes" else "")
+    suffix = METRICS[metric][2] + ("" if x == "round" else f"-{x}")
     for fixed, lines in groups:
         name = "-".join([matrix.name, "_".join(fixed)]) if fixed else matrix.name
         path = out_dir / f"{name}{suffix}.png"
@@ -250,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("matrix", type=Path, help="matrix file, e.g. bench/matrices/pans.toml")
     parser.add_argument("--axis", help="the compared axis, one line per label (default: the baseline's axis)")
     parser.add_argument("--metric", default="test_accuracy", choices=list(METRICS), help="default test_accuracy")
-    parser.add_argument("--x", default="round", choices=["round", "bytes"],
-                        help="x axis: round, or cumulative bytes down + up on a log scale")
+    parser.add_argument("--x", default="round", choices=["round", *X_AXES],
+                        help="x axis: round, cumulative bytes down + up (bytes) or up only (upload), on a log scale")
     parser.add_argument("--rounds", type=int, help="read the runs of N rounds instead of the full-length runs")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where the PNGs go (default docs/images)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="results directory (default bench/results)")

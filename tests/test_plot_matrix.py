@@ -123,6 +123,9 @@ def test_lines_baseline_first_with_seed_counts(matrix: Path, tmp_path: Path, mon
     assert a["mean"][0] == pytest.approx(0.105)
     assert list(a["bytes"]) == [0, 30000, 60000]    # cumulative down + up
     assert list(lines[2].arrays()["round"]) == [0, 4]
+    drawn.clear()
+    plot_matrix(matrix, x="upload", results=tmp_path / "results", out_dir=tmp_path / "images")
+    assert list(drawn[("a0.1", "cnn")][0].arrays()["bytes"]) == [0, 25000, 50000]   # the upload alone
 
 
 def test_bytes_axis_and_other_compared_axis(matrix: Path, tmp_path: Path):
