@@ -11,16 +11,17 @@ the two are read off different places (the run files' per-round bytes, their eva
   baseline row's;
 - accuracy at round 100 (the protocol's figure: mean of the last 5 evaluations) and its paired
   difference to the baseline row with a 95 % t-interval (``bench/paired.py``);
-- accuracy at equal bytes: each row's last evaluation whose cumulative upload stays within the
-  smallest total upload of any row of the cell and seed (a row that never evaluated within it
-  shows its initial accuracy, round 0);
+- accuracy at equal bytes: each row's last evaluation whose cumulative upload stays within a share
+  of the baseline's upload over its whole run, in the same cell and seed (``--budget``, default 1 %:
+  the issue of a hundred times fewer bytes asked as "what does each row reach on that budget"; a row
+  that never evaluated within it shows its initial accuracy, round 0);
 - the first round each seed reached the baseline's final accuracy of the same seed;
 - the device's encode time and memory for the row's upload codec, from ``bench/results/codec_speed.json``.
 
 Reads committed run files only. Prints the table (``--markdown`` for docs) and writes
 ``bench/results/NAME_report.json``.
 
-    python bench/compression_report.py [bench/matrices/compression.toml] [--markdown]
+    python bench/compression_report.py [bench/matrices/compression.toml] [--budget 0.01] [--markdown]
 """
 
 from __future__ import annotations
@@ -90,18 +91,20 @@ def _codec_costs(path: Path) -> dict[str, dict[str, Any]]:
     return {r["codec"]: r for r in json.loads(path.read_text())["rows"]}
 
 
-def report(matrix: Matrix, results: Path, speed: Path) -> list[dict[str, Any]]:
-    """One entry per (cell, row), in the matrix's order."""
+def _total_upload(record: dict[str, Any]) -> int:
+    return sum(r["bytes_up"] for r in record["rows"] if r["round"] > 0)
+
+
+def report(matrix: Matrix, results: Path, speed: Path, budget: float = 0.01) -> list[dict[str, Any]]:
+    """One entry per (cell, row), in the matrix's order; ``budget``: the share of the baseline's whole upload
+    that accuracy at equal bytes is read at."""
     if matrix.baseline is None:
         raise SystemExit(f"{matrix.path} names no baseline row (baseline = \"AXIS=LABEL\")")
     base_label = matrix.baseline[1]
     runs = _runs(matrix, results)
     costs = _codec_costs(speed)
-    budgets: dict[tuple[str, int], float] = {}   # (cell, seed) -> the smallest total upload of any row
-    for (cell, _), seeds in runs.items():
-        for seed, rec in seeds.items():
-            total = sum(r["bytes_up"] for r in rec["rows"] if r["round"] > 0)
-            budgets[(cell, seed)] = min(budgets.get((cell, seed), total), total)
+    budgets = {(cell, seed): budget * _total_upload(rec)   # (cell, seed) -> bytes, from the baseline's run
+               for (cell, row), seeds in runs.items() if row == base_label for seed, rec in seeds.items()}
     out = []
     for (cell, row), seeds in runs.items():
         base = runs.get((cell, base_label), {})
@@ -115,7 +118,8 @@ def report(matrix: Matrix, results: Path, speed: Path) -> list[dict[str, Any]]:
         config = next(iter(seeds.values()))["config"]
         codec_up = config.get("codec", {}).get("up")
         cost = costs.get(codec_up, {})
-        equal = {s: accuracy_within(rec["rows"], budgets[(cell, s)]) for s, rec in seeds.items()}
+        equal = {s: accuracy_within(rec["rows"], budgets[(cell, s)]) if (cell, s) in budgets else None
+                 for s, rec in seeds.items()}
         out.append({
             "cell": cell, "row": row, "seeds": sorted(seeds), "codec_up": codec_up,
             "codec_down": config.get("codec", {}).get("down"), "down_delta": config.get("codec", {}).get("down_delta"),
@@ -128,7 +132,8 @@ def report(matrix: Matrix, results: Path, speed: Path) -> list[dict[str, Any]]:
             "accuracy": {"per_seed": [finals[s] for s in sorted(seeds)],
                          "mean": statistics.fmean(v for v in finals.values() if v is not None)},
             "paired_vs_baseline": None if diff is None else diff.as_dict(),
-            "equal_bytes": {"budget_bytes_per_seed": [budgets[(cell, s)] for s in sorted(seeds)],
+            "equal_bytes": {"share_of_baseline_upload": budget,
+                            "budget_bytes_per_seed": [budgets.get((cell, s)) for s in sorted(seeds)],
                             "round_accuracy_per_seed": [equal[s] for s in sorted(seeds)]},
             "rounds_to_baseline_final": [reached(seeds[s]["rows"], base_finals.get(s)) for s in sorted(seeds)],
             "encode_ms": cost.get("encode_ms"), "encode_memory_kib": cost.get("encode_memory_kib"),
@@ -153,7 +158,8 @@ def _difference(d: dict[str, Any] | None) -> str:
 def lines(entries: list[dict[str, Any]]) -> list[str]:
     """The report as a markdown table."""
     out = ["| cell | row | seeds | up B/device/round | x fewer up | down B/device/round | x fewer down | "
-           "accuracy % | vs baseline, points [95 %] (per seed) | at equal upload (round: %) | reached baseline at "
+           "accuracy % | vs baseline, points [95 %] (per seed) | on the baseline's upload share (round: %) | "
+           "reached baseline at "
            "round | encode ms | encode KiB |", "|" + "---|" * 13]
     for e in entries:
         equal = ", ".join("–" if v is None else f"{v[0]}: {_pts(v[1])}"
@@ -176,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
                         "bench/results)")
     parser.add_argument("--speed", type=Path, default=RESULTS / "codec_speed.json",
                         help="encode time and memory per codec (bench/codec_speed.py's file)")
+    parser.add_argument("--budget", type=float, default=0.01,
+                        help="accuracy at equal bytes: read within this share of the baseline's whole upload "
+                             "(default 0.01)")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown only")
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/NAME_report.json")
     args = parser.parse_args(argv)
     matrix = load_matrix(args.matrix)
-    entries = report(matrix, args.results, args.speed)
+    if not 0 < args.budget <= 1:
+        parser.error(f"--budget is a share of the baseline's upload in (0, 1], got {args.budget}")
+    entries = report(matrix, args.results, args.speed, args.budget)
     if not entries:
         raise SystemExit(f"no finished run files of {matrix.name} in {args.results / matrix.name}: run "
                          f"python bench/run_matrix.py {args.matrix}")
