@@ -29,7 +29,7 @@ little-endian bit order, 1: >= 0), ``NAME:scale`` (F32, one per chunk) and ``NAM
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from edge_client.wire.values import need
 __all__ = ["CHUNK", "KINDS", "padded_chunks", "encode_rotated", "decode_rotated"]
 
 CHUNK = 1 << 14          # entries rotated together: larger gains nothing in error, smaller adds scales
+BLOCK_ROWS = 16          # chunks rotated at a time: a few MiB of working space, whatever the tensor's size
 KINDS = ("bits", "scale", "seed")
 _KEPT_SALT = 0x2545F4914F6CDD1D   # the kept entries' generator is seeded apart from the diagonal's
 
@@ -65,12 +66,16 @@ def _hadamard(x: torch.Tensor) -> torch.Tensor:
     return src
 
 
-def _diagonal(seed: int, length: int) -> torch.Tensor:
-    """The rotation's ±1 diagonal: bytes from ``torch.randint(0, 256)`` on a generator seeded with ``seed``,
-    their bits unpacked in little-endian order, 1 for +1 and 0 for -1."""
+def _diagonal_bits(seed: int, length: int) -> np.ndarray:
+    """The rotation's ±1 diagonal, packed: bytes from ``torch.randint(0, 256)`` on a generator seeded with
+    ``seed``, whose bits in little-endian order are 1 for +1 and 0 for -1."""
     g = torch.Generator().manual_seed(seed)
-    random_bytes = torch.randint(0, 256, ((length + 7) // 8,), generator=g, dtype=torch.uint8)
-    bits = np.unpackbits(random_bytes.numpy(), bitorder="little")[:length]
+    return torch.randint(0, 256, ((length + 7) // 8,), generator=g, dtype=torch.uint8).numpy()
+
+
+def _diagonal(packed: np.ndarray, start: int, length: int) -> torch.Tensor:
+    """Entries ``start`` to ``start + length`` of the diagonal as float32 ±1 (``start`` a multiple of 8)."""
+    bits = np.unpackbits(packed[start // 8:(start + length + 7) // 8], bitorder="little")[:length]
     return torch.from_numpy(bits.astype(np.float32)).mul_(2).sub_(1)
 
 
@@ -79,29 +84,28 @@ def _kept_counts(lengths: list[int], fraction: float) -> list[int]:
     return lengths if fraction >= 1 else [max(1, math.ceil(fraction * d - 1e-9)) for d in lengths]
 
 
-def _kept(seed: int, lengths: list[int], fraction: float) -> torch.Tensor | None:
-    """Positions (into the padded rotated entries, ascending) of the entries sent; None: every one."""
-    if fraction >= 1:
-        return None
-    g = torch.Generator().manual_seed(seed ^ _KEPT_SALT)
-    out, start = [], 0
-    for d, k in zip(lengths, _kept_counts(lengths, fraction)):
-        out.append(torch.randperm(d, generator=g)[:k].sort().values + start)
-        start += d
-    return torch.cat(out)
+def _kept_generator(seed: int, fraction: float) -> torch.Generator | None:
+    """The generator of the kept entries' positions, chunk after chunk; None: every entry is sent."""
+    return None if fraction >= 1 else torch.Generator().manual_seed(seed ^ _KEPT_SALT)
 
 
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
+def _kept_rows(g: torch.Generator, rows: int, d: int, k: int) -> torch.Tensor:
+    """The next ``rows`` chunks' kept positions (ascending, within each chunk): ``[rows, k]``."""
+    return torch.stack([torch.randperm(d, generator=g)[:k].sort().values for _ in range(rows)])
 
 
-def _by_chunk(flat: torch.Tensor, numel: int, fn) -> list[torch.Tensor]:
-    """``fn`` applied to the full chunks as one (n, CHUNK) batch and to the padded rest as a (1, d) row."""
-    full = numel // CHUNK
-    out = [fn(flat[:full * CHUNK].reshape(full, CHUNK))] if full else []
-    if len(flat) > full * CHUNK:
-        out.append(fn(flat[full * CHUNK:].reshape(1, -1)))
-    return out
+def _blocks(lengths: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(first entry, rows, d): the chunks, :data:`BLOCK_ROWS` of one length at a time, so that a tensor of any
+    size is rotated in a bounded working space. Every chunk but the last is ``CHUNK`` long, so each starts at a
+    multiple of ``CHUNK`` and the last (padded) one may join the others only when it is ``CHUNK`` long too."""
+    first = 0
+    while first < len(lengths):
+        d = lengths[first]
+        rows = 1
+        while rows < BLOCK_ROWS and first + rows < len(lengths) and lengths[first + rows] == d:
+            rows += 1
+        yield first * CHUNK, rows, d
+        first += rows
 
 
 def encode_rotated(name: str, x: torch.Tensor, generator: torch.Generator | None,
@@ -114,23 +118,30 @@ def encode_rotated(name: str, x: torch.Tensor, generator: torch.Generator | None
     if not numel:
         return {name + SEP + "bits": torch.zeros(0, dtype=torch.uint8), name + SEP + "scale": torch.zeros(0),
                 name + SEP + "seed": torch.tensor([seed], dtype=torch.int64)}
-    padded = torch.zeros(sum(lengths))
-    padded[:numel] = flat
-    padded *= _diagonal(seed, len(padded))
-    rotated = torch.cat([r.reshape(-1) for r in _by_chunk(padded, numel, _hadamard)])   # sqrt(d) * R x
-    norms_sq = torch.cat([c.pow(2).sum(dim=1, dtype=torch.float64) for c in _by_chunk(padded, numel, _same)])
-    kept = _kept(seed, lengths, fraction)
-    if kept is not None:   # the entries not sent count for nothing in the scale's sum
-        rotated = torch.zeros_like(rotated).index_copy_(0, kept, rotated[kept])
-    abs_sums = torch.cat([r.abs().sum(dim=1, dtype=torch.float64) for r in _by_chunk(rotated, numel, _same)])
-    # S = ||x||^2 / ||(R x)_kept||_1, with R x = rotated / sqrt(d); 0 for a chunk of zeros
-    lengths_t = torch.tensor(lengths, dtype=torch.float64)
-    scales = torch.where(abs_sums > 0, norms_sq * lengths_t.sqrt() / abs_sums.clamp_min(1e-300), 0.0)
-    if not bool(torch.isfinite(scales.to(torch.float32)).all()):
+    diagonal, kept_from = _diagonal_bits(seed, sum(lengths)), _kept_generator(seed, fraction)
+    scales, signs = [], []
+    for start, rows, d in _blocks(lengths):
+        block = torch.zeros(rows * d)
+        piece = flat[start:start + rows * d]
+        block[:len(piece)] = piece
+        block *= _diagonal(diagonal, start, rows * d)
+        block = block.reshape(rows, d)
+        norms_sq = block.pow(2).sum(dim=1, dtype=torch.float64)
+        rotated = _hadamard(block)   # sqrt(d) * R x, a row per chunk
+        if kept_from is not None:    # the entries not sent count for nothing in the scale's sum
+            kept = _kept_rows(kept_from, rows, d, _kept_counts([d], fraction)[0])
+            rotated = torch.zeros_like(rotated).scatter_(1, kept, rotated.gather(1, kept))
+            signs.append((rotated.gather(1, kept) >= 0).numpy().reshape(-1))
+        else:
+            signs.append((rotated >= 0).numpy().reshape(-1))
+        abs_sums = rotated.abs().sum(dim=1, dtype=torch.float64)
+        # S = ||x||^2 / ||(R x)_kept||_1, with R x = rotated / sqrt(d); 0 for a chunk of zeros
+        scales.append(torch.where(abs_sums > 0, norms_sq * math.sqrt(d) / abs_sums.clamp_min(1e-300), 0.0))
+    scale = torch.cat(scales)
+    if not bool(torch.isfinite(scale.to(torch.float32)).all()):
         raise CodecError(f"tensor {name!r} is too large for a float32 scale; clip the update (upload.clip_norm)")
-    signs = rotated if kept is None else rotated[kept]
-    bits = np.packbits((signs >= 0).numpy(), bitorder="little")
-    return {name + SEP + "bits": torch.from_numpy(bits), name + SEP + "scale": scales.to(torch.float32),
+    bits = np.packbits(np.concatenate(signs), bitorder="little")
+    return {name + SEP + "bits": torch.from_numpy(bits), name + SEP + "scale": scale.to(torch.float32),
             name + SEP + "seed": torch.tensor([seed], dtype=torch.int64)}
 
 
@@ -154,13 +165,18 @@ def decode_rotated(wire: Mapping[str, torch.Tensor], name: str, shape: tuple[int
         raise CodecError(f"wire tensor {seed_key!r} holds a negative seed")
     if not total:
         return torch.zeros(shape)
-    signs = torch.from_numpy(unpacked[:sent].astype(np.float32)).mul_(2).sub_(1)
-    kept = _kept(int(seed[0]), lengths, fraction)
-    if kept is not None:   # the entries not sent decode to 0
-        signs = torch.zeros(total).index_copy_(0, kept, signs)
-    sizes = torch.tensor(lengths)
-    per_entry = torch.repeat_interleave(scale / sizes.to(torch.float32).sqrt(), sizes)   # S / sqrt(d), each chunk
-    rebuilt = torch.cat([r.reshape(-1) for r in _by_chunk(signs, numel, _hadamard)])    # H sign(R x), per chunk
-    rebuilt = rebuilt * per_entry * _diagonal(int(seed[0]), total)
-    return rebuilt[:numel].reshape(shape)
+    diagonal, kept_from = _diagonal_bits(int(seed[0]), total), _kept_generator(int(seed[0]), fraction)
+    out, read = torch.empty(numel), 0
+    for start, rows, d in _blocks(lengths):
+        chunk = start // CHUNK
+        k = _kept_counts([d], fraction)[0]
+        signs = torch.from_numpy(unpacked[read:read + rows * k].astype(np.float32)).mul_(2).sub_(1).reshape(rows, k)
+        read += rows * k
+        if kept_from is not None:   # the entries not sent decode to 0
+            signs = torch.zeros(rows, d).scatter_(1, _kept_rows(kept_from, rows, d, k), signs)
+        per_row = (scale[chunk:chunk + rows] / torch.tensor(float(d)).sqrt()).reshape(rows, 1)   # S / sqrt(d)
+        rebuilt = (_hadamard(signs) * per_row).reshape(-1) * _diagonal(diagonal, start, rows * d)
+        end = min(start + rows * d, numel)
+        out[start:end] = rebuilt[:end - start]
+    return out.reshape(shape)
 

@@ -158,7 +158,8 @@ def encode_clipped_upload(tensors: Mapping[str, torch.Tensor], received: Mapping
     wire = encode_tensors(values, spec, sparse=delta, generator=generator, state=stored if stateful else None)
     if feedback:
         sent = decode_tensors(wire, spec, {n: tuple(v.shape) for n, v in values.items()}, sparse=delta)
-        stored.update({name: values[name] - sent[name] for name in delta})
+        for name in delta:   # each difference let go as its residual is made: the update is not held three times
+            stored[name] = values.pop(name) - sent.pop(name)
     if feedback or stateful:
         residuals.save()
     return wire, delta, clipped
