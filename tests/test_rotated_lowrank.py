@@ -372,3 +372,23 @@ def test_a_federated_run_learns_with_the_codec(tmp_path, up, smaller):
     assert all((r["returned"], r["rejected"], r["failed"]) == (3, 0, 0) for r in rows[1:])
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.2 and rows[-1]["test_accuracy"] > 0.6
     assert result.summary["ratio_up_vs_fp32"] < 1 / smaller
+
+
+@pytest.mark.parametrize("numel, fraction, digest, scales", [
+    (40000, 1.0, "8773789e0b05eed64278d48108b966a9b3849817ceb46ba73303e70f1ea3adba", [1.24486, 1.25120, 1.17509]),
+    (16384 * 17 + 9000, 0.25, "09cbadc9b06d1398bc30961001975be1190559ad375a7bedd73890b3bb41357b",
+     [5.03282, 4.98936, 5.06600]),
+])
+def test_eden_sends_the_bits_it_always_sent_whatever_block_it_rotates_in(numel, fraction, digest, scales):
+    """The wire format is a contract with devices already deployed: rotating a tensor a block of chunks at a time
+    (a bounded working space) must send the signs and seed the whole-tensor rotation sent."""
+    import hashlib
+
+    from edge_client.wire.rotated import decode_rotated, encode_rotated
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    wire = encode_rotated("w", x, torch.Generator().manual_seed(11), fraction)
+    assert hashlib.sha256(wire["w:bits"].numpy().tobytes() + wire["w:seed"].numpy().tobytes()).hexdigest() == digest
+    assert wire["w:scale"][:3].tolist() == pytest.approx(scales, rel=1e-5)
+    decoded = decode_rotated(wire, "w", (numel,), fraction)
+    assert float(decoded @ x) == pytest.approx(float(x @ x), rel=1e-4)   # the projection on x stays exact
