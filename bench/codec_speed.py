@@ -14,11 +14,13 @@ of the update received (||sent - true|| / ||true||, one round, before error feed
 makes up for it), the median encode and decode times over the repeats, and the memory
 one encode takes: how far the process's resident memory rose above where it stood (the
 kernel's high-water mark, reset just before, with glibc's free heap given back first, so
-that the encode cannot hide in memory freed earlier). For
+that the encode cannot hide in memory freed earlier), on the ``cnn``'s update and on one larger one:
+a single ``[4000, 1000]`` weight's difference (``--large``, Gaussian: the memory an encode takes depends
+on the sizes, not on the values), where a device's own larger model would feel it. For
 ``lowrank`` that round is a run's first, from a random Q (no warm start yet). Writes
 bench/results/codec_speed.json.
 
-    python bench/codec_speed.py [--repeats 20] [--data fashion-mnist]
+    python bench/codec_speed.py [--repeats 20] [--data fashion-mnist] [--large 4000000]
 """
 
 from __future__ import annotations
@@ -89,12 +91,20 @@ def encode_memory(trained, received, spec, settings: UploadSettings) -> int | No
     return None if peak is None else max(peak - before, 0)
 
 
-def measure(text: str, trained, received, repeats: int) -> dict:
+def large_update(params: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trained, received) of one ``[params / 1000, 1000]`` weight, its difference Gaussian."""
+    g = torch.Generator().manual_seed(0)
+    received = torch.zeros(params // 1000, 1000)
+    return {"w": received + 0.01 * torch.randn(received.shape, generator=g)}, {"w": received}
+
+
+def measure(text: str, trained, received, repeats: int, large) -> dict:
     spec = parse_codec(text)
     # error feedback as the matrix runs it: off where it would diverge (eden with a share below pi/4)
     settings = UploadSettings(spec, "delta", error_feedback=not text.startswith("eden:"))
     shapes = {k: tuple(v.shape) for k, v in trained.items()}
     memory = encode_memory(trained, received, spec, settings)
+    large_memory = encode_memory(*large, spec, settings)
     encode_s, decode_s = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -109,30 +119,35 @@ def measure(text: str, trained, received, repeats: int) -> dict:
     sent = torch.cat([(got[k] - received[k]).reshape(-1) for k in trained])
     return {"codec": spec.text, "bytes": len(payload), "error": float((sent - true).norm() / true.norm()),
             "encode_ms": 1000 * statistics.median(encode_s), "decode_ms": 1000 * statistics.median(decode_s),
-            "encode_memory_kib": None if memory is None else memory / 1024}
+            "encode_memory_kib": None if memory is None else memory / 1024,
+            "encode_memory_large_kib": None if large_memory is None else large_memory / 1024}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20, help="timed repetitions per codec (default 20)")
     parser.add_argument("--data", default="fashion-mnist", help="data spec (default fashion-mnist)")
+    parser.add_argument("--large", type=int, default=4_000_000,
+                        help="parameters of the larger update whose encode memory is measured too (default 4000000)")
     parser.add_argument("--out", type=Path, default=RESULTS / "codec_speed.json", help="JSON result file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     console = Console(width=None if sys.stdout.isatty() else 120)
     trained, received, info = real_update(args.data)
     params = sum(v.numel() for v in trained.values())
-    rows = [measure(text, trained, received, args.repeats) for text in CODECS]
+    large = large_update(args.large)
+    rows = [measure(text, trained, received, args.repeats, large) for text in CODECS]
     fp32_bytes = next(r["bytes"] for r in rows if r["codec"] == "fp32")
     for r in rows:
         r["times_smaller"] = fp32_bytes / r["bytes"]
     table = Table(title=f"upload codecs: one cnn update ({params:,} parameters), one core, median of {args.repeats}")
-    for name in ("codec", "bytes", "x smaller", "rel. error", "encode ms", "decode ms", "encode KiB"):
+    for name in ("codec", "bytes", "x smaller", "rel. error", "encode ms", "decode ms", "encode KiB",
+                 f"encode KiB, {args.large:,}"):
         table.add_column(name, justify="left" if name == "codec" else "right", no_wrap=True)
     for r in rows:
         table.add_row(r["codec"], f"{r['bytes']:,}", f"{r['times_smaller']:.1f}", f"{r['error']:.4f}",
                       f"{r['encode_ms']:.1f}", f"{r['decode_ms']:.1f}",
-                      "-" if r["encode_memory_kib"] is None else f"{r['encode_memory_kib']:,.0f}")
+                      *("-" if r[k] is None else f"{r[k]:,.0f}" for k in ("encode_memory_kib", "encode_memory_large_kib")))
     console.print(table)
     report = {"setting": {"data": args.data, "model": info["spec"], "parameters": params,
                           "update": "one local epoch (batch 64, lr 0.05, momentum 0.9) on Dirichlet(0.5) shard 0 "
@@ -143,7 +158,8 @@ def main() -> int:
                                     "add back)",
                           "error": "||received update - true update|| / ||true update||, one round",
                           "encode_memory": "peak RSS during one encode above the RSS before it (VmHWM reset, "
-                                           "malloc_trim first), KiB"},
+                                           "malloc_trim first), KiB",
+                          "large": f"one [{args.large // 1000}, 1000] weight, Gaussian difference (std 0.01)"},
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
                           "arch": platform.machine(), "cpus": os.cpu_count()},
               "rows": rows}
