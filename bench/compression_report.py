@@ -156,21 +156,27 @@ def _difference(d: dict[str, Any] | None) -> str:
 
 
 def lines(entries: list[dict[str, Any]]) -> list[str]:
-    """The report as a markdown table."""
-    out = ["| cell | row | seeds | up B/device/round | x fewer up | down B/device/round | x fewer down | "
-           "accuracy % | vs baseline, points [95 %] (per seed) | on the baseline's upload share (round: %) | "
-           "reached baseline at "
-           "round | encode ms | encode KiB |", "|" + "---|" * 13]
+    """The report as a markdown table; the download's columns only where the rows download differently."""
+    same_down = all(e["down_times_fewer"] is not None and abs(e["down_times_fewer"] - 1) < 0.01 for e in entries)
+    head = ["cell", "row", "seeds", "up B/device/round", "x fewer up", "down B/device/round", "x fewer down",
+            "accuracy %", "vs baseline, points [95 %] (per seed)", "on the baseline's upload share (round: %)",
+            "reached baseline at round", "encode ms", "encode KiB"]
+    if same_down:
+        head = [h for h in head if "down" not in h]
+    out = ([f"Every row downloads the same, about {entries[0]['down_bytes_per_device']:,.0f} bytes per device per "
+            "round.", ""] if same_down else [])
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         equal = ", ".join("–" if v is None else f"{v[0]}: {_pts(v[1])}"
                           for v in e["equal_bytes"]["round_accuracy_per_seed"])
         reach = ", ".join("–" if v is None else str(v) for v in e["rounds_to_baseline_final"])
         fewer = [("–" if v is None else f"{v:.1f}") for v in (e["up_times_fewer"], e["down_times_fewer"])]
-        out.append(f"| {e['cell']} | {e['row']} | {','.join(map(str, e['seeds']))} | {e['up_bytes_per_device']:,.0f} | "
-                   f"{fewer[0]} | {e['down_bytes_per_device']:,.0f} | {fewer[1]} | {_pts(e['accuracy']['mean'])} | "
-                   f"{_difference(e['paired_vs_baseline'])} | {equal} | {reach} | "
-                   f"{'–' if e['encode_ms'] is None else format(e['encode_ms'], '.1f')} | "
-                   f"{'–' if e['encode_memory_kib'] is None else format(e['encode_memory_kib'], ',.0f')} |")
+        down = [] if same_down else [f"{e['down_bytes_per_device']:,.0f}", fewer[1]]
+        cells = [e["cell"], e["row"], ",".join(map(str, e["seeds"])), f"{e['up_bytes_per_device']:,.0f}", fewer[0],
+                 *down, _pts(e["accuracy"]["mean"]), _difference(e["paired_vs_baseline"]), equal, reach,
+                 "–" if e["encode_ms"] is None else format(e["encode_ms"], ".1f"),
+                 "–" if e["encode_memory_kib"] is None else format(e["encode_memory_kib"], ",.0f")]
+        out.append("| " + " | ".join(cells) + " |")
     return out
 
 
