@@ -42,7 +42,7 @@ DIVERGED = "training diverged"   # what a device's answer says when its loss or 
 class LocalData:
     """A device's private data: what it trains on and, optionally, a held-out local test split."""
 
-    x: torch.Tensor  # float32 [N, C, H, W]
+    x: torch.Tensor  # float32 [N, C, H, W]; a device's own images: edge_client.inputs.PixelInputs, read by rows
     y: torch.Tensor  # int64 [N]
     x_test: torch.Tensor | None = None
     y_test: torch.Tensor | None = None
