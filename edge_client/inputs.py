@@ -105,11 +105,10 @@ def device_data(pixels: Pixels, y: np.ndarray, normalization: Normalization, tes
     """A device's data from its ``pixels`` (holding out ``test_fraction`` as :func:`edge_client.objectives.local_data`
     does), read by its model normalized by ``normalization``."""
     train, y_train, test, y_test = holdout_split(pixels.values, y, test_fraction, holdout_seed(seed, client_id))
-    if test_fraction <= 0:
-        return DeviceData(PixelInputs(Pixels(train, pixels.top), normalization), torch.from_numpy(y_train),
-                          normalization=normalization)
+    held = test_fraction > 0
     return DeviceData(PixelInputs(Pixels(train, pixels.top), normalization), torch.from_numpy(y_train),
-                      PixelInputs(Pixels(test, pixels.top), normalization), torch.from_numpy(y_test), normalization)
+                      PixelInputs(Pixels(test, pixels.top), normalization) if held else None,
+                      torch.from_numpy(y_test) if held else None, normalization)
 
 
 def load_device_data(spec: str, test_fraction: float, *, seed: int, client_id: str, partition: str | None = None,
